@@ -1,0 +1,33 @@
+# The README's two commands are `make run` and `make test`; both set up .venv on first use.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.mpoverlap-installed
+TORCH   ?= torch==2.13.0
+# The main job: a real multi-process run (dp=2, DP overlap on, distributed optimizer).
+RUN_ARGS ?= parallel.dp=2 overlap.dp=true train.distributed_optimizer=true train.steps=60 checkpoint.interval=30 run.dir=runs/make-run
+BENCH_ARGS ?=
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# torch goes in first and pinned: a bare `torch` requirement on a machine without it
+# would pull several GB of CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/mpoverlap-train $(RUN_ARGS)
+
+test: setup
+	$(VENV)/bin/pytest -q tests
+
+bench: setup
+	$(PY) -m bench.run $(BENCH_ARGS)
+
+clean:
+	rm -rf runs outputs .pytest_cache

@@ -1,0 +1,107 @@
+"""CommHandle: one in-flight communication, with the clocks that tell whether it was hidden.
+
+A handle knows its mode (dp/tp/pp/cp/ep), its op, its bytes, when it was issued, when the
+backend finished it (host clock from the work's future callback on CPU; CUDA events on the
+communication stream on GPU) and how long compute sat blocked in `wait()`. Waiting is
+idempotent; every handle reports once to the ledger it was issued under.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, List, Optional
+
+MODES = ("dp", "tp", "pp", "cp", "ep")
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+class CommHandle:
+    __slots__ = (
+        "mode", "op", "nbytes", "issued_at", "completed_at", "blocked_s", "_works", "_ledger",
+        "_waited", "_on_done", "_lock", "_keepalive", "_cuda_events",
+    )
+
+    def __init__(self, mode: str, op: str, nbytes: int, works: List[Any], ledger: Optional["Any"],
+                 on_done: Optional[Callable[[], None]] = None, keepalive: Any = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown comm mode {mode!r}; one of {MODES}")
+        self.mode = mode
+        self.op = op
+        self.nbytes = int(nbytes)
+        self.issued_at = now()
+        self.completed_at: Optional[float] = None
+        self.blocked_s = 0.0
+        self._works = [w for w in works if w is not None]
+        self._ledger = ledger
+        self._waited = False
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        # Tensors an in-flight collective reads or writes: kept alive until wait() returns.
+        self._keepalive = keepalive
+        self._cuda_events = None
+        self._watch_completion()
+
+    def _watch_completion(self) -> None:
+        if not self._works:
+            self.completed_at = self.issued_at
+            return
+        remaining = [len(self._works)]
+
+        def done(_fut: Any) -> None:
+            with self._lock:
+                remaining[0] -= 1
+                if remaining[0] == 0 and self.completed_at is None:
+                    self.completed_at = now()
+
+        for work in self._works:
+            try:
+                work.get_future().add_done_callback(done)
+            except (RuntimeError, AttributeError):
+                # Backends without futures: completion is only known at wait().
+                remaining[0] = -1
+
+    def is_completed(self) -> bool:
+        if self._waited:
+            return True
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> "CommHandle":
+        if self._waited:
+            return self
+        t0 = now()
+        for work in self._works:
+            work.wait()
+        t1 = now()
+        self._waited = True
+        if self.completed_at is None or self.completed_at > t1:
+            self.completed_at = t1
+        # Blocked = time compute could not proceed; a handle already done costs ~0.
+        self.blocked_s = t1 - t0
+        self._keepalive = None
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
+        if self._ledger is not None:
+            self._ledger.record(self)
+        return self
+
+    @property
+    def waited(self) -> bool:
+        return self._waited
+
+    @property
+    def in_flight_s(self) -> float:
+        end = self.completed_at if self.completed_at is not None else now()
+        return max(0.0, end - self.issued_at)
+
+    def __repr__(self) -> str:
+        state = "done" if self._waited else "in flight"
+        return f"CommHandle({self.mode}:{self.op}, {self.nbytes} B, {state})"
+
+
+def wait_all(handles: List[CommHandle]) -> None:
+    for h in handles:
+        h.wait()

@@ -1,0 +1,177 @@
+"""Typed configuration schema and composition.
+
+The dataclasses below are the schema Hydra merges every YAML file and command-line override
+into, so an unknown key or a wrong type fails with the key's name before anything starts.
+Values that take `auto` (parallel.dp, the overlap modes) are typed `Any` and checked by the
+rule engine in `mpoverlap.overlap.rules`, which names the key, the value and a fix.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt_tiny"
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 512
+    seq_length: int = 128
+    vocab_size: int = 256
+    make_vocab_size_divisible_by: int = 128
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    activation: str = "swiglu"  # swiglu | gelu
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    norm_eps: float = 1e-5
+    # Mixture of experts (0 experts = dense MLP everywhere).
+    num_experts: int = 0
+    moe_top_k: int = 2
+    shared_expert: bool = False
+    transformer_impl: str = "local"  # local | te
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: Any = "auto"  # int, or auto = world / (tp x pp x cp)
+    sequence_parallel: bool = False
+    # Only used when dp=auto outside torchrun, where no world size exists yet.
+    nproc: Any = None
+
+
+@dataclass
+class OverlapConfig:
+    dp: Any = "auto"  # auto | true | false
+    tp: Any = "auto"
+    pp: Any = "auto"
+    cp: Any = "auto"
+    ep: Any = "auto"
+    # DP details: bucket size of the contiguous gradient buffer, and whether the distributed
+    # optimizer's parameter all-gather is overlapped with the next forward.
+    dp_bucket_mb: float = 4.0
+    dp_param_gather: Any = "auto"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup_steps: int = 10
+    lr_decay_steps: Optional[int] = None  # default: train.steps
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    log_interval: int = 1
+    eval_interval: int = 0  # 0 = only at the end
+    eval_iters: int = 4
+    device: str = "auto"  # auto | cpu | cuda
+    distributed_optimizer: bool = False
+    comm_timeout_s: float = 300.0
+    progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # default: <run.dir>/checkpoints
+    interval: int = 0  # steps between saves; 0 = never (a final save still happens if > 0)
+    resume: str = "auto"  # auto | none
+    keep: int = 2
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # stdlib | indexed
+    path: Optional[str] = None  # indexed: prefix of <path>.bin / <path>.idx
+    max_bytes: int = 8_000_000  # stdlib: bytes of standard-library source to read
+    val_fraction: float = 0.02
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/${model.name}-${now:%Y%m%d-%H%M%S}"
+
+
+@dataclass
+class MPOverlapConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+class ConfigError(Exception):
+    """A configuration that could not be composed (unknown key, wrong type, bad override)."""
+
+
+def config_dir() -> str:
+    return str(resources.files("mpoverlap.conf"))
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="mpoverlap_schema", node=MPOverlapConfig)
+
+
+def compose(overrides: List[str] | None = None) -> DictConfig:
+    """Compose `conf/train.yaml` with Hydra overrides into a typed, resolved config.
+
+    Raises ConfigError (with Hydra's message naming the key) on unknown keys, wrong types
+    or malformed overrides.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            cfg = hydra_compose(config_name="train", overrides=list(overrides or []))
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg
+
+
+def normalize_tristate(value: Any) -> Any:
+    """`true`/`false`/`auto` in any spelling Hydra hands over (bool or str) -> canonical str.
+
+    Anything else is returned unchanged so the rule engine can name it.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and value.lower() in ("true", "false", "auto"):
+        return value.lower()
+    return value
+
+
+def world_size_from_env() -> Optional[int]:
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None

@@ -1,0 +1,119 @@
+"""Pure rank arithmetic of the five-dimensional grid; no process groups, no torch.distributed.
+
+Layout (Megatron's default order, fastest-varying first): tp, cp, dp, pp.
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+Expert layers re-divide the dp x cp ranks of one (tp, pp) slice into ep x edp: with
+c = cp_rank + cp * dp_rank, the expert-parallel rank is c % ep and the expert-data-parallel
+rank c // ep, so expert-parallel peers are neighbours (the cheapest link) and expert weights
+are replicated over edp = dp * cp / ep ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "edp", "mp", "embedding")
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    ep: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Sizes of each dimension. `world == tp * cp * dp * pp`; `ep` divides `dp * cp`."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        # Internal invariant: user-facing checks with fixes live in the rule engine, which runs
+        # before a grid is ever built.
+        for name in ("tp", "cp", "dp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RankGrid.{name} must be >= 1, got {getattr(self, name)}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.cp // self.ep
+
+    def rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside world of {self.world}")
+        tp = rank % self.tp
+        rest = rank // self.tp
+        cp = rest % self.cp
+        rest //= self.cp
+        dp = rest % self.dp
+        pp = rest // self.dp
+        c = cp + self.cp * dp
+        return RankCoords(tp=tp, cp=cp, dp=dp, pp=pp, ep=c % self.ep, edp=c // self.ep)
+
+    def _rank_from_c(self, tp: int, c: int, pp: int) -> int:
+        return self.rank(tp=tp, cp=c % self.cp, dp=c // self.cp, pp=pp)
+
+    def groups(self, kind: str) -> List[List[int]]:
+        """Every group of `kind`, each a sorted list of global ranks; together they partition
+        the world (except `embedding`, which covers the first and last pipeline stage only)."""
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"unknown group kind {kind!r}; one of {GROUP_KINDS}")
+        T, C, D, P, E = self.tp, self.cp, self.dp, self.pp, self.ep
+        out: List[List[int]] = []
+        if kind == "tp":
+            out = [[self.rank(t, c, d, p) for t in range(T)] for p in range(P) for d in range(D) for c in range(C)]
+        elif kind == "cp":
+            out = [[self.rank(t, c, d, p) for c in range(C)] for p in range(P) for d in range(D) for t in range(T)]
+        elif kind == "dp":
+            out = [[self.rank(t, c, d, p) for d in range(D)] for p in range(P) for c in range(C) for t in range(T)]
+        elif kind == "dp_cp":
+            out = [[self.rank(t, c, d, p) for d in range(D) for c in range(C)] for p in range(P) for t in range(T)]
+        elif kind == "pp":
+            out = [[self.rank(t, c, d, p) for p in range(P)] for d in range(D) for c in range(C) for t in range(T)]
+        elif kind == "ep":
+            out = [
+                [self._rank_from_c(t, e + E * k, p) for e in range(E)]
+                for p in range(P) for t in range(T) for k in range(self.edp)
+            ]
+        elif kind == "edp":
+            out = [
+                [self._rank_from_c(t, e + E * k, p) for k in range(self.edp)]
+                for p in range(P) for t in range(T) for e in range(E)
+            ]
+        elif kind == "mp":
+            out = [
+                [self.rank(t, c, d, p) for p in range(P) for t in range(T)] for d in range(D) for c in range(C)
+            ]
+        elif kind == "embedding":
+            stages = sorted({0, P - 1})
+            out = [[self.rank(t, c, d, p) for p in stages] for d in range(D) for c in range(C) for t in range(T)]
+        return [sorted(g) for g in out]
+
+    def group_of(self, kind: str, rank: int) -> List[int]:
+        """The ranks of `rank`'s group of `kind` (empty for `embedding` on a middle stage)."""
+        for group in self.groups(kind):
+            if rank in group:
+                return group
+        return []
+
+    def describe(self) -> Dict[str, List[List[int]]]:
+        return {kind: self.groups(kind) for kind in GROUP_KINDS}

@@ -1,0 +1,80 @@
+"""ParallelState: the one object that owns this rank's process groups.
+
+Created once per process after `init_process_group`, then handed explicitly to every layer,
+schedule and optimizer that communicates. There are no module-level groups anywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from mpoverlap.parallel.grid import GROUP_KINDS, RankCoords, RankGrid
+
+
+@dataclass
+class ParallelState:
+    grid: RankGrid
+    rank: int
+    device: torch.device
+    backend: str
+    # kind -> this rank's group (None when the group has a single member: nothing to talk to,
+    # and on the embedding group for a middle pipeline stage).
+    groups: Dict[str, Optional[Any]] = field(default_factory=dict)
+
+    @property
+    def coords(self) -> RankCoords:
+        return self.grid.coords(self.rank)
+
+    @property
+    def world(self) -> int:
+        return self.grid.world
+
+    def size(self, kind: str) -> int:
+        return len(self.grid.group_of(kind, self.rank))
+
+    def group(self, kind: str) -> Optional[Any]:
+        return self.groups[kind]
+
+    def ranks(self, kind: str) -> list:
+        return self.grid.group_of(kind, self.rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.grid.pp - 1
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelState":
+        """A one-rank state for tests and tools that run without torch.distributed."""
+        return cls(grid=RankGrid(), rank=0, device=torch.device(device), backend="none",
+                   groups={kind: None for kind in GROUP_KINDS})
+
+    @classmethod
+    def create(cls, grid: RankGrid, device: torch.device, timeout_s: float = 300.0) -> "ParallelState":
+        """Build every group of the grid. Collective: every rank must call it, in any order of
+        arrival, because `new_group` is itself collective over the world."""
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelState.create needs torch.distributed to be initialised")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != grid.world:
+            raise RuntimeError(f"world size {world} != tp*cp*dp*pp = {grid.world}")
+        backend = dist.get_backend()
+        groups: Dict[str, Optional[Any]] = {}
+        timeout = timedelta(seconds=timeout_s)
+        for kind in GROUP_KINDS:
+            groups[kind] = None
+            for ranks in grid.groups(kind):
+                if len(ranks) < 2:
+                    continue
+                # new_group must be called by every rank for every group, members or not.
+                pg = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+                if rank in ranks:
+                    groups[kind] = pg
+        return cls(grid=grid, rank=rank, device=device, backend=backend, groups=groups)
