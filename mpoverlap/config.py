@@ -47,8 +47,9 @@ class ParallelConfig:
     ep: int = 1
     dp: Any = "auto"  # int, or auto = world / (tp x pp x cp)
     sequence_parallel: bool = False
-    # Only used when dp=auto outside torchrun, where no world size exists yet.
-    nproc: Any = None
+    # Total ranks, for dp=auto outside torchrun (self-launch, mpoverlap-check); under torchrun
+    # WORLD_SIZE is used and must agree.
+    world_size: Any = None
 
 
 @dataclass
@@ -153,7 +154,9 @@ def compose(overrides: List[str] | None = None) -> DictConfig:
             cfg = hydra_compose(config_name="train", overrides=list(overrides or []))
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
-        raise ConfigError(str(err)) from None
+        # Hydra suggests `+key=value` for unknown keys; the schema would refuse that too.
+        message = "\n".join(line for line in str(err).splitlines() if not line.startswith("To append"))
+        raise ConfigError(message) from None
     finally:
         GlobalHydra.instance().clear()
     return cfg

@@ -1,0 +1,82 @@
+"""CommOverlapConfig: each mode's switch, resolved from auto|true|false, with the reason.
+
+Built only from a config the rule engine accepted; layers receive `overlap.<mode>.enabled`
+(a plain bool), never the config itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from mpoverlap.overlap.layout import Layout, build_layout
+
+
+@dataclass(frozen=True)
+class ModeState:
+    requested: str  # auto | true | false
+    enabled: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class CommOverlapConfig:
+    dp: ModeState
+    tp: ModeState
+    pp: ModeState
+    cp: ModeState
+    ep: ModeState
+    dp_param_gather: ModeState
+    dp_bucket_mb: float
+
+    def modes(self) -> Dict[str, ModeState]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep,
+                "dp_param_gather": self.dp_param_gather}
+
+    @classmethod
+    def from_config(cls, cfg: Any, world_size: Optional[int] = None) -> "CommOverlapConfig":
+        lo = build_layout(cfg, world_size)
+        return cls(
+            dp=_resolve(lo, "dp", lo.dp_cp > 1,
+                        "gradient all-reduce/reduce-scatter per bucket, issued from backward hooks on "
+                        "the last microbatch and waited just before the optimizer",
+                        f"dp x cp = {lo.dp_cp}: a single replica has no gradient reduction"),
+            tp=_resolve(lo, "tp", lo.tp > 1, "TP collectives under GEMM chunks",
+                        f"parallel.tp={lo.tp}: no tensor-parallel communication"),
+            pp=_resolve(lo, "pp", lo.pp > 1, "pipeline send/receive posted ahead",
+                        f"parallel.pp={lo.pp}: no pipeline communication"),
+            cp=_resolve(lo, "cp", lo.cp > 1, "K/V ring transfers under attention",
+                        f"parallel.cp={lo.cp}: no context-parallel communication"),
+            ep=_resolve(lo, "ep", lo.ep > 1 and cfg.model.num_experts > 0, "token dispatch under experts",
+                        f"parallel.ep={lo.ep}, model.num_experts={cfg.model.num_experts}: no expert dispatch"),
+            dp_param_gather=_resolve_param_gather(lo),
+            dp_bucket_mb=float(cfg.overlap.dp_bucket_mb),
+        )
+
+
+def _resolve(lo: Layout, mode: str, applies: bool, what: str, why_not: str) -> ModeState:
+    requested = lo.mode(mode)
+    if requested == "false":
+        if applies:
+            return ModeState(requested, False, "off as requested: the same collectives, each waited at once")
+        return ModeState(requested, False, f"off as requested ({why_not})")
+    if applies:
+        return ModeState(requested, True, what)
+    # `true` that cannot apply never reaches here: the rule engine rejects it first.
+    return ModeState(requested, False, why_not)
+
+
+def _resolve_param_gather(lo: Layout) -> ModeState:
+    requested = lo.mode("dp_param_gather")
+    distopt = bool(lo.cfg.train.distributed_optimizer)
+    if requested == "false":
+        return ModeState(requested, False, "off as requested: parameters gathered and waited right after "
+                                           "the optimizer step" if distopt else "off as requested")
+    if not distopt:
+        return ModeState(requested, False, "train.distributed_optimizer=false, every rank holds "
+                                           "full parameters")
+    if lo.dp_cp == 1:
+        return ModeState(requested, False, "a single replica, nothing to gather")
+    if lo.mode("dp") == "false":
+        return ModeState(requested, False, "overlap.dp=false waits every DP collective at once")
+    return ModeState(requested, True, "parameter all-gather per bucket issued after the optimizer step, "
+                                      "each waited by the first forward that needs it")

@@ -1,0 +1,56 @@
+"""Data-parallel overlap rules: gradient buckets and the distributed optimizer's gather."""
+from __future__ import annotations
+
+from mpoverlap.overlap.layout import Layout
+from mpoverlap.overlap.rules import Problem, rule
+
+
+@rule("dp.overlap_needs_replicas", "dp", ("overlap.dp", "parallel.dp", "parallel.cp"),
+      "overlap.dp=true needs more than one data-parallel replica (dp x cp > 1)")
+def _needs_replicas(lo: Layout):
+    if lo.mode("dp") == "true" and lo.dp_cp == 1:
+        yield Problem("dp.overlap_needs_replicas",
+                      {"overlap.dp": "true", "parallel.dp": lo.dp, "parallel.cp": lo.cp},
+                      "with a single replica there is no gradient reduction to overlap "
+                      "(or launch more replicas, e.g. parallel.dp=2)",
+                      ["overlap.dp=auto"])
+
+
+@rule("dp.bucket_size", "dp", ("overlap.dp_bucket_mb",), "gradient buckets have a positive size")
+def _bucket(lo: Layout):
+    mb = lo.cfg.overlap.dp_bucket_mb
+    if not mb > 0:
+        yield Problem("dp.bucket_size", {"overlap.dp_bucket_mb": mb},
+                      "a bucket of zero megabytes holds no gradient", ["overlap.dp_bucket_mb=4"])
+
+
+@rule("dp.param_gather_needs_distributed_optimizer", "dp",
+      ("overlap.dp_param_gather", "train.distributed_optimizer"),
+      "the parameter all-gather exists only with the distributed optimizer")
+def _gather_needs_distopt(lo: Layout):
+    if lo.mode("dp_param_gather") == "true" and not lo.cfg.train.distributed_optimizer:
+        yield Problem("dp.param_gather_needs_distributed_optimizer",
+                      {"overlap.dp_param_gather": "true", "train.distributed_optimizer": False},
+                      "without the distributed optimizer every rank updates full parameters and "
+                      "no parameter all-gather exists to overlap",
+                      ["train.distributed_optimizer=true"])
+
+
+@rule("dp.param_gather_needs_dp_overlap", "dp", ("overlap.dp_param_gather", "overlap.dp"),
+      "overlapping the parameter gather contradicts overlap.dp=false")
+def _gather_vs_dp_off(lo: Layout):
+    if lo.mode("dp_param_gather") == "true" and lo.mode("dp") == "false":
+        yield Problem("dp.param_gather_needs_dp_overlap",
+                      {"overlap.dp_param_gather": "true", "overlap.dp": "false"},
+                      "overlap.dp=false asks every data-parallel collective to be waited at once",
+                      ["overlap.dp_param_gather=auto"])
+
+
+@rule("dp.param_gather_needs_replicas", "dp", ("overlap.dp_param_gather", "parallel.dp", "parallel.cp"),
+      "overlap.dp_param_gather=true needs dp x cp > 1")
+def _gather_needs_replicas(lo: Layout):
+    if lo.mode("dp_param_gather") == "true" and lo.dp_cp == 1:
+        yield Problem("dp.param_gather_needs_replicas",
+                      {"overlap.dp_param_gather": "true", "parallel.dp": lo.dp, "parallel.cp": lo.cp},
+                      "with a single replica nothing is sharded and nothing is gathered",
+                      ["overlap.dp_param_gather=auto"])

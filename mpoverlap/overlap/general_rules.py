@@ -1,0 +1,183 @@
+"""Rules every run obeys: degrees, world size, batch arithmetic, model shape, keys' values."""
+from __future__ import annotations
+
+from mpoverlap.overlap.layout import DEGREES, Layout, as_positive_int
+from mpoverlap.overlap.rules import Problem, nearest_divisor, next_multiple, rule
+
+TRISTATE_KEYS = ("dp", "tp", "pp", "cp", "ep", "dp_param_gather")
+
+
+@rule("parallel.degree_positive", "general", tuple(f"parallel.{d}" for d in DEGREES),
+      "every parallel degree is a positive integer")
+def _degrees(lo: Layout):
+    for name in DEGREES:
+        if getattr(lo, name) is None:
+            value = getattr(lo.cfg.parallel, name)
+            yield Problem("parallel.degree_positive", {f"parallel.{name}": value},
+                          "a parallel degree must be a positive integer", [f"parallel.{name}=1"])
+
+
+@rule("parallel.dp_value", "general", ("parallel.dp",), "parallel.dp is auto or a positive integer")
+def _dp_value(lo: Layout):
+    req = lo.dp_requested
+    if isinstance(req, str) and req.lower() == "auto":
+        return
+    if as_positive_int(req) is None:
+        yield Problem("parallel.dp_value", {"parallel.dp": req},
+                      "parallel.dp must be `auto` (world / (tp x pp x cp)) or a positive integer",
+                      ["parallel.dp=auto"])
+
+
+@rule("parallel.world_size", "general", ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp"),
+      "the launched world size equals tp x pp x cp x dp")
+def _world(lo: Layout):
+    if lo.world_env is None or None in (lo.tp, lo.pp, lo.cp):
+        return
+    mp = lo.tp * lo.pp * lo.cp
+    keys = {"WORLD_SIZE": lo.world_env, "parallel.tp": lo.tp, "parallel.pp": lo.pp,
+            "parallel.cp": lo.cp, "parallel.dp": lo.dp_requested}
+    if lo.world_env % mp:
+        yield Problem("parallel.world_size", keys,
+                      f"the world of {lo.world_env} ranks is not divisible by tp x pp x cp = {mp}",
+                      ["parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "parallel.dp=auto"])
+    elif lo.dp is not None and lo.world != lo.world_env:
+        yield Problem("parallel.world_size", keys,
+                      f"tp x pp x cp x dp = {lo.world} but {lo.world_env} ranks were launched",
+                      ["parallel.dp=auto"])
+
+
+@rule("train.batch_divisible", "general",
+      ("train.global_batch_size", "train.micro_batch_size", "parallel.dp"),
+      "the global batch splits into whole microbatches on every data-parallel rank")
+def _batch(lo: Layout):
+    t = lo.cfg.train
+    if lo.dp is None or t.micro_batch_size < 1 or t.global_batch_size < 1:
+        return
+    per = t.micro_batch_size * lo.dp
+    if t.global_batch_size % per:
+        yield Problem("train.batch_divisible",
+                      {"train.global_batch_size": t.global_batch_size,
+                       "train.micro_batch_size": t.micro_batch_size, "parallel.dp": lo.dp},
+                      f"the global batch must be a multiple of micro_batch_size x dp = {per}",
+                      [f"train.global_batch_size={next_multiple(t.global_batch_size, per)}"])
+
+
+_POSITIVE = {
+    "train.steps": 100, "train.micro_batch_size": 4, "train.global_batch_size": 16,
+    "train.log_interval": 1, "train.eval_iters": 4, "model.num_layers": 4, "model.hidden_size": 128,
+    "model.num_attention_heads": 4, "model.ffn_hidden_size": 512, "model.seq_length": 128,
+    "model.vocab_size": 256, "model.make_vocab_size_divisible_by": 128, "checkpoint.keep": 2,
+}
+_NON_NEGATIVE = {"train.lr_warmup_steps": 0, "train.eval_interval": 0, "checkpoint.interval": 0,
+                 "train.weight_decay": 0.0, "train.grad_clip": 1.0}
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+@rule("value.range", "general", tuple(_POSITIVE) + tuple(_NON_NEGATIVE) + ("train.lr",),
+      "counts and sizes are positive, intervals and coefficients non-negative")
+def _ranges(lo: Layout):
+    for key, default in _POSITIVE.items():
+        if _get(lo.cfg, key) < 1:
+            yield Problem("value.range", {key: _get(lo.cfg, key)}, "must be at least 1", [f"{key}={default}"])
+    for key, default in _NON_NEGATIVE.items():
+        if _get(lo.cfg, key) < 0:
+            yield Problem("value.range", {key: _get(lo.cfg, key)}, "must not be negative", [f"{key}={default}"])
+    if not lo.cfg.train.lr > 0:
+        yield Problem("value.range", {"train.lr": lo.cfg.train.lr}, "the learning rate must be positive",
+                      ["train.lr=3e-3"])
+    decay = lo.cfg.train.lr_decay_steps
+    if decay is not None and decay < 1:
+        yield Problem("value.range", {"train.lr_decay_steps": decay},
+                      "must be at least 1 (or null: train.steps)", ["train.lr_decay_steps=null"])
+    vf = lo.cfg.data.val_fraction
+    if not 0 < vf < 1:
+        yield Problem("value.range", {"data.val_fraction": vf}, "must lie strictly between 0 and 1",
+                      ["data.val_fraction=0.02"])
+
+
+_CHOICES = {
+    "model.norm": ("rmsnorm", "layernorm"),
+    "model.activation": ("swiglu", "gelu"),
+    "model.transformer_impl": ("local", "te"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "data.name": ("stdlib", "indexed"),
+    "checkpoint.resume": ("auto", "none"),
+}
+
+
+@rule("value.choice", "general", tuple(_CHOICES) + tuple(f"overlap.{k}" for k in TRISTATE_KEYS),
+      "keys with a fixed set of values hold one of them")
+def _choices(lo: Layout):
+    for key, allowed in _CHOICES.items():
+        value = _get(lo.cfg, key)
+        if value not in allowed:
+            yield Problem("value.choice", {key: value}, f"must be one of {'|'.join(allowed)}",
+                          [f"{key}={allowed[0]}"])
+    for name in TRISTATE_KEYS:
+        value = lo.mode(name)
+        if value not in ("auto", "true", "false"):
+            yield Problem("value.choice", {f"overlap.{name}": value}, "must be one of auto|true|false",
+                          [f"overlap.{name}=auto"])
+
+
+@rule("model.heads_divide_hidden", "general", ("model.hidden_size", "model.num_attention_heads"),
+      "attention heads divide the hidden size")
+def _heads(lo: Layout):
+    m = lo.cfg.model
+    if m.hidden_size >= 1 and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
+        yield Problem("model.heads_divide_hidden",
+                      {"model.hidden_size": m.hidden_size, "model.num_attention_heads": m.num_attention_heads},
+                      "each head gets hidden_size / num_attention_heads channels",
+                      [f"model.num_attention_heads={nearest_divisor(m.hidden_size, m.num_attention_heads)}"])
+
+
+@rule("data.indexed_path", "general", ("data.name", "data.path"), "indexed data names its files")
+def _indexed(lo: Layout):
+    d = lo.cfg.data
+    if d.name == "indexed" and not d.path:
+        yield Problem("data.indexed_path", {"data.name": d.name, "data.path": d.path},
+                      "data=indexed reads <data.path>.bin/.idx made by mpoverlap-preprocess; "
+                      "set data.path=<prefix>, or train on the built-in corpus",
+                      ["data.name=stdlib"])
+
+
+@rule("train.device_available", "general", ("train.device",), "train.device=cuda needs a visible GPU")
+def _device(lo: Layout):
+    if lo.cfg.train.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            yield Problem("train.device_available", {"train.device": "cuda"},
+                          "no CUDA device is visible to this process", ["train.device=auto"])
+
+
+# Features whose issue has not landed yet: asking for them is an error, never a silent no-op.
+_NOT_YET = (
+    ("parallel.tp", lambda lo: lo.tp is not None and lo.tp > 1, "tensor parallelism", "parallel.tp=1"),
+    ("parallel.pp", lambda lo: lo.pp is not None and lo.pp > 1, "pipeline parallelism", "parallel.pp=1"),
+    ("parallel.vpp", lambda lo: lo.vpp is not None and lo.vpp > 1, "interleaved pipeline stages", "parallel.vpp=1"),
+    ("parallel.cp", lambda lo: lo.cp is not None and lo.cp > 1, "context parallelism", "parallel.cp=1"),
+    ("parallel.ep", lambda lo: lo.ep is not None and lo.ep > 1, "expert parallelism", "parallel.ep=1"),
+    ("parallel.sequence_parallel", lambda lo: bool(lo.cfg.parallel.sequence_parallel),
+     "sequence parallelism", "parallel.sequence_parallel=false"),
+    ("model.num_experts", lambda lo: lo.cfg.model.num_experts > 0, "mixture-of-experts layers",
+     "model.num_experts=0"),
+    ("model.transformer_impl", lambda lo: lo.cfg.model.transformer_impl == "te",
+     "Transformer Engine layers", "model.transformer_impl=local"),
+)
+
+
+@rule("build.feature_available", "general", tuple(k for k, *_ in _NOT_YET),
+      "features this build does not implement yet are refused, not ignored")
+def _not_yet(lo: Layout):
+    for key, requested, what, fix in _NOT_YET:
+        if requested(lo):
+            yield Problem("build.feature_available", {key: _get(lo.cfg, key)},
+                          f"{what} is not implemented in this build of mpoverlap yet; "
+                          "running without it would silently change what you asked for", [fix])

@@ -1,0 +1,54 @@
+"""The start-up plan: the layout, each overlap mode on or off and why, in plain text."""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from mpoverlap.overlap.config import CommOverlapConfig
+from mpoverlap.overlap.layout import build_layout
+from mpoverlap.overlap.rules import Problem
+from mpoverlap.parallel.grid import RankGrid
+
+_SHOWN_GROUPS = ("tp", "cp", "dp", "pp", "ep", "edp")
+
+
+def _abbrev(groups: List[List[int]], limit: int = 4) -> str:
+    def one(g: List[int]) -> str:
+        if len(g) > 8:
+            return f"[{g[0]}, {g[1]}, ..., {g[-1]}] ({len(g)} ranks)"
+        return "[" + ", ".join(map(str, g)) + "]"
+
+    shown = ", ".join(one(g) for g in groups[:limit])
+    more = f", ... ({len(groups)} groups)" if len(groups) > limit else ""
+    return shown + more
+
+
+def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional[int] = None,
+                device: Optional[str] = None) -> str:
+    lo = build_layout(cfg, world_size)
+    ov = CommOverlapConfig.from_config(cfg, world_size)
+    t, m = cfg.train, cfg.model
+    lines = [
+        f"mpoverlap plan: world {lo.world} = tp {lo.tp} x cp {lo.cp} x dp {lo.dp} x pp {lo.pp}"
+        f" (ep {lo.ep}, vpp {lo.vpp})" + (f" on {device}" if device else ""),
+        f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
+        f"seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
+        f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
+        f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; distributed optimizer "
+        f"{'on' if t.distributed_optimizer else 'off'}",
+        "  overlap:",
+    ]
+    for name, state in ov.modes().items():
+        flag = "ON " if state.enabled else "off"
+        lines.append(f"    overlap.{name:<16} {state.requested:>5} -> {flag}  {state.reason}")
+    if ov.dp.enabled or ov.dp.requested == "false":
+        lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
+    grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
+    lines.append("  rank groups:")
+    for kind in _SHOWN_GROUPS:
+        lines.append(f"    {kind:<4} {_abbrev(grid.groups(kind))}")
+    return "\n".join(lines)
+
+
+def render_problems(problems: List[Problem]) -> str:
+    head = f"mpoverlap: the configuration cannot run ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"
+    return "\n".join([head] + [p.render() for p in problems])

@@ -1,0 +1,115 @@
+"""The rule engine: each rule rejects with its key named, and its printed fix clears it."""
+import subprocess
+import sys
+
+import pytest
+
+from mpoverlap.config import compose
+from mpoverlap.overlap import CommOverlapConfig, all_rules, validate
+
+# rule id -> cases of (overrides, world size or None)
+FAILING = {
+    "parallel.degree_positive": [(["parallel.tp=0"], None), (["parallel.ep=-1"], None)],
+    "parallel.dp_value": [(["parallel.dp=two"], None)],
+    "parallel.world_size": [(["parallel.dp=2"], 4), (["parallel.tp=3", "parallel.dp=1"], 4)],
+    "train.batch_divisible": [(["train.global_batch_size=12", "train.micro_batch_size=4", "parallel.dp=2"], None)],
+    "value.range": [(["train.steps=0"], None), (["train.lr=0"], None), (["data.val_fraction=1.5"], None),
+                    (["checkpoint.interval=-1"], None), (["train.lr_decay_steps=0"], None)],
+    "value.choice": [(["model.norm=batchnorm"], None), (["overlap.dp=sometimes"], None),
+                     (["train.device=tpu"], None), (["checkpoint.resume=maybe"], None)],
+    "model.heads_divide_hidden": [(["model.num_attention_heads=3"], None)],
+    "data.indexed_path": [(["data=indexed"], None)],
+    "build.feature_available": [(["parallel.tp=2", "parallel.dp=1"], None), (["parallel.pp=2"], None),
+                                (["parallel.cp=2"], None), (["parallel.sequence_parallel=true"], None),
+                                (["model.num_experts=4"], None), (["parallel.vpp=2"], None),
+                                (["parallel.dp=2", "parallel.ep=2"], None), (["model.transformer_impl=te"], None)],
+    "dp.overlap_needs_replicas": [(["overlap.dp=true"], None)],
+    "dp.bucket_size": [(["overlap.dp_bucket_mb=0"], None)],
+    "dp.param_gather_needs_distributed_optimizer": [(["parallel.dp=2", "overlap.dp_param_gather=true"], None)],
+    "dp.param_gather_needs_dp_overlap": [(["parallel.dp=2", "train.distributed_optimizer=true",
+                                           "overlap.dp=false", "overlap.dp_param_gather=true"], None)],
+    "dp.param_gather_needs_replicas": [(["train.distributed_optimizer=true", "overlap.dp_param_gather=true"], None)],
+    "mode.required_applies": [(["overlap.tp=true"], None), (["overlap.pp=true"], None),
+                              (["overlap.cp=true"], None), (["overlap.ep=true"], None)],
+}
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        FAILING["train.device_available"] = [(["train.device=cuda"], None)]
+except ImportError:  # pragma: no cover
+    pass
+
+CASES = [(rid, ov, world) for rid, cases in FAILING.items() for ov, world in cases]
+
+
+def test_every_rule_has_a_failing_case():
+    ids = {r.id for r in all_rules()}
+    missing = ids - set(FAILING) - ({"train.device_available"} if "train.device_available" not in FAILING else set())
+    assert not missing, f"rules without a fix-applies test: {missing}"
+
+
+def test_default_config_is_valid():
+    assert validate(compose([])) == []
+    assert validate(compose(["parallel.dp=2", "overlap.dp=true", "train.distributed_optimizer=true",
+                             "overlap.dp_param_gather=true"])) == []
+
+
+@pytest.mark.parametrize("rule_id,overrides,world", CASES, ids=[f"{r}:{' '.join(o)}" for r, o, _ in CASES])
+def test_rule_rejects_and_fix_clears(rule_id, overrides, world):
+    problems = [p for p in validate(compose(overrides), world) if p.rule == rule_id]
+    assert problems, f"{rule_id} did not fire for {overrides}"
+    for p in problems:
+        assert p.keys and p.reason and p.fix
+        # The message names at least one key the user set, with its value.
+        text = p.render()
+        assert any(k in text for k in p.keys)
+    fixed = list(overrides)
+    for p in problems:
+        fixed += p.fix
+    remaining = [p for p in validate(compose(fixed), world) if p.rule == rule_id]
+    assert not remaining, f"fix {fixed} left {[p.render() for p in remaining]}"
+
+
+def test_all_problems_reported_at_once():
+    problems = validate(compose(["parallel.tp=0", "model.num_attention_heads=3", "overlap.dp=true",
+                                 "overlap.dp_bucket_mb=0"]))
+    assert {p.rule for p in problems} >= {"parallel.degree_positive", "model.heads_divide_hidden",
+                                          "dp.overlap_needs_replicas", "dp.bucket_size"}
+
+
+def test_cli_false_beats_preset_true():
+    # overlap=all requires every mode; a command-line false must win over the preset.
+    cfg = compose(["overlap=all", "parallel.dp=2", "train.distributed_optimizer=true", "overlap.tp=false",
+                   "overlap.pp=false", "overlap.cp=false", "overlap.ep=false"])
+    assert validate(cfg) == []
+    ov = CommOverlapConfig.from_config(cfg)
+    assert ov.dp.enabled and ov.dp.requested == "true" and ov.dp_param_gather.enabled
+    assert not ov.tp.enabled and ov.tp.requested == "false"
+
+
+def test_auto_says_why_off():
+    ov = CommOverlapConfig.from_config(compose([]))
+    assert not ov.dp.enabled and "single replica" in ov.dp.reason
+    ov = CommOverlapConfig.from_config(compose(["overlap.dp=false", "parallel.dp=2"]))
+    assert not ov.dp.enabled and "waited at once" in ov.dp.reason
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "mpoverlap.check", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_check_cli_exit_codes_and_messages():
+    ok = _cli("parallel.dp=2")
+    assert ok.returncode == 0, ok.stderr
+    assert "overlap.dp" in ok.stdout and "ON" in ok.stdout
+    bad = _cli("overlap.dp=true", "parallel.tp=0", "model.num_attention_heads=3")
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr
+    for needle in ("overlap.dp=true", "parallel.tp=0", "model.num_attention_heads=3", "fix:"):
+        assert needle in bad.stderr
+    unknown = _cli("model.hidden=3")
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr and "hidden" in unknown.stderr
+    rules = _cli("--rules")
+    assert rules.returncode == 0 and all(r.id in rules.stdout for r in all_rules())
