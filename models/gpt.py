@@ -1,0 +1,211 @@
+"""A GPT decoder, readable top to bottom: the single-process reference model.
+
+No process groups and no distributed code live here; parallel layers reproduce this math.
+
+Shape letters: B batch, S sequence, H hidden, N heads, D head dim (H / N), F ffn hidden,
+V padded vocabulary (Vpad), L layers.
+
+Fused weight layouts (a tensor-parallel layer slices each block separately):
+  attn.qkv.weight   [3H, H]: rows [q | k | v], each [H] = N heads of D rows, head-major.
+  mlp.gate_up.weight [2F, H]: rows [gate | up] (swiglu); gelu uses mlp.up.weight [F, H].
+
+Initialisation is layout independent: each parameter is drawn, as a full tensor, from its own
+torch.Generator seeded by `param_seed(seed, name)`; a sharded layer calls `init_tensor` with the
+same name and full shape and slices its part.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Parameters that write into the residual stream get std = init_std / sqrt(2 * num_layers).
+RESIDUAL_OUT_SUFFIXES = ("attn.proj.weight", "down.weight")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """vocab_size rounded up to a multiple of divisible_by (independent of the layout)."""
+    if divisible_by <= 0:
+        return vocab_size
+    return -(-vocab_size // divisible_by) * divisible_by
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Stable seed for one parameter: crc32 of "<seed>/<name>"; never python hash().
+
+    32 bits on purpose: torch's CPU generator (mt19937) ignores the upper 32 bits of a seed.
+    """
+    return zlib.crc32(f"{int(seed)}/{name}".encode("utf-8"))
+
+
+def init_tensor(name: str, shape, cfg, seed: int) -> torch.Tensor:
+    """The full fp32 CPU initial value of parameter `name` with full `shape`.
+
+    biases: zeros; 1-D weights (norms): ones; residual-output projections:
+    normal(0, init_std / sqrt(2 L)); every other weight (embedding, qkv, mlp in, head):
+    normal(0, init_std).
+    """
+    shape = tuple(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith(RESIDUAL_OUT_SUFFIXES):
+        std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+    gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def make_norm(cfg) -> nn.Module:
+    """RMSNorm or LayerNorm over H, per `model.norm`."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    raise ValueError(f"model.norm={cfg.norm!r} is not supported; use model.norm=rmsnorm "
+                     f"or model.norm=layernorm")
+
+
+def rope_cos_sin(position_ids_S: torch.Tensor, head_dim: int, base: float):
+    """cos_SD, sin_SD (fp32) for rotary embeddings at the given positions (rotate-half form)."""
+    inv_freq_D2 = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles_SD2 = position_ids_S.to(torch.float32)[:, None] * inv_freq_D2[None, :]
+    angles_SD = torch.cat([angles_SD2, angles_SD2], dim=-1)
+    return angles_SD.cos(), angles_SD.sin()
+
+
+def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + D/2]) by the position angle."""
+    x1, x2 = x_BNSD.chunk(2, dim=-1)
+    rotated_BNSD = torch.cat([-x2, x1], dim=-1)
+    return (x_BNSD * cos_SD + rotated_BNSD * sin_SD).to(x_BNSD.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.hidden_size % cfg.num_attention_heads:
+            raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by "
+                             f"model.num_attention_heads={cfg.num_attention_heads}")
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
+        """x_BSH -> y_BSH: qkv_BS3H -> q,k,v_BNSD -> RoPE(q, k) -> causal SDPA -> proj."""
+        B, S, H = x_BSH.shape
+        q_BSH, k_BSH, v_BSH = self.qkv(x_BSH).split(H, dim=-1)
+        q_BNSD, k_BNSD, v_BNSD = (t.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+                                  for t in (q_BSH, k_BSH, v_BSH))
+        q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
+        k_BNSD = apply_rope(k_BNSD, cos_SD, sin_SD)
+        y_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
+        return self.proj(y_BNSD.transpose(1, 2).reshape(B, S, H))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        H, Fh = cfg.hidden_size, cfg.ffn_hidden_size
+        self.activation = cfg.activation
+        if cfg.activation == "swiglu":
+            self.gate_up = nn.Linear(H, 2 * Fh, bias=False)
+        elif cfg.activation == "gelu":
+            self.up = nn.Linear(H, Fh, bias=False)
+        else:
+            raise ValueError(f"model.activation={cfg.activation!r} is not supported; use "
+                             f"model.activation=swiglu or model.activation=gelu")
+        self.down = nn.Linear(Fh, H, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """swiglu: down(silu(gate) * up); gelu: down(gelu(up))."""
+        if self.activation == "swiglu":
+            gate_BSF, up_BSF = self.gate_up(x_BSH).chunk(2, dim=-1)
+            h_BSF = F.silu(gate_BSF) * up_BSF
+        else:
+            h_BSF = F.gelu(self.up(x_BSH))
+        return self.down(h_BSF)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BSH, cos_SD, sin_SD):
+        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD, sin_SD)
+        return x_BSH + self.mlp(self.mlp_norm(x_BSH))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg, seed: int = 1234):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+        self.embedding = nn.Embedding(self.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = make_norm(cfg)
+        # Tied: the head reuses self.embedding.weight and there is no separate head parameter.
+        self.output = (None if cfg.tie_embeddings
+                       else nn.Linear(cfg.hidden_size, self.vocab_size, bias=False))
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Every parameter from its own generator: depends only on seed, name and shape."""
+        for name, p in self.named_parameters():
+            p.copy_(init_tensor(name, p.shape, self.cfg, seed))
+
+    def forward(self, tokens_BS: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens_BS (int64) -> logits_BSV (fp32). position_ids [S] default 0..S-1."""
+        S = tokens_BS.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(S, device=tokens_BS.device)
+        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+        cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim, self.cfg.rope_base)
+        x_BSH = self.embedding(tokens_BS)
+        cos_SD, sin_SD = cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
+        for layer in self.layers:
+            x_BSH = layer(x_BSH, cos_SD, sin_SD)
+        x_BSH = self.final_norm(x_BSH)
+        head_VH = self.embedding.weight if self.output is None else self.output.weight
+        return F.linear(x_BSH, head_VH).float()
+
+    @staticmethod
+    def loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Mean token cross entropy over B*S tokens, in fp32."""
+        V = logits_BSV.shape[-1]
+        return F.cross_entropy(logits_BSV.float().reshape(-1, V), targets_BS.reshape(-1))
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Number of distinct parameters (a tied head is counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), Megatron/PaLM style.
+
+    6 * N_matmul + 12 * L * H * S, where
+      N_matmul = L * (4 H^2 + m H F) + H * Vpad   (qkv 3H^2, proj H^2; m = 3 swiglu, 2 gelu;
+                                                  the output head; the embedding lookup is free)
+      12 L H S: attention scores (QK^T) and values (AV), 2 * 2 S H per token and layer forward,
+                times 3; the causal mask is not discounted (as Megatron reports it).
+    """
+    H, L, S, Fh = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
+    m = 3 if cfg.activation == "swiglu" else 2
+    vpad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    n_matmul = L * (4 * H * H + m * H * Fh) + H * vpad
+    return float(6 * n_matmul + 12 * L * H * S)

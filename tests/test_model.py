@@ -1,0 +1,130 @@
+"""Single-process tests of the reference GPT (models/gpt.py)."""
+import math
+
+import pytest
+import torch
+
+from mpoverlap.config import ModelConfig
+from mpoverlap.models.gpt import GPT, flops_per_token, num_parameters, padded_vocab_size
+
+
+def tiny(**kw):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                seq_length=16)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tokens(B=2, S=16, seed=0, V=256):
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(256, 128) == 256
+    assert padded_vocab_size(257, 128) == 384
+    assert padded_vocab_size(50257, 128) == 50304
+
+
+def test_shapes_and_dtype():
+    model = GPT(tiny())
+    logits = model(tokens())
+    assert logits.shape == (2, 16, 256) and logits.dtype == torch.float32
+    pos = model(tokens(), position_ids=torch.arange(16))
+    torch.testing.assert_close(pos, logits, rtol=0, atol=0)
+
+
+def test_causal():
+    model = GPT(tiny())
+    x = tokens(B=1)
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 7) % 256
+    a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_tied_head_shares_embedding():
+    model = GPT(tiny(tie_embeddings=True))
+    assert model.output is None
+    names = [n for n, _ in model.named_parameters()]
+    assert "embedding.weight" in names and not any(n.startswith("output") for n in names)
+    model(tokens()).sum().backward()
+    assert model.embedding.weight.grad is not None
+    untied = GPT(tiny(tie_embeddings=False))
+    assert untied.output.weight is not untied.embedding.weight
+    assert num_parameters(untied) == num_parameters(model) + 256 * 32
+
+
+def test_init_depends_only_on_seed_and_shape():
+    a, b, c = GPT(tiny(), seed=7), GPT(tiny(), seed=7), GPT(tiny(), seed=8)
+    torch.manual_seed(123)  # global RNG state must not matter
+    d = GPT(tiny(), seed=7)
+    for (n, pa), pb, pc, pd in zip(a.named_parameters(), b.parameters(), c.parameters(),
+                                   d.parameters()):
+        assert torch.equal(pa, pb) and torch.equal(pa, pd), n
+        if pa.dim() == 2:
+            assert not torch.equal(pa, pc), n
+    # A parameter's value depends on its name and shape, not on the rest of the model.
+    deeper = GPT(tiny(num_layers=3), seed=7)
+    torch.testing.assert_close(deeper.layers[0].attn.qkv.weight, a.layers[0].attn.qkv.weight)
+    # Re-initialising reproduces the same weights.
+    before = a.layers[1].mlp.gate_up.weight.clone()
+    with torch.no_grad():
+        a.layers[1].mlp.gate_up.weight.zero_()
+    a.init_weights(7)
+    assert torch.equal(a.layers[1].mlp.gate_up.weight, before)
+
+
+def test_init_std():
+    cfg = tiny(hidden_size=64, ffn_hidden_size=128, init_std=0.05)
+    model = GPT(cfg)
+    assert abs(model.embedding.weight.std().item() - 0.05) < 0.005
+    assert abs(model.layers[0].attn.qkv.weight.std().item() - 0.05) < 0.005
+    out_std = 0.05 / math.sqrt(2 * cfg.num_layers)
+    assert abs(model.layers[0].attn.proj.weight.std().item() - out_std) < 0.1 * out_std
+    assert abs(model.layers[0].mlp.down.weight.std().item() - out_std) < 0.1 * out_std
+    assert torch.equal(model.final_norm.weight, torch.ones(64))
+
+
+def test_untrained_loss_near_log_vocab():
+    model = GPT(tiny())
+    x = tokens(B=4, S=17)
+    loss = GPT.loss(model(x[:, :-1]), x[:, 1:])
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert abs(loss.item() - math.log(256)) < 0.1
+
+
+@pytest.mark.parametrize("norm,act", [("rmsnorm", "swiglu"), ("layernorm", "gelu")])
+def test_sgd_lowers_loss(norm, act):
+    torch.manual_seed(0)
+    model = GPT(tiny(norm=norm, activation=act))
+    x = tokens(B=4, S=17)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(5):
+        loss = GPT.loss(model(x[:, :-1]), x[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_variant_modules():
+    model = GPT(tiny(norm="layernorm", activation="gelu", tie_embeddings=False))
+    assert isinstance(model.final_norm, torch.nn.LayerNorm)
+    assert model.layers[0].mlp.up.weight.shape == (64, 32)
+    assert model(tokens()).shape == (2, 16, 256)
+
+
+def test_bad_names_raise():
+    with pytest.raises(ValueError, match="model.norm"):
+        GPT(tiny(norm="batchnorm"))
+    with pytest.raises(ValueError, match="model.activation"):
+        GPT(tiny(activation="relu"))
+
+
+def test_flops_per_token():
+    cfg = tiny()
+    H, L, S, Fh = 32, 2, 16, 64
+    assert flops_per_token(cfg) == 6 * (L * (4 * H * H + 3 * H * Fh) + H * 256) + 12 * L * H * S
