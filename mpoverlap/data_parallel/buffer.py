@@ -1,0 +1,159 @@
+"""Contiguous parameter and gradient buffers, cut into buckets for data-parallel reduction.
+
+Every trainable parameter lives in one flat buffer `param_data[N]`, and its gradient in a
+twin `grad_data[N]`: `param.data` is a view `param_data[start:end].view(shape)` and
+`param.grad` a view of `grad_data` at the same offsets, so autograd accumulates straight into
+the buffer and a bucket's communication is one collective over one contiguous slice.
+
+Layout: parameters in REVERSE order of `module.named_parameters()`, because backward produces
+gradients roughly last layer first; the first bucket therefore completes first. A bucket
+closes as soon as it holds >= `bucket_mb` MiB (a parameter is never split), and is padded with
+zeros to a multiple of `pad_to` (the dp size under the distributed optimizer) so it
+reduce-scatters into `pad_to` equal shards:
+
+    bucket b: [offset_b, offset_b + numel_b),   numel_b % pad_to == 0
+    shard r of bucket b: [offset_b + r * numel_b / pad_to, offset_b + (r + 1) * numel_b / pad_to)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+import torch.nn as nn
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class Bucket:
+    """One contiguous slice of the buffers that is reduced by one collective.
+
+    `params` are in buffer order (reverse model order); `param_data` / `grad_data` are 1-D
+    views `[numel]` of the buffers, padding included (the last `numel - data_numel` elements).
+    """
+
+    index: int
+    offset: int
+    numel: int
+    data_numel: int
+    params: List[nn.Parameter]
+    names: List[str]
+    param_data: torch.Tensor
+    grad_data: torch.Tensor
+
+    def shard_range(self, rank: int, world: int) -> Tuple[int, int]:
+        """Global buffer range [lo, hi) of shard `rank` when the bucket is split `world` ways."""
+        size = self.numel // world
+        return self.offset + rank * size, self.offset + (rank + 1) * size
+
+
+@dataclass
+class ParamAndGradBuffer:
+    """Flat buffers for `named_params`; see the module docstring for the layout.
+
+    Attributes: `param_data[N]`, `grad_data[N]` (N = sum of padded bucket sizes), `buckets`,
+    `index[param] -> (start, end, bucket_index)` in buffer elements, `name_of[param]`.
+    """
+
+    param_data: torch.Tensor
+    grad_data: torch.Tensor
+    buckets: List[Bucket]
+    index: Dict[nn.Parameter, Tuple[int, int, int]] = field(default_factory=dict)
+    name_of: Dict[nn.Parameter, str] = field(default_factory=dict)
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        """Parameters in buffer order."""
+        return [p for b in self.buckets for p in b.params]
+
+    def grad_view(self, param: nn.Parameter) -> torch.Tensor:
+        start, end, _ = self.index[param]
+        return self.grad_data[start:end].view(param.shape)
+
+    def param_view(self, param: nn.Parameter) -> torch.Tensor:
+        start, end, _ = self.index[param]
+        return self.param_data[start:end].view(param.shape)
+
+    def zero_grad(self) -> None:
+        self.grad_data.zero_()
+
+
+def _plan_buckets(sizes: List[int], bucket_elems: int) -> List[List[int]]:
+    """Group consecutive parameter indices; a bucket closes once it reaches `bucket_elems`."""
+    groups: List[List[int]] = []
+    current: List[int] = []
+    filled = 0
+    for i, n in enumerate(sizes):
+        current.append(i)
+        filled += n
+        if filled >= bucket_elems:
+            groups.append(current)
+            current, filled = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def build_buffer(named_params: Iterable[Tuple[str, nn.Parameter]], *, bucket_mb: float,
+                 pad_to: int = 1) -> ParamAndGradBuffer:
+    """Move every trainable parameter of `named_params` (model order) into flat buffers.
+
+    Parameters with `requires_grad=False` are left where they are (nothing to reduce or
+    optimise). A Parameter reached under two names (tied weights) is placed once, under its
+    first name. Values are copied into the buffer before `.data` is re-pointed, so the model
+    is numerically unchanged; `.grad` becomes a zeroed view of the gradient buffer.
+    """
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    if pad_to < 1:
+        raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+    seen, ordered = set(), []
+    for name, p in named_params:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        ordered.append((name, p))
+    if not ordered:
+        raise ValueError("no trainable parameters to place in a data-parallel buffer")
+    ordered.reverse()  # backward meets the last layers first
+    dtypes = {p.dtype for _, p in ordered}
+    devices = {p.device for _, p in ordered}
+    if len(dtypes) != 1 or len(devices) != 1:
+        raise TypeError(f"one buffer needs one dtype and device; got {dtypes} on {devices}")
+    dtype, device = dtypes.pop(), devices.pop()
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    bucket_elems = max(1, int(bucket_mb * MIB / elem_bytes))
+
+    sizes = [p.numel() for _, p in ordered]
+    groups = _plan_buckets(sizes, bucket_elems)
+    # Offsets first, so the buffers are allocated once at their final size.
+    spans, total = [], 0
+    for group in groups:
+        data_numel = sum(sizes[i] for i in group)
+        numel = -(-data_numel // pad_to) * pad_to
+        spans.append((total, numel, data_numel))
+        total += numel
+    param_data = torch.zeros(total, dtype=dtype, device=device)
+    grad_data = torch.zeros(total, dtype=dtype, device=device)
+
+    buffer = ParamAndGradBuffer(param_data=param_data, grad_data=grad_data, buckets=[])
+    for b, (group, (offset, numel, data_numel)) in enumerate(zip(groups, spans)):
+        start = offset
+        bucket = Bucket(index=b, offset=offset, numel=numel, data_numel=data_numel, params=[],
+                        names=[], param_data=param_data[offset:offset + numel],
+                        grad_data=grad_data[offset:offset + numel])
+        for i in group:
+            name, p = ordered[i]
+            end = start + p.numel()
+            view = param_data[start:end].view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            p.grad = grad_data[start:end].view(p.shape)
+            buffer.index[p] = (start, end, b)
+            buffer.name_of[p] = name
+            bucket.params.append(p)
+            bucket.names.append(name)
+            start = end
+        buffer.buckets.append(bucket)
+    return buffer

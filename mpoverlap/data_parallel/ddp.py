@@ -1,0 +1,233 @@
+"""DataParallel: bucketed gradient reduction issued from autograd hooks (not torch DDP).
+
+Gradients accumulate in place into the flat gradient buffer (see `buffer.py`). During the
+backward of the LAST microbatch of a step, each parameter's post-accumulate hook marks it
+ready; when every parameter of a bucket is ready, the bucket's collective is issued as a
+CommHandle of mode "dp":
+
+    all-reduce       grad_data[numel_b]                     (plain data parallel)
+    reduce-scatter   grad_data[numel_b] -> shard[numel_b/g]  (distributed optimizer, ZeRO-1)
+
+With `overlap=True` the handle is left in flight under the rest of backward and waited in
+`finish_grad_sync()`; with `overlap=False` it is waited the moment it is issued. Both modes
+run the same ops on the same data, so their gradients are bitwise identical.
+
+Averaging: every bucket is divided by the group size g right before the SUM collective
+(gloo has no AVG). Buckets are issued strictly in bucket order, so the sequence of
+collectives is identical on every rank even if a bucket is held back by a parameter that got
+no gradient (it is then issued, with everything after it, by `finish_grad_sync()`).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Dict, Iterator, List, Optional, Set
+
+import torch
+import torch.nn as nn
+
+from mpoverlap.comm.collectives import all_reduce, reduce_scatter
+from mpoverlap.comm.handle import CommHandle
+from mpoverlap.comm.ledger import CommLedger
+from mpoverlap.data_parallel.buffer import ParamAndGradBuffer, build_buffer
+from mpoverlap.parallel.state import ParallelState
+
+
+class DataParallel:
+    """Wrap `module` for data-parallel training over `state.group(group_kind)`.
+
+    The module's trainable parameters move into one flat buffer (bucketed, reverse model
+    order); `.grad` of each is a view of the gradient buffer, so never set it to None.
+    """
+
+    def __init__(self, module: nn.Module, state: ParallelState, *, group_kind: str = "dp_cp",
+                 overlap: bool, bucket_mb: float, distributed_optimizer: bool,
+                 ledger: Optional[CommLedger]) -> None:
+        ranks = state.ranks(group_kind)
+        if state.rank not in ranks:
+            raise ValueError(f"rank {state.rank} has no {group_kind!r} group to reduce over")
+        self.module = module
+        self.group_kind = group_kind
+        self.group = state.group(group_kind)
+        self.group_size = len(ranks)
+        # Groups are built from sorted rank lists, so the group rank is the position in it.
+        self.group_rank = ranks.index(state.rank)
+        if (self.group is None) != (self.group_size == 1):
+            raise RuntimeError(f"{group_kind!r} group object does not match its size {self.group_size}")
+        self.overlap = bool(overlap)
+        self.distributed_optimizer = bool(distributed_optimizer)
+        self.ledger = ledger
+        self.bucket_mb = bucket_mb
+        pad_to = self.group_size if self.distributed_optimizer else 1
+        self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(),
+                                                       bucket_mb=bucket_mb, pad_to=pad_to)
+        nb = len(self.buffer.buckets)
+        # Reduce-scatter output lands in a scratch shard, then is copied into the gradient
+        # buffer: gloo gives no guarantee for an output that aliases its own input.
+        self._rs_out = ([torch.empty(b.numel // self.group_size, dtype=b.grad_data.dtype,
+                                     device=b.grad_data.device) for b in self.buffer.buckets]
+                        if self.distributed_optimizer and self.group is not None else [])
+        self._is_last = True
+        self._ready: List[Set[nn.Parameter]] = [set() for _ in range(nb)]
+        self._issued = [False] * nb
+        self._next = 0  # lowest bucket index not yet issued
+        self._handles: Dict[int, CommHandle] = {}
+        self._synced = False
+        self._warned_unused = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in self.buffer.params]
+
+    # ---- module-like surface -------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def train(self, mode: bool = True) -> "DataParallel":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "DataParallel":
+        return self.train(False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buffer.buckets)
+
+    def shard_range(self, bucket_index: int) -> tuple:
+        """[lo, hi) in buffer elements of the part of a bucket this rank's optimizer owns:
+        its shard with the distributed optimizer, else the whole bucket."""
+        b = self.buffer.buckets[bucket_index]
+        if self.distributed_optimizer:
+            return b.shard_range(self.group_rank, self.group_size)
+        return b.offset, b.offset + b.numel
+
+    @property
+    def inflight_handles(self) -> List[CommHandle]:
+        """Gradient handles issued this step and not yet waited."""
+        return [h for h in self._handles.values() if not h.waited]
+
+    @property
+    def issued_buckets(self) -> List[int]:
+        return [i for i, done in enumerate(self._issued) if done]
+
+    # ---- per-step protocol ---------------------------------------------------------------
+    def start_step(self) -> None:
+        """Zero the gradient buffer and reset bucket state; once per step, before the first
+        microbatch. Any reduction still in flight is waited first (it writes the buffer)."""
+        self._wait_all()
+        self.buffer.zero_grad()
+        for ready in self._ready:
+            ready.clear()
+        self._issued = [False] * len(self._issued)
+        self._next = 0
+        self._handles.clear()
+        self._synced = False
+
+    zero_grad = start_step
+
+    def set_last_microbatch(self, is_last: bool) -> None:
+        """Reductions are issued only during the backward of the last microbatch."""
+        self._is_last = bool(is_last)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate only (not the last microbatch)."""
+        previous = self._is_last
+        self._is_last = False
+        try:
+            yield
+        finally:
+            self._is_last = previous
+
+    def finish_grad_sync(self) -> None:
+        """Issue every bucket not yet issued, wait all handles; call just before the optimizer.
+        Afterwards the gradient buffer holds the group average (with the distributed
+        optimizer: only this rank's shard of each bucket does). Idempotent within a step."""
+        if self._synced:
+            return
+        if self._next < len(self._issued):
+            self._note_missing_grads()
+        while self._next < len(self._issued):
+            self._issue(self._next)
+        self._wait_all()
+        self._synced = True
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        view = self.buffer.grad_view(param)
+        grad = param.grad
+        if grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
+            # Autograd replaced .grad (it was set to None, or create_graph=True): the new
+            # tensor holds the whole accumulated gradient, so it becomes the buffer's content.
+            view.copy_(grad)
+            param.grad = view
+        b = self.buffer.index[param][2]
+        if self._issued[b]:
+            raise RuntimeError(
+                f"gradient of {self.buffer.name_of[param]!r} arrived after its bucket {b} was "
+                "reduced; call start_step() at the start of every step and "
+                "set_last_microbatch(False) for every microbatch but the last")
+        if not self._is_last:
+            return
+        self._ready[b].add(param)
+        # In-order issue: same collective sequence on every rank whatever the timing.
+        while (self._next < len(self._issued)
+               and len(self._ready[self._next]) == len(self.buffer.buckets[self._next].params)):
+            self._issue(self._next)
+
+    def _issue(self, b: int) -> None:
+        bucket = self.buffer.buckets[b]
+        self._issued[b] = True
+        self._next = b + 1
+        if self.group is None:
+            return  # a group of one: the local gradient already is the average
+        bucket.grad_data.div_(self.group_size)
+        if self.distributed_optimizer:
+            handle = reduce_scatter(self._rs_out[b], bucket.grad_data, self.group, mode="dp",
+                                    ledger=self.ledger)
+        else:
+            handle = all_reduce(bucket.grad_data, self.group, mode="dp", ledger=self.ledger)
+        self._handles[b] = handle
+        if not self.overlap:
+            self._complete(b)
+
+    def _complete(self, b: int) -> None:
+        handle = self._handles[b]
+        if handle.waited:
+            return
+        handle.wait()
+        if self.distributed_optimizer:
+            lo, hi = self.shard_range(b)
+            self.buffer.grad_data[lo:hi].copy_(self._rs_out[b])
+
+    def _wait_all(self) -> None:
+        for b in sorted(self._handles):
+            self._complete(b)
+
+    def _note_missing_grads(self) -> None:
+        """Warn once when overlap was asked for but a bucket could not be issued in backward
+        because some parameter got no gradient (it and every later bucket were not hidden)."""
+        got_any = any(self._ready)
+        if not (self.overlap and got_any and not self._warned_unused):
+            return
+        missing = [self.buffer.name_of[p] for b in range(self._next, len(self._issued))
+                   for p in self.buffer.buckets[b].params if p not in self._ready[b]]
+        if missing:
+            self._warned_unused = True
+            warnings.warn(
+                f"DataParallel: {len(missing)} parameter(s) got no gradient in the last "
+                f"microbatch ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); "
+                f"buckets {self._next}..{len(self._issued) - 1} were reduced at "
+                "finish_grad_sync() without overlap", RuntimeWarning, stacklevel=3)

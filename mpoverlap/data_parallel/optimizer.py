@@ -1,0 +1,231 @@
+"""DataParallelAdamW: AdamW over the flat buffers of a DataParallel, optionally ZeRO-1.
+
+For every parameter the optimizer sees only the part inside this rank's range of each bucket
+(the rank's shard with the distributed optimizer, the whole bucket without), as 1-D views
+`param_data[lo:hi]` / `grad_data[lo:hi]`, so AdamW updates the model's storage in place and
+its moments take 1/g of the memory under ZeRO-1.
+
+After a distributed step every bucket's updated shard is all-gathered back into the full
+parameter buffer, bucket by bucket in forward order (the bucket holding the first layers
+first). With `param_gather_overlap=True` those handles stay in flight and each is waited by a
+forward pre-hook of a module owning one of the bucket's parameters, i.e. under the next
+forward; `finish_param_sync()` waits whatever is left (call it before eval or checkpointing).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from mpoverlap.comm.collectives import all_gather
+from mpoverlap.comm.handle import CommHandle
+from mpoverlap.data_parallel.ddp import DataParallel
+
+# torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _Piece:
+    """The part [a, b) (flattened) of parameter `name` that this rank optimises; it sits at
+    [lo, hi) of the buffers and `main` is the 1-D view `param_data[lo:hi]` AdamW updates."""
+
+    name: str
+    ndim: int
+    a: int
+    b: int
+    lo: int
+    hi: int
+    main: torch.Tensor
+
+
+class DataParallelAdamW:
+    """AdamW over `ddp`'s buffers: weight decay on tensors with ndim >= 2 only.
+
+    `param_gather_overlap` needs `ddp.distributed_optimizer` (there is nothing to gather
+    otherwise); asking for it without is an error, not a silent no-op.
+    """
+
+    def __init__(self, ddp: DataParallel, *, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01,
+                 param_gather_overlap: bool = False) -> None:
+        if param_gather_overlap and not ddp.distributed_optimizer:
+            raise ValueError("param_gather_overlap=True needs DataParallel(distributed_optimizer="
+                             "True); without it the parameters are never sharded")
+        self.ddp = ddp
+        self.param_gather_overlap = bool(param_gather_overlap)
+        buf = ddp.buffer
+        self.pieces: List[_Piece] = []
+        for bucket in buf.buckets:
+            s_lo, s_hi = ddp.shard_range(bucket.index)
+            for p in bucket.params:
+                start, end, _ = buf.index[p]
+                lo, hi = max(start, s_lo), min(end, s_hi)
+                if lo >= hi:
+                    continue
+                main = buf.param_data[lo:hi]
+                main.grad = buf.grad_data[lo:hi]
+                self.pieces.append(_Piece(buf.name_of[p], p.ndim, lo - start, hi - start, lo, hi, main))
+        groups = [{"params": [pc.main for pc in self.pieces if pc.ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [pc.main for pc in self.pieces if pc.ndim < 2], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        on_cuda = buf.param_data.is_cuda
+        kind = {"fused": True} if on_cuda else {"foreach": True}
+        # A rank whose shards hold only padding has nothing to update (tiny buckets only).
+        self.optimizer: Optional[torch.optim.AdamW] = (
+            torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kind) if groups else None)
+        self._fused = on_cuda
+        self._step = 0
+        self._pending: Dict[int, CommHandle] = {}
+        # Gather inputs: a copy of the shard, so the collective's input never aliases its output.
+        self._gather_in = ([torch.empty(b.numel // ddp.group_size, dtype=b.param_data.dtype,
+                                        device=b.param_data.device) for b in buf.buckets]
+                           if self._gathers else [])
+        self._hooks = []
+        if self.param_gather_overlap and self._gathers:
+            for module in ddp.module.modules():
+                owned = sorted({buf.index[p][2] for p in module.parameters(recurse=False) if p in buf.index})
+                if owned:
+                    self._hooks.append(module.register_forward_pre_hook(partial(self._wait_buckets, owned)))
+
+    @property
+    def _gathers(self) -> bool:
+        return self.ddp.distributed_optimizer and self.ddp.group is not None
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups if self.optimizer is not None else []
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    # ---- step -------------------------------------------------------------------------
+    def step(self, lr: float) -> None:
+        """Finish the gradient sync if the loop has not, set `lr`, update this rank's part,
+        then all-gather the updated shards (waited now, or lazily by the next forward)."""
+        self.finish_param_sync()  # a gather still writing the buffer must land before updating
+        self.ddp.finish_grad_sync()
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self._step += 1
+        if self._gathers:
+            self._gather_params()
+
+    def _gather_params(self) -> None:
+        ddp, buf = self.ddp, self.ddp.buffer
+        for bucket in reversed(buf.buckets):  # forward order: first layers sit in the last bucket
+            lo, hi = ddp.shard_range(bucket.index)
+            inp = self._gather_in[bucket.index]
+            inp.copy_(buf.param_data[lo:hi])
+            handle = all_gather(bucket.param_data, inp, ddp.group, mode="dp", ledger=ddp.ledger)
+            if self.param_gather_overlap:
+                self._pending[bucket.index] = handle
+            else:
+                handle.wait()
+
+    def _wait_buckets(self, buckets: List[int], _module, _args) -> None:
+        for b in buckets:
+            handle = self._pending.pop(b, None)
+            if handle is not None:
+                handle.wait()
+
+    def finish_param_sync(self) -> None:
+        """Wait every parameter all-gather still in flight (before eval, checkpoint, step)."""
+        for b in sorted(self._pending, reverse=True):
+            self._pending.pop(b).wait()
+
+    @property
+    def pending_param_gathers(self) -> List[int]:
+        return sorted(self._pending)
+
+    # ---- gradient norm ------------------------------------------------------------------
+    def _grad_regions(self) -> List[torch.Tensor]:
+        g = self.ddp.buffer.grad_data
+        return [g[lo:hi] for lo, hi in (self.ddp.shard_range(b.index) for b in self.ddp.buffer.buckets)]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of the full averaged gradient; scale gradients by
+        max_norm / (norm + 1e-6) when that is < 1 (max_norm <= 0: only compute). A non-finite
+        norm is returned without touching the gradients."""
+        self.ddp.finish_grad_sync()
+        regions = self._grad_regions()
+        sq = torch.stack([torch.linalg.vector_norm(r) for r in regions]).double().pow(2).sum()
+        if self.ddp.distributed_optimizer and self.ddp.group is not None:
+            # Each rank holds disjoint shards: the square sums add up. A small synchronous
+            # reduction, not part of the overlapped dp traffic.
+            dist.all_reduce(sq, group=self.ddp.group)
+        norm = float(sq.sqrt())
+        if max_norm > 0 and math.isfinite(norm):
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(regions, coef)
+        return norm
+
+    def grad_norm(self) -> float:
+        return self.clip_grad_norm(0.0)
+
+    def grads_finite(self) -> bool:
+        """True when no rank's gradient holds inf/nan (collective under ZeRO-1)."""
+        return math.isfinite(self.grad_norm())
+
+    # ---- checkpoint -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Full, unsharded AdamW state keyed by parameter name:
+        {"step": int, "exp_avg": {name: tensor[param.shape]}, "exp_avg_sq": {...}}.
+        Collective over the dp group under the distributed optimizer (every rank calls it)."""
+        buf, ddp = self.ddp.buffer, self.ddp
+        full = {k: torch.zeros_like(buf.param_data) for k in _STATE_KEYS}
+        if self.optimizer is not None:
+            for pc in self.pieces:
+                st = self.optimizer.state.get(pc.main)
+                for k in _STATE_KEYS:
+                    if st and k in st:
+                        full[k][pc.lo:pc.hi].copy_(st[k])
+        if self._gathers:
+            for bucket in buf.buckets:
+                lo, hi = ddp.shard_range(bucket.index)
+                for k in _STATE_KEYS:
+                    _all_gather_tensor(full[k][bucket.offset:bucket.offset + bucket.numel],
+                                       full[k][lo:hi].clone(), group=ddp.group)
+        out = {"step": self._step, "exp_avg": {}, "exp_avg_sq": {}}
+        for p in buf.params:
+            start, end, _ = buf.index[p]
+            for k in _STATE_KEYS:
+                out[k][buf.name_of[p]] = full[k][start:end].view(p.shape).clone()
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load the full form of `state_dict()` (from any dp size, sharded or not); this rank
+        keeps its own part. Strict: every parameter must be present with its shape."""
+        buf = self.ddp.buffer
+        shapes = {buf.name_of[p]: tuple(p.shape) for p in buf.params}
+        for k in _STATE_KEYS:
+            got = {n: tuple(t.shape) for n, t in sd[k].items()}
+            if got != shapes:
+                missing, extra = sorted(set(shapes) - set(got)), sorted(set(got) - set(shapes))
+                wrong = sorted(n for n in set(got) & set(shapes) if got[n] != shapes[n])
+                raise ValueError(f"optimizer state {k!r} does not match the model: missing {missing}, "
+                                 f"unexpected {extra}, wrong shape {wrong}")
+        self._step = int(sd["step"])
+        if self.optimizer is None:
+            return
+        self.optimizer.state.clear()
+        if self._step == 0:
+            return  # fresh AdamW state is zeros at step 0: nothing to restore
+        # AdamW keeps `step` as a float tensor: on the device when fused, else on the CPU.
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        for pc in self.pieces:
+            dev = pc.main.device
+            st = {"step": torch.tensor(float(self._step), dtype=scalar,
+                                       device=dev if self._fused else "cpu")}
+            for k in _STATE_KEYS:
+                st[k] = sd[k][pc.name].reshape(-1)[pc.a:pc.b].to(device=dev, dtype=pc.main.dtype).clone()
+            self.optimizer.state[pc.main] = st
