@@ -1,0 +1,172 @@
+"""`mpoverlap-train [overrides]` and `torchrun ... -m mpoverlap.train [overrides]`.
+
+Outside torchrun (no RANK in the environment) it validates, then launches its own workers with
+torch's elastic launcher (world = tp x pp x cp x dp); under torchrun each rank validates and
+joins. Exit codes: 0 success, 2 invalid configuration (reported before any worker or process
+group exists), 1 a failed run (with the failing rank and its reason).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, List, Optional
+
+from mpoverlap.config import ConfigError, compose, world_size_from_env
+from mpoverlap.overlap.layout import build_layout
+from mpoverlap.overlap.plan import render_problems
+from mpoverlap.overlap.rules import validate
+
+EXIT_INVALID = 2
+EXIT_FAILED = 1
+
+# Errors a user can act on: printed as one paragraph, no traceback.
+_USER_ERRORS = ("DataError", "CheckpointError", "ConfigError")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _compose_and_validate(overrides: List[str], world: Optional[int]):
+    """(cfg, exit_code): exit_code None when the config can run."""
+    try:
+        cfg = compose(overrides)
+    except ConfigError as err:
+        print(f"mpoverlap: invalid override or key: {err}", file=sys.stderr)
+        return None, EXIT_INVALID
+    problems = validate(cfg, world)
+    if problems:
+        print(render_problems(problems), file=sys.stderr)
+        return None, EXIT_INVALID
+    return cfg, None
+
+
+def _record(fn):
+    """torch elastic's @record: a worker's exception reaches the launcher with its rank."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
+
+
+@_record
+def worker_entry(overrides: List[str]) -> Any:
+    """Runs inside each worker (elastic launcher or torchrun). Module-level so spawn can pickle it."""
+    world = world_size_from_env()
+    cfg, code = _compose_and_validate(overrides, world)
+    if code is not None:
+        raise SystemExit(code)
+    from mpoverlap.training.loop import run_worker
+
+    rank = os.environ.get("RANK", "?")
+    try:
+        return run_worker(cfg)
+    except Exception as err:
+        if type(err).__name__ in _USER_ERRORS:
+            # The user can act on it: one paragraph, no traceback, a non-zero exit.
+            print(f"mpoverlap: rank {rank}: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_FAILED) from None
+        print(f"mpoverlap: rank {rank} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        raise
+
+
+def _launch(cfg: Any, overrides: List[str]) -> int:
+    """Start world-size workers on this machine with torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lo = build_layout(cfg)
+    world = lo.world
+    # Every worker must agree on the run directory: resolve it once here.
+    run_dir = str(Path(cfg.run.dir).resolve())
+    worker_overrides = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}",
+                                                                               f"parallel.dp={lo.dp}"]
+    if cfg.train.device != "cpu" and _wants_cuda(cfg):
+        # TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS set before CUDA starts in the workers.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"mpoverlap-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": 120},
+        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+    )
+    # The workers print their own errors (one paragraph, or a traceback for a bug); torch
+    # elastic's agent would repeat each as a multi-screen log in the launcher.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        results = elastic_launch(config, worker_entry)(worker_overrides)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode == EXIT_INVALID:
+            return EXIT_INVALID
+        print(f"mpoverlap: run failed: rank {rank} exited with code {failure.exitcode}"
+              f"{_failure_reason(failure)}; see its message above", file=sys.stderr)
+        return EXIT_FAILED
+    return 0 if results is not None else EXIT_FAILED
+
+
+def _failure_reason(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):  # the error file torch elastic's @record wrote
+        message = message.get("message", {}).get("message", "")
+    message = str(message or "").strip().splitlines()
+    if not message or message[0] == "N/A" or message[0].startswith("To enable traceback"):
+        return ""
+    return f" ({message[0]})"
+
+
+def _wants_cuda(cfg: Any) -> bool:
+    if cfg.train.device == "cuda":
+        return True
+    try:
+        import torch
+
+        return cfg.train.device == "auto" and torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if overrides and overrides[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if "RANK" in os.environ:  # under torchrun: this process is one rank
+        try:
+            worker_entry(overrides)
+        except SystemExit as exit_:
+            return int(exit_.code or 0)
+        except Exception:
+            return EXIT_FAILED
+        return 0
+    cfg, code = _compose_and_validate(overrides, None)
+    if code is not None:
+        return code
+    code = _preflight_data(cfg)
+    if code is not None:
+        return code
+    return _launch(cfg, overrides)
+
+
+def _preflight_data(cfg: Any) -> Optional[int]:
+    """Open the dataset once before any worker starts: a missing or corrupt file is reported
+    here, as a configuration problem, instead of by every rank."""
+    from mpoverlap.training.data import DataError, build_datasets
+
+    try:
+        build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
+    except DataError as err:
+        print(f"mpoverlap: the configuration cannot run: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

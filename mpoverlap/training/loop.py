@@ -1,0 +1,215 @@
+"""The training loop run by every worker: build, resume, step, log, evaluate, checkpoint."""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from mpoverlap.comm import CommLedger
+from mpoverlap.comm.ledger import mean_over_ranks
+from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
+from mpoverlap.models.gpt import GPT, num_parameters
+from mpoverlap.overlap.config import CommOverlapConfig
+from mpoverlap.overlap.plan import render_plan
+from mpoverlap.parallel import ParallelState
+from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
+from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
+from mpoverlap.training.lr import LRSchedule
+from mpoverlap.training.metrics import MetricsWriter, Progress
+from mpoverlap.training.setup import init_distributed, shared_run_dir
+
+# Model fields a checkpoint must agree on to be loadable into this model.
+_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+               "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings")
+
+
+class Trainer:
+    def __init__(self, cfg: Any, state: ParallelState, run_dir: Path) -> None:
+        self.cfg, self.state, self.run_dir = cfg, state, run_dir
+        self.is_rank0 = state.rank == 0
+        self.overlap = CommOverlapConfig.from_config(cfg, state.world)
+        self.ledger = CommLedger()
+        t = cfg.train
+        self.model = GPT(cfg.model, seed=t.seed).to(state.device)
+        self.ddp = DataParallel(
+            self.model, state, group_kind="dp_cp", overlap=self.overlap.dp.enabled,
+            bucket_mb=self.overlap.dp_bucket_mb, distributed_optimizer=t.distributed_optimizer,
+            ledger=self.ledger)
+        self.optimizer = DataParallelAdamW(
+            self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+            weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled)
+        self.schedule = LRSchedule.from_config(t)
+        self.train_data, self.val_data = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
+        self.dp_rank = state.coords.dp * state.grid.cp + state.coords.cp if state.grid.cp > 1 else state.coords.dp
+        self.dp_size = state.grid.dp
+        ck_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+        self.checkpointer = Checkpointer(ck_dir, keep=cfg.checkpoint.keep)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if state.device.type == "cuda"
+                         else nullcontext())
+        self.step = 0
+
+    # ---- checkpoint state -------------------------------------------------------------
+    def _meta(self) -> Dict[str, Any]:
+        m = self.cfg.model
+        return {"step": self.step, "model": {k: m[k] for k in _SHAPE_KEYS},
+                "lr_schedule": {"lr": self.schedule.lr, "min_lr": self.schedule.min_lr,
+                                "warmup_steps": self.schedule.warmup_steps,
+                                "decay_steps": self.schedule.decay_steps},
+                "seed": int(self.cfg.train.seed), "global_batch_size": int(self.cfg.train.global_batch_size)}
+
+    def _app_state(self) -> Dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "meta": self._meta()}
+
+    def save(self) -> None:
+        self.optimizer.finish_param_sync()
+        t0 = time.perf_counter()
+        path = self.checkpointer.save(self.step, self._app_state())
+        self.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+
+    def maybe_resume(self) -> None:
+        if self.cfg.checkpoint.resume != "auto":
+            return
+        path = self.checkpointer.latest()
+        if path is None:
+            return
+        meta = self.checkpointer.load(path, {"meta": self._meta()})["meta"]
+        ours = self._meta()
+        if dict(meta["model"]) != ours["model"]:
+            diff = {k: (meta["model"][k], ours["model"][k]) for k in ours["model"] if meta["model"][k] != ours["model"][k]}
+            raise CheckpointError(
+                f"checkpoint {path} holds a different model ({', '.join(f'model.{k}: saved {a}, now {b}' for k, (a, b) in diff.items())}); "
+                "resume with the saved model shape, point checkpoint.dir elsewhere, or set checkpoint.resume=none")
+        if dict(meta["lr_schedule"]) != ours["lr_schedule"] or meta["seed"] != ours["seed"] \
+                or meta["global_batch_size"] != ours["global_batch_size"]:
+            self.log(f"warning: resuming {path} with a different LR schedule, seed or global batch than it was "
+                     f"saved with (saved {dict(meta['lr_schedule'])}, seed {meta['seed']}, global batch "
+                     f"{meta['global_batch_size']}): the run will not continue the saved trajectory exactly; "
+                     "set train.lr_decay_steps explicitly to keep a schedule across reruns")
+        state = self._app_state()
+        self.checkpointer.load(path, state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["meta"]["step"])
+        self.log(f"resumed from {path} at step {self.step}")
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def train_step(self) -> Dict[str, Any]:
+        t = self.cfg.train
+        lr = self.schedule(self.step)
+        batch = global_batch(self.train_data, self.step, t.global_batch_size, t.seed)
+        micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
+        t0 = time.perf_counter()
+        self.ddp.start_step()
+        loss_sum = torch.zeros((), device=self.state.device)
+        for i, mb in enumerate(micro):
+            mb = mb.to(self.state.device, non_blocking=True)
+            self.ddp.set_last_microbatch(i == len(micro) - 1)
+            with self.autocast:
+                logits = self.ddp(mb[:, :-1])
+            loss = self.model.loss(logits.float(), mb[:, 1:]) / len(micro)
+            loss.backward()
+            loss_sum += loss.detach()
+        self.ddp.finish_grad_sync()
+        grad_norm = self.optimizer.clip_grad_norm(t.grad_clip)
+        if not torch.isfinite(torch.tensor(grad_norm)) or not torch.isfinite(loss_sum):
+            raise FloatingPointError(f"non-finite loss or gradient at step {self.step + 1} "
+                                     f"(loss {loss_sum.item()}, grad norm {grad_norm}); nothing was checkpointed")
+        self.optimizer.step(lr)
+        step_time = time.perf_counter() - t0
+        self.step += 1
+        return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time}
+
+    def _mean_over_replicas(self, value: torch.Tensor) -> float:
+        group = self.state.group("dp_cp")
+        if group is not None:
+            value = value.clone()
+            dist.all_reduce(value, group=group)
+            value /= self.state.size("dp_cp")
+        return float(value)
+
+    def log_row(self, out: Dict[str, Any]) -> Dict[str, Any]:
+        comm = self.ledger.reset()
+        gathered: List[Optional[dict]] = [None] * self.state.world
+        if self.state.world > 1:
+            dist.all_gather_object(gathered, comm)
+        else:
+            gathered = [comm]
+        t = self.cfg.train
+        tokens = t.global_batch_size * self.cfg.model.seq_length
+        return {"step": self.step, "loss": self._mean_over_replicas(out["loss_local"]), "lr": out["lr"],
+                "grad_norm": out["grad_norm"], "step_time_s": out["step_time_s"],
+                "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks(gathered)}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.optimizer.finish_param_sync()
+        t = self.cfg.train
+        total = torch.zeros((), device=self.state.device)
+        n = max(1, min(t.eval_iters, len(self.val_data) // t.global_batch_size or 1))
+        for i in range(n):
+            idx = [(i * t.global_batch_size + j) % len(self.val_data) for j in range(t.global_batch_size)]
+            batch = torch.stack([self.val_data[k] for k in idx])
+            micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
+            for mb in micro:
+                mb = mb.to(self.state.device)
+                with self.autocast:
+                    logits = self.model(mb[:, :-1])
+                total += self.model.loss(logits.float(), mb[:, 1:]) / (len(micro) * n)
+        return self._mean_over_replicas(total)
+
+    def log(self, message: str) -> None:
+        if self.is_rank0:
+            print(message, flush=True)
+
+    # ---- the run ----------------------------------------------------------------------
+    def run(self) -> Dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        if self.is_rank0:
+            print(render_plan(cfg, self.state.world, num_parameters(self.model),
+                              f"{self.state.device.type}/{self.state.backend}"), flush=True)
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        self.maybe_resume()
+        if self.step >= t.steps:
+            self.log(f"nothing to do: the checkpoint is at step {self.step} >= train.steps={t.steps}")
+            return {"steps": self.step, "losses": []}
+        writer = MetricsWriter(self.run_dir, enabled=self.is_rank0)
+        progress = Progress(total=t.steps, initial=self.step, enabled=self.is_rank0 and t.progress)
+        losses = []
+        wall0 = time.perf_counter()
+        try:
+            while self.step < t.steps:
+                out = self.train_step()
+                if self.step % t.log_interval == 0 or self.step == t.steps:
+                    row = self.log_row(out)
+                    losses.append(row["loss"])
+                    writer.write(row)
+                    progress.update(row)
+                if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
+                    val = self.evaluate()
+                    writer.write({"step": self.step, "val_loss": val})
+                    progress.log(f"step {self.step}: validation loss {val:.4f}")
+                if cfg.checkpoint.interval and (self.step % cfg.checkpoint.interval == 0 or self.step == t.steps):
+                    self.save()
+            val = self.evaluate()
+            writer.write({"step": self.step, "val_loss": val})
+        finally:
+            progress.close()
+            writer.close()
+        self.log(f"done: {self.step} steps in {time.perf_counter() - wall0:.1f}s, validation loss {val:.4f}; "
+                 f"metrics in {self.run_dir / 'metrics.jsonl'}")
+        return {"steps": self.step, "losses": losses, "val_loss": val}
+
+
+def run_worker(cfg: Any) -> Dict[str, Any]:
+    state = init_distributed(cfg)
+    try:
+        run_dir = shared_run_dir(cfg)
+        return Trainer(cfg, state, run_dir).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,45 @@
+"""Per-process start-up: device, process group, ParallelState, run directory."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Tuple
+
+import torch
+import torch.distributed as dist
+
+from mpoverlap.overlap.layout import build_layout
+from mpoverlap.parallel import ParallelState, RankGrid
+
+
+def resolve_device(requested: str) -> Tuple[torch.device, str]:
+    """train.device -> (device, backend). auto: cuda+nccl when a GPU is visible, else cpu+gloo."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(cfg: Any) -> ParallelState:
+    """Join the process group the launcher set up (env://) and build every parallel group."""
+    device, backend = resolve_device(cfg.train.device)
+    timeout = timedelta(seconds=float(cfg.train.comm_timeout_s))
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    lo = build_layout(cfg, dist.get_world_size())
+    grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
+    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s))
+
+
+def shared_run_dir(cfg: Any) -> Path:
+    """All ranks adopt rank 0's run directory (a timestamp in the default could differ)."""
+    chosen = [str(Path(cfg.run.dir).resolve())]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    run_dir = Path(chosen[0])
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir

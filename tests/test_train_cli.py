@@ -1,0 +1,129 @@
+"""End to end through the console scripts: parity across dp layouts, overlap on/off, resume,
+torchrun, and exit codes. Each run is a real multi-process launch (gloo)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+         "model.ffn_hidden_size=128", "model.seq_length=64", "train.global_batch_size=16",
+         "train.micro_batch_size=2", "train.log_interval=1", "data.max_bytes=300000",
+         "overlap.dp_bucket_mb=0.05", "train.progress=false", "train.eval_iters=1"]
+
+
+def train(run_dir, *overrides, steps=4, expect=0, launcher=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    cmd = launcher or [str(BIN / "mpoverlap-train")]
+    args = cmd + SMALL + [f"train.steps={steps}", f"run.dir={run_dir}", *overrides]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == expect, f"{args}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def rows(run_dir):
+    path = Path(run_dir) / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def losses(run_dir):
+    return [r["loss"] for r in rows(run_dir)]
+
+
+def assert_close(a, b, rel=1e-5):
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * abs(y), (a, b)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    layouts = {
+        "dp1": [],
+        "dp2_on": ["parallel.dp=2", "overlap.dp=true"],
+        "dp2_off": ["parallel.dp=2", "overlap.dp=false"],
+        "dp4_zero_on": ["parallel.dp=4", "overlap.dp=true", "train.distributed_optimizer=true",
+                        "overlap.dp_param_gather=true"],
+        "dp2_zero_off": ["parallel.dp=2", "overlap=none", "train.distributed_optimizer=true"],
+    }
+    for name, ov in layouts.items():
+        train(root / name, *ov)
+    return root
+
+
+def test_loss_falls_and_metrics_contract(runs):
+    r = rows(runs / "dp2_on")
+    assert [x["step"] for x in r] == [1, 2, 3, 4]
+    assert r[-1]["loss"] < r[0]["loss"]
+    for row in r:
+        for key in ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm"):
+            assert key in row
+        dp = row["comm"]["dp"]
+        assert dp["ops"] > 1 and dp["bytes"] > 0
+        assert 0 <= dp["exposed_s"] <= dp["time_s"] + 1e-3
+    assert rows(runs / "dp1")[0]["comm"] == {}  # one replica: nothing communicated
+    val = [json.loads(x) for x in (runs / "dp2_on" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in x for x in val)
+
+
+def test_dp_layouts_reproduce_single_process_curve(runs):
+    ref = losses(runs / "dp1")
+    for name in ("dp2_on", "dp2_off", "dp4_zero_on", "dp2_zero_off"):
+        assert_close(losses(runs / name), ref)
+
+
+def test_overlap_on_off_identical(runs):
+    assert losses(runs / "dp2_on") == losses(runs / "dp2_off")
+    on, off = rows(runs / "dp2_on"), rows(runs / "dp2_off")
+    assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
+    # Same collectives either way: the same number of DP ops and bytes.
+    assert [r["comm"]["dp"]["bytes"] for r in on] == [r["comm"]["dp"]["bytes"] for r in off]
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    common = ["parallel.dp=2", "train.distributed_optimizer=true", "train.lr_decay_steps=6",
+              "checkpoint.interval=3"]
+    train(tmp_path / "full", *common, steps=6)
+    part = tmp_path / "part"
+    train(part, *common, steps=3)
+    assert (part / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
+    proc = train(part, *common, steps=6)
+    assert "resumed from" in proc.stdout
+    full = rows(tmp_path / "full")
+    resumed = rows(part)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+
+
+def test_torchrun_joins(tmp_path, runs):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "mpoverlap.train"]
+    train(tmp_path / "tr", "parallel.dp=auto", "overlap.dp=true", launcher=launcher)
+    assert losses(tmp_path / "tr") == losses(runs / "dp2_on")
+
+
+def test_invalid_config_exits_2_before_any_worker(tmp_path):
+    proc = train(tmp_path / "bad", "overlap.dp=true", "parallel.tp=0", "model.num_attention_heads=3",
+                 expect=2)
+    assert "Traceback" not in proc.stderr
+    assert "overlap.dp=true" in proc.stderr and "parallel.tp=0" in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_missing_data_file_is_one_paragraph(tmp_path):
+    proc = train(tmp_path / "bad", "data=indexed", f"data.path={tmp_path}/nothing", expect=2)
+    assert "Traceback" not in proc.stderr and f"{tmp_path}/nothing" in proc.stderr
+
+
+def test_incompatible_checkpoint_is_refused(tmp_path):
+    train(tmp_path / "a", "checkpoint.interval=2", steps=2)
+    proc = train(tmp_path / "a", "model.num_layers=3", steps=4, expect=1)
+    assert "model.num_layers" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "a" / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
