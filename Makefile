@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.mpoverlap-installed
 TORCH   ?= torch==2.13.0
 # The main job: a real multi-process run (dp=2, DP overlap on, distributed optimizer).
-RUN_ARGS ?= parallel.dp=2 overlap.dp=true train.distributed_optimizer=true train.steps=60 checkpoint.interval=30 run.dir=runs/make-run
+RUN_ARGS ?= parallel.dp=2 overlap.dp=true train.distributed_optimizer=true overlap.dp_bucket_mb=0.5 train.steps=200 train.log_interval=10 train.eval_interval=100 checkpoint.interval=100
 BENCH_ARGS ?=
 
 .PHONY: setup run test bench clean

@@ -1,13 +1,14 @@
 """Per-step ledger: sums every waited CommHandle per mode.
 
-`time_s` is the time handles were in flight (issue to completion), `exposed_s` the time
-compute sat blocked in wait(). exposed_s / time_s is the share of that mode's communication
-that overlap failed to hide.
+`time_s` is the wall time during which at least one handle of the mode was in flight (the
+union of issue-to-completion intervals, so handles queued behind each other are not counted
+twice), `exposed_s` the time compute sat blocked in wait(). exposed_s / time_s is the share of
+that mode's communication that overlap failed to hide.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 FIELDS = ("ops", "bytes", "time_s", "exposed_s")
 
@@ -15,31 +16,46 @@ FIELDS = ("ops", "bytes", "time_s", "exposed_s")
 class CommLedger:
     def __init__(self) -> None:
         self._totals: Dict[str, Dict[str, float]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0.0))
-        self._spans: List[tuple] = []
-        self.keep_spans = False
+        self._intervals: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
 
     def record(self, handle) -> None:
         row = self._totals[handle.mode]
         row["ops"] += 1
         row["bytes"] += handle.nbytes
-        row["time_s"] += handle.in_flight_s
         row["exposed_s"] += handle.blocked_s
-        if self.keep_spans:
-            self._spans.append((handle.mode, handle.op, handle.issued_at, handle.completed_at, handle.blocked_s))
+        end = handle.completed_at if handle.completed_at is not None else handle.issued_at
+        self._intervals[handle.mode].append((handle.issued_at, end))
 
-    def summary(self) -> Dict[str, Dict[str, float]]:
-        """{mode: {ops, bytes, time_s, exposed_s}} for the modes that communicated."""
+    def summary(self, per: int = 1) -> Dict[str, Dict[str, float]]:
+        """{mode: {ops, bytes, time_s, exposed_s}} for the modes that communicated, divided by
+        `per` (the number of steps recorded, for per-step figures)."""
         out = {}
         for mode, row in self._totals.items():
-            out[mode] = {"ops": int(row["ops"]), "bytes": int(row["bytes"]),
-                         "time_s": row["time_s"], "exposed_s": row["exposed_s"]}
+            out[mode] = {"ops": row["ops"] / per, "bytes": row["bytes"] / per,
+                         "time_s": union_length(self._intervals[mode]) / per,
+                         "exposed_s": row["exposed_s"] / per}
         return out
 
-    def reset(self) -> Dict[str, Dict[str, float]]:
-        out = self.summary()
+    def reset(self, per: int = 1) -> Dict[str, Dict[str, float]]:
+        out = self.summary(per)
         self._totals.clear()
-        self._spans.clear()
+        self._intervals.clear()
         return out
+
+
+def union_length(intervals: List[Tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping [start, end] intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
 
 
 def mean_over_ranks(summaries: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:

@@ -57,14 +57,17 @@ class Trainer:
     def _meta(self) -> Dict[str, Any]:
         m = self.cfg.model
         return {"step": self.step, "model": {k: m[k] for k in _SHAPE_KEYS},
+                # The data position: the sample order is a function of the seed alone.
+                "consumed_samples": self.step * int(self.cfg.train.global_batch_size),
                 "lr_schedule": {"lr": self.schedule.lr, "min_lr": self.schedule.min_lr,
                                 "warmup_steps": self.schedule.warmup_steps,
                                 "decay_steps": self.schedule.decay_steps},
                 "seed": int(self.cfg.train.seed), "global_batch_size": int(self.cfg.train.global_batch_size)}
 
     def _app_state(self) -> Dict[str, Any]:
+        # Every rank starts from the same seed, so rank 0's generator state stands for all.
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "meta": self._meta()}
+                "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()}}
 
     def save(self) -> None:
         self.optimizer.finish_param_sync()
@@ -94,6 +97,7 @@ class Trainer:
         state = self._app_state()
         self.checkpointer.load(path, state)
         self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch_cpu"])
         self.step = int(state["meta"]["step"])
         self.log(f"resumed from {path} at step {self.step}")
 
@@ -132,8 +136,9 @@ class Trainer:
             value /= self.state.size("dp_cp")
         return float(value)
 
-    def log_row(self, out: Dict[str, Any]) -> Dict[str, Any]:
-        comm = self.ledger.reset()
+    def log_row(self, out: Dict[str, Any], steps_since_log: int) -> Dict[str, Any]:
+        """The metrics row; `comm` holds per-step means over the steps since the last row."""
+        comm = self.ledger.reset(per=steps_since_log)
         gathered: List[Optional[dict]] = [None] * self.state.world
         if self.state.world > 1:
             dist.all_gather_object(gathered, comm)
@@ -181,11 +186,13 @@ class Trainer:
         progress = Progress(total=t.steps, initial=self.step, enabled=self.is_rank0 and t.progress)
         losses = []
         wall0 = time.perf_counter()
+        last_logged = self.step
         try:
             while self.step < t.steps:
                 out = self.train_step()
                 if self.step % t.log_interval == 0 or self.step == t.steps:
-                    row = self.log_row(out)
+                    row = self.log_row(out, self.step - last_logged)
+                    last_logged = self.step
                     losses.append(row["loss"])
                     writer.write(row)
                     progress.update(row)
