@@ -52,9 +52,9 @@ def _timing_worker(rank, world):
     # Waited at once: compute blocked for (nearly) all of it.
     all_reduce(big, group, mode="dp", ledger=ledger).wait()
     at_once = ledger.reset()["dp"]
-    # Issued, then 0.3 s of "compute", then waited: the collective finished under it.
+    # Issued, then 0.5 s of "compute", then waited: the collective finished under it.
     h = all_reduce(big, group, mode="dp", ledger=ledger)
-    time.sleep(0.3)
+    time.sleep(0.5)
     done_before_wait = h.is_completed()
     h.wait()
     hidden = ledger.reset()["dp"]
@@ -68,5 +68,5 @@ def test_exposed_versus_hidden_on_gloo():
     for rank, (at_once, hidden, done, out, value) in enumerate(results):
         assert value == 4.0  # 1 -> 2 -> 4 after two sums
         assert at_once["exposed_s"] > 0.5 * at_once["time_s"] > 0
-        assert done and hidden["exposed_s"] < 0.01 and hidden["time_s"] < 0.3
+        assert done and hidden["exposed_s"] < 0.05 and hidden["time_s"] < 0.5
         assert out == ([0.0, 3.0] if rank == 0 else [6.0, 9.0])

@@ -12,13 +12,23 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mpoverlap.comm.handle import CommHandle
+from mpoverlap.comm.handle import CommHandle, now
 from mpoverlap.comm.ledger import CommLedger
 
 
 # torch 2.13 renamed the tensor collectives; older releases only have the old names.
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _clock(tensor: torch.Tensor, communicates) -> dict:
+    """Issue-time clocks, taken before the collective is enqueued: host time, plus a CUDA
+    event on the compute stream when the tensor lives on a GPU and something is sent."""
+    start = None
+    if tensor.is_cuda and communicates:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+    return {"issued_at": now(), "cuda_start": start}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -28,51 +38,57 @@ def _nbytes(t: torch.Tensor) -> int:
 def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommLedger],
                op=dist.ReduceOp.SUM) -> CommHandle:
     """In-place all-reduce of `tensor` over `group`."""
+    clock = _clock(tensor, group)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True) if group is not None else None
-    return CommHandle(mode, "all_reduce", _nbytes(tensor), [work], ledger, keepalive=tensor)
+    return CommHandle(mode, "all_reduce", _nbytes(tensor), [work], ledger, keepalive=tensor, **clock)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                    ledger: Optional[CommLedger], op=dist.ReduceOp.SUM) -> CommHandle:
     """output[n/g] = shard `rank` of sum over the group of input[n]."""
+    clock = _clock(input, group)
     if group is None:
         output.copy_(input)
         work = None
     else:
         work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
-    return CommHandle(mode, "reduce_scatter", _nbytes(input), [work], ledger, keepalive=(output, input))
+    return CommHandle(mode, "reduce_scatter", _nbytes(input), [work], ledger, keepalive=(output, input), **clock)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                ledger: Optional[CommLedger]) -> CommHandle:
     """output[g*n] = concat over the group of input[n]."""
+    clock = _clock(input, group)
     if group is None:
         output.copy_(input)
         work = None
     else:
         work = _all_gather_tensor(output, input, group=group, async_op=True)
-    return CommHandle(mode, "all_gather", _nbytes(output), [work], ledger, keepalive=(output, input))
+    return CommHandle(mode, "all_gather", _nbytes(output), [work], ledger, keepalive=(output, input), **clock)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                ledger: Optional[CommLedger], output_split_sizes: Optional[List[int]] = None,
                input_split_sizes: Optional[List[int]] = None) -> CommHandle:
     """all_to_all_single along dim 0, uneven splits allowed."""
+    clock = _clock(input, group)
     if group is None:
         output.copy_(input)
         work = None
     else:
         work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                       group=group, async_op=True)
-    return CommHandle(mode, "all_to_all", _nbytes(input), [work], ledger, keepalive=(output, input))
+    return CommHandle(mode, "all_to_all", _nbytes(input), [work], ledger, keepalive=(output, input), **clock)
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: str,
               ledger: Optional[CommLedger]) -> CommHandle:
     """One batched set of point-to-point ops: sends [(tensor, global_peer)], recvs likewise."""
+    tensors = [t for t, _ in sends] + [t for t, _ in recvs]
+    # p2p peers are global ranks; group None here is the world, so anything listed is sent.
+    clock = _clock(tensors[0], True) if tensors else {}
     ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
     works = dist.batch_isend_irecv(ops) if ops else []
     nbytes = sum(_nbytes(t) for t, _ in sends) + sum(_nbytes(t) for t, _ in recvs)
-    keep = [t for t, _ in sends] + [t for t, _ in recvs]
-    return CommHandle(mode, "send_recv", nbytes, list(works), ledger, keepalive=keep)
+    return CommHandle(mode, "send_recv", nbytes, list(works), ledger, keepalive=tensors, **clock)

@@ -1,9 +1,16 @@
 """CommHandle: one in-flight communication, with the clocks that tell whether it was hidden.
 
 A handle knows its mode (dp/tp/pp/cp/ep), its op, its bytes, when it was issued, when the
-backend finished it (host clock from the work's future callback on CPU; CUDA events on the
-communication stream on GPU) and how long compute sat blocked in `wait()`. Waiting is
-idempotent; every handle reports once to the ledger it was issued under.
+backend finished it and how long compute sat blocked in `wait()`. Waiting is idempotent;
+every handle reports once to the ledger it was issued under.
+
+Clocks. On CPU (gloo) host clocks: completion from the work's future callback, blocked time
+around `work.wait()`. On CUDA (NCCL) `work.wait()` does not block the host: it makes the
+compute stream wait for the communication stream. There the handle records CUDA events on
+the compute stream at issue and around the wait; the GPU-side stall (exposed time) is the
+elapsed time between the events around the wait, and the in-flight time runs from issue to
+the end of the wait (an upper bound when the transfer finished earlier). Events are read
+only when the ledger summarises (at log steps), never with a device-wide synchronize.
 """
 from __future__ import annotations
 
@@ -25,13 +32,14 @@ class CommHandle:
     )
 
     def __init__(self, mode: str, op: str, nbytes: int, works: List[Any], ledger: Optional["Any"],
-                 on_done: Optional[Callable[[], None]] = None, keepalive: Any = None) -> None:
+                 on_done: Optional[Callable[[], None]] = None, keepalive: Any = None,
+                 issued_at: Optional[float] = None, cuda_start: Any = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown comm mode {mode!r}; one of {MODES}")
         self.mode = mode
         self.op = op
         self.nbytes = int(nbytes)
-        self.issued_at = now()
+        self.issued_at = issued_at if issued_at is not None else now()
         self.completed_at: Optional[float] = None
         self.blocked_s = 0.0
         self._works = [w for w in works if w is not None]
@@ -41,8 +49,10 @@ class CommHandle:
         self._lock = threading.Lock()
         # Tensors an in-flight collective reads or writes: kept alive until wait() returns.
         self._keepalive = keepalive
-        self._cuda_events = None
-        self._watch_completion()
+        # (start, before_wait, after_wait) CUDA events, or None on CPU.
+        self._cuda_events = [cuda_start, None, None] if cuda_start is not None else None
+        if self._cuda_events is None:
+            self._watch_completion()
 
     def _watch_completion(self) -> None:
         if not self._works:
@@ -71,6 +81,9 @@ class CommHandle:
     def wait(self) -> "CommHandle":
         if self._waited:
             return self
+        if self._cuda_events is not None:
+            self._wait_cuda()
+            return self
         t0 = now()
         for work in self._works:
             work.wait()
@@ -81,12 +94,47 @@ class CommHandle:
         # Blocked = time compute could not proceed; a handle already done costs ~0.
         self.blocked_s = t1 - t0
         self._keepalive = None
+        self._works = []
+        self._finish()
+        return self
+
+    def _wait_cuda(self) -> None:
+        import torch
+
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record()
+        for work in self._works:
+            work.wait()  # enqueues a stream wait; the host moves on
+        after.record()
+        self._cuda_events[1:] = [before, after]
+        self._waited = True
+        # The tensors must outlive the transfer, which may still run on the GPU: keep them
+        # until the timing is resolved (after the `after` event completed).
+        self._finish()
+
+    def _finish(self) -> None:
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
         if self._ledger is not None:
             self._ledger.record(self)
-        return self
+
+    def resolve_timing(self) -> None:
+        """CUDA only: turn the recorded events into seconds (waits for the `after` event)."""
+        if self._cuda_events is None or self._cuda_events[2] is None:
+            return
+        start, before, after = self._cuda_events
+        after.synchronize()
+        self.blocked_s = before.elapsed_time(after) / 1e3
+        in_flight = start.elapsed_time(after) / 1e3
+        self.completed_at = self.issued_at + in_flight
+        self._cuda_events = None
+        self._keepalive = None
+
+    @property
+    def uses_cuda_events(self) -> bool:
+        return self._cuda_events is not None
 
     @property
     def waited(self) -> bool:

@@ -17,8 +17,15 @@ class CommLedger:
     def __init__(self) -> None:
         self._totals: Dict[str, Dict[str, float]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0.0))
         self._intervals: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
+        self._unresolved: List = []  # CUDA handles whose events are read at summary time
 
     def record(self, handle) -> None:
+        if handle.uses_cuda_events:
+            self._unresolved.append(handle)
+            return
+        self._add(handle)
+
+    def _add(self, handle) -> None:
         row = self._totals[handle.mode]
         row["ops"] += 1
         row["bytes"] += handle.nbytes
@@ -29,6 +36,10 @@ class CommLedger:
     def summary(self, per: int = 1) -> Dict[str, Dict[str, float]]:
         """{mode: {ops, bytes, time_s, exposed_s}} for the modes that communicated, divided by
         `per` (the number of steps recorded, for per-step figures)."""
+        for handle in self._unresolved:
+            handle.resolve_timing()
+            self._add(handle)
+        self._unresolved.clear()
         out = {}
         for mode, row in self._totals.items():
             out[mode] = {"ops": row["ops"] / per, "bytes": row["bytes"] / per,
