@@ -21,14 +21,31 @@ def rules_table() -> str:
     return "\n".join(rows)
 
 
+README_MARKERS = ("<!-- rules:start -->\n", "\n<!-- rules:end -->")
+
+
+def write_readme_rules(path: str) -> None:
+    """Replace the rule reference between the README's markers with the registry's table."""
+    from pathlib import Path
+
+    start, end = README_MARKERS
+    text = Path(path).read_text()
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    Path(path).write_text(head + start + rules_table() + end + tail)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print("usage: mpoverlap-check [--rules] [hydra overrides ...]\n"
+        print("usage: mpoverlap-check [--rules [--write-readme README.md]] [hydra overrides ...]\n"
               "  validates the configuration and prints the plan; exit 0 valid, 2 invalid")
         return 0
     if "--rules" in args:
-        print(rules_table())
+        if "--write-readme" in args:
+            write_readme_rules(args[args.index("--write-readme") + 1])
+        else:
+            print(rules_table())
         return 0
     try:
         cfg = compose(args)

@@ -45,7 +45,9 @@ class Trainer:
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled)
         self.schedule = LRSchedule.from_config(t)
         self.train_data, self.val_data = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
-        self.dp_rank = state.coords.dp * state.grid.cp + state.coords.cp if state.grid.cp > 1 else state.coords.dp
+        # Context-parallel ranks of one replica share its samples (each holds part of every
+        # sequence), so the batch is sliced by the dp coordinate alone.
+        self.dp_rank = state.coords.dp
         self.dp_size = state.grid.dp
         ck_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
         self.checkpointer = Checkpointer(ck_dir, keep=cfg.checkpoint.keep)
