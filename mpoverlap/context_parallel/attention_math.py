@@ -1,0 +1,103 @@
+"""Block attention math with log-sum-exp: the compute half of ring attention (no communication).
+
+One "block" is the attention of a query chunk against one key/value chunk. Blocks of the same
+query chunk merge exactly with their log-sum-exp (online softmax); the backward recomputes the
+probabilities of each block from the saved q, k and the final lse (flash-attention style), so no
+[Q, K] probability matrix is kept between forward and backward.
+
+Everything is computed in fp32 (inputs are upcast; outputs are fp32); fp64 inputs stay fp64.
+
+Shape letters: B batch, N heads, Q query rows of the block, K key rows of the block, D head dim.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+SKIP, DIAG, FULL = "skip", "diag", "full"
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype for inputs of `dtype`: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _up(x: torch.Tensor) -> torch.Tensor:
+    return x.to(acc_dtype(x.dtype))
+
+
+def chunk_relation(q_chunk: int, k_chunk: int) -> str:
+    """Causal relation between global chunk indices of equal length: key chunk after the query
+    chunk -> SKIP (fully masked, nothing computed), same chunk -> DIAG (causal mask inside),
+    key chunk before -> FULL (every key visible, no mask)."""
+    if k_chunk > q_chunk:
+        return SKIP
+    return DIAG if k_chunk == q_chunk else FULL
+
+
+def _scores(q_BNQD: torch.Tensor, k_BNKD: torch.Tensor, scale: float,
+            causal: bool) -> torch.Tensor:
+    """scores_BNQK = q k^T * scale in fp32; with `causal` (Q == K, a diagonal block) the entries
+    above the diagonal are -inf."""
+    scores_BNQK = torch.matmul(_up(q_BNQD), _up(k_BNKD).transpose(-1, -2)) * scale
+    if causal:
+        Q, K = scores_BNQK.shape[-2:]
+        above_QK = torch.ones(Q, K, dtype=torch.bool, device=scores_BNQK.device).triu_(1)
+        scores_BNQK = scores_BNQK.masked_fill(above_QK, float("-inf"))
+    return scores_BNQK
+
+
+def block_forward(q_BNQD: torch.Tensor, k_BNKD: torch.Tensor, v_BNKD: torch.Tensor, *,
+                  scale: float, causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of one block: (out_BNQD, lse_BNQ), both fp32.
+
+    out = softmax(q k^T * scale [+ causal mask]) v, normalised within this block only;
+    lse = log sum_k exp(scores): what merge_partial needs to combine blocks exactly."""
+    scores_BNQK = _scores(q_BNQD, k_BNKD, scale, causal)
+    lse_BNQ = torch.logsumexp(scores_BNQK, dim=-1)
+    probs_BNQK = torch.exp(scores_BNQK - lse_BNQ.unsqueeze(-1))
+    out_BNQD = torch.matmul(probs_BNQK, _up(v_BNKD))
+    return out_BNQD, lse_BNQ
+
+
+def merge_partial(out_BNQD: Optional[torch.Tensor], lse_BNQ: Optional[torch.Tensor],
+                  block_out_BNQD: torch.Tensor, block_lse_BNQ: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of an accumulated (out, lse) with one more block's (out, lse).
+
+    lse' = log(e^lse + e^lse_blk);  out' = out e^(lse - lse') + out_blk e^(lse_blk - lse').
+    An accumulator of None (no block yet) takes the block as is. Every row that reaches here
+    has a finite lse (a diagonal block row always sees its own key), so no -inf - -inf."""
+    if out_BNQD is None:
+        return block_out_BNQD, block_lse_BNQ
+    new_lse_BNQ = torch.logaddexp(lse_BNQ, block_lse_BNQ)
+    out_BNQD = (out_BNQD * torch.exp(lse_BNQ - new_lse_BNQ).unsqueeze(-1)
+                + block_out_BNQD * torch.exp(block_lse_BNQ - new_lse_BNQ).unsqueeze(-1))
+    return out_BNQD, new_lse_BNQ
+
+
+def softmax_delta(out_BNQD: torch.Tensor, dout_BNQD: torch.Tensor) -> torch.Tensor:
+    """delta_BNQ = rowsum(dout * out) in fp32: the softmax backward's per-row correction,
+    computed once from the final (merged) output."""
+    return (_up(dout_BNQD) * _up(out_BNQD)).sum(dim=-1)
+
+
+def block_backward(q_BNQD: torch.Tensor, k_BNKD: torch.Tensor, v_BNKD: torch.Tensor,
+                   dout_BNQD: torch.Tensor, lse_BNQ: torch.Tensor, delta_BNQ: torch.Tensor, *,
+                   scale: float, causal: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block's share of the merged attention: (dq_BNQD, dk_BNKD, dv_BNKD) fp32.
+
+    With the FINAL lse of the query rows, p = exp(scores - lse) is this block's slice of the
+    global softmax, so per-block grads sum to the full gradient:
+      dv = p^T dout;  dp = dout v^T;  ds = p (dp - delta);  dq = ds k scale;  dk = ds^T q scale."""
+    scores_BNQK = _scores(q_BNQD, k_BNKD, scale, causal)
+    probs_BNQK = torch.exp(scores_BNQK - lse_BNQ.unsqueeze(-1))
+    dout_BNQD = _up(dout_BNQD)
+    dv_BNKD = torch.matmul(probs_BNQK.transpose(-1, -2), dout_BNQD)
+    dprobs_BNQK = torch.matmul(dout_BNQD, _up(v_BNKD).transpose(-1, -2))
+    dscores_BNQK = probs_BNQK * (dprobs_BNQK - delta_BNQ.unsqueeze(-1))
+    dq_BNQD = torch.matmul(dscores_BNQK, _up(k_BNKD)) * scale
+    dk_BNKD = torch.matmul(dscores_BNQK.transpose(-1, -2), _up(q_BNQD)) * scale
+    return dq_BNQD, dk_BNKD, dv_BNKD

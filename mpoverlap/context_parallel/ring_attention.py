@@ -1,0 +1,190 @@
+"""Ring attention: causal attention over a context-parallel sequence, K/V passed around the ring.
+
+Layout: q, k, v are [B, N, S_local, D] with S_local = S / cp holding global chunks
+(r, 2cp-1-r) of length c = S / (2 cp) (see split.py). The output has the same layout.
+
+Forward, at ring step s = 0 .. cp-1 rank r holds the K/V block of rank (r - s) mod cp:
+  1. issue the exchange that brings the next block (send this block on, receive the next one
+     into the second buffer): double buffering;
+  2. attend the two local query chunks to the two key chunks of the block, pair by pair:
+     key chunk after query chunk -> skipped; same chunk -> causal mask; before -> no mask;
+     each pair's (out, lse) merges into the query chunk's accumulator (online softmax, fp32);
+  3. wait the exchange (overlap.cp: it ran under step 2; without: it was waited in step 1).
+Backward recomputes each pair from the saved q, k, v, out, lse. K/V circulate again; the dK/dV
+accumulator of each block travels with it (each rank adds its share, then sends it on); after
+cp exchanges every accumulator is back home, complete. dQ accumulates locally.
+
+Overlap changes only when handles are waited, never the arithmetic: on and off are bitwise
+identical.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from mpoverlap.context_parallel.attention_math import (SKIP, acc_dtype, block_backward,
+                                                        block_forward, chunk_relation,
+                                                        merge_partial, softmax_delta)
+from mpoverlap.context_parallel.ring_comm import CPRing
+from mpoverlap.context_parallel.split import cp_chunks_of_rank
+from mpoverlap.context_parallel.stats import CPStats, NullStats
+
+
+def _pairs(ring: CPRing, src: int):
+    """(i, j, relation) for query chunk i of this rank and key chunk j of rank `src`'s block,
+    i, j in {0, 1} (local chunk positions), in a fixed order."""
+    q_chunks = cp_chunks_of_rank(ring.cp_rank, ring.cp_size)
+    k_chunks = cp_chunks_of_rank(src, ring.cp_size)
+    return [(i, j, chunk_relation(qc, kc)) for i, qc in enumerate(q_chunks)
+            for j, kc in enumerate(k_chunks)]
+
+
+def ring_forward(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, ring: CPRing,
+                 scale: float, stats: CPStats):
+    """(out_BNSD in q's dtype, lse_BNS fp32) of causal attention over the global sequence."""
+    B, N, S_local, D = q_BNSD.shape
+    c = S_local // 2
+    q_chunks = q_BNSD.chunk(2, dim=2)
+    out_acc = [None, None]
+    lse_acc = [None, None]
+    # kv_2BNSD: the block in hand; the other buffer receives the next one.
+    buffers = [torch.stack([k_BNSD, v_BNSD]), None]
+    if ring.cp_size > 1:
+        buffers[1] = torch.empty_like(buffers[0])
+    for step in range(ring.cp_size):
+        kv_2BNSD = buffers[step % 2]
+        handle = None
+        if step + 1 < ring.cp_size:
+            handle = ring.exchange(kv_2BNSD, buffers[(step + 1) % 2])
+            stats.event("fwd", "issue", step + 1)
+            if not ring.overlap:
+                handle.wait()
+                stats.event("fwd", "wait", step + 1)
+        stats.event("fwd", "compute_begin", step)
+        k_chunks = kv_2BNSD[0].chunk(2, dim=2)
+        v_chunks = kv_2BNSD[1].chunk(2, dim=2)
+        for i, j, rel in _pairs(ring, ring.source_of_step(step)):
+            stats.count_pair("fwd", rel, B, N, c, c, D)
+            if rel == SKIP:
+                continue
+            o, l = block_forward(q_chunks[i], k_chunks[j], v_chunks[j], scale=scale,
+                                 causal=(rel != "full"))
+            out_acc[i], lse_acc[i] = merge_partial(out_acc[i], lse_acc[i], o, l)
+        stats.event("fwd", "compute_end", step)
+        if handle is not None and ring.overlap:
+            handle.wait()
+            stats.event("fwd", "wait", step + 1)
+    out_BNSD = torch.cat(out_acc, dim=2).to(q_BNSD.dtype)
+    lse_BNS = torch.cat(lse_acc, dim=2)
+    return out_BNSD, lse_BNS
+
+
+def ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS, ring: CPRing,
+                  scale: float, stats: CPStats):
+    """(dq, dk, dv) [B, N, S_local, D] in the inputs' dtypes; fp32 (fp64 for fp64) accumulation,
+    also of the dK/dV that travel the ring."""
+    B, N, S_local, D = q_BNSD.shape
+    c = S_local // 2
+    delta_BNS = softmax_delta(out_BNSD, dout_BNSD)
+    q_chunks, dout_chunks = q_BNSD.chunk(2, dim=2), dout_BNSD.chunk(2, dim=2)
+    lse_chunks, delta_chunks = lse_BNS.chunk(2, dim=2), delta_BNS.chunk(2, dim=2)
+    dq_BNSD = torch.zeros(q_BNSD.shape, dtype=acc_dtype(q_BNSD.dtype), device=q_BNSD.device)
+    dq_chunks = dq_BNSD.chunk(2, dim=2)
+    buffers = [torch.stack([k_BNSD, v_BNSD]), None]
+    if ring.cp_size > 1:
+        buffers[1] = torch.empty_like(buffers[0])
+    dkv_handle, dkv_recv_2BNSD = None, None
+    for step in range(ring.cp_size):
+        kv_2BNSD = buffers[step % 2]
+        kv_handle = None
+        if step + 1 < ring.cp_size:
+            kv_handle = ring.exchange(kv_2BNSD, buffers[(step + 1) % 2])
+            stats.event("bwd", "issue", step + 1)
+            if not ring.overlap:
+                kv_handle.wait()
+                stats.event("bwd", "wait", step + 1)
+        stats.event("bwd", "compute_begin", step)
+        k_chunks = kv_2BNSD[0].chunk(2, dim=2)
+        v_chunks = kv_2BNSD[1].chunk(2, dim=2)
+        # This rank's share of the gradient of the block in hand (chunk views write into it).
+        dkv_2BNSD = torch.zeros(kv_2BNSD.shape, dtype=acc_dtype(q_BNSD.dtype),
+                                device=q_BNSD.device)
+        dk_chunks, dv_chunks = dkv_2BNSD[0].chunk(2, dim=2), dkv_2BNSD[1].chunk(2, dim=2)
+        for i, j, rel in _pairs(ring, ring.source_of_step(step)):
+            stats.count_pair("bwd", rel, B, N, c, c, D)
+            if rel == SKIP:
+                continue
+            dq, dk, dv = block_backward(q_chunks[i], k_chunks[j], v_chunks[j], dout_chunks[i],
+                                        lse_chunks[i], delta_chunks[i], scale=scale,
+                                        causal=(rel != "full"))
+            dq_chunks[i].add_(dq)
+            dk_chunks[j].add_(dk)
+            dv_chunks[j].add_(dv)
+        stats.event("bwd", "compute_end", step)
+        if dkv_handle is not None:
+            # The accumulator of this block from the ranks before, sent at the previous step:
+            # with overlap it travelled under this step's compute.
+            if not dkv_handle.waited:
+                dkv_handle.wait()
+                stats.event("bwd", "wait_dkv", step)
+            dkv_2BNSD.add_(dkv_recv_2BNSD)
+        if ring.cp_size > 1:
+            dkv_recv_2BNSD = torch.empty_like(dkv_2BNSD)
+            dkv_handle = ring.exchange(dkv_2BNSD, dkv_recv_2BNSD)
+            stats.event("bwd", "issue_dkv", step + 1)
+            if not ring.overlap:
+                dkv_handle.wait()
+                stats.event("bwd", "wait_dkv", step + 1)
+        else:
+            dkv_recv_2BNSD = dkv_2BNSD
+        if kv_handle is not None and ring.overlap:
+            kv_handle.wait()
+            stats.event("bwd", "wait", step + 1)
+    if dkv_handle is not None and not dkv_handle.waited:
+        dkv_handle.wait()  # the last hop brings each rank its own, complete dK/dV
+        stats.event("bwd", "wait_dkv", ring.cp_size)
+    return (dq_BNSD.to(q_BNSD.dtype), dkv_recv_2BNSD[0].to(k_BNSD.dtype),
+            dkv_recv_2BNSD[1].to(v_BNSD.dtype))
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """autograd wrapper: forward saves q, k, v, out, lse; backward runs the ring again."""
+
+    @staticmethod
+    def forward(ctx, q_BNSD, k_BNSD, v_BNSD, ring: CPRing, scale: float, stats: CPStats):
+        out_BNSD, lse_BNS = ring_forward(q_BNSD, k_BNSD, v_BNSD, ring, scale, stats)
+        ctx.save_for_backward(q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS)
+        ctx.ring, ctx.scale, ctx.stats = ring, scale, stats
+        return out_BNSD
+
+    @staticmethod
+    def backward(ctx, dout_BNSD):
+        q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS,
+                                   ctx.ring, ctx.scale, ctx.stats)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, *,
+                   cp_group, cp_ranks: Sequence[int], cp_rank: int, cp_size: int,
+                   overlap: bool, ledger=None, stats: Optional[CPStats] = None,
+                   softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention over the global sequence, ring-parallel: out_BNSD [B, N, S_local, D].
+
+    q, k, v: [B, N, S_local, D], same shape (no GQA), in the load-balanced layout of
+    split_for_cp (chunks r and 2cp-1-r), RoPE already applied at the global positions.
+    Equals F.scaled_dot_product_attention(q, k, v, is_causal=True) on the full sequence,
+    split the same way. Collective over the cp group: every cp rank calls it, also backward.
+    softmax_scale defaults to 1/sqrt(D). `stats` (optional) collects work and event counters.
+    """
+    if not (q_BNSD.shape == k_BNSD.shape == v_BNSD.shape) or q_BNSD.dim() != 4:
+        raise ValueError(f"q, k, v must share one [B, N, S_local, D] shape; got "
+                         f"{tuple(q_BNSD.shape)}, {tuple(k_BNSD.shape)}, {tuple(v_BNSD.shape)}")
+    if q_BNSD.shape[2] % 2:
+        raise ValueError(f"S_local={q_BNSD.shape[2]} must be even (two chunks per cp rank)")
+    ring = CPRing.make(cp_group, cp_ranks, cp_rank, cp_size, overlap, ledger)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_BNSD.shape[-1])
+    return RingAttentionFunction.apply(q_BNSD, k_BNSD, v_BNSD, ring, float(scale),
+                                       stats if stats is not None else NullStats())
