@@ -86,9 +86,17 @@ def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor)
     return (x_BNSD * cos_SD + rotated_BNSD * sin_SD).to(x_BNSD.dtype)
 
 
+def causal_sdpa(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor) -> torch.Tensor:
+    """The default core attention: causal SDPA over the whole local sequence."""
+    return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, core_attention=causal_sdpa):
         super().__init__()
+        # q, k, v [B, N, S, D] -> y [B, N, S, D], causal over global positions. Context
+        # parallelism hands in ring or all-to-all attention here; the model never sees a group.
+        self.core_attention = core_attention
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by "
                              f"model.num_attention_heads={cfg.num_attention_heads}")
@@ -105,7 +113,7 @@ class CausalSelfAttention(nn.Module):
                                   for t in (q_BSH, k_BSH, v_BSH))
         q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
         k_BNSD = apply_rope(k_BNSD, cos_SD, sin_SD)
-        y_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
+        y_BNSD = self.core_attention(q_BNSD, k_BNSD, v_BNSD)
         return self.proj(y_BNSD.transpose(1, 2).reshape(B, S, H))
 
 
@@ -136,10 +144,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, core_attention=causal_sdpa):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, core_attention)
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
 
@@ -149,12 +157,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg, seed: int = 1234):
+    """`core_attention`: see CausalSelfAttention (default: causal SDPA on one process)."""
+
+    def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
         self.embedding = nn.Embedding(self.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, core_attention) for _ in range(cfg.num_layers))
         self.final_norm = make_norm(cfg)
         # Tied: the head reuses self.embedding.weight and there is no separate head parameter.
         self.output = (None if cfg.tie_embeddings

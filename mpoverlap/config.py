@@ -47,6 +47,7 @@ class ParallelConfig:
     ep: int = 1
     dp: Any = "auto"  # int, or auto = world / (tp x pp x cp)
     sequence_parallel: bool = False
+    cp_comm: str = "p2p"  # p2p (ring attention) | a2a (Ulysses all-to-all)
     # Total ranks, for dp=auto outside torchrun (self-launch, mpoverlap-check); under torchrun
     # WORLD_SIZE is used and must agree.
     world_size: Any = None

@@ -52,6 +52,10 @@ def runs(tmp_path_factory):
         "dp4_zero_on": ["parallel.dp=4", "overlap.dp=true", "train.distributed_optimizer=true",
                         "overlap.dp_param_gather=true"],
         "dp2_zero_off": ["parallel.dp=2", "overlap=none", "train.distributed_optimizer=true"],
+        "cp2_ring_on": ["parallel.cp=2", "overlap.cp=true"],
+        "cp4_ring_off": ["parallel.cp=4", "overlap.cp=false"],
+        "cp2_a2a_on": ["parallel.cp=2", "parallel.cp_comm=a2a", "overlap.cp=true"],
+        "cp2_dp2": ["parallel.cp=2", "parallel.dp=2", "train.distributed_optimizer=true"],
     }
     for name, ov in layouts.items():
         train(root / name, *ov)
@@ -77,6 +81,18 @@ def test_dp_layouts_reproduce_single_process_curve(runs):
     ref = losses(runs / "dp1")
     for name in ("dp2_on", "dp2_off", "dp4_zero_on", "dp2_zero_off"):
         assert_close(losses(runs / name), ref)
+
+
+def test_cp_layouts_reproduce_single_process_curve(runs):
+    ref = losses(runs / "dp1")
+    for name in ("cp2_ring_on", "cp4_ring_off", "cp2_a2a_on", "cp2_dp2"):
+        assert_close(losses(runs / name), ref)
+        cp = rows(runs / name)[-1]["comm"]["cp"]
+        assert cp["ops"] > 0 and cp["bytes"] > 0 and 0 <= cp["exposed_s"] <= cp["time_s"] + 1e-3
+    # The ring moves cp-1 K/V blocks forward and 2cp-1 transfers backward per layer and microbatch.
+    cp2 = rows(runs / "cp2_ring_on")[-1]["comm"]["cp"]
+    microbatches, layers = 8, 2
+    assert cp2["ops"] == microbatches * layers * (1 + 3)
 
 
 def test_overlap_on_off_identical(runs):

@@ -44,8 +44,7 @@ class CommOverlapConfig:
                         f"parallel.tp={lo.tp}: no tensor-parallel communication"),
             pp=_resolve(lo, "pp", lo.pp > 1, "pipeline send/receive posted ahead",
                         f"parallel.pp={lo.pp}: no pipeline communication"),
-            cp=_resolve(lo, "cp", lo.cp > 1, "K/V ring transfers under attention",
-                        f"parallel.cp={lo.cp}: no context-parallel communication"),
+            cp=_resolve_cp(lo),
             ep=_resolve(lo, "ep", lo.ep > 1 and cfg.model.num_experts > 0, "token dispatch under experts",
                         f"parallel.ep={lo.ep}, model.num_experts={cfg.model.num_experts}: no expert dispatch"),
             dp_param_gather=_resolve_param_gather(lo),
@@ -63,6 +62,21 @@ def _resolve(lo: Layout, mode: str, applies: bool, what: str, why_not: str) -> M
         return ModeState(requested, True, what)
     # `true` that cannot apply never reaches here: the rule engine rejects it first.
     return ModeState(requested, False, why_not)
+
+
+def _resolve_cp(lo: Layout) -> ModeState:
+    from mpoverlap.overlap.cp_rules import a2a_head_groups
+
+    if lo.cfg.parallel.cp_comm == "a2a":
+        groups = a2a_head_groups(lo.cfg.model.num_attention_heads, lo.tp, lo.cp) if lo.cp > 1 else 1
+        return _resolve(lo, "cp", lo.cp > 1 and groups > 1,
+                        "all-to-all of one head group in flight under attention of another",
+                        f"parallel.cp={lo.cp}: no context-parallel communication" if lo.cp == 1 else
+                        "parallel.cp_comm=a2a with an odd number of local heads: one head group, nothing "
+                        "to overlap (use parallel.cp_comm=p2p to overlap the ring)")
+    return _resolve(lo, "cp", lo.cp > 1, "next K/V block (and dK/dV in backward) in flight around the ring "
+                    "while attention runs on the block already here",
+                    f"parallel.cp={lo.cp}: no context-parallel communication")
 
 
 def _resolve_param_gather(lo: Layout) -> ModeState:

@@ -108,6 +108,7 @@ _CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "data.name": ("stdlib", "indexed"),
     "checkpoint.resume": ("auto", "none"),
+    "parallel.cp_comm": ("p2p", "a2a"),
 }
 
 
@@ -162,7 +163,6 @@ _NOT_YET = (
     ("parallel.tp", lambda lo: lo.tp is not None and lo.tp > 1, "tensor parallelism", "parallel.tp=1"),
     ("parallel.pp", lambda lo: lo.pp is not None and lo.pp > 1, "pipeline parallelism", "parallel.pp=1"),
     ("parallel.vpp", lambda lo: lo.vpp is not None and lo.vpp > 1, "interleaved pipeline stages", "parallel.vpp=1"),
-    ("parallel.cp", lambda lo: lo.cp is not None and lo.cp > 1, "context parallelism", "parallel.cp=1"),
     ("parallel.ep", lambda lo: lo.ep is not None and lo.ep > 1, "expert parallelism", "parallel.ep=1"),
     ("parallel.sequence_parallel", lambda lo: bool(lo.cfg.parallel.sequence_parallel),
      "sequence parallelism", "parallel.sequence_parallel=false"),

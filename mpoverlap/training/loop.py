@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from mpoverlap.comm import CommLedger
 from mpoverlap.comm.ledger import mean_over_ranks
+from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.models.gpt import GPT, num_parameters
 from mpoverlap.overlap.config import CommOverlapConfig
@@ -35,7 +36,12 @@ class Trainer:
         self.overlap = CommOverlapConfig.from_config(cfg, state.world)
         self.ledger = CommLedger()
         t = cfg.train
-        self.model = GPT(cfg.model, seed=t.seed).to(state.device)
+        self.cp_size, self.cp_rank = state.grid.cp, state.coords.cp
+        attention = {}
+        if self.cp_size > 1:
+            attention["core_attention"] = ContextParallelAttention(
+                state, cfg.parallel.cp_comm, overlap=self.overlap.cp.enabled, ledger=self.ledger)
+        self.model = GPT(cfg.model, seed=t.seed, **attention).to(state.device)
         self.ddp = DataParallel(
             self.model, state, group_kind="dp_cp", overlap=self.overlap.dp.enabled,
             bucket_mb=self.overlap.dp_bucket_mb, distributed_optimizer=t.distributed_optimizer,
@@ -104,6 +110,20 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
     # ---- one optimizer step -------------------------------------------------------------
+    def _split(self, mb_BS1: torch.Tensor):
+        """A microbatch of windows [B, S+1] -> (tokens, targets, position_ids) of this rank:
+        with context parallelism the load-balanced share of every sequence and its global
+        positions; each cp rank then averages over the same number of tokens, so the mean of
+        the cp ranks' losses (taken by the dp x cp gradient average) is the global mean."""
+        mb_BS1 = mb_BS1.to(self.state.device, non_blocking=True)
+        tokens_BS, targets_BS = mb_BS1[:, :-1], mb_BS1[:, 1:]
+        if self.cp_size == 1:
+            return tokens_BS, targets_BS, None
+        S = tokens_BS.shape[1]
+        return (split_for_cp(tokens_BS, self.cp_rank, self.cp_size, seq_dim=1),
+                split_for_cp(targets_BS, self.cp_rank, self.cp_size, seq_dim=1),
+                positions_for_cp(S, self.cp_rank, self.cp_size, device=tokens_BS.device))
+
     def train_step(self) -> Dict[str, Any]:
         t = self.cfg.train
         lr = self.schedule(self.step)
@@ -113,11 +133,11 @@ class Trainer:
         self.ddp.start_step()
         loss_sum = torch.zeros((), device=self.state.device)
         for i, mb in enumerate(micro):
-            mb = mb.to(self.state.device, non_blocking=True)
+            tokens, targets, positions = self._split(mb)
             self.ddp.set_last_microbatch(i == len(micro) - 1)
             with self.autocast:
-                logits = self.ddp(mb[:, :-1])
-            loss = self.model.loss(logits.float(), mb[:, 1:]) / len(micro)
+                logits = self.ddp(tokens, position_ids=positions)
+            loss = self.model.loss(logits.float(), targets) / len(micro)
             loss.backward()
             loss_sum += loss.detach()
         self.ddp.finish_grad_sync()
@@ -163,10 +183,10 @@ class Trainer:
             batch = torch.stack([self.val_data[k] for k in idx])
             micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
             for mb in micro:
-                mb = mb.to(self.state.device)
+                tokens, targets, positions = self._split(mb)
                 with self.autocast:
-                    logits = self.model(mb[:, :-1])
-                total += self.model.loss(logits.float(), mb[:, 1:]) / (len(micro) * n)
+                    logits = self.model(tokens, position_ids=positions)
+                total += self.model.loss(logits.float(), targets) / (len(micro) * n)
         return self._mean_over_replicas(total)
 
     def log(self, message: str) -> None:

@@ -1,0 +1,29 @@
+"""The core-attention callable a GPT is built with under context parallelism."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mpoverlap.comm.ledger import CommLedger
+from mpoverlap.context_parallel.a2a_attention import a2a_attention
+from mpoverlap.context_parallel.ring_attention import ring_attention
+from mpoverlap.parallel.state import ParallelState
+
+VARIANTS = ("p2p", "a2a")
+
+
+class ContextParallelAttention:
+    """q, k, v [B, N, S/cp, D] (load-balanced split) -> y [B, N, S/cp, D], causal over the
+    global sequence. `variant` is parallel.cp_comm; `overlap` is the overlap.cp switch."""
+
+    def __init__(self, state: ParallelState, variant: str, overlap: bool,
+                 ledger: Optional[CommLedger]) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"parallel.cp_comm={variant!r}: use one of {VARIANTS}")
+        self.fn = ring_attention if variant == "p2p" else a2a_attention
+        self.kwargs = dict(cp_group=state.group("cp"), cp_ranks=state.ranks("cp"),
+                           cp_rank=state.coords.cp, cp_size=state.grid.cp, overlap=overlap, ledger=ledger)
+
+    def __call__(self, q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor) -> torch.Tensor:
+        return self.fn(q_BNSD, k_BNSD, v_BNSD, **self.kwargs)

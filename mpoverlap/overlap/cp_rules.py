@@ -1,0 +1,54 @@
+"""Context-parallel rules: the load-balanced split and the all-to-all variant's head split."""
+from __future__ import annotations
+
+from mpoverlap.overlap.layout import Layout
+from mpoverlap.overlap.rules import Problem, next_multiple, rule
+
+
+def a2a_head_groups(num_heads: int, tp: int, cp: int) -> int:
+    """Head groups the all-to-all variant pipelines (2 when the local heads split evenly)."""
+    local = num_heads // (tp * cp)
+    return 2 if local % 2 == 0 else 1
+
+
+@rule("cp.sequence_divisible", "cp", ("model.seq_length", "parallel.cp"),
+      "the sequence splits into 2 x cp equal chunks (load-balanced causal split)")
+def _seq(lo: Layout):
+    S = lo.cfg.model.seq_length
+    if lo.cp is None or S < 1:
+        return
+    if S % (2 * lo.cp):
+        yield Problem("cp.sequence_divisible", {"model.seq_length": S, "parallel.cp": lo.cp},
+                      f"rank r holds chunks r and 2cp-1-r of 2 x cp = {2 * lo.cp} equal chunks, so causal "
+                      "attention work is equal on every rank",
+                      [f"model.seq_length={next_multiple(S, 2 * lo.cp)}"])
+
+
+@rule("cp.a2a_heads_divisible", "cp", ("parallel.cp_comm", "model.num_attention_heads", "parallel.cp", "parallel.tp"),
+      "the all-to-all variant splits the heads over cp x tp")
+def _a2a_heads(lo: Layout):
+    p, m = lo.cfg.parallel, lo.cfg.model
+    if p.cp_comm != "a2a" or None in (lo.cp, lo.tp) or m.num_attention_heads < 1:
+        return
+    if m.num_attention_heads % (lo.cp * lo.tp):
+        yield Problem("cp.a2a_heads_divisible",
+                      {"parallel.cp_comm": "a2a", "model.num_attention_heads": m.num_attention_heads,
+                       "parallel.cp": lo.cp, "parallel.tp": lo.tp},
+                      f"all-to-all attention gives each rank num_attention_heads / (cp x tp) whole heads; "
+                      f"{m.num_attention_heads} heads do not divide by {lo.cp * lo.tp} (the ring variant has no "
+                      "such limit)", ["parallel.cp_comm=p2p"])
+
+
+@rule("cp.a2a_overlap_needs_head_groups", "cp", ("overlap.cp", "parallel.cp_comm", "model.num_attention_heads"),
+      "overlap.cp=true with a2a needs an even number of local heads to pipeline")
+def _a2a_overlap(lo: Layout):
+    p, m = lo.cfg.parallel, lo.cfg.model
+    if lo.mode("cp") != "true" or p.cp_comm != "a2a" or None in (lo.cp, lo.tp) or lo.cp < 2:
+        return
+    if m.num_attention_heads % (lo.cp * lo.tp) == 0 and a2a_head_groups(m.num_attention_heads, lo.tp, lo.cp) == 1:
+        yield Problem("cp.a2a_overlap_needs_head_groups",
+                      {"overlap.cp": "true", "parallel.cp_comm": "a2a",
+                       "model.num_attention_heads": m.num_attention_heads, "parallel.cp": lo.cp},
+                      "the all-to-all variant hides one head group's exchange under another's attention; "
+                      f"{m.num_attention_heads // (lo.cp * lo.tp)} local head(s) make one group, nothing to hide "
+                      "(the ring variant overlaps at any head count)", ["parallel.cp_comm=p2p"])
