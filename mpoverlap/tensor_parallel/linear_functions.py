@@ -1,0 +1,112 @@
+"""Column- and row-parallel linear as autograd functions over plain collectives.
+
+Shapes (tp = group size, s = S / tp, o = out / tp for column, i = in / tp for row):
+
+    column:  x_BSH (no SP) or x_BsH (SP)  ->  y_BSo = x_BSH @ W_oH^T (+ b_o)
+    row:     x_BSi  ->  y_BSO (no SP, all-reduced) or y_BsO (SP, reduce-scattered) (+ b_O)
+
+Column backward (Megatron's "linear with async grad all-reduce"), one Function, no hooks:
+
+    SP:  issue all-gather of x_BsH (needed by the weight gradient)  -- under -->  dgrad GEMM
+         issue reduce-scatter of dgrad                               -- under -->  wgrad GEMM
+    no SP: issue all-reduce of dgrad                                 -- under -->  wgrad GEMM
+
+With overlap=False each handle is waited right after it is issued. The arithmetic is the
+same either way, so overlap on/off is bitwise identical on this path.
+
+With overlap=True, SP and tp >= 2 the functions in collective_matmul.py are used instead.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mpoverlap.tensor_parallel.comm_spec import TPComm
+from mpoverlap.tensor_parallel.mappings import (
+    all_reduce_async, reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel,
+    seq_all_gather_async, seq_reduce_scatter_async)
+
+
+def wgrad(grad_y_BSo: torch.Tensor, x_BSH: torch.Tensor) -> torch.Tensor:
+    """dW_oH = sum over (B, S) of grad_y^T x."""
+    return grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).t().matmul(x_BSH.reshape(-1, x_BSH.shape[-1]))
+
+
+class ColumnParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight_oH, bias_o, comm: TPComm):
+        ctx.comm, ctx.has_bias = comm, bias_o is not None
+        ctx.save_for_backward(x, weight_oH)  # SP: the local chunk only; re-gathered in backward
+        total_x_BSH = seq_all_gather_async(x, comm).wait() if comm.sequence_parallel else x
+        return F.linear(total_x_BSH, weight_oH, bias_o)
+
+    @staticmethod
+    def backward(ctx, grad_y_BSo):
+        x, weight_oH = ctx.saved_tensors
+        comm = ctx.comm
+        need_dgrad = ctx.needs_input_grad[0]
+        grad_y_BSo = grad_y_BSo.contiguous()
+        # trace steps: 0 = all-gather of x (SP), 1 = dgrad all-reduce / reduce-scatter
+        gather = None
+        if comm.sequence_parallel:
+            gather = seq_all_gather_async(x, comm)
+            comm.mark(_BWD, 0, "issue")
+            if not comm.overlap:
+                _wait(gather, comm, 0)
+        reduce = None
+        if need_dgrad:
+            comm.mark(_BWD, 0, "gemm_start")
+            grad_x_BSH = grad_y_BSo.matmul(weight_oH)  # runs under the all-gather
+            comm.mark(_BWD, 0, "gemm_end")
+        if gather is not None and comm.overlap:
+            _wait(gather, comm, 0)
+        if need_dgrad:
+            reduce = (seq_reduce_scatter_async(grad_x_BSH, comm) if comm.sequence_parallel
+                      else all_reduce_async(grad_x_BSH, comm))
+            comm.mark(_BWD, 1, "issue")
+            if not comm.overlap:
+                _wait(reduce, comm, 1)
+        total_x_BSH = gather.wait() if gather is not None else x
+        comm.mark(_BWD, 1, "gemm_start")
+        grad_w_oH = wgrad(grad_y_BSo, total_x_BSH)  # runs under the dgrad reduction
+        comm.mark(_BWD, 1, "gemm_end")
+        grad_b_o = grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0) if ctx.has_bias else None
+        grad_x = None
+        if reduce is not None:
+            if comm.overlap:
+                _wait(reduce, comm, 1)
+            grad_x = reduce.wait()
+        return grad_x, grad_w_oH, grad_b_o, None
+
+
+_BWD = "column.bwd"
+
+
+def _wait(pending, comm: TPComm, step: int) -> None:
+    pending.wait()
+    comm.mark(_BWD, step, "wait")
+
+
+def column_parallel_linear(x, weight_oH: torch.Tensor, bias_o: Optional[torch.Tensor],
+                           comm: TPComm) -> torch.Tensor:
+    """x_BSH (no SP) / x_BsH (SP) -> y_BSo. Chooses collective matmul when comm.use_ring.
+    Also the tied output head: `column_parallel_linear(h, embedding.weight, None, comm)`."""
+    if comm.use_ring:
+        from mpoverlap.tensor_parallel.collective_matmul import ColumnParallelRingFn
+        return ColumnParallelRingFn.apply(x, weight_oH, bias_o, comm)
+    return ColumnParallelLinearFn.apply(x, weight_oH, bias_o, comm)
+
+
+def row_parallel_linear(x_BSi: torch.Tensor, weight_Oi: torch.Tensor,
+                        bias_O: Optional[torch.Tensor], comm: TPComm) -> torch.Tensor:
+    """x_BSi -> y_BSO (no SP) / y_BsO (SP). The bias is added once, after the reduction."""
+    if comm.use_ring:
+        from mpoverlap.tensor_parallel.collective_matmul import RowParallelRingFn
+        y = RowParallelRingFn.apply(x_BSi, weight_Oi, comm)
+    else:
+        partial = F.linear(x_BSi, weight_Oi)
+        y = (reduce_scatter_to_sequence_parallel(partial, comm) if comm.sequence_parallel
+             else reduce_from_tensor_parallel_region(partial, comm))
+    return y if bias_O is None else y + bias_O
