@@ -15,51 +15,14 @@ same name and full shape and slices its part.
 """
 from __future__ import annotations
 
-import math
-import zlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Parameters that write into the residual stream get std = init_std / sqrt(2 * num_layers).
-RESIDUAL_OUT_SUFFIXES = ("attn.proj.weight", "down.weight")
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """vocab_size rounded up to a multiple of divisible_by (independent of the layout)."""
-    if divisible_by <= 0:
-        return vocab_size
-    return -(-vocab_size // divisible_by) * divisible_by
-
-
-def param_seed(seed: int, name: str) -> int:
-    """Stable seed for one parameter: crc32 of "<seed>/<name>"; never python hash().
-
-    32 bits on purpose: torch's CPU generator (mt19937) ignores the upper 32 bits of a seed.
-    """
-    return zlib.crc32(f"{int(seed)}/{name}".encode("utf-8"))
-
-
-def init_tensor(name: str, shape, cfg, seed: int) -> torch.Tensor:
-    """The full fp32 CPU initial value of parameter `name` with full `shape`.
-
-    biases: zeros; 1-D weights (norms): ones; residual-output projections:
-    normal(0, init_std / sqrt(2 L)); every other weight (embedding, qkv, mlp in, head):
-    normal(0, init_std).
-    """
-    shape = tuple(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    if len(shape) == 1:
-        return torch.ones(shape)
-    std = cfg.init_std
-    if name.endswith(RESIDUAL_OUT_SUFFIXES):
-        std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
-    gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
-
+from mpoverlap.models import layers
+from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
 
 def make_norm(cfg) -> nn.Module:
     """RMSNorm or LayerNorm over H, per `model.norm`."""
@@ -92,47 +55,51 @@ def causal_sdpa(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg, core_attention=causal_sdpa):
+    def __init__(self, cfg, prefix: str = "attn", seed: int = 1234, core_attention=causal_sdpa,
+                 tp: Optional[dict] = None):
         super().__init__()
-        # q, k, v [B, N, S, D] -> y [B, N, S, D], causal over global positions. Context
-        # parallelism hands in ring or all-to-all attention here; the model never sees a group.
-        self.core_attention = core_attention
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by "
                              f"model.num_attention_heads={cfg.num_attention_heads}")
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        H = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads // layers.tp_size(tp)  # local heads under TP
+        self.head_dim = H // cfg.num_attention_heads
+        # q, k, v [B, N, S, D] -> y [B, N, S, D], causal over global positions. Context
+        # parallelism hands in ring or all-to-all attention here; the model never sees a group.
+        self.core_attention = core_attention
+        self.qkv = layers.column(f"{prefix}.qkv", H, 3 * H, cfg, seed, tp, blocks=3)
+        self.proj = layers.row(f"{prefix}.proj", H, H, cfg, seed, tp)
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
-        """x_BSH -> y_BSH: qkv_BS3H -> q,k,v_BNSD -> RoPE(q, k) -> causal SDPA -> proj."""
-        B, S, H = x_BSH.shape
-        q_BSH, k_BSH, v_BSH = self.qkv(x_BSH).split(H, dim=-1)
+        """x_BSH -> y_BSH: qkv_BS3h -> q,k,v_BNSD -> RoPE(q, k) -> core attention -> proj.
+        (h = local hidden N*D; under SP x and y hold S/tp positions, q/k/v all S.)"""
+        qkv_BS3h = self.qkv(x_BSH)
+        B, S, _ = qkv_BS3h.shape
+        h = self.num_heads * self.head_dim
         q_BNSD, k_BNSD, v_BNSD = (t.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-                                  for t in (q_BSH, k_BSH, v_BSH))
+                                  for t in qkv_BS3h.split(h, dim=-1))
         q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
         k_BNSD = apply_rope(k_BNSD, cos_SD, sin_SD)
         y_BNSD = self.core_attention(q_BNSD, k_BNSD, v_BNSD)
-        return self.proj(y_BNSD.transpose(1, 2).reshape(B, S, H))
+        return self.proj(y_BNSD.transpose(1, 2).reshape(B, S, h))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, prefix: str = "mlp", seed: int = 1234, tp: Optional[dict] = None):
         super().__init__()
         H, Fh = cfg.hidden_size, cfg.ffn_hidden_size
         self.activation = cfg.activation
         if cfg.activation == "swiglu":
-            self.gate_up = nn.Linear(H, 2 * Fh, bias=False)
+            self.gate_up = layers.column(f"{prefix}.gate_up", H, 2 * Fh, cfg, seed, tp, blocks=2)
         elif cfg.activation == "gelu":
-            self.up = nn.Linear(H, Fh, bias=False)
+            self.up = layers.column(f"{prefix}.up", H, Fh, cfg, seed, tp)
         else:
             raise ValueError(f"model.activation={cfg.activation!r} is not supported; use "
                              f"model.activation=swiglu or model.activation=gelu")
-        self.down = nn.Linear(Fh, H, bias=False)
+        self.down = layers.row(f"{prefix}.down", Fh, H, cfg, seed, tp)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        """swiglu: down(silu(gate) * up); gelu: down(gelu(up))."""
+        """swiglu: down(silu(gate) * up); gelu: down(gelu(up)). (F local under TP.)"""
         if self.activation == "swiglu":
             gate_BSF, up_BSF = self.gate_up(x_BSH).chunk(2, dim=-1)
             h_BSF = F.silu(gate_BSF) * up_BSF
@@ -144,12 +111,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg, core_attention=causal_sdpa):
+    def __init__(self, cfg, prefix: str = "layers.0", seed: int = 1234, core_attention=causal_sdpa,
+                 tp: Optional[dict] = None):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg, core_attention)
+        self.attn = CausalSelfAttention(cfg, f"{prefix}.attn", seed, core_attention, tp)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", seed, tp)
 
     def forward(self, x_BSH, cos_SD, sin_SD):
         x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD, sin_SD)
@@ -157,29 +125,37 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """`core_attention`: see CausalSelfAttention (default: causal SDPA on one process)."""
+    """`core_attention`: see CausalSelfAttention (default: causal SDPA on one process).
+    `tp`: the tensor-parallel context (`mpoverlap.tensor_parallel.tp_kwargs`), None on one
+    process: projections, embedding, head and loss then come from the TP layers, and with
+    sequence parallelism the residual stream holds S/tp positions per rank."""
 
-    def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa):
+    def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa, tp: Optional[dict] = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp if layers.tp_size(tp) > 1 else None
         self.vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-        self.embedding = nn.Embedding(self.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, core_attention) for _ in range(cfg.num_layers))
+        self.embedding = layers.embedding(self.vocab_size, cfg.hidden_size, cfg, seed, self.tp)
+        self.layers = nn.ModuleList(Block(cfg, f"layers.{i}", seed, core_attention, self.tp)
+                                    for i in range(cfg.num_layers))
         self.final_norm = make_norm(cfg)
         # Tied: the head reuses self.embedding.weight and there is no separate head parameter.
         self.output = (None if cfg.tie_embeddings
-                       else nn.Linear(cfg.hidden_size, self.vocab_size, bias=False))
+                       else layers.column("output", cfg.hidden_size, self.vocab_size, cfg, seed, self.tp))
         self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Every parameter from its own generator: depends only on seed, name and shape."""
+        """Every parameter from its own generator: depends only on seed, name and shape.
+        Tensor-parallel layers already sliced their shard of the same full tensor."""
         for name, p in self.named_parameters():
-            p.copy_(init_tensor(name, p.shape, self.cfg, seed))
+            if not hasattr(p, "tensor_model_parallel"):
+                p.copy_(init_tensor(name, p.shape, self.cfg, seed))
 
     def forward(self, tokens_BS: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens_BS (int64) -> logits_BSV (fp32). position_ids [S] default 0..S-1."""
+        """tokens_BS (int64) -> logits_BSV (fp32; V/tp per rank under TP). position_ids [S]
+        default 0..S-1 (context parallelism passes the global positions of its share)."""
         S = tokens_BS.shape[1]
         if position_ids is None:
             position_ids = torch.arange(S, device=tokens_BS.device)
@@ -190,14 +166,20 @@ class GPT(nn.Module):
         for layer in self.layers:
             x_BSH = layer(x_BSH, cos_SD, sin_SD)
         x_BSH = self.final_norm(x_BSH)
-        head_VH = self.embedding.weight if self.output is None else self.output.weight
-        return F.linear(x_BSH, head_VH).float()
+        if self.output is None:
+            return layers.tied_head(x_BSH, self.embedding, self.tp).float()
+        return self.output(x_BSH).float()
 
-    @staticmethod
-    def loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean token cross entropy over B*S tokens, in fp32."""
-        V = logits_BSV.shape[-1]
-        return F.cross_entropy(logits_BSV.float().reshape(-1, V), targets_BS.reshape(-1))
+    def loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Mean token cross entropy over B*S tokens, in fp32 (vocab-parallel under TP)."""
+        return layers.token_loss(logits_BSV, targets_BS, self.tp)
+
+    def sequence_parallel_params(self) -> list:
+        """Parameters replicated over TP whose gradients are partial under sequence
+        parallelism (norms): they need a sum over the TP group."""
+        if self.tp is None or not self.tp["sequence_parallel"]:
+            return []
+        return [p for p in self.parameters() if not getattr(p, "tensor_model_parallel", False)]
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -89,7 +89,7 @@ def test_init_std():
 def test_untrained_loss_near_log_vocab():
     model = GPT(tiny())
     x = tokens(B=4, S=17)
-    loss = GPT.loss(model(x[:, :-1]), x[:, 1:])
+    loss = model.loss(model(x[:, :-1]), x[:, 1:])
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert abs(loss.item() - math.log(256)) < 0.1
 
@@ -102,7 +102,7 @@ def test_sgd_lowers_loss(norm, act):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for _ in range(5):
-        loss = GPT.loss(model(x[:, :-1]), x[:, 1:])
+        loss = model.loss(model(x[:, :-1]), x[:, 1:])
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -20,10 +20,18 @@ FAILING = {
                      (["parallel.cp_comm=ring"], None)],
     "model.heads_divide_hidden": [(["model.num_attention_heads=3"], None)],
     "data.indexed_path": [(["data=indexed"], None)],
-    "build.feature_available": [(["parallel.tp=2", "parallel.dp=1"], None), (["parallel.pp=2"], None),
-                                (["parallel.sequence_parallel=true"], None),
-                                (["model.num_experts=4"], None), (["parallel.vpp=2"], None),
-                                (["parallel.dp=2", "parallel.ep=2"], None), (["model.transformer_impl=te"], None)],
+    "build.feature_available": [(["parallel.pp=2"], None), (["model.num_experts=4"], None),
+                                (["parallel.vpp=2"], None), (["parallel.dp=2", "parallel.ep=2"], None)],
+    "tp.divides_model": [(["parallel.tp=3"], None), (["parallel.tp=8", "model.num_attention_heads=4"], None)],
+    "tp.divides_vocab": [(["parallel.tp=2", "model.vocab_size=256", "model.make_vocab_size_divisible_by=1",
+                           "model.vocab_size=257"], None)],
+    "sp.needs_tp": [(["parallel.sequence_parallel=true"], None)],
+    "sp.sequence_divisible": [(["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_length=18"], None),
+                              (["parallel.tp=4", "parallel.cp=2", "parallel.sequence_parallel=true",
+                                "model.seq_length=20"], None)],
+    "tp.overlap_needs_sp": [(["parallel.tp=2", "overlap.tp=true"], None)],
+    "tp.transformer_engine": [(["model.transformer_impl=te"], None)],
+    "cuda.max_connections": [],
     "dp.overlap_needs_replicas": [(["overlap.dp=true"], None)],
     "dp.bucket_size": [(["overlap.dp_bucket_mb=0"], None)],
     "dp.param_gather_needs_distributed_optimizer": [(["parallel.dp=2", "overlap.dp_param_gather=true"], None)],
@@ -48,10 +56,28 @@ except ImportError:  # pragma: no cover
 CASES = [(rid, ov, world) for rid, cases in FAILING.items() for ov, world in cases]
 
 
+# Rules that only fire on a CUDA machine; tested below with the GPU faked.
+CUDA_ONLY = {"train.device_available", "cuda.max_connections"}
+
+
 def test_every_rule_has_a_failing_case():
     ids = {r.id for r in all_rules()}
-    missing = ids - set(FAILING) - ({"train.device_available"} if "train.device_available" not in FAILING else set())
-    assert not missing, f"rules without a fix-applies test: {missing}"
+    covered = {rid for rid, cases in FAILING.items() if cases} | CUDA_ONLY
+    assert not ids - covered, f"rules without a fix-applies test: {ids - covered}"
+
+
+def test_cuda_max_connections_rule(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    overrides = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    problems = [p for p in validate(compose(overrides), world_size=2) if p.rule == "cuda.max_connections"]
+    assert problems and "CUDA_DEVICE_MAX_CONNECTIONS" in problems[0].render()
+    fixed = overrides + problems[0].fix
+    assert not [p for p in validate(compose(fixed), world_size=2) if p.rule == "cuda.max_connections"]
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert not [p for p in validate(compose(overrides), world_size=2) if p.rule == "cuda.max_connections"]
 
 
 def test_default_config_is_valid():

@@ -56,6 +56,12 @@ def runs(tmp_path_factory):
         "cp4_ring_off": ["parallel.cp=4", "overlap.cp=false"],
         "cp2_a2a_on": ["parallel.cp=2", "parallel.cp_comm=a2a", "overlap.cp=true"],
         "cp2_dp2": ["parallel.cp=2", "parallel.dp=2", "train.distributed_optimizer=true"],
+        "tp2": ["parallel.tp=2"],
+        "tp2_sp_off": ["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=false"],
+        "tp2_sp_on": ["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=true"],
+        "tp4_sp_on": ["parallel.tp=4", "parallel.sequence_parallel=true", "overlap.tp=true"],
+        "tp2_cp2_sp_zero": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                            "train.distributed_optimizer=true"],
     }
     for name, ov in layouts.items():
         train(root / name, *ov)
@@ -93,6 +99,18 @@ def test_cp_layouts_reproduce_single_process_curve(runs):
     cp2 = rows(runs / "cp2_ring_on")[-1]["comm"]["cp"]
     microbatches, layers = 8, 2
     assert cp2["ops"] == microbatches * layers * (1 + 3)
+
+
+def test_tp_layouts_reproduce_single_process_curve(runs):
+    ref = rows(runs / "dp1")
+    for name in ("tp2", "tp2_sp_off", "tp2_sp_on", "tp4_sp_on", "tp2_cp2_sp_zero"):
+        got = rows(runs / name)
+        assert_close([r["loss"] for r in got], [r["loss"] for r in ref])
+        assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+        tp = got[-1]["comm"]["tp"]
+        assert tp["ops"] > 0 and tp["bytes"] > 0
+    # Collective matmul replaces each SP all-gather / reduce-scatter by tp-1 ring steps.
+    assert rows(runs / "tp2_sp_on")[-1]["comm"]["tp"]["ops"] != rows(runs / "tp2_sp_off")[-1]["comm"]["tp"]["ops"]
 
 
 def test_overlap_on_off_identical(runs):

@@ -42,6 +42,9 @@ class _Piece:
     lo: int
     hi: int
     main: torch.Tensor
+    # Sharded over tensor parallelism (its squares add up over the TP group); replicated
+    # parameters count once.
+    tp_sharded: bool = False
 
 
 class DataParallelAdamW:
@@ -53,11 +56,12 @@ class DataParallelAdamW:
 
     def __init__(self, ddp: DataParallel, *, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01,
-                 param_gather_overlap: bool = False) -> None:
+                 param_gather_overlap: bool = False, tp_group=None) -> None:
         if param_gather_overlap and not ddp.distributed_optimizer:
             raise ValueError("param_gather_overlap=True needs DataParallel(distributed_optimizer="
                              "True); without it the parameters are never sharded")
         self.ddp = ddp
+        self.tp_group = tp_group
         self.param_gather_overlap = bool(param_gather_overlap)
         buf = ddp.buffer
         self.pieces: List[_Piece] = []
@@ -70,7 +74,8 @@ class DataParallelAdamW:
                     continue
                 main = buf.param_data[lo:hi]
                 main.grad = buf.grad_data[lo:hi]
-                self.pieces.append(_Piece(buf.name_of[p], p.ndim, lo - start, hi - start, lo, hi, main))
+                self.pieces.append(_Piece(buf.name_of[p], p.ndim, lo - start, hi - start, lo, hi, main,
+                                          bool(getattr(p, "tensor_model_parallel", False))))
         groups = [{"params": [pc.main for pc in self.pieces if pc.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [pc.main for pc in self.pieces if pc.ndim < 2], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
@@ -157,7 +162,16 @@ class DataParallelAdamW:
         norm is returned without touching the gradients."""
         self.ddp.finish_grad_sync()
         regions = self._grad_regions()
-        sq = torch.stack([torch.linalg.vector_norm(r) for r in regions]).double().pow(2).sum()
+        if self.tp_group is None:
+            sq = torch.stack([torch.linalg.vector_norm(r) for r in regions]).double().pow(2).sum()
+        else:
+            # [replicated, tp-sharded] square sums: shards add up over the TP group, copies
+            # of a replicated parameter must count once.
+            sq2 = torch.zeros(2, dtype=torch.float64, device=self.ddp.buffer.grad_data.device)
+            for pc in self.pieces:
+                sq2[int(pc.tp_sharded)] += torch.linalg.vector_norm(pc.main.grad).double().pow(2)
+            dist.all_reduce(sq2[1:], group=self.tp_group)
+            sq = sq2.sum()
         if self.ddp.distributed_optimizer and self.ddp.group is not None:
             # Each rank holds disjoint shards: the square sums add up. A small synchronous
             # reduction, not part of the overlapped dp traffic.

@@ -40,8 +40,11 @@ class CommOverlapConfig:
                         "gradient all-reduce/reduce-scatter per bucket, issued from backward hooks on "
                         "the last microbatch and waited just before the optimizer",
                         f"dp x cp = {lo.dp_cp}: a single replica has no gradient reduction"),
-            tp=_resolve(lo, "tp", lo.tp > 1, "TP collectives under GEMM chunks",
-                        f"parallel.tp={lo.tp}: no tensor-parallel communication"),
+            tp=_resolve(lo, "tp", lo.tp > 1 and bool(cfg.parallel.sequence_parallel),
+                        "collective matmul: the SP all-gather / reduce-scatter in ring steps under GEMM "
+                        "chunks; backward all-gather under the dgrad GEMM, dgrad reduction under wgrad",
+                        f"parallel.tp={lo.tp}: no tensor-parallel communication" if lo.tp == 1 else
+                        "parallel.sequence_parallel=false: TP collectives waited at once (overlap needs SP)"),
             pp=_resolve(lo, "pp", lo.pp > 1, "pipeline send/receive posted ahead",
                         f"parallel.pp={lo.pp}: no pipeline communication"),
             cp=_resolve_cp(lo),

@@ -160,16 +160,11 @@ def _device(lo: Layout):
 
 # Features whose issue has not landed yet: asking for them is an error, never a silent no-op.
 _NOT_YET = (
-    ("parallel.tp", lambda lo: lo.tp is not None and lo.tp > 1, "tensor parallelism", "parallel.tp=1"),
     ("parallel.pp", lambda lo: lo.pp is not None and lo.pp > 1, "pipeline parallelism", "parallel.pp=1"),
     ("parallel.vpp", lambda lo: lo.vpp is not None and lo.vpp > 1, "interleaved pipeline stages", "parallel.vpp=1"),
     ("parallel.ep", lambda lo: lo.ep is not None and lo.ep > 1, "expert parallelism", "parallel.ep=1"),
-    ("parallel.sequence_parallel", lambda lo: bool(lo.cfg.parallel.sequence_parallel),
-     "sequence parallelism", "parallel.sequence_parallel=false"),
     ("model.num_experts", lambda lo: lo.cfg.model.num_experts > 0, "mixture-of-experts layers",
      "model.num_experts=0"),
-    ("model.transformer_impl", lambda lo: lo.cfg.model.transformer_impl == "te",
-     "Transformer Engine layers", "model.transformer_impl=local"),
 )
 
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mpoverlap.models.gpt import init_tensor
+from mpoverlap.models.init import init_tensor
 from mpoverlap.tensor_parallel.comm_spec import make_comm
 from mpoverlap.tensor_parallel.linear_functions import column_parallel_linear, row_parallel_linear
 from mpoverlap.tensor_parallel.mappings import (

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from mpoverlap.comm import CommLedger
+from mpoverlap.comm import CommLedger, wait_all
 from mpoverlap.comm.ledger import mean_over_ranks
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
@@ -18,6 +18,7 @@ from mpoverlap.models.gpt import GPT, num_parameters
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
+from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
 from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.lr import LRSchedule
@@ -41,14 +42,20 @@ class Trainer:
         if self.cp_size > 1:
             attention["core_attention"] = ContextParallelAttention(
                 state, cfg.parallel.cp_comm, overlap=self.overlap.cp.enabled, ledger=self.ledger)
-        self.model = GPT(cfg.model, seed=t.seed, **attention).to(state.device)
+        self.tp = None
+        if state.grid.tp > 1:
+            self.tp = tp_kwargs(state, sequence_parallel=bool(cfg.parallel.sequence_parallel),
+                                overlap=self.overlap.tp.enabled, ledger=self.ledger)
+        self.model = GPT(cfg.model, seed=t.seed, tp=self.tp, **attention).to(state.device)
+        self.sequence_parallel_params = self.model.sequence_parallel_params()
         self.ddp = DataParallel(
             self.model, state, group_kind="dp_cp", overlap=self.overlap.dp.enabled,
             bucket_mb=self.overlap.dp_bucket_mb, distributed_optimizer=t.distributed_optimizer,
             ledger=self.ledger)
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-            weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled)
+            weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
+            tp_group=state.group("tp"))
         self.schedule = LRSchedule.from_config(t)
         self.train_data, self.val_data = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
         # Context-parallel ranks of one replica share its samples (each holds part of every
@@ -141,6 +148,10 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         self.ddp.finish_grad_sync()
+        if self.sequence_parallel_params:
+            # Norm weights saw only this rank's S/tp positions: sum their gradients over TP.
+            wait_all(allreduce_sequence_parallel_grads(
+                self.sequence_parallel_params, self.tp["tp_group"], self.ledger, self.overlap.tp.enabled))
         grad_norm = self.optimizer.clip_grad_norm(t.grad_clip)
         if not torch.isfinite(torch.tensor(grad_norm)) or not torch.isfinite(loss_sum):
             raise FloatingPointError(f"non-finite loss or gradient at step {self.step + 1} "

@@ -1,0 +1,46 @@
+"""Layout-independent initial values: every parameter drawn, as a full tensor, from its own
+generator seeded by (seed, name). A sharded layer calls `init_tensor` with the same name and
+full shape and slices its part, so initial weights never depend on the layout."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+# Parameters that write into the residual stream get std = init_std / sqrt(2 * num_layers).
+RESIDUAL_OUT_SUFFIXES = ("attn.proj.weight", "down.weight")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """vocab_size rounded up to a multiple of divisible_by (independent of the layout)."""
+    if divisible_by <= 0:
+        return vocab_size
+    return -(-vocab_size // divisible_by) * divisible_by
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Stable seed for one parameter: crc32 of "<seed>/<name>"; never python hash().
+
+    32 bits on purpose: torch's CPU generator (mt19937) ignores the upper 32 bits of a seed.
+    """
+    return zlib.crc32(f"{int(seed)}/{name}".encode("utf-8"))
+
+
+def init_tensor(name: str, shape, cfg, seed: int) -> torch.Tensor:
+    """The full fp32 CPU initial value of parameter `name` with full `shape`.
+
+    biases: zeros; 1-D weights (norms): ones; residual-output projections:
+    normal(0, init_std / sqrt(2 L)); every other weight (embedding, qkv, mlp in, head):
+    normal(0, init_std).
+    """
+    shape = tuple(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith(RESIDUAL_OUT_SUFFIXES):
+        std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+    gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)

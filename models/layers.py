@@ -1,0 +1,66 @@
+"""The model's projections, built plain on one process or tensor-parallel when the model is
+handed a TP context (the keyword arguments of `mpoverlap.tensor_parallel.tp_kwargs`).
+
+The model code calls these and never branches on the layout itself; tensor-parallel layers
+name their parameters exactly as the plain model does, so both start from the same weights.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_size(tp: Optional[dict]) -> int:
+    return 1 if tp is None else int(tp["tp_size"])
+
+
+def column(name: str, in_features: int, out_features: int, cfg, seed: int, tp: Optional[dict],
+           blocks: int = 1) -> nn.Module:
+    """x [B, S(/tp with SP), in] -> y [B, S, out/tp]; `blocks` equal output blocks (qkv: 3)."""
+    if tp_size(tp) == 1:
+        return nn.Linear(in_features, out_features, bias=False)
+    from mpoverlap.tensor_parallel import ColumnParallelLinear
+
+    return ColumnParallelLinear(in_features, out_features, name=name, cfg=cfg, seed=seed, blocks=blocks, **tp)
+
+
+def row(name: str, in_features: int, out_features: int, cfg, seed: int, tp: Optional[dict]) -> nn.Module:
+    """x [B, S, in/tp] -> y [B, S(/tp with SP), out], reduced over the TP group."""
+    if tp_size(tp) == 1:
+        return nn.Linear(in_features, out_features, bias=False)
+    from mpoverlap.tensor_parallel import RowParallelLinear
+
+    return RowParallelLinear(in_features, out_features, name=name, cfg=cfg, seed=seed, **tp)
+
+
+def embedding(vocab_padded: int, hidden: int, cfg, seed: int, tp: Optional[dict]) -> nn.Module:
+    """tokens [B, S] -> x [B, S(/tp with SP), H]; rows split over TP."""
+    if tp_size(tp) == 1:
+        return nn.Embedding(vocab_padded, hidden)
+    from mpoverlap.tensor_parallel import VocabParallelEmbedding
+
+    return VocabParallelEmbedding(vocab_padded, hidden, name="embedding", cfg=cfg, seed=seed, **tp)
+
+
+def tied_head(x_BSH: torch.Tensor, embedding_module: nn.Module, tp: Optional[dict]) -> torch.Tensor:
+    """Logits through the embedding matrix: [B, S, V] (or [B, S, V/tp] under TP)."""
+    if tp_size(tp) == 1:
+        return F.linear(x_BSH, embedding_module.weight)
+    from mpoverlap.tensor_parallel import column_parallel_linear
+
+    return column_parallel_linear(x_BSH, embedding_module.weight, None, embedding_module.comm)
+
+
+def token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, tp: Optional[dict]) -> torch.Tensor:
+    """Mean token cross entropy (fp32); under TP the logits stay split over the vocabulary."""
+    if tp_size(tp) == 1:
+        V = logits_BSV.shape[-1]
+        return F.cross_entropy(logits_BSV.float().reshape(-1, V), targets_BS.reshape(-1))
+    from mpoverlap.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits_BSV.float(), targets_BS, tp_group=tp["tp_group"],
+                                        tp_rank=tp["tp_rank"], tp_size=tp["tp_size"],
+                                        ledger=tp.get("ledger")).mean()

@@ -1,0 +1,120 @@
+"""Tensor- and sequence-parallel rules, and the CUDA settings TP/CP overlap depends on."""
+from __future__ import annotations
+
+import math
+import os
+
+from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.overlap.layout import Layout
+from mpoverlap.overlap.rules import Problem, divisors, next_multiple, rule
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in divisors(n) if d <= limit)
+
+
+@rule("tp.divides_model", "tp", ("parallel.tp", "model.num_attention_heads", "model.hidden_size",
+                                 "model.ffn_hidden_size"),
+      "tp divides the heads, the hidden size and the ffn hidden size")
+def _divides(lo: Layout):
+    m = lo.cfg.model
+    if lo.tp is None or lo.tp == 1:
+        return
+    for key, value in (("model.num_attention_heads", m.num_attention_heads), ("model.hidden_size", m.hidden_size),
+                       ("model.ffn_hidden_size", m.ffn_hidden_size)):
+        if value >= 1 and value % lo.tp:
+            common = math.gcd(math.gcd(m.num_attention_heads, m.hidden_size), m.ffn_hidden_size)
+            yield Problem("tp.divides_model", {"parallel.tp": lo.tp, key: value},
+                          f"each tensor-parallel rank holds {key.split('.')[1]} / tp; {value} does not divide by {lo.tp}",
+                          [f"parallel.tp={_largest_divisor_at_most(common, lo.tp)}"])
+
+
+@rule("tp.divides_vocab", "tp", ("parallel.tp", "model.vocab_size", "model.make_vocab_size_divisible_by"),
+      "tp divides the padded vocabulary")
+def _vocab(lo: Layout):
+    m = lo.cfg.model
+    if lo.tp is None or lo.tp == 1 or m.vocab_size < 1 or m.make_vocab_size_divisible_by < 1:
+        return
+    vpad = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    if vpad % lo.tp:
+        yield Problem("tp.divides_vocab", {"parallel.tp": lo.tp, "model.vocab_size": m.vocab_size,
+                                           "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by},
+                      f"the padded vocabulary ({vpad}) is split into tp row blocks; pad it to a multiple of "
+                      f"tp (the padding depends only on make_vocab_size_divisible_by, never on the layout)",
+                      [f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by * lo.tp}"])
+
+
+@rule("sp.needs_tp", "tp", ("parallel.sequence_parallel", "parallel.tp"), "sequence parallelism needs tp >= 2")
+def _sp_needs_tp(lo: Layout):
+    if lo.cfg.parallel.sequence_parallel and lo.tp == 1:
+        yield Problem("sp.needs_tp", {"parallel.sequence_parallel": True, "parallel.tp": 1},
+                      "sequence parallelism splits activations over the tensor-parallel group; with tp=1 "
+                      "there is nobody to split with", ["parallel.sequence_parallel=false"])
+
+
+@rule("sp.sequence_divisible", "tp", ("parallel.sequence_parallel", "model.seq_length", "parallel.tp", "parallel.cp"),
+      "with SP, each cp rank's sequence divides by tp")
+def _sp_seq(lo: Layout):
+    m, p = lo.cfg.model, lo.cfg.parallel
+    if not p.sequence_parallel or None in (lo.tp, lo.cp) or lo.tp == 1 or m.seq_length < 1:
+        return
+    if m.seq_length % lo.cp or (m.seq_length // lo.cp) % lo.tp:
+        step = math.lcm(2 * lo.cp, lo.cp * lo.tp)
+        yield Problem("sp.sequence_divisible", {"model.seq_length": m.seq_length, "parallel.tp": lo.tp,
+                                                "parallel.cp": lo.cp, "parallel.sequence_parallel": True},
+                      f"sequence parallelism gives each tp rank seq_length / (cp x tp) positions",
+                      [f"model.seq_length={next_multiple(m.seq_length, step)}"])
+
+
+@rule("tp.overlap_needs_sp", "tp", ("overlap.tp", "parallel.sequence_parallel"),
+      "overlap.tp=true (collective matmul) needs sequence parallelism")
+def _overlap_needs_sp(lo: Layout):
+    if lo.mode("tp") == "true" and lo.tp is not None and lo.tp > 1 and not lo.cfg.parallel.sequence_parallel:
+        yield Problem("tp.overlap_needs_sp", {"overlap.tp": "true", "parallel.sequence_parallel": False},
+                      "collective matmul decomposes the sequence all-gather / reduce-scatter of SP into ring "
+                      "steps; without SP there is no such collective to decompose",
+                      ["parallel.sequence_parallel=true"])
+
+
+@rule("tp.transformer_engine", "tp", ("model.transformer_impl",), "model.transformer_impl=te needs TE on CUDA")
+def _te(lo: Layout):
+    if lo.cfg.model.transformer_impl != "te":
+        return
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        reason = ("Transformer Engine is not installed: it is an optional CUDA extra, "
+                  "pip install 'mpoverlap[te]' on a machine with CUDA")
+    elif not torch.cuda.is_available():
+        reason = "Transformer Engine layers run on CUDA only and no GPU is visible"
+    else:
+        reason = ("Transformer Engine layers are not built by this version of mpoverlap yet (the CUDA "
+                  "path is its own piece of work); running the local layers instead would silently "
+                  "change what you asked for")
+    yield Problem("tp.transformer_engine", {"model.transformer_impl": "te"}, reason,
+                  ["model.transformer_impl=local"])
+
+
+@rule("cuda.max_connections", "tp", ("overlap.tp", "overlap.cp", "train.device"),
+      "on CUDA, TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 set before CUDA starts")
+def _max_connections(lo: Layout):
+    from mpoverlap.overlap.config import CommOverlapConfig
+
+    if lo.world_env is None or lo.cfg.train.device == "cpu" or not lo.degrees_ok:
+        return  # self-launch sets it for its workers; only torchrun runs can have it wrong
+    import torch
+
+    if lo.cfg.train.device == "auto" and not torch.cuda.is_available():
+        return
+    ov = CommOverlapConfig.from_config(lo.cfg, lo.world_env)
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if (ov.tp.enabled or ov.cp.enabled) and value != "1":
+        yield Problem("cuda.max_connections",
+                      {"CUDA_DEVICE_MAX_CONNECTIONS": value, "overlap.tp": ov.tp.requested,
+                       "overlap.cp": ov.cp.requested},
+                      "with more than one hardware queue the GPU may run a GEMM issued after a collective "
+                      "ahead of it and the overlap is lost; export CUDA_DEVICE_MAX_CONNECTIONS=1 before "
+                      "torchrun (mpoverlap-train's own launcher sets it), or turn the overlap off",
+                      ["overlap.tp=false", "overlap.cp=false"])
