@@ -136,6 +136,20 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
 
 
+def test_checkpoint_reshards_across_layouts(tmp_path):
+    """Saved at tp2 x SP with ZeRO-1, resumed at tp1 x dp2 and at cp2: the same curve."""
+    common = ["train.lr_decay_steps=6", "checkpoint.interval=3"]
+    train(tmp_path / "ref", *common, steps=6)
+    ref = [r["loss"] for r in rows(tmp_path / "ref")]
+    for name, later in (("to_dp2", ["parallel.dp=2"]), ("to_cp2", ["parallel.cp=2"])):
+        run = tmp_path / name
+        train(run, *common, "parallel.tp=2", "parallel.sequence_parallel=true",
+              "train.distributed_optimizer=true", steps=3)
+        proc = train(run, *common, *later, steps=6)
+        assert "resumed from" in proc.stdout
+        assert_close([r["loss"] for r in rows(run)], ref)
+
+
 def test_torchrun_joins(tmp_path, runs):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "mpoverlap.train"]

@@ -19,6 +19,7 @@ from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
+from mpoverlap.tensor_parallel.checkpoint import reshard_named, unshard_named
 from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.lr import LRSchedule
@@ -80,9 +81,30 @@ class Trainer:
                 "seed": int(self.cfg.train.seed), "global_batch_size": int(self.cfg.train.global_batch_size)}
 
     def _app_state(self) -> Dict[str, Any]:
+        """Everything a resume needs, as FULL tensors keyed by parameter name: tensor-parallel
+        shards are gathered and ZeRO-1 optimizer shards too, so the checkpoint does not depend
+        on the layout it was saved from (DCP writes each replicated entry once)."""
+        params = dict(self.model.named_parameters())
+        tp_group, tp_size = self.state.group("tp"), self.state.grid.tp
+        optim = self.optimizer.state_dict()
+        for key in ("exp_avg", "exp_avg_sq"):
+            optim[key] = unshard_named(optim[key], params, tp_group, tp_size)
         # Every rank starts from the same seed, so rank 0's generator state stands for all.
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()}}
+        return {"model": unshard_named({n: p.detach() for n, p in params.items()}, params, tp_group, tp_size),
+                "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()}}
+
+    @torch.no_grad()
+    def _load_app_state(self, state: Dict[str, Any]) -> None:
+        params = dict(self.model.named_parameters())
+        tp_rank, tp_size = self.state.coords.tp, self.state.grid.tp
+        for name, value in reshard_named(state["model"], params, tp_rank, tp_size).items():
+            params[name].copy_(value)
+        optim = dict(state["optimizer"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            optim[key] = reshard_named(optim[key], params, tp_rank, tp_size)
+        self.optimizer.load_state_dict(optim)
+        torch.set_rng_state(state["rng"]["torch_cpu"])
+        self.step = int(state["meta"]["step"])
 
     def save(self) -> None:
         self.optimizer.finish_param_sync()
@@ -111,9 +133,7 @@ class Trainer:
                      "set train.lr_decay_steps explicitly to keep a schedule across reruns")
         state = self._app_state()
         self.checkpointer.load(path, state)
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch_cpu"])
-        self.step = int(state["meta"]["step"])
+        self._load_app_state(state)
         self.log(f"resumed from {path} at step {self.step}")
 
     # ---- one optimizer step -------------------------------------------------------------
