@@ -52,6 +52,8 @@ class CommHandle:
         # (start, before_wait, after_wait) CUDA events, or None on CPU.
         self._cuda_events = [cuda_start, None, None] if cuda_start is not None else None
         if self._cuda_events is None:
+            if ledger is not None:
+                ledger.poll()
             self._watch_completion()
 
     def _watch_completion(self) -> None:
@@ -70,8 +72,17 @@ class CommHandle:
             try:
                 work.get_future().add_done_callback(done)
             except (RuntimeError, AttributeError):
-                # Backends without futures: completion is only known at wait().
+                # No future (gloo's reduce-scatter): the ledger polls is_completed() whenever
+                # another handle is issued or waited, so completion is known to that granularity.
                 remaining[0] = -1
+        if remaining[0] < 0 and self._ledger is not None:
+            self._ledger.watch(self)
+
+    def poll(self) -> bool:
+        """Stamp the completion time if the backend has finished; True once stamped."""
+        if self.completed_at is None and all(w.is_completed() for w in self._works):
+            self.completed_at = now()
+        return self.completed_at is not None
 
     def is_completed(self) -> bool:
         if self._waited:
@@ -84,6 +95,8 @@ class CommHandle:
         if self._cuda_events is not None:
             self._wait_cuda()
             return self
+        if self._ledger is not None:
+            self._ledger.poll()
         t0 = now()
         for work in self._works:
             work.wait()

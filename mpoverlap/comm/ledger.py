@@ -18,6 +18,15 @@ class CommLedger:
         self._totals: Dict[str, Dict[str, float]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0.0))
         self._intervals: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         self._unresolved: List = []  # CUDA handles whose events are read at summary time
+        self._polled: List = []  # handles whose backend gives no completion callback
+
+    def watch(self, handle) -> None:
+        self._polled.append(handle)
+
+    def poll(self) -> None:
+        """Stamp completion of watched handles that finished (called at every issue/wait)."""
+        if self._polled:
+            self._polled = [h for h in self._polled if not h.poll()]
 
     def record(self, handle) -> None:
         if handle.uses_cuda_events:

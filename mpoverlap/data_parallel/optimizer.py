@@ -45,6 +45,9 @@ class _Piece:
     # Sharded over tensor parallelism (its squares add up over the TP group); replicated
     # parameters count once.
     tp_sharded: bool = False
+    # A second copy of a parameter held by another pipeline stage (the tied head's embedding
+    # on the last stage): left out of the norm, which counts the first stage's copy.
+    pipeline_duplicate: bool = False
 
 
 class DataParallelAdamW:
@@ -56,12 +59,13 @@ class DataParallelAdamW:
 
     def __init__(self, ddp: DataParallel, *, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01,
-                 param_gather_overlap: bool = False, tp_group=None) -> None:
+                 param_gather_overlap: bool = False, tp_group=None, pp_group=None) -> None:
         if param_gather_overlap and not ddp.distributed_optimizer:
             raise ValueError("param_gather_overlap=True needs DataParallel(distributed_optimizer="
                              "True); without it the parameters are never sharded")
         self.ddp = ddp
         self.tp_group = tp_group
+        self.pp_group = pp_group
         self.param_gather_overlap = bool(param_gather_overlap)
         buf = ddp.buffer
         self.pieces: List[_Piece] = []
@@ -75,7 +79,8 @@ class DataParallelAdamW:
                 main = buf.param_data[lo:hi]
                 main.grad = buf.grad_data[lo:hi]
                 self.pieces.append(_Piece(buf.name_of[p], p.ndim, lo - start, hi - start, lo, hi, main,
-                                          bool(getattr(p, "tensor_model_parallel", False))))
+                                          bool(getattr(p, "tensor_model_parallel", False)),
+                                          bool(getattr(p, "pipeline_duplicate", False))))
         groups = [{"params": [pc.main for pc in self.pieces if pc.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [pc.main for pc in self.pieces if pc.ndim < 2], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
@@ -162,16 +167,21 @@ class DataParallelAdamW:
         norm is returned without touching the gradients."""
         self.ddp.finish_grad_sync()
         regions = self._grad_regions()
-        if self.tp_group is None:
-            sq = torch.stack([torch.linalg.vector_norm(r) for r in regions]).double().pow(2).sum()
+        if self.tp_group is None and self.pp_group is None:
+            # fp64 accumulation: an fp32 norm over a whole bucket rounds differently per bucket layout.
+            sq = torch.stack([torch.linalg.vector_norm(r, dtype=torch.float64) for r in regions]).pow(2).sum()
         else:
             # [replicated, tp-sharded] square sums: shards add up over the TP group, copies
             # of a replicated parameter must count once.
             sq2 = torch.zeros(2, dtype=torch.float64, device=self.ddp.buffer.grad_data.device)
             for pc in self.pieces:
-                sq2[int(pc.tp_sharded)] += torch.linalg.vector_norm(pc.main.grad).double().pow(2)
-            dist.all_reduce(sq2[1:], group=self.tp_group)
+                if not pc.pipeline_duplicate:
+                    sq2[int(pc.tp_sharded)] += torch.linalg.vector_norm(pc.main.grad, dtype=torch.float64).pow(2)
+            if self.tp_group is not None:
+                dist.all_reduce(sq2[1:], group=self.tp_group)
             sq = sq2.sum()
+            if self.pp_group is not None:  # each stage holds different layers: squares add up
+                dist.all_reduce(sq, group=self.pp_group)
         if self.ddp.distributed_optimizer and self.ddp.group is not None:
             # Each rank holds disjoint shards: the square sums add up. A small synchronous
             # reduction, not part of the overlapped dp traffic.

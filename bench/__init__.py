@@ -1,0 +1,1 @@
+"""Benchmarks that compare mpoverlap's modes and torch peers in one run (`make bench`)."""

@@ -1,0 +1,423 @@
+"""DP overlap: mpoverlap's data-parallel modes against torch DDP, 2 gloo ranks, one run.
+
+Two spawned workers (OMP_NUM_THREADS=1, one intra-op thread each) build every variant once
+and step them alternately in blocks (rotating order), in the same processes:
+
+  mpo_overlap     Trainer, parallel.dp=2 overlap.dp=true  train.distributed_optimizer=false
+  mpo_no_overlap  Trainer, parallel.dp=2 overlap.dp=false train.distributed_optimizer=false
+  torch_ddp       torch DistributedDataParallel around the same GPT, no_sync() on all but the
+                  last microbatch, bucket_cap_mb = overlap.dp_bucket_mb, torch.optim.AdamW
+  mpo_zero1       Trainer, overlap.dp=true train.distributed_optimizer=true
+                  overlap.dp_param_gather=true (reduce-scatter + overlapped param all-gather)
+  local_no_comm   the bare model, same loop, no gradient reduction: the compute-only floor
+
+Per variant: the median step time (slowest rank of each step), CPU time per step (both ranks'
+processes, all threads, plus the machine's irq/softirq time), bytes on the loopback per step,
+and for mpoverlap the ledger's per-step figures (mode "dp": ops, bytes, in-flight time_s,
+exposed_s = time compute sat blocked in wait()). Also: forward and backward time of one
+microbatch without communication, to tell whether backward is longer than the all-reduce,
+and the per-handle issue/complete/blocked clocks of one step of each mpoverlap variant.
+
+The machine is shared: every block records how much CPU other processes took meanwhile, and
+the run adds rounds (up to --max-repeats / --time-budget) until every variant has --min-quiet
+quiet blocks; results come both over all blocks and over the quiet ones.
+
+Run it inside `bench/netns.sh` so the loopback is a rate-limited link; on a bare loopback
+the communication is nearly free on the wire and costs CPU instead (docs/benchmarks.md).
+
+    python -m bench.dp_overlap [--block 5] [--repeats 6] [--layers 8] [--json F] [--link TEXT]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List
+
+from bench.common import adamw_groups, free_port, machine_busy_s, machine_irq_s, stats
+
+VARIANTS = {
+    "mpo_overlap": ["overlap.dp=true", "train.distributed_optimizer=false"],
+    "mpo_no_overlap": ["overlap.dp=false", "train.distributed_optimizer=false"],
+    "torch_ddp": None,
+    "mpo_zero1": ["overlap.dp=true", "train.distributed_optimizer=true", "overlap.dp_param_gather=true"],
+    "local_no_comm": None,
+}
+
+
+def _base_overrides(args) -> List[str]:
+    return ["parallel.dp=2", f"model.num_layers={args.layers}", f"overlap.dp_bucket_mb={args.bucket_mb}",
+            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
+            "train.steps=100000", "train.progress=false", "checkpoint.interval=0",
+            "checkpoint.resume=none", f"data.max_bytes={args.data_bytes}"]
+
+
+class DDPLoop:
+    """torch DDP on the same model class, microbatches and optimizer settings (wrap=False:
+    the bare model, nothing reduced)."""
+
+    def __init__(self, cfg: Any, dataset, dp_rank: int, dp_size: int, bucket_mb: float, wrap: bool = True) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        from mpoverlap.models.gpt import GPT
+        from mpoverlap.training.lr import LRSchedule
+
+        t = cfg.train
+        self.cfg, self.dataset, self.dp_rank, self.dp_size = cfg, dataset, dp_rank, dp_size
+        self.model = GPT(cfg.model, seed=t.seed)
+        # wrap=False: the bare model, no gradient reduction at all (the compute-only floor).
+        self.wrap = wrap
+        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=bucket_mb) if wrap else self.model
+        self.optimizer = torch.optim.AdamW(adamw_groups(self.model, t.weight_decay), lr=t.lr,
+                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                           foreach=True)
+        self.schedule = LRSchedule.from_config(t)
+        self.step = 0
+        self.fwd_s: List[float] = []  # microbatches without communication: pure compute
+        self.bwd_s: List[float] = []
+
+    def train_step(self) -> Dict[str, Any]:
+        import torch
+
+        from mpoverlap.training.data import global_batch, rank_microbatches
+
+        t = self.cfg.train
+        lr = self.schedule(self.step)
+        batch = global_batch(self.dataset, self.step, t.global_batch_size, t.seed)
+        micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            ctx = self.ddp.no_sync() if self.wrap and not last else _null()
+            with ctx:
+                a = time.perf_counter()
+                loss = self.model.loss(self.ddp(mb[:, :-1]), mb[:, 1:]) / len(micro)
+                b = time.perf_counter()
+                loss.backward()
+                c = time.perf_counter()
+            if not (last and self.wrap):
+                self.fwd_s.append(b - a)
+                self.bwd_s.append(c - b)
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip, foreach=True)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        return {"loss_local": loss_sum, "grad_norm": float(grad_norm), "step_time_s": time.perf_counter() - t0}
+
+    def bucket_sizes_mb(self) -> List[float]:
+        """DDP's bucket sizes (MiB) after its rebuild in the first iterations (diagnostic)."""
+        if not self.wrap:
+            return []
+        try:
+            data = self.ddp._get_ddp_logging_data()
+        except Exception:  # noqa: BLE001 - private API, diagnostic only
+            return []
+        raw = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+        return [round(int(x) / 2**20, 3) for x in str(raw).split(",") if x.strip().isdigit()]
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class SpanRecorder:
+    """Wraps one Trainer's `ledger.record` (on the instance, mpoverlap is not modified) to keep
+    every handle's issue/complete/blocked clocks for the per-bucket diagnostics."""
+
+    def __init__(self, ledger) -> None:
+        self.handles: List[Any] = []
+        inner = ledger.record
+
+        def record(handle) -> None:
+            self.handles.append((handle.op, handle.nbytes, handle.issued_at, handle.completed_at,
+                                 handle.blocked_s))
+            inner(handle)
+
+        ledger.record = record
+
+    def take(self, t0: float) -> List[Dict[str, Any]]:
+        """The handles recorded since the last take, as offsets in ms from `t0` (a step's start)."""
+        out = [{"op": op, "mib": round(nbytes / 2**20, 3), "issue_ms": round((issued - t0) * 1e3, 2),
+                "done_ms": round(((done or issued) - t0) * 1e3, 2), "blocked_ms": round(blocked * 1e3, 2)}
+               for op, nbytes, issued, done, blocked in self.handles]
+        self.handles.clear()
+        return out
+
+
+def _worker(rank: int, port: int, args, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    from mpoverlap.config import compose
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    try:
+        base = _base_overrides(args)
+        trainers: Dict[str, Any] = {}
+        recorders: Dict[str, SpanRecorder] = {}
+        state = None
+        for name, extra in VARIANTS.items():
+            if extra is None or name not in args.variants:
+                continue
+            cfg = compose(base + extra + [f"run.dir={tmp}/{name}"])
+            if state is None:
+                state = init_distributed(cfg)
+            run_dir = Path(tmp) / name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            trainers[name] = Trainer(cfg, state, run_dir)
+            recorders[name] = SpanRecorder(trainers[name].ledger)
+        any_trainer = next(iter(trainers.values()))
+        sides: Dict[str, Any] = dict(trainers)
+        for name, wrap in (("torch_ddp", True), ("local_no_comm", False)):
+            if name in args.variants:
+                sides[name] = DDPLoop(any_trainer.cfg, any_trainer.train_data, any_trainer.dp_rank,
+                                      any_trainer.dp_size, args.bucket_mb, wrap=wrap)
+        order = [v for v in VARIANTS if v in sides]
+        losses: Dict[str, List[float]] = {k: [] for k in order}
+        blocks: List[Dict[str, Any]] = []
+
+        def settle(name: str) -> None:
+            # Leave no collective in flight across a variant switch (outside timing).
+            if name in trainers:
+                trainers[name].optimizer.finish_param_sync()
+                trainers[name].ledger.reset()
+                recorders[name].take(0.0)
+            dist.barrier()
+
+        def one(name: str, block: Dict[str, Any], keep: bool) -> None:
+            side = sides[name]
+            t0 = time.perf_counter()
+            out = side.train_step()
+            dt = time.perf_counter() - t0
+            losses[name].append(float(out["loss_local"]))
+            if name in trainers:
+                spans = recorders[name].take(t0)
+                c = side.ledger.reset().get("dp", {"ops": 0, "bytes": 0, "time_s": 0.0, "exposed_s": 0.0})
+                if keep:
+                    block["comm"].append(c)
+                    block["spans"] = spans
+            if keep:
+                block["times"].append(dt)
+
+        ddp = sides.get("torch_ddp")
+        for name in order:
+            scratch = {"times": [], "comm": []}
+            for _ in range(args.warmup):
+                one(name, scratch, keep=False)
+            settle(name)
+        for side in sides.values():
+            if isinstance(side, DDPLoop):
+                side.fwd_s.clear()
+                side.bwd_s.clear()
+        # Rounds of one block per variant (rotating order) until every variant has
+        # --min-quiet blocks during which other processes left the cores alone, at least
+        # --repeats and at most --max-repeats rounds, within --time-budget seconds. Every rank
+        # decides from the same gathered numbers, so both run the same number of rounds.
+        quiet_blocks = dict.fromkeys(order, 0)
+        start, r = time.perf_counter(), 0
+        while True:
+            elapsed = [0.0, 0.0]
+            dist.all_gather_object(elapsed, time.perf_counter() - start)
+            enough = all(q >= args.min_quiet for q in quiet_blocks.values())
+            if r >= args.repeats and (enough or r >= args.max_repeats or elapsed[0] > args.time_budget):
+                break
+            rot = r % len(order)
+            for name in order[rot:] + order[:rot]:
+                gc.collect()
+                settle(name)
+                block = {"name": name, "times": [], "comm": [], "spans": []}
+                busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.perf_counter()
+                wire0, irq0 = _lo_tx_bytes(), machine_irq_s()
+                for i in range(args.block):
+                    one(name, block, keep=i >= args.block_warmup)
+                settle(name)
+                block.update(busy_s=machine_busy_s() - busy0, own_cpu_s=time.process_time() - own0,
+                             wall_s=time.perf_counter() - wall0, wire_bytes_per_step=(_lo_tx_bytes() - wire0) / args.block,
+                             irq_s=machine_irq_s() - irq0)
+                both: List[Any] = [None, None]
+                dist.all_gather_object(both, (block["busy_s"], block["own_cpu_s"], block["wall_s"]))
+                block["foreign_cores"] = _foreign_cores(both)
+                if block["foreign_cores"] <= args.quiet_cores:
+                    quiet_blocks[name] += 1
+                if name in ("torch_ddp", "local_no_comm"):
+                    side = sides[name]
+                    block["fwd_s"], block["bwd_s"] = list(side.fwd_s), list(side.bwd_s)
+                    side.fwd_s.clear()
+                    side.bwd_s.clear()
+                blocks.append(block)
+            r += 1
+            if rank == 0:
+                print(f"dp_overlap: round {r} done, quiet blocks " +
+                      " ".join(f"{k}={q}" for k, q in quiet_blocks.items()), file=sys.stderr, flush=True)
+
+        local = {"blocks": blocks, "losses": losses,
+                 "buckets": {k: [round(b.numel * 4 / 2**20, 3) for b in t.ddp.buffer.buckets]
+                             for k, t in trainers.items()},
+                 "ddp_buckets": ddp.bucket_sizes_mb() if ddp is not None else []}
+        gathered: List[Any] = [None, None]
+        dist.all_gather_object(gathered, local)
+        if rank == 0:
+            res = summarize(gathered, order, args)
+            Path(args.json_tmp).write_text(json.dumps(res, indent=2))
+    finally:
+        dist.destroy_process_group()
+
+
+def _lo_tx_bytes() -> float:
+    """Bytes sent on this network namespace's loopback so far (both ranks' traffic), or nan."""
+    try:
+        return float(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def _foreign_cores(both: List[tuple]) -> float:
+    """Cores that processes other than our two ranks used during a block: machine busy time
+    (rank 0's reading) minus both ranks' CPU time, over rank 0's wall time."""
+    (busy, own0, wall), (_, own1, _) = both
+    return max(0.0, busy - own0 - own1) / max(wall, 1e-9)
+
+
+def _variant_summary(name: str, blocks0: List[dict], blocks1: List[dict], per_rank, args_block: int) -> Dict[str, Any]:
+    # A step ends when its slowest rank ends.
+    step = [max(a, b) for b0, b1 in zip(blocks0, blocks1) for a, b in zip(b0["times"], b1["times"])]
+    row: Dict[str, Any] = {"blocks": len(blocks0), "step": stats(step),
+                           # Both ranks' traffic on the loopback, per step (rank 0's reading).
+                           "wire_mib_per_step": stats([b["wire_bytes_per_step"] / 2**20 for b in blocks0])["median_s"],
+                           # CPU per step: both ranks' process time (all threads, gloo's included),
+                           # and the machine's irq+softirq time (loopback/tc work), per block step.
+                           "cpu_ms_per_step": stats([(x["own_cpu_s"] + y["own_cpu_s"]) * 1e3 / args_block
+                                                     for x, y in zip(blocks0, blocks1)])["median_s"],
+                           "irq_ms_per_step": stats([x["irq_s"] * 1e3 / args_block for x in blocks0])["median_s"]}
+    rows = [c for b in blocks0 + blocks1 for c in b["comm"]]
+    if rows:
+        t_in = [r["time_s"] for r in rows]
+        exp = [r["exposed_s"] for r in rows]
+        row["dp_comm"] = {
+            "ops_per_step": sum(r["ops"] for r in rows) / len(rows),
+            "mib_per_step": sum(r["bytes"] for r in rows) / len(rows) / 2**20,
+            "time_s_median": stats(t_in)["median_s"], "exposed_s_median": stats(exp)["median_s"],
+            "exposed_share": sum(exp) / sum(t_in) if sum(t_in) > 0 else 0.0,
+        }
+    fwd = [x for b in blocks0 + blocks1 for x in b.get("fwd_s", [])]
+    bwd = [x for b in blocks0 + blocks1 for x in b.get("bwd_s", [])]
+    if fwd:
+        row["microbatch_compute"] = {"forward_s": stats(fwd)["median_s"], "backward_s": stats(bwd)["median_s"]}
+    return row
+
+
+def summarize(per_rank: List[Dict[str, Any]], order: List[str], args) -> Dict[str, Any]:
+    b0, b1 = per_rank[0]["blocks"], per_rank[1]["blocks"]
+    out: Dict[str, Any] = {"rounds": len(b0) // max(1, len(order)),
+                           "variants": {}, "variants_quiet": {}, "quiet_threshold_cores": args.quiet_cores,
+                           "block_foreign_cores": [{"variant": x["name"], "foreign_cores": round(x["foreign_cores"], 3)}
+                                                   for x in b0]}
+    for name in order:
+        idx = [i for i, x in enumerate(b0) if x["name"] == name]
+        quiet = [i for i in idx if b0[i]["foreign_cores"] <= args.quiet_cores]
+        row = _variant_summary(name, [b0[i] for i in idx], [b1[i] for i in idx], per_rank, args.block)
+        row["overrides"] = VARIANTS[name]
+        if name in per_rank[0]["buckets"]:
+            row["buckets_mib"] = per_rank[0]["buckets"][name]
+        if name == "torch_ddp":
+            row["buckets_mib"] = per_rank[0]["ddp_buckets"]
+        # The per-handle clocks of the last step of the quietest block (rank 0 and rank 1).
+        best = min(idx, key=lambda i: b0[i]["foreign_cores"])
+        if b0[best]["spans"]:
+            row["sample_step_spans"] = {"rank0": b0[best]["spans"], "rank1": b1[best]["spans"],
+                                        "block_foreign_cores": round(b0[best]["foreign_cores"], 3)}
+        out["variants"][name] = row
+        if quiet:
+            out["variants_quiet"][name] = _variant_summary(name, [b0[i] for i in quiet], [b1[i] for i in quiet],
+                                                           per_rank, args.block)
+    for name in ("local_no_comm", "torch_ddp"):
+        if "microbatch_compute" in out["variants"].get(name, {}):
+            out["microbatch_compute"] = out["variants"][name]["microbatch_compute"]
+            break
+    # Overlap on vs off is the same math: their losses must agree exactly.
+    la, lb = per_rank[0]["losses"].get("mpo_overlap"), per_rank[0]["losses"].get("mpo_no_overlap")
+    if la and lb:
+        n = min(len(la), len(lb))
+        out["overlap_vs_off_max_loss_diff"] = max(abs(a - b) for a, b in zip(la[:n], lb[:n]))
+    return out
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block", type=int, default=5, help="steps per block (default 5)")
+    p.add_argument("--repeats", type=int, default=6, help="at least this many blocks per variant (default 6)")
+    p.add_argument("--max-repeats", type=int, default=30, help="at most this many blocks per variant (default 30)")
+    p.add_argument("--min-quiet", type=int, default=5,
+                   help="go on (up to --max-repeats / --time-budget) until every variant has this many quiet blocks")
+    p.add_argument("--time-budget", type=float, default=180.0,
+                   help="stop adding rounds after this many seconds of measuring (default 180)")
+    p.add_argument("--warmup", type=int, default=3, help="discarded steps per variant first (default 3)")
+    p.add_argument("--block-warmup", type=int, default=1,
+                   help="discarded steps at the start of each block (default 1)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--bucket-mb", type=float, default=0.5)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=32, help="over both ranks (default 32: 2 microbatches per rank)")
+    p.add_argument("--quiet-cores", type=float, default=0.1,
+                   help="a block is 'quiet' when other processes used at most this many cores during it")
+    p.add_argument("--data-bytes", type=int, default=2_000_000)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+
+
+def run(args) -> Dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    args.variants = [v.strip() for v in (args.variants if isinstance(args.variants, str) else ",".join(args.variants)).split(",") if v.strip()]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory(prefix="mpo-bench-dp-") as tmp:
+        args.json_tmp = str(Path(tmp) / "result.json")
+        t0 = time.perf_counter()
+        mp.start_processes(_worker, args=(free_port(), args, tmp), nprocs=2, start_method="spawn", join=True)
+        res = json.loads(Path(args.json_tmp).read_text())
+    res["benchmark"] = "dp_overlap"
+    res["link"] = args.link
+    res["wall_s"] = time.perf_counter() - t0
+    res["setup"] = {"ranks": 2, "threads_per_rank": 1, "base_overrides": _base_overrides(args),
+                    "block": args.block, "repeats": res["rounds"], "warmup": args.warmup,
+                    "block_warmup": args.block_warmup, "ddp_bucket_cap_mb": args.bucket_mb}
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--link", default=os.environ.get("MPO_BENCH_LINK", "loopback, not rate-limited"),
+                   help="text describing the link, recorded in the result")
+    args = p.parse_args()
+    res = run(args)
+    text = json.dumps(res, indent=2)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

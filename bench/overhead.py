@@ -1,0 +1,215 @@
+"""Framework overhead at dp=1: mpoverlap's real training step against a plain PyTorch loop.
+
+Both sides train the same model class (`GPT(cfg.model, seed)`) on the same batches (same
+micro batch, same number of microbatches, same sequence length), with AdamW(foreach=True),
+the same weight-decay split, gradient clipping and the same learning rate, in ONE process:
+
+  framework: `Trainer(cfg, state, run_dir).train_step()` after a 1-rank gloo process group
+             and `init_distributed(cfg)` (DataParallel + DataParallelAdamW, ledger, schedule)
+  plain:     zero_grad, forward/backward per microbatch, clip_grad_norm_, AdamW.step
+
+They alternate in blocks (`--block` steps each, the side that goes first alternating) so
+clock drift and other load on the machine hit both; warmup steps and the first step of every
+block are discarded; medians are reported. Every timed step is the wall time of the whole
+call, batch assembly included (both sides use the same `global_batch`). The machine is
+shared: each block records how much CPU other processes took meanwhile, and rounds are added
+(at least `--repeats`, up to `--max-repeats` / `--time-budget`) until both sides have
+`--min-quiet` quiet blocks; results come over all blocks and over the quiet ones.
+
+    python -m bench.overhead [--block 5] [--repeats 8] [--warmup 3] [--threads 1] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from bench.common import adamw_groups, free_port, machine_busy_s, stats
+
+
+def _overrides(args) -> List[str]:
+    return ["parallel.dp=1", f"model.num_layers={args.layers}", f"train.micro_batch_size={args.micro_batch}",
+            f"train.global_batch_size={args.global_batch}", "train.steps=100000", "train.progress=false",
+            "checkpoint.interval=0", "checkpoint.resume=none", f"data.max_bytes={args.data_bytes}"]
+
+
+class PlainLoop:
+    """The same training step written as an ordinary single-process PyTorch loop."""
+
+    def __init__(self, cfg: Any, dataset) -> None:
+        from mpoverlap.models.gpt import GPT
+        from mpoverlap.training.lr import LRSchedule
+
+        t = cfg.train
+        self.cfg, self.dataset = cfg, dataset
+        self.model = GPT(cfg.model, seed=t.seed)
+        self.optimizer = torch.optim.AdamW(adamw_groups(self.model, t.weight_decay), lr=t.lr,
+                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                           foreach=True)
+        self.schedule = LRSchedule.from_config(t)
+        self.step = 0
+
+    def train_step(self) -> Dict[str, Any]:
+        from mpoverlap.training.data import global_batch
+
+        t = self.cfg.train
+        lr = self.schedule(self.step)
+        batch = global_batch(self.dataset, self.step, t.global_batch_size, t.seed)
+        micro = batch.split(t.micro_batch_size)
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for mb in micro:
+            loss = self.model.loss(self.model(mb[:, :-1]), mb[:, 1:]) / len(micro)
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip, foreach=True)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        return {"loss_local": loss_sum, "grad_norm": float(grad_norm),
+                "step_time_s": time.perf_counter() - t0}
+
+
+def run(args) -> Dict[str, Any]:
+    from mpoverlap.config import compose
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    owns_pg = not dist.is_initialized()
+    if owns_pg:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1, timeout=timedelta(seconds=120))
+    try:
+        with tempfile.TemporaryDirectory(prefix="mpo-bench-overhead-") as tmp:
+            cfg = compose(_overrides(args) + [f"run.dir={tmp}"])
+            state = init_distributed(cfg)
+            trainer = Trainer(cfg, state, Path(tmp))
+            plain = PlainLoop(cfg, trainer.train_data)
+            sides = {"framework": trainer, "plain": plain}
+            losses = {k: [] for k in sides}
+            blocks: List[Dict[str, Any]] = []
+
+            def one(name: str, block: Dict[str, Any], keep: bool) -> None:
+                t0 = time.perf_counter()
+                out = sides[name].train_step()
+                dt = time.perf_counter() - t0
+                trainer.ledger.reset()
+                losses[name].append(float(out["loss_local"]))
+                if keep:
+                    block["wall"].append(dt)
+                    block["inner"].append(out["step_time_s"])
+
+            for _ in range(args.warmup):
+                for name in sides:
+                    one(name, {}, keep=False)
+            # Rounds of one block per side until both sides have --min-quiet blocks during which
+            # other processes left the cores alone (at least --repeats, at most --max-repeats
+            # rounds, within --time-budget seconds).
+            start, r = time.perf_counter(), 0
+            while True:
+                enough = all(sum(1 for b in blocks if b["side"] == k and b["foreign_cores"] <= args.quiet_cores)
+                             >= args.min_quiet for k in sides)
+                if r >= args.repeats and (enough or r >= args.max_repeats
+                                          or time.perf_counter() - start > args.time_budget):
+                    break
+                order = ["framework", "plain"] if r % 2 == 0 else ["plain", "framework"]
+                for name in order:
+                    gc.collect()
+                    block = {"side": name, "wall": [], "inner": []}
+                    busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.perf_counter()
+                    for i in range(args.block):
+                        one(name, block, keep=i >= args.block_warmup)
+                    wall = time.perf_counter() - wall0
+                    foreign = machine_busy_s() - busy0 - (time.process_time() - own0)
+                    block["foreign_cores"] = max(0.0, foreign) / wall
+                    blocks.append(block)
+                r += 1
+                quiet_now = {k: sum(1 for b in blocks if b["side"] == k and b["foreign_cores"] <= args.quiet_cores)
+                             for k in sides}
+                print(f"overhead: round {r} done, quiet blocks " + " ".join(f"{k}={q}" for k, q in quiet_now.items()),
+                      file=sys.stderr, flush=True)
+
+            def summary(use: List[Dict[str, Any]]) -> Dict[str, Any]:
+                res = {k: {"wall": stats([x for b in use if b["side"] == k for x in b["wall"]]),
+                           "inner": stats([x for b in use if b["side"] == k for x in b["inner"]]),
+                           "blocks": sum(1 for b in use if b["side"] == k)} for k in sides}
+                res["ratio"] = res["framework"]["wall"]["median_s"] / res["plain"]["wall"]["median_s"]
+                res["ratio_inner"] = res["framework"]["inner"]["median_s"] / res["plain"]["inner"]["median_s"]
+                return res
+
+            everything = summary(blocks)
+            quiet_blocks = [b for b in blocks if b["foreign_cores"] <= args.quiet_cores]
+            quiet = (summary(quiet_blocks) if all(any(b["side"] == k for b in quiet_blocks) for k in sides)
+                     else None)
+            # Same model, same data, same optimizer: the two trajectories must agree (rounding
+            # differences grow over many steps, so the first steps are the check).
+            n = min(len(losses["framework"]), len(losses["plain"]))
+            diffs = [abs(a - b) for a, b in zip(losses["framework"][:n], losses["plain"][:n])]
+            m = cfg.model
+            return {
+                "benchmark": "overhead",
+                "setup": {"model": m.name, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                          "seq_length": m.seq_length, "micro_batch_size": cfg.train.micro_batch_size,
+                          "microbatches": cfg.train.global_batch_size // cfg.train.micro_batch_size,
+                          "threads": args.threads, "block": args.block, "repeats": r,
+                          "warmup": args.warmup, "block_warmup": args.block_warmup,
+                          "overrides": _overrides(args)},
+                "all": everything, "quiet": quiet, "quiet_threshold_cores": args.quiet_cores,
+                "block_foreign_cores": [{"side": b["side"], "foreign_cores": round(b["foreign_cores"], 3)}
+                                        for b in blocks],
+                "max_loss_diff_first5": max(diffs[:5]), "max_loss_diff": max(diffs), "steps_compared": n,
+            }
+    finally:
+        if owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block", type=int, default=5, help="steps per block (default 5)")
+    p.add_argument("--repeats", type=int, default=8, help="at least this many blocks per side (default 8)")
+    p.add_argument("--max-repeats", type=int, default=40, help="at most this many blocks per side (default 40)")
+    p.add_argument("--min-quiet", type=int, default=6,
+                   help="go on (up to --max-repeats / --time-budget) until both sides have this many quiet blocks")
+    p.add_argument("--time-budget", type=float, default=60.0,
+                   help="stop adding rounds after this many seconds of measuring (default 60)")
+    p.add_argument("--warmup", type=int, default=3, help="discarded steps per side first (default 3)")
+    p.add_argument("--block-warmup", type=int, default=1,
+                   help="discarded steps at the start of each block (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both (default 1)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--data-bytes", type=int, default=2_000_000)
+    p.add_argument("--quiet-cores", type=float, default=0.1,
+                   help="a block is 'quiet' when other processes used at most this many cores during it")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args()
+    res = run(args)
+    text = json.dumps(res, indent=2)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

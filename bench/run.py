@@ -1,0 +1,279 @@
+"""`make bench`: framework overhead (dp=1), then DP overlap on a rate-limited link (dp=2).
+
+Each benchmark runs in its own subprocess; the DP one inside `bench/netns.sh` (a network
+namespace whose loopback is capped with tc tbf). When the namespace cannot be made (no root,
+no iproute2), the DP benchmark runs on the bare loopback and the output says so.
+
+Writes bench/results/<timestamp>/results.json and results.md and prints the table.
+
+    python -m bench.run [--overhead-repeats 8] [--dp-repeats 6] [--block 5] [--rate 2gbit]
+                        [--skip-overhead] [--skip-dp] [--no-netns]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from bench.common import machine_busy_s
+
+ROOT = Path(__file__).resolve().parent.parent
+NETNS_UNAVAILABLE = 3  # bench/netns.sh's exit status when it cannot set up the namespace
+
+
+def machine_info() -> Dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
+    commit = _quiet(["git", "rev-parse", "--short", "HEAD"])
+    dirty = _quiet(["git", "status", "--porcelain", "--untracked-files=no"])
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch_version, "python": platform.python_version(),
+            "kernel": platform.release(),
+            "git": f"{commit}{' + uncommitted changes' if dirty else ''}" if commit else "unknown"}
+
+
+def _quiet(cmd: List[str]) -> Optional[str]:
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def own_children_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run(cmd: List[str], env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    print("$ " + " ".join(cmd), flush=True)
+    # stderr passes through (warnings, the netns explanation); stdout (the JSON) is captured.
+    return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def run_overhead(args, out: Path) -> Dict[str, Any]:
+    path = out / "overhead.json"
+    cmd = [sys.executable, "-m", "bench.overhead", "--json", str(path), "--block", str(args.block),
+           "--repeats", str(args.overhead_repeats), "--warmup", str(args.warmup),
+           "--time-budget", str(args.overhead_budget), "--min-quiet", str(args.min_quiet), "--threads", str(args.threads),
+           "--quiet-cores", str(args.quiet_cores)]
+    proc = _run(cmd)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.overhead failed with exit status {proc.returncode}")
+    return json.loads(path.read_text())
+
+
+def run_dp(args, out: Path) -> Dict[str, Any]:
+    path = out / "dp_overlap.json"
+    bench = [sys.executable, "-m", "bench.dp_overlap", "--json", str(path), "--block", str(args.block),
+             "--repeats", str(args.dp_repeats), "--warmup", str(args.warmup), "--layers", str(args.layers),
+             "--time-budget", str(args.dp_budget), "--min-quiet", str(args.min_quiet),
+             "--bucket-mb", str(args.bucket_mb), "--quiet-cores", str(args.quiet_cores)]
+    note = None
+    if not args.no_netns:
+        env = dict(os.environ, RATE=args.rate)
+        proc = _run(["bash", str(ROOT / "bench" / "netns.sh")] + bench, env=env)
+        if proc.returncode == 0:
+            return json.loads(path.read_text())
+        if proc.returncode != NETNS_UNAVAILABLE:
+            raise SystemExit(f"bench.dp_overlap (in bench/netns.sh) failed with exit status {proc.returncode}")
+        note = ("bench/netns.sh could not create the rate-limited namespace (see its message above): "
+                "ran on the bare loopback instead")
+    else:
+        note = "--no-netns: ran on the bare loopback"
+    print(f"NOTE: {note}. Communication is then nearly free on the wire and costs CPU instead; "
+          "the overlap figures below do NOT show a rate-limited link.", flush=True)
+    proc = _run(bench + ["--link", f"loopback, NOT rate-limited ({note})"])
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.dp_overlap failed with exit status {proc.returncode}")
+    return json.loads(path.read_text())
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+MIN_QUIET_BLOCKS = 3
+
+
+def _pick(all_rows: Dict[str, Any], quiet_rows: Optional[Dict[str, Any]], names: List[str], count) -> tuple:
+    """Quiet blocks when every side has at least MIN_QUIET_BLOCKS of them, else all blocks."""
+    if quiet_rows and all(n in quiet_rows and count(quiet_rows[n]) >= MIN_QUIET_BLOCKS for n in names):
+        return quiet_rows, True
+    return all_rows, False
+
+
+def render(results: Dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [f"# mpoverlap benchmarks, {results['timestamp']}", "",
+             f"Machine: {m['cores']} cores, {m['cpu']}; torch {m['torch']}, Python {m['python']}; "
+             f"commit {m['git']}.",
+             f"CPU used by other processes while the benchmarks ran: {results['others_cpu_s']:.0f} core-s over "
+             f"{results['wall_s']:.0f} s wall ({results['others_cpu_s'] / max(results['wall_s'], 1e-9):.2f} cores "
+             "on average). Blocks during which other processes used more than the quiet threshold are left "
+             f"out of the tables when at least {MIN_QUIET_BLOCKS} quiet blocks per side remain.",
+             f"Command: `{results['command']}`", ""]
+    ov = results.get("overhead")
+    if ov:
+        s = ov["setup"]
+        res, quiet = _pick({k: ov["all"][k] for k in ("framework", "plain")}, ov.get("quiet"),
+                           ["framework", "plain"], lambda r: r["blocks"])
+        ratio = (ov["quiet"] if quiet else ov["all"])["ratio"]
+        ratio_inner = (ov["quiet"] if quiet else ov["all"])["ratio_inner"]
+        f, p = res["framework"]["wall"], res["plain"]["wall"]
+        n_blocks = len(ov["block_foreign_cores"]) // 2
+        lines += ["## Framework overhead at dp=1", "",
+                  f"{s['model']} ({s['num_layers']} layers, hidden {s['hidden_size']}, seq {s['seq_length']}), "
+                  f"micro batch {s['micro_batch_size']} x {s['microbatches']} microbatches, "
+                  f"{s['threads']} thread(s); {s['repeats']} alternating blocks of {s['block']} steps per side, "
+                  f"first {s['block_warmup']} of each block and {s['warmup']} warmup steps discarded. "
+                  + (f"Quiet blocks used: {res['framework']['blocks']} + {res['plain']['blocks']} of {n_blocks} + {n_blocks}."
+                     if quiet else f"WARNING: too few quiet blocks (other processes used > {ov['quiet_threshold_cores']} "
+                     "cores); all blocks used, expect noise."), "",
+                  "| side | median step (ms) | IQR (ms) | steps |", "|---|---:|---:|---:|",
+                  f"| mpoverlap Trainer.train_step | {_ms(f['median_s'])} | {_ms(f['q1_s'])}-{_ms(f['q3_s'])} | {f['n']} |",
+                  f"| plain PyTorch loop | {_ms(p['median_s'])} | {_ms(p['q1_s'])}-{_ms(p['q3_s'])} | {p['n']} |",
+                  "",
+                  f"**framework / plain = {ratio:.3f}** (goal <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}); "
+                  f"on the loops' own timers (batch assembly excluded): {ratio_inner:.3f}; over all blocks: "
+                  f"{ov['all']['ratio']:.3f}. Loss difference framework vs plain: {ov['max_loss_diff_first5']:.1e} "
+                  f"over the first 5 steps, {ov['max_loss_diff']:.1e} over {ov['steps_compared']} steps.", ""]
+    dp = results.get("dp")
+    if dp:
+        s = dp["setup"]
+        names = list(dp["variants"])
+        v, quiet = _pick(dp["variants"], dp.get("variants_quiet"), names, lambda r: r["blocks"])
+        ddp = v.get("torch_ddp", {}).get("step", {}).get("median_s")
+        lines += ["## DP overlap, 2 ranks", "",
+                  f"Link: {dp['link']}.",
+                  f"Overrides: `{' '.join(s['base_overrides'])}`; 1 thread per rank; {s['repeats']} rotating "
+                  f"blocks of {s['block']} steps per variant (first {s['block_warmup']} of each block and "
+                  f"{s['warmup']} warmup steps discarded); step time = slowest rank. "
+                  + ("Quiet blocks used: " + ", ".join(f"{n} {v[n]['blocks']}/{dp['variants'][n]['blocks']}" for n in names) + "."
+                     if quiet else f"WARNING: too few quiet blocks (other processes used > {dp['quiet_threshold_cores']} "
+                     "cores); all blocks used, expect noise."), "",
+                  "| variant | median step (ms) | IQR (ms) | vs DDP | over floor (ms) | CPU ms/step (2 ranks + irq) | wire MiB/step | dp ops/step | ledger MiB/step | dp in flight (ms/step) | exposed (ms/step) | exposed share |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        labels = {"mpo_overlap": "mpoverlap overlap.dp=true", "mpo_no_overlap": "mpoverlap overlap.dp=false",
+                  "torch_ddp": "torch DDP (bucket_cap_mb same)", "mpo_zero1": "mpoverlap dist-opt + param-gather overlap",
+                  "local_no_comm": "floor: bare model, no communication"}
+        floor = v.get("local_no_comm", {}).get("step", {}).get("median_s")
+        for name in names:
+            st = v[name]["step"]
+            rel = f"{st['median_s'] / ddp:.3f}" if ddp else "-"
+            c = v[name].get("dp_comm")
+            comm = (f"{c['ops_per_step']:.0f} | {c['mib_per_step']:.2f} | {_ms(c['time_s_median'])} | "
+                    f"{_ms(c['exposed_s_median'])} | {c['exposed_share'] * 100:.0f}%") if c else "- | - | - | - | -"
+            over = _ms(st["median_s"] - floor) if floor else "-"
+            lines.append(f"| {labels.get(name, name)} | {_ms(st['median_s'])} | {_ms(st['q1_s'])}-{_ms(st['q3_s'])} "
+                         f"| {rel} | {over} | {v[name]['cpu_ms_per_step']:.0f} + {v[name]['irq_ms_per_step']:.0f} "
+                         f"| {v[name].get('wire_mib_per_step', float('nan')):.2f} | {comm} |")
+        lines.append("")
+        mc = (v.get("local_no_comm", {}).get("microbatch_compute")
+              or v.get("torch_ddp", {}).get("microbatch_compute"))
+        off = v.get("mpo_no_overlap", {}).get("dp_comm")
+        if mc:
+            txt = (f"One microbatch without communication: forward "
+                   f"{_ms(mc['forward_s'])} ms, backward {_ms(mc['backward_s'])} ms")
+            if off:
+                txt += (f"; the gradient all-reduce done serially (overlap off) takes {_ms(off['time_s_median'])} ms "
+                        f"per step, so backward is {'longer' if mc['backward_s'] > off['time_s_median'] else 'SHORTER'} "
+                        "than the all-reduce")
+            lines += [txt + ".", ""]
+        buckets = dp["variants"].get("mpo_overlap", {}).get("buckets_mib")
+        if buckets:
+            lines += [f"Buckets (MiB, issue order): mpoverlap {buckets}; torch DDP "
+                      f"{dp['variants'].get('torch_ddp', {}).get('buckets_mib') or 'n/a'}.", ""]
+        if "overlap_vs_off_max_loss_diff" in dp:
+            lines += [f"Loss difference overlap on vs off: {dp['overlap_vs_off_max_loss_diff']:.1e}.", ""]
+        goals = []
+        o = v.get("mpo_overlap", {}).get("dp_comm")
+        if o:
+            goals.append(f"exposed share with overlap {o['exposed_share'] * 100:.0f}% "
+                         f"(goal < 30%: {'met' if o['exposed_share'] < 0.30 else 'NOT met'})")
+        if ddp and "mpo_overlap" in v:
+            mo, dd = v["mpo_overlap"]["step"], v["torch_ddp"]["step"]
+            r = mo["median_s"] / ddp
+            verdict = ("met" if r <= 1.0 else "not met, but within the noise: the interquartile ranges overlap"
+                       if mo["q1_s"] <= dd["q3_s"] else "NOT met")
+            goals.append(f"overlap step / DDP step {r:.3f} (goal <= 1: {verdict})")
+        if floor and "mpo_no_overlap" in v:
+            cost_off = v["mpo_no_overlap"]["step"]["median_s"] - floor
+            parts = []
+            for name in ("mpo_overlap", "mpo_zero1", "torch_ddp"):
+                if name in v and cost_off > 0:
+                    hidden = 1 - (v[name]["step"]["median_s"] - floor) / cost_off
+                    parts.append(f"{labels[name]} {hidden * 100:.0f}%")
+            if parts:
+                lines += [f"Share of the no-overlap communication cost ({_ms(cost_off)} ms over the floor) "
+                          "that disappears from the step: " + ", ".join(parts) + ". This counts what the "
+                          "ledger cannot see: background communication slowing compute down on shared cores.", ""]
+        if goals:
+            lines += ["Goals: " + "; ".join(goals) + ".", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--block", type=int, default=5, help="steps per block, both benchmarks (default 5)")
+    p.add_argument("--warmup", type=int, default=3, help="discarded warmup steps per side/variant (default 3)")
+    p.add_argument("--overhead-repeats", type=int, default=8, help="at least this many blocks per side (default 8)")
+    p.add_argument("--dp-repeats", type=int, default=6, help="at least this many blocks per DP variant (default 6)")
+    p.add_argument("--min-quiet", type=int, default=5,
+                   help="add blocks until every side has this many quiet ones (within the budgets; default 5)")
+    p.add_argument("--overhead-budget", type=float, default=60.0, help="seconds of overhead measuring at most (default 60)")
+    p.add_argument("--dp-budget", type=float, default=180.0, help="seconds of DP measuring at most (default 180)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in the overhead benchmark (default 1)")
+    p.add_argument("--layers", type=int, default=8, help="model.num_layers in the DP benchmark (default 8)")
+    p.add_argument("--bucket-mb", type=float, default=0.5, help="overlap.dp_bucket_mb = DDP bucket_cap_mb")
+    p.add_argument("--rate", default="2gbit", help="tc tbf rate of the namespace's loopback (default 2gbit)")
+    p.add_argument("--quiet-cores", type=float, default=0.1,
+                   help="blocks during which other processes used more cores than this are left out (default 0.1)")
+    p.add_argument("--no-netns", action="store_true", help="run the DP benchmark on the bare loopback")
+    p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--skip-dp", action="store_true")
+    p.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
+    args = p.parse_args()
+
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"timestamp": stamp, "machine": machine_info(), 
+                               "command": "python -m bench.run " + " ".join(sys.argv[1:]), "args": vars(args)}
+    t0, busy0, own0, me0 = time.perf_counter(), machine_busy_s(), own_children_cpu_s(), time.process_time()
+    if not args.skip_overhead:
+        results["overhead"] = run_overhead(args, out)
+    if not args.skip_dp:
+        results["dp"] = run_dp(args, out)
+    results["wall_s"] = time.perf_counter() - t0
+    # Machine-wide busy time minus our subprocesses' (and this process's small share).
+    results["others_cpu_s"] = max(0.0, (machine_busy_s() - busy0) - (own_children_cpu_s() - own0)
+                                  - (time.process_time() - me0))
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    table = render(results)
+    (out / "results.md").write_text(table + "\n")
+    print()
+    print(table)
+    print(f"(written to {out}/results.json and results.md; {results['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
