@@ -15,7 +15,7 @@ same name and full shape and slices its part.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -125,24 +125,40 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """`core_attention`: see CausalSelfAttention (default: causal SDPA on one process).
+    """The decoder, or one pipeline chunk of it.
+
+    `core_attention`: see CausalSelfAttention (default: causal SDPA on one process).
     `tp`: the tensor-parallel context (`mpoverlap.tensor_parallel.tp_kwargs`), None on one
     process: projections, embedding, head and loss then come from the TP layers, and with
-    sequence parallelism the residual stream holds S/tp positions per rank."""
+    sequence parallelism the residual stream holds S/tp positions per rank.
+    `layer_ids` (default all), `pre_process` (owns the embedding: takes tokens) and
+    `post_process` (owns the final norm and head: returns logits) cut out a pipeline chunk;
+    blocks keep their global names (`layers.<i>`), so every layout starts from the same weights.
+    A tied head on a chunk without the embedding keeps its own copy of `embedding.weight`
+    (kept equal by summing the two copies' gradients over the embedding group).
+    """
 
-    def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa, tp: Optional[dict] = None):
+    def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa, tp: Optional[dict] = None,
+                 layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True,
+                 post_process: bool = True):
         super().__init__()
         self.cfg = cfg
         self.tp = tp if layers.tp_size(tp) > 1 else None
+        self.pre_process, self.post_process = pre_process, post_process
         self.vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-        self.embedding = layers.embedding(self.vocab_size, cfg.hidden_size, cfg, seed, self.tp)
-        self.layers = nn.ModuleList(Block(cfg, f"layers.{i}", seed, core_attention, self.tp)
-                                    for i in range(cfg.num_layers))
-        self.final_norm = make_norm(cfg)
+        ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
+        self.embedding = (layers.embedding(self.vocab_size, cfg.hidden_size, cfg, seed, self.tp)
+                          if needs_embedding else None)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, f"layers.{i}", seed, core_attention, self.tp)
+                                     for i in ids})
+        self.final_norm = make_norm(cfg) if post_process else None
         # Tied: the head reuses self.embedding.weight and there is no separate head parameter.
-        self.output = (None if cfg.tie_embeddings
+        self.output = (None if cfg.tie_embeddings or not post_process
                        else layers.column("output", cfg.hidden_size, self.vocab_size, cfg, seed, self.tp))
         self.init_weights(seed)
+        if self.embedding is not None and not pre_process:
+            self.embedding.weight.pipeline_duplicate = True  # counted once, on the first stage
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -155,16 +171,22 @@ class GPT(nn.Module):
     def forward(self, tokens_BS: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens_BS (int64) -> logits_BSV (fp32; V/tp per rank under TP). position_ids [S]
-        default 0..S-1 (context parallelism passes the global positions of its share)."""
-        S = tokens_BS.shape[1]
+        default 0..S-1 (context parallelism passes the global positions of its share).
+        A chunk without pre_process takes hidden states x_BSH instead of tokens; one without
+        post_process returns hidden states."""
+        S = tokens_BS.shape[1] if self.pre_process else None
         if position_ids is None:
+            if S is None:
+                raise ValueError("a pipeline chunk without the embedding needs position_ids")
             position_ids = torch.arange(S, device=tokens_BS.device)
         head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
         cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim, self.cfg.rope_base)
-        x_BSH = self.embedding(tokens_BS)
+        x_BSH = self.embedding(tokens_BS) if self.pre_process else tokens_BS
         cos_SD, sin_SD = cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x_BSH = layer(x_BSH, cos_SD, sin_SD)
+        if not self.post_process:
+            return x_BSH
         x_BSH = self.final_norm(x_BSH)
         if self.output is None:
             return layers.tied_head(x_BSH, self.embedding, self.tp).float()

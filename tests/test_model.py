@@ -66,23 +66,23 @@ def test_init_depends_only_on_seed_and_shape():
             assert not torch.equal(pa, pc), n
     # A parameter's value depends on its name and shape, not on the rest of the model.
     deeper = GPT(tiny(num_layers=3), seed=7)
-    torch.testing.assert_close(deeper.layers[0].attn.qkv.weight, a.layers[0].attn.qkv.weight)
+    torch.testing.assert_close(deeper.layers["0"].attn.qkv.weight, a.layers["0"].attn.qkv.weight)
     # Re-initialising reproduces the same weights.
-    before = a.layers[1].mlp.gate_up.weight.clone()
+    before = a.layers["1"].mlp.gate_up.weight.clone()
     with torch.no_grad():
-        a.layers[1].mlp.gate_up.weight.zero_()
+        a.layers["1"].mlp.gate_up.weight.zero_()
     a.init_weights(7)
-    assert torch.equal(a.layers[1].mlp.gate_up.weight, before)
+    assert torch.equal(a.layers["1"].mlp.gate_up.weight, before)
 
 
 def test_init_std():
     cfg = tiny(hidden_size=64, ffn_hidden_size=128, init_std=0.05)
     model = GPT(cfg)
     assert abs(model.embedding.weight.std().item() - 0.05) < 0.005
-    assert abs(model.layers[0].attn.qkv.weight.std().item() - 0.05) < 0.005
+    assert abs(model.layers["0"].attn.qkv.weight.std().item() - 0.05) < 0.005
     out_std = 0.05 / math.sqrt(2 * cfg.num_layers)
-    assert abs(model.layers[0].attn.proj.weight.std().item() - out_std) < 0.1 * out_std
-    assert abs(model.layers[0].mlp.down.weight.std().item() - out_std) < 0.1 * out_std
+    assert abs(model.layers["0"].attn.proj.weight.std().item() - out_std) < 0.1 * out_std
+    assert abs(model.layers["0"].mlp.down.weight.std().item() - out_std) < 0.1 * out_std
     assert torch.equal(model.final_norm.weight, torch.ones(64))
 
 
@@ -113,7 +113,7 @@ def test_sgd_lowers_loss(norm, act):
 def test_variant_modules():
     model = GPT(tiny(norm="layernorm", activation="gelu", tie_embeddings=False))
     assert isinstance(model.final_norm, torch.nn.LayerNorm)
-    assert model.layers[0].mlp.up.weight.shape == (64, 32)
+    assert model.layers["0"].mlp.up.weight.shape == (64, 32)
     assert model(tokens()).shape == (2, 16, 256)
 
 
@@ -128,3 +128,16 @@ def test_flops_per_token():
     cfg = tiny()
     H, L, S, Fh = 32, 2, 16, 64
     assert flops_per_token(cfg) == 6 * (L * (4 * H * H + 3 * H * Fh) + H * 256) + 12 * L * H * S
+
+
+def test_pipeline_chunks_compose_to_the_full_model():
+    """Chunks cut by layer_ids/pre_process/post_process, run in sequence, equal the full model."""
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16)
+    full = GPT(cfg, seed=3)
+    first = GPT(cfg, seed=3, layer_ids=[0, 1], pre_process=True, post_process=False)
+    last = GPT(cfg, seed=3, layer_ids=[2, 3], pre_process=False, post_process=True)
+    assert set(dict(first.named_parameters())) | set(dict(last.named_parameters())) == set(dict(full.named_parameters()))
+    assert getattr(last.embedding.weight, "pipeline_duplicate", False)
+    x = torch.randint(0, 256, (2, 16))
+    pos = torch.arange(16)
+    torch.testing.assert_close(last(first(x, position_ids=pos), position_ids=pos), full(x), rtol=0, atol=0)
