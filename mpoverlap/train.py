@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from mpoverlap.config import ConfigError, compose, world_size_from_env
+from mpoverlap.multirun import expand_sweeps, job_dir, split_multirun
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.plan import render_problems
 from mpoverlap.overlap.rules import validate
@@ -146,6 +147,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         except Exception:
             return EXIT_FAILED
         return 0
+    multirun, overrides = split_multirun(overrides)
+    if multirun:
+        return _multirun(overrides)
     cfg, code = _compose_and_validate(overrides, None)
     if code is not None:
         return code
@@ -153,6 +157,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     if code is not None:
         return code
     return _launch(cfg, overrides)
+
+
+def _multirun(overrides: List[str]) -> int:
+    try:
+        jobs = expand_sweeps(overrides)
+    except Exception as err:  # Hydra's parser names the malformed override
+        print(f"mpoverlap: invalid override: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    base_cfg, code = _compose_and_validate([o for o in jobs[0]], None)
+    if code is not None:
+        return code
+    base = str(Path(base_cfg.run.dir).resolve())
+    swept = [i for i, o in enumerate(jobs[0]) if len({job[i] for job in jobs}) > 1]
+    planned = []
+    for index, job in enumerate(jobs):
+        job = [o for o in job if not o.startswith("run.dir=")]
+        job.append(f"run.dir={job_dir(base, index, [job[i] for i in swept])}")
+        cfg, code = _compose_and_validate(job, None)
+        if code is not None:
+            print(f"mpoverlap: multirun job {index} ({' '.join(job)}) cannot run; no job was started",
+                  file=sys.stderr)
+            return code
+        planned.append((cfg, job))
+    print(f"mpoverlap: multirun of {len(planned)} jobs under {base}", flush=True)
+    worst = 0
+    for index, (cfg, job) in enumerate(planned):
+        print(f"mpoverlap: job {index}: {' '.join(job)}", flush=True)
+        code = _preflight_data(cfg) or _launch(cfg, job)
+        worst = worst or code
+    return worst
 
 
 def _preflight_data(cfg: Any) -> Optional[int]:

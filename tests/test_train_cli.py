@@ -175,3 +175,12 @@ def test_incompatible_checkpoint_is_refused(tmp_path):
     proc = train(tmp_path / "a", "model.num_layers=3", steps=4, expect=1)
     assert "model.num_layers" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "a" / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+
+
+def test_multirun_gives_each_job_its_run_dir(tmp_path):
+    proc = train(tmp_path / "mr", "-m", "overlap.dp=true,false", "parallel.dp=2", steps=2)
+    jobs = sorted(p.name for p in (tmp_path / "mr").iterdir())
+    assert jobs == ["0_overlap.dp-True", "1_overlap.dp-False"], proc.stdout
+    assert losses(tmp_path / "mr" / jobs[0]) == losses(tmp_path / "mr" / jobs[1])
+    bad = train(tmp_path / "mr2", "-m", "parallel.dp=1,0", steps=2, expect=2)
+    assert "no job was started" in bad.stderr and not (tmp_path / "mr2").exists()
