@@ -172,8 +172,9 @@ def _multirun(overrides: List[str]) -> int:
     swept = [i for i, o in enumerate(jobs[0]) if len({job[i] for job in jobs}) > 1]
     planned = []
     for index, job in enumerate(jobs):
+        label = [job[i] for i in swept]
         job = [o for o in job if not o.startswith("run.dir=")]
-        job.append(f"run.dir={job_dir(base, index, [job[i] for i in swept])}")
+        job.append(f"run.dir={job_dir(base, index, label)}")
         cfg, code = _compose_and_validate(job, None)
         if code is not None:
             print(f"mpoverlap: multirun job {index} ({' '.join(job)}) cannot run; no job was started",
