@@ -9,8 +9,13 @@ from mpoverlap.overlap.layout import Layout
 from mpoverlap.overlap.rules import Problem, divisors, next_multiple, rule
 
 
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in divisors(n) if d <= limit)
+def _suggest_tp(lo: Layout, common: int) -> int:
+    """The largest tp <= the requested one that divides the model and, when the world is
+    known, still tiles it with pp x cp."""
+    fits = [d for d in divisors(common) if d <= lo.tp]
+    if lo.world_env is not None and None not in (lo.pp, lo.cp):
+        fits = [d for d in fits if lo.world_env % (d * lo.pp * lo.cp) == 0] or [1]
+    return max(fits)
 
 
 @rule("tp.divides_model", "tp", ("parallel.tp", "model.num_attention_heads", "model.hidden_size",
@@ -26,7 +31,7 @@ def _divides(lo: Layout):
             common = math.gcd(math.gcd(m.num_attention_heads, m.hidden_size), m.ffn_hidden_size)
             yield Problem("tp.divides_model", {"parallel.tp": lo.tp, key: value},
                           f"each tensor-parallel rank holds {key.split('.')[1]} / tp; {value} does not divide by {lo.tp}",
-                          [f"parallel.tp={_largest_divisor_at_most(common, lo.tp)}"])
+                          [f"parallel.tp={_suggest_tp(lo, common)}"])
 
 
 @rule("tp.divides_vocab", "tp", ("parallel.tp", "model.vocab_size", "model.make_vocab_size_divisible_by"),
