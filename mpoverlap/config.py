@@ -87,6 +87,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     distributed_optimizer: bool = False
     comm_timeout_s: float = 300.0
+    on_nonfinite: str = "stop"  # stop | skip: what a NaN/Inf gradient does (before the update)
     progress: bool = True
 
 

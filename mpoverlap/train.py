@@ -26,7 +26,7 @@ EXIT_INVALID = 2
 EXIT_FAILED = 1
 
 # Errors a user can act on: printed as one paragraph, no traceback.
-_USER_ERRORS = ("DataError", "CheckpointError", "ConfigError")
+_USER_ERRORS = ("DataError", "CheckpointError", "ConfigError", "NonFiniteError")
 
 
 def _free_port() -> int:
@@ -80,6 +80,7 @@ def worker_entry(overrides: List[str]) -> Any:
 
 def _launch(cfg: Any, overrides: List[str]) -> int:
     """Start world-size workers on this machine with torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -103,6 +104,11 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, worker_entry)(worker_overrides)
+    except SignalException as sig:
+        # The workers got the same signal: each saved a checkpoint at its next step boundary.
+        print(f"mpoverlap: stopped by {sig.sigval.name}; the workers saved a checkpoint at the next step "
+              "boundary (see above); rerun the same command to resume", file=sys.stderr)
+        return 0
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         if failure.exitcode == EXIT_INVALID:

@@ -109,6 +109,7 @@ _CHOICES = {
     "data.name": ("stdlib", "indexed"),
     "checkpoint.resume": ("auto", "none"),
     "parallel.cp_comm": ("p2p", "a2a"),
+    "train.on_nonfinite": ("stop", "skip"),
 }
 
 

@@ -1,6 +1,8 @@
 """The training loop run by every worker: build, resume, step, log, evaluate, checkpoint."""
 from __future__ import annotations
 
+import math
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -29,6 +31,33 @@ from mpoverlap.training.setup import init_distributed, shared_run_dir
 # Model fields a checkpoint must agree on to be loadable into this model.
 _SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings")
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/Inf gradient with train.on_nonfinite=stop."""
+
+
+class PreemptionFlag:
+    """SIGTERM (SLURM preemption, the launcher shutting down) sets the flag; the loop agrees on
+    it across ranks at the next step boundary, saves a checkpoint and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank as soon as any rank was signalled (a tiny MAX all-reduce)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.raised
+        flag = torch.tensor([1.0 if self.raised else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
 
 
 class Trainer:
@@ -173,13 +202,19 @@ class Trainer:
             wait_all(allreduce_sequence_parallel_grads(
                 self.sequence_parallel_params, self.tp["tp_group"], self.ledger, self.overlap.tp.enabled))
         grad_norm = self.optimizer.clip_grad_norm(t.grad_clip)
-        if not torch.isfinite(torch.tensor(grad_norm)) or not torch.isfinite(loss_sum):
-            raise FloatingPointError(f"non-finite loss or gradient at step {self.step + 1} "
-                                     f"(loss {loss_sum.item()}, grad norm {grad_norm}); nothing was checkpointed")
-        self.optimizer.step(lr)
+        # The norm is global (reduced over every group that shards gradients), so every rank
+        # takes the same decision; a non-finite loss makes non-finite gradients.
+        skipped = not math.isfinite(grad_norm)
+        if skipped and t.on_nonfinite == "stop":
+            raise NonFiniteError(f"non-finite gradient at step {self.step + 1} (grad norm {grad_norm}, local loss "
+                                 f"{loss_sum.item()}); stopped before the update, so no non-finite value reached "
+                                 "the weights or a checkpoint. train.on_nonfinite=skip skips such steps instead")
+        if not skipped:
+            self.optimizer.step(lr)
         step_time = time.perf_counter() - t0
         self.step += 1
-        return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time}
+        return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
+                "skipped": skipped}
 
     def _mean_over_replicas(self, value: torch.Tensor) -> float:
         group = self.state.group("dp_cp")
@@ -240,9 +275,14 @@ class Trainer:
         losses = []
         wall0 = time.perf_counter()
         last_logged = self.step
+        preemption = PreemptionFlag()
         try:
             while self.step < t.steps:
                 out = self.train_step()
+                if out["skipped"]:
+                    writer.write({"step": self.step, "nonfinite": True, "action": "skipped the update",
+                                  "grad_norm": out["grad_norm"]})
+                    progress.log(f"step {self.step}: non-finite gradient (norm {out['grad_norm']}), update skipped")
                 if self.step % t.log_interval == 0 or self.step == t.steps:
                     row = self.log_row(out, self.step - last_logged)
                     last_logged = self.step
@@ -255,9 +295,16 @@ class Trainer:
                     progress.log(f"step {self.step}: validation loss {val:.4f}")
                 if cfg.checkpoint.interval and (self.step % cfg.checkpoint.interval == 0 or self.step == t.steps):
                     self.save()
+                if preemption.agreed(self.state.device):
+                    if not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
+                        self.save()
+                    self.log(f"SIGTERM: saved a checkpoint at step {self.step} and stopped; rerun the same "
+                             "command to continue")
+                    return {"steps": self.step, "losses": losses, "preempted": True}
             val = self.evaluate()
             writer.write({"step": self.step, "val_loss": val})
         finally:
+            preemption.restore()
             progress.close()
             writer.close()
         self.log(f"done: {self.step} steps in {time.perf_counter() - wall0:.1f}s, validation loss {val:.4f}; "
