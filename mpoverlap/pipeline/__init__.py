@@ -1,0 +1,18 @@
+"""Pipeline parallelism: schedules as pure action tables, their checker, and the executor.
+
+    tables = build_schedule(schedule_kind(vpp), pp, vpp, num_microbatches)  # one list per stage
+    validate_schedule(tables)                                              # pure, no processes
+    PipelineExecutor(tables[stage], stage=..., pp_ranks=..., group=..., overlap=..., ...).run(m)
+"""
+from mpoverlap.pipeline.actions import (Action, Batch, Message, P2POp, ScheduleError,
+                                        chunk_index, stage_of, vchunk_of)
+from mpoverlap.pipeline.executor import PipelineExecutor
+from mpoverlap.pipeline.schedules import (SCHEDULE_KINDS, bubble_fraction, build_schedule,
+                                          compute_orders, microbatch_groups,
+                                          schedule_constraints, schedule_kind, simulated_bubble)
+from mpoverlap.pipeline.validate import validate_schedule
+
+__all__ = ["Action", "Batch", "Message", "P2POp", "ScheduleError", "chunk_index", "stage_of",
+           "vchunk_of", "PipelineExecutor", "SCHEDULE_KINDS", "bubble_fraction", "build_schedule",
+           "compute_orders", "microbatch_groups", "schedule_constraints", "schedule_kind",
+           "simulated_bubble", "validate_schedule"]

@@ -1,0 +1,122 @@
+"""The vocabulary of a pipeline schedule: messages, p2p ops and compute actions.
+
+Model chunks are numbered in Megatron's interleaved assignment: with `pp` stages and `vpp`
+virtual chunks per stage, model chunk `c = vchunk * pp + stage`, so chunk c lives on stage
+`c % pp` as its local virtual chunk `c // pp`. The forward of chunk c consumes the activation
+of chunk c-1 (same microbatch); the backward of chunk c consumes the gradient sent back by
+chunk c+1. The first chunk reads data, the last chunk computes the loss.
+
+Everything here is plain frozen data: tables can be built, printed, compared and checked
+without any process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+FORWARD, BACKWARD = "F", "B"
+ACTIVATION, GRADIENT = "act", "grad"
+SEND, RECV = "send", "recv"
+
+
+class ScheduleError(ValueError):
+    """A schedule table is inconsistent (the message lists every problem found)."""
+
+
+def chunk_index(stage: int, vchunk: int, pp: int) -> int:
+    """Model chunk index of local virtual chunk `vchunk` on `stage`."""
+    return vchunk * pp + stage
+
+
+def stage_of(chunk: int, pp: int) -> int:
+    return chunk % pp
+
+
+def vchunk_of(chunk: int, pp: int) -> int:
+    return chunk // pp
+
+
+@dataclass(frozen=True)
+class Message:
+    """One tensor crossing stages: the activation of `src_chunk` for `dst_chunk = src_chunk+1`
+    (kind "act"), or the gradient of `dst_chunk`'s output sent back by `src_chunk = dst_chunk+1`
+    (kind "grad"), for one microbatch. Identity of a transfer; both ends hold an equal copy."""
+
+    kind: str
+    microbatch: int
+    src_chunk: int
+    dst_chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}[mb{self.microbatch} c{self.src_chunk}->c{self.dst_chunk}]"
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One half of a transfer as seen by one stage: `op` "send" or "recv", with `peer` stage."""
+
+    op: str
+    peer: int
+    message: Message
+
+    def __str__(self) -> str:
+        return f"{self.op}{'->' if self.op == SEND else '<-'}s{self.peer}:{self.message}"
+
+
+# Ops posted together as one batched send_recv call; all with the same peer, at most one recv.
+Batch = Tuple[P2POp, ...]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute step of one stage, with the p2p posted around it.
+
+    kind: "F" or "B"; microbatch; vchunk (local virtual chunk); chunk (model chunk index).
+    recv: the message this compute consumes from another stage (None: data / the loss).
+    send: the message it produces for another stage (None: the last / first model chunk).
+    posts_before / posts_after: batches posted before / after this compute when p2p is not
+        overlapped (each receive posted as late as the link order allows).
+    prefetch_before / prefetch_after: the same ops for overlap=True, with each receive
+        posted as early as the link order allows (at least one compute ahead where possible).
+    Only a stage's first action has non-empty `*_before`; every later post follows a compute.
+    """
+
+    kind: str
+    microbatch: int
+    vchunk: int
+    chunk: int
+    recv: Optional[Message] = None
+    send: Optional[Message] = None
+    posts_before: Tuple[Batch, ...] = ()
+    posts_after: Tuple[Batch, ...] = ()
+    prefetch_before: Tuple[Batch, ...] = ()
+    prefetch_after: Tuple[Batch, ...] = ()
+
+    def batches(self, prefetch: bool) -> Tuple[Tuple[Batch, ...], Tuple[Batch, ...]]:
+        """(before, after) batches of the posting program for overlap on (prefetch) or off."""
+        if prefetch:
+            return self.prefetch_before, self.prefetch_after
+        return self.posts_before, self.posts_after
+
+    def __str__(self) -> str:
+        return f"{self.kind}(mb{self.microbatch},v{self.vchunk})"
+
+
+def input_message(kind: str, microbatch: int, chunk: int, num_chunks: int) -> Optional[Message]:
+    """The message the compute (kind, microbatch, chunk) consumes, or None."""
+    if kind == FORWARD:
+        return Message(ACTIVATION, microbatch, chunk - 1, chunk) if chunk > 0 else None
+    return Message(GRADIENT, microbatch, chunk + 1, chunk) if chunk < num_chunks - 1 else None
+
+
+def output_message(kind: str, microbatch: int, chunk: int, num_chunks: int) -> Optional[Message]:
+    """The message the compute (kind, microbatch, chunk) produces, or None."""
+    if kind == FORWARD:
+        return Message(ACTIVATION, microbatch, chunk, chunk + 1) if chunk < num_chunks - 1 else None
+    return Message(GRADIENT, microbatch, chunk, chunk - 1) if chunk > 0 else None
+
+
+def producer_of(message: Message) -> Tuple[str, int, int]:
+    """(kind, microbatch, chunk) of the compute that produces `message`."""
+    kind = FORWARD if message.kind == ACTIVATION else BACKWARD
+    return kind, message.microbatch, message.src_chunk

@@ -1,0 +1,177 @@
+"""PipelineExecutor: runs one stage's action table with its p2p as CommHandles.
+
+Contract for the caller (the training loop):
+
+- `forward_step(vchunk, microbatch, input_tensor)` runs local virtual chunk `vchunk` on one
+  microbatch and returns its output activation (shape `tensor_shape`, dtype `dtype`); on the
+  last model chunk (stage pp-1, vchunk vpp-1) it returns the scalar loss, already scaled by
+  1/num_microbatches (backpropagated as is, grad None; returned per microbatch). On
+  the first model chunk `input_tensor` is None and forward_step reads the data itself;
+  elsewhere it is the received activation (a leaf with requires_grad).
+- `backward_hook(vchunk, microbatch, is_last)` runs right before each backward; `is_last` is
+  True for the last backward of that vchunk in this step, so a data-parallel wrapper can
+  issue its gradient reduction then: `ddp[vchunk].set_last_microbatch(is_last)`. After
+  `run()` returns the caller calls `finish_grad_sync()` of each chunk's wrapper, then the
+  optimizer.
+- `run(m)` returns the per-microbatch (scaled) loss tensors, detached, on the last stage and
+  [] elsewhere; all p2p is complete when it returns.
+
+overlap=False: every batch is waited right after it is posted. overlap=True: the table's
+prefetch program posts receives ahead; a receive is waited just before its tensor is used,
+send-only batches complete in the background (reaped when done, all waited at the end).
+Both modes post the same ops in the same order on both ends of every link (see
+program.py), so gloo's per-pair ordering can neither mismatch nor deadlock.
+
+`trace` holds (event, action_index, time) of the last run: "post_recv" (index of the
+compute that consumes it), "post_send" (index of the producer), "wait_recv", "compute".
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from mpoverlap.comm.handle import CommHandle, now
+from mpoverlap.pipeline.actions import BACKWARD, FORWARD, RECV, SEND, Action, Batch, Message
+from mpoverlap.pipeline.p2p import StageP2P, verbose_from_env
+
+ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
+BackwardHook = Callable[[int, int, bool], None]
+
+
+class PipelineExecutor:
+    def __init__(self, actions: Sequence[Action], *, stage: int, pp_ranks: Sequence[int], group,
+                 overlap: bool, ledger, tensor_shape: Tuple[int, ...], dtype: torch.dtype,
+                 device, forward_step: ForwardStep, backward_hook: Optional[BackwardHook] = None,
+                 verbose: Optional[bool] = None) -> None:
+        self.actions = list(actions)
+        pp = len(pp_ranks)
+        bad = [a for a in self.actions if a.chunk % pp != stage]
+        if bad:
+            raise ValueError(f"actions {bad[:3]} belong to another stage than {stage} (pp={pp})")
+        self.stage = int(stage)
+        self.overlap = bool(overlap)
+        self.tensor_shape = tuple(tensor_shape)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.forward_step = forward_step
+        self.backward_hook = backward_hook
+        verbose = verbose_from_env() if verbose is None else verbose
+        self.p2p = StageP2P(stage, pp_ranks, group, ledger, verbose)
+        self.num_microbatches = 1 + max((a.microbatch for a in self.actions), default=-1)
+        vpp = 1 + max((a.vchunk for a in self.actions), default=-1)
+        self.last_chunk = pp * vpp - 1
+        self.is_last_stage = any(a.chunk == self.last_chunk for a in self.actions)
+        # Index of the last backward of each vchunk, and of each message's consumer/producer.
+        self.last_backward = {a.vchunk: i for i, a in enumerate(self.actions) if a.kind == BACKWARD}
+        self.consumer = {a.recv: i for i, a in enumerate(self.actions) if a.recv is not None}
+        self.producer = {a.send: i for i, a in enumerate(self.actions) if a.send is not None}
+        self.trace: List[Tuple[str, int, float]] = []
+        self.steps_run = 0
+
+    @property
+    def p2p_calls_per_run(self) -> int:
+        """send_recv calls (= "pp" handles in the ledger) one run() issues."""
+        return sum(len(b) + len(c) for b, c in (a.batches(self.overlap) for a in self.actions))
+
+    # ---- one step ------------------------------------------------------------------------
+    def run(self, num_microbatches: int) -> List[torch.Tensor]:
+        if num_microbatches != self.num_microbatches:
+            raise ValueError(f"the table was built for {self.num_microbatches} microbatches, "
+                             f"run() got {num_microbatches}")
+        self.trace = []
+        self.p2p.calls = 0
+        self._inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
+        self._outputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._to_send: Dict[Message, torch.Tensor] = {}
+        self._received: Dict[Message, Tuple[torch.Tensor, CommHandle]] = {}
+        self._in_flight: List[CommHandle] = []
+        losses: Dict[int, torch.Tensor] = {}
+        try:
+            for index, action in enumerate(self.actions):
+                before, after = action.batches(self.overlap)
+                for batch in before:
+                    self._post(batch)
+                self._compute(index, action, losses)
+                for batch in after:
+                    self._post(batch)
+                self._reap_sends()
+            for handle in self._in_flight:
+                handle.wait()
+        finally:
+            self._in_flight = []
+            self.steps_run += 1
+        if self._received or self._to_send or self._outputs:
+            raise RuntimeError(f"stage {self.stage}: unconsumed p2p after the step: received "
+                               f"{list(self._received)}, unsent {list(self._to_send)}")
+        return [losses[mb] for mb in sorted(losses)] if self.is_last_stage else []
+
+    # ---- p2p -----------------------------------------------------------------------------
+    def _post(self, batch: Batch) -> None:
+        tensors = []
+        for op in batch:
+            if op.op == SEND:
+                tensors.append(self._to_send.pop(op.message))
+                self.trace.append(("post_send", self.producer[op.message], now()))
+            else:
+                tensors.append(torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device))
+                self.trace.append(("post_recv", self.consumer[op.message], now()))
+        handle = self.p2p.post(batch, tensors, self.steps_run)
+        if not self.overlap:
+            handle.wait()
+        self._in_flight.append(handle)
+        for op, tensor in zip(batch, tensors):
+            if op.op == RECV:
+                self._received[op.message] = (tensor, handle)
+
+    def _take_received(self, index: int, message: Message) -> torch.Tensor:
+        tensor, handle = self._received.pop(message)
+        self.trace.append(("wait_recv", index, now()))
+        handle.wait()
+        return tensor
+
+    def _reap_sends(self) -> None:
+        """Wait (free) the handles already complete; the rest stay in flight."""
+        still = []
+        for handle in self._in_flight:
+            if handle.waited or handle.is_completed():
+                handle.wait()
+            else:
+                still.append(handle)
+        self._in_flight = still
+
+    # ---- compute -------------------------------------------------------------------------
+    def _check_sendable(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        if tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:
+            raise ValueError(f"stage {self.stage}: {what} has shape {tuple(tensor.shape)} dtype "
+                             f"{tensor.dtype}; the pipeline sends {self.tensor_shape} {self.dtype}")
+        return tensor.detach().contiguous()
+
+    def _compute(self, index: int, action: Action, losses: Dict[int, torch.Tensor]) -> None:
+        key = (action.vchunk, action.microbatch)
+        if action.kind == FORWARD:
+            inp = None
+            if action.recv is not None:
+                inp = self._take_received(index, action.recv).requires_grad_()
+            self.trace.append(("compute", index, now()))
+            out = self.forward_step(action.vchunk, action.microbatch, inp)
+            self._inputs[key], self._outputs[key] = inp, out
+            if action.chunk == self.last_chunk:
+                if out.numel() != 1:
+                    raise ValueError("the last model chunk must return the scalar loss, "
+                                     f"got shape {tuple(out.shape)}")
+                losses[action.microbatch] = out.detach()
+            if action.send is not None:
+                self._to_send[action.send] = self._check_sendable(out, f"{action} output")
+            return
+        grad = self._take_received(index, action.recv) if action.recv is not None else None
+        if self.backward_hook is not None:
+            self.backward_hook(action.vchunk, action.microbatch, self.last_backward[action.vchunk] == index)
+        self.trace.append(("compute", index, now()))
+        out, inp = self._outputs.pop(key), self._inputs.pop(key)
+        torch.autograd.backward(out, grad_tensors=grad)
+        if action.send is not None:
+            if inp is None or inp.grad is None:
+                raise RuntimeError(f"stage {self.stage}: {action}: the chunk's output does not "
+                                   "depend on its input, no input gradient to send")
+            self._to_send[action.send] = self._check_sendable(inp.grad, f"{action} input grad")

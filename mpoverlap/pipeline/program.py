@@ -1,0 +1,147 @@
+"""From compute orders to posting programs: when each stage posts each send and receive.
+
+Three steps, all pure:
+
+1. `simulate_compute(orders, pp, vpp)`: a timed run of the per-stage compute orders with
+   zero-cost communication (forward 1, backward 2 time units per model chunk; a compute
+   starts when its stage is free and its input exists). It fails if the orders can deadlock
+   even with unlimited buffering; otherwise it gives every compute a start and end time.
+2. Global order: every message gets the key (time its producer ends, act before grad, dst
+   chunk, microbatch). All stages post their p2p ops in increasing key order, so the two ends
+   of every link see the same sequence (sends and receives in both directions) and, by
+   induction on the key, no stage can wait on an op its peer has not reached - with blocking
+   sends too.
+3. Placement. A send is posted right after the compute producing it. A receive floats between
+   its neighbours in key order: "lazy" (overlap off) posts it as late as possible (at the
+   latest just before its consumer), "prefetch" (overlap on) as early as possible (together
+   with the op before it in key order, typically one or more computes ahead). Ops posted at
+   the same point with the same peer form one batch (at most one receive per batch, so a
+   wait never holds a compute hostage to a later receive).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+from mpoverlap.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, RECV, SEND, Batch,
+                                        Message, P2POp, ScheduleError, chunk_index,
+                                        input_message, output_message, producer_of, stage_of)
+
+ComputeOrder = List[Tuple[str, int, int]]  # per stage: (kind, microbatch, vchunk)
+FORWARD_COST, BACKWARD_COST = 1, 2
+
+
+def _dependencies(kind: str, mb: int, chunk: int, num_chunks: int) -> List[Tuple[str, int, int]]:
+    deps = []
+    msg = input_message(kind, mb, chunk, num_chunks)
+    if msg is not None:
+        deps.append(producer_of(msg))
+    if kind == BACKWARD:
+        deps.append((FORWARD, mb, chunk))
+    return deps
+
+
+def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
+                     forward_cost: float = FORWARD_COST, backward_cost: float = BACKWARD_COST
+                     ) -> List[List[Tuple[float, float]]]:
+    """(start, end) of every compute of every stage; ScheduleError if the orders deadlock."""
+    num_chunks = pp * vpp
+    end: Dict[Tuple[str, int, int], float] = {}
+    times: List[List[Tuple[float, float]]] = [[] for _ in orders]
+    free = [0.0] * len(orders)
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for stage, order in enumerate(orders):
+            while len(times[stage]) < len(order):
+                kind, mb, vchunk = order[len(times[stage])]
+                chunk = chunk_index(stage, vchunk, pp)
+                deps = _dependencies(kind, mb, chunk, num_chunks)
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[stage]] + [end[d] for d in deps])
+                finish = start + (forward_cost if kind == FORWARD else backward_cost)
+                end[(kind, mb, chunk)] = finish
+                times[stage].append((start, finish))
+                free[stage] = finish
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {s: order[len(times[s])] for s, order in enumerate(orders) if len(times[s]) < len(order)}
+            raise ScheduleError(f"compute orders deadlock even with unlimited buffers; stuck at {stuck}")
+    return times
+
+
+def message_key(message: Message, producer_end: float) -> tuple:
+    """Global posting order: production time, then activations before gradients (so a tie
+    lets the forward's input be prefetched under the longer backward), then chunk, microbatch."""
+    return (producer_end, 0 if message.kind == ACTIVATION else 1, message.dst_chunk, message.microbatch)
+
+
+def _stage_ops(stage: int, order: ComputeOrder, keys: Dict[Message, tuple], pp: int, vpp: int):
+    """This stage's p2p ops in key order: (key, op, fixed point of a send / consumer index)."""
+    num_chunks = pp * vpp
+    ops = []
+    for index, (kind, mb, vchunk) in enumerate(order):
+        chunk = chunk_index(stage, vchunk, pp)
+        msg_in = input_message(kind, mb, chunk, num_chunks)
+        msg_out = output_message(kind, mb, chunk, num_chunks)
+        if msg_in is not None:
+            ops.append((keys[msg_in], P2POp(RECV, stage_of(msg_in.src_chunk, pp), msg_in), index))
+        if msg_out is not None:
+            ops.append((keys[msg_out], P2POp(SEND, stage_of(msg_out.dst_chunk, pp), msg_out), index + 1))
+    ops.sort(key=lambda item: item[0])
+    return ops
+
+
+def _place(ops, prefetch: bool) -> List[int]:
+    """Posting point of each op (point p = after compute p-1 = before compute p)."""
+    points = [0] * len(ops)
+    if prefetch:
+        previous = 0
+        for i, (_, op, where) in enumerate(ops):
+            points[i] = where if op.op == SEND else previous
+            previous = points[i]
+    else:
+        following = None
+        for i in range(len(ops) - 1, -1, -1):
+            _, op, where = ops[i]
+            points[i] = where if op.op == SEND or following is None else min(where, following)
+            following = points[i]
+    for i, (_, op, where) in enumerate(ops):
+        late = op.op == RECV and points[i] > where
+        if late or (i and points[i] < points[i - 1]):
+            raise ScheduleError(f"cannot place {op} in key order (point {points[i]})")
+    return points
+
+
+def _batches_at_points(ops, points, num_points: int) -> List[List[Batch]]:
+    """Group ops per point into batches: consecutive, same peer, at most one receive."""
+    per_point: List[List[List[P2POp]]] = [[] for _ in range(num_points)]
+    for (_, op, _), point in zip(ops, points):
+        batches = per_point[point]
+        last = batches[-1] if batches else None
+        if last and last[0].peer == op.peer and not (op.op == RECV and any(o.op == RECV for o in last)):
+            last.append(op)
+        else:
+            batches.append([op])
+    return [[tuple(b) for b in batches] for batches in per_point]
+
+
+def posting_programs(orders: Sequence[ComputeOrder], pp: int, vpp: int
+                     ) -> Dict[bool, List[List[List[Batch]]]]:
+    """{prefetch: per stage, per point 0..n, the batches posted there} for both modes."""
+    times = simulate_compute(orders, pp, vpp)
+    num_chunks = pp * vpp
+    keys: Dict[Message, tuple] = {}
+    for stage, order in enumerate(orders):
+        for (kind, mb, vchunk), (_, finish) in zip(order, times[stage]):
+            msg = output_message(kind, mb, chunk_index(stage, vchunk, pp), num_chunks)
+            if msg is not None:
+                keys[msg] = message_key(msg, finish)
+    out: Dict[bool, List[List[List[Batch]]]] = {False: [], True: []}
+    for stage, order in enumerate(orders):
+        ops = _stage_ops(stage, order, keys, pp, vpp)
+        for prefetch in (False, True):
+            points = _place(ops, prefetch)
+            out[prefetch].append(_batches_at_points(ops, points, len(order) + 1))
+    return out

@@ -1,0 +1,153 @@
+"""Pipeline schedules as pure action tables: 1F1B and interleaved 1F1B.
+
+`build_schedule(kind, pp, vpp, m)` returns one list of `Action`s per stage. Compute order:
+
+- "1f1b" (vpp = 1): stage s runs min(pp-s-1, m) warm-up forwards, then alternates one
+  forward and one backward, then drains the remaining backwards.
+- "interleaved" (vpp > 1, Megatron's interleaved 1F1B): microbatches are taken in
+  G = m // pp groups of as-equal-as-possible size (each >= pp, larger groups first); within a
+  group the stage runs every virtual chunk in turn (forwards: vchunk 0..vpp-1, backwards:
+  vpp-1..0), each over the group's microbatches. Warm-up: 2(pp-s-1) + (vpp-1) * (size of the
+  first group) forwards (capped at m*vpp), then one forward / one backward, then the drain.
+
+Microbatch rule (`schedule_constraints`): 1F1B takes any m >= 1. Interleaved needs m >= pp
+but, unlike Megatron, not m % pp == 0. Why m >= pp: a microbatch comes back to stage 0 for
+its next virtual chunk only after a trip through all pp stages; with fewer than pp
+microbatches in flight every stage idles during that trip and the bubble exceeds the
+(pp-1)/(m*vpp) the layout is chosen for (pp=4, vpp=2, m=2: 1.25 instead of 0.75 of the
+compute time). Why not m % pp == 0: with groups of >= pp microbatches the ring never runs
+dry, so every m >= pp reaches exactly the theoretical bubble (the tests check this with
+`simulated_bubble`) and the tables validate; a group larger than pp only keeps up to
+(vpp-1) more activations alive during warm-up. Rejecting global batch sizes that are not
+multiples of pp would buy nothing.
+
+The p2p posting programs (both overlap modes) come from `program.posting_programs`; see
+there why they cannot deadlock. `validate_schedule` (validate.py) re-checks everything.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, Action, ScheduleError, chunk_index,
+                                        input_message, output_message)
+from mpoverlap.pipeline.program import ComputeOrder, posting_programs, simulate_compute
+
+SCHEDULE_KINDS = ("1f1b", "interleaved")
+
+
+def schedule_kind(vpp: int) -> str:
+    """The schedule a layout runs: interleaved 1F1B when vpp > 1, else 1F1B."""
+    return "interleaved" if vpp > 1 else "1f1b"
+
+
+def schedule_constraints(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[str]:
+    """Every reason the schedule cannot be built (empty list: buildable). Each message names
+    the quantity and a fix, for the rule engine to wrap with its config keys."""
+    problems = []
+    if kind not in SCHEDULE_KINDS:
+        return [f"unknown pipeline schedule {kind!r}; one of {SCHEDULE_KINDS}"]
+    for name, value in (("pp", pp), ("vpp", vpp), ("number of microbatches", num_microbatches)):
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"{name} must be a positive integer, got {value!r}")
+    if problems:
+        return problems
+    if kind == "1f1b" and vpp != 1:
+        problems.append(f"1F1B runs one model chunk per stage (vpp=1), got vpp={vpp}; "
+                        "use the interleaved schedule for vpp > 1")
+    if kind == "interleaved" and vpp > 1:
+        if pp < 2:
+            problems.append(f"virtual pipeline chunks (vpp={vpp}) need pp >= 2, got pp={pp}; "
+                            "set vpp=1 or pp >= 2")
+        elif num_microbatches < pp:
+            problems.append(
+                f"the interleaved schedule needs at least pp={pp} microbatches per step, got "
+                f"{num_microbatches}: a microbatch returns to stage 0 for its next virtual chunk "
+                f"only after a trip through all {pp} stages, so with fewer in flight the stages "
+                f"idle and the bubble exceeds (pp-1)/(m*vpp); raise the global batch to at least "
+                f"micro_batch_size x dp x {pp}, or set vpp=1")
+    return problems
+
+
+def _one_f_one_b_order(pp: int, m: int, stage: int) -> ComputeOrder:
+    warmup = min(pp - stage - 1, m)
+    order = [(FORWARD, mb, 0) for mb in range(warmup)]
+    for i in range(m - warmup):
+        order += [(FORWARD, warmup + i, 0), (BACKWARD, i, 0)]
+    return order + [(BACKWARD, mb, 0) for mb in range(m - warmup, m)]
+
+
+def microbatch_groups(pp: int, num_microbatches: int) -> List[range]:
+    """Interleaved grouping: m // pp consecutive groups, sizes as equal as possible (>= pp),
+    larger first (the warm-up is sized for the first group)."""
+    count = max(1, num_microbatches // pp)
+    base, extra = divmod(num_microbatches, count)
+    groups, first = [], 0
+    for i in range(count):
+        size = base + (1 if i < extra else 0)
+        groups.append(range(first, first + size))
+        first += size
+    return groups
+
+
+def _interleaved_order(pp: int, vpp: int, m: int, stage: int) -> ComputeOrder:
+    groups = microbatch_groups(pp, m)
+    forwards = [(mb, v) for group in groups for v in range(vpp) for mb in group]
+    backwards = [(mb, v) for group in groups for v in reversed(range(vpp)) for mb in group]
+    total = m * vpp
+    warmup = min(total, 2 * (pp - stage - 1) + (vpp - 1) * len(groups[0]))
+    order = [(FORWARD, mb, v) for mb, v in forwards[:warmup]]
+    for k in range(total - warmup):
+        order += [(FORWARD, *forwards[warmup + k]), (BACKWARD, *backwards[k])]
+    return order + [(BACKWARD, mb, v) for mb, v in backwards[total - warmup:]]
+
+
+def compute_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[ComputeOrder]:
+    """Per stage, the (kind, microbatch, vchunk) computes in order (no p2p)."""
+    problems = schedule_constraints(kind, pp, vpp, num_microbatches)
+    if problems:
+        raise ScheduleError("; ".join(problems))
+    if vpp == 1:
+        return [_one_f_one_b_order(pp, num_microbatches, s) for s in range(pp)]
+    return [_interleaved_order(pp, vpp, num_microbatches, s) for s in range(pp)]
+
+
+def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[List[Action]]:
+    """One list of Actions per stage, with both posting programs (overlap off and on)."""
+    orders = compute_orders(kind, pp, vpp, num_microbatches)
+    programs = posting_programs(orders, pp, vpp)
+    num_chunks = pp * vpp
+    tables = []
+    for stage, order in enumerate(orders):
+        lazy, eager = programs[False][stage], programs[True][stage]
+        actions = []
+        for index, (kind_, mb, vchunk) in enumerate(order):
+            chunk = chunk_index(stage, vchunk, pp)
+            first = index == 0
+            actions.append(Action(
+                kind_, mb, vchunk, chunk,
+                recv=input_message(kind_, mb, chunk, num_chunks),
+                send=output_message(kind_, mb, chunk, num_chunks),
+                posts_before=tuple(lazy[0]) if first else (),
+                posts_after=tuple(lazy[index + 1]),
+                prefetch_before=tuple(eager[0]) if first else (),
+                prefetch_after=tuple(eager[index + 1])))
+        tables.append(actions)
+    return tables
+
+
+def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
+    """Theory: pipeline idle time over ideal compute time, (pp - 1) / (m * vpp)."""
+    return (pp - 1) / (num_microbatches * vpp)
+
+
+def simulated_bubble(tables: List[List[Action]], forward_cost: float = 1.0,
+                     backward_cost: float = 2.0) -> List[float]:
+    """Per stage, idle time over busy time of a timed run of the tables' compute order with
+    free communication (compare with `bubble_fraction`)."""
+    pp = len(tables)
+    vpp = 1 + max(a.vchunk for t in tables for a in t)
+    orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for table in tables]
+    times = simulate_compute(orders, pp, vpp, forward_cost, backward_cost)
+    makespan = max(t[-1][1] for t in times if t)
+    busy = [sum(e - s for s, e in t) for t in times]
+    return [(makespan - b) / b for b in busy]

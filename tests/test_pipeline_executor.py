@@ -1,0 +1,199 @@
+"""PipelineExecutor on 4 gloo ranks (one spawn) against a single-process reference.
+
+Toy model: 8 x (Linear(H, H) + tanh), split into pp * vpp model chunks (chunk c = vchunk *
+pp + stage holds layers [c * 8 / (pp vpp), (c + 1) * 8 / (pp vpp))), loss = mean over
+microbatches of the squared error. Layouts: pp=4 (grid pp=4) and pp=2 (grid dp=2 x pp=2, two
+pipelines side by side with different data), vpp 1 and 2, overlap on and off.
+"""
+import contextlib
+import io
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import run_distributed  # noqa: E402
+
+from mpoverlap.comm.ledger import CommLedger  # noqa: E402
+from mpoverlap.parallel import ParallelState, RankGrid  # noqa: E402
+from mpoverlap.pipeline import PipelineExecutor, build_schedule, schedule_kind  # noqa: E402
+
+H, B, NUM_LAYERS = 16, 4, 8
+# (pp, vpp, microbatches): m is not a multiple of pp in every layout but one.
+LAYOUTS = [(4, 1, 6), (4, 2, 6), (4, 2, 4), (2, 1, 5), (2, 2, 5)]
+CONFIGS = [(pp, vpp, m, overlap) for pp, vpp, m in LAYOUTS for overlap in (False, True)]
+
+
+def make_layers():
+    torch.manual_seed(0)
+    return [nn.Linear(H, H) for _ in range(NUM_LAYERS)]
+
+
+def make_data(dp_rank, m):
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    return torch.randn(m, B, H, generator=g), torch.randn(m, B, H, generator=g)
+
+
+def layers_of_chunk(chunk, num_chunks):
+    per = NUM_LAYERS // num_chunks
+    return range(chunk * per, (chunk + 1) * per)
+
+
+def reference(dp_rank, m):
+    """Single process: per-microbatch backward in microbatch order (the pipeline's order)."""
+    layers = make_layers()
+    xs, ys = make_data(dp_rank, m)
+    losses, xgrads = [], []
+    for mb in range(m):
+        x = xs[mb].clone().requires_grad_()
+        h = x
+        for layer in layers:
+            h = torch.tanh(layer(h))
+        loss = ((h - ys[mb]) ** 2).mean() / m
+        loss.backward()
+        losses.append(loss.detach())
+        xgrads.append(x.grad)
+    grads = {i: (layer.weight.grad, layer.bias.grad) for i, layer in enumerate(layers)}
+    return losses, grads, xgrads
+
+
+def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1):
+    stage, dp_rank, num_chunks = state.coords.pp, state.coords.dp, pp * vpp
+    layers = make_layers()
+    xs, ys = make_data(dp_rank, m)
+    x_leaves, hook_calls = {}, []
+
+    def forward_step(vchunk, mb, input_tensor):
+        chunk = vchunk * pp + stage
+        if input_tensor is None:
+            input_tensor = x_leaves[mb] = xs[mb].clone().requires_grad_()
+        h = input_tensor
+        for i in layers_of_chunk(chunk, num_chunks):
+            h = torch.tanh(layers[i](h))
+        return ((h - ys[mb]) ** 2).mean() / m if chunk == num_chunks - 1 else h
+
+    ledger = CommLedger()
+    tables = build_schedule(schedule_kind(vpp), pp, vpp, m)
+    executor = PipelineExecutor(
+        tables[stage], stage=stage, pp_ranks=state.ranks("pp"), group=state.group("pp"),
+        overlap=overlap, ledger=ledger, tensor_shape=(B, H), dtype=torch.float32, device="cpu",
+        forward_step=forward_step, backward_hook=lambda *call: hook_calls.append(call),
+        verbose=verbose)
+    for _ in range(steps):  # the same executor runs every step; report the last one
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        x_leaves.clear(), hook_calls.clear()
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            losses = executor.run(m)
+    trace = executor.trace
+    compute_at = {i: k for k, (event, i, _) in enumerate(trace) if event == "compute"}
+    posted_ahead = sum(1 for k, (event, i, _) in enumerate(trace)
+                       if event == "post_recv" and i > 0 and k < compute_at[i - 1])
+    own = [i for v in range(vpp) for i in layers_of_chunk(v * pp + stage, num_chunks)]
+    summary = ledger.summary()
+    return {
+        # Plain lists: tensors would travel through shared memory that dies with the worker.
+        "stage": stage, "dp": dp_rank, "losses": [loss.tolist() for loss in losses],
+        "grads": {i: (layers[i].weight.grad.tolist(), layers[i].bias.grad.tolist()) for i in own},
+        "xgrads": {mb: x.grad.tolist() for mb, x in x_leaves.items()},
+        "pp_ops": summary.get("pp", {}).get("ops", 0), "expected_ops": executor.p2p_calls_per_run,
+        "messages": sum((a.recv is not None) + (a.send is not None) for a in tables[stage]),
+        "posted_ahead": posted_ahead, "hooks": hook_calls,
+        "times_ordered": all(t0 <= t1 for (_, _, t0), (_, _, t1) in zip(trace, trace[1:])),
+        "verbose_lines": stderr.getvalue().splitlines(),
+    }
+
+
+def _worker(rank, world):
+    states = {4: ParallelState.create(RankGrid(pp=4), torch.device("cpu")),
+              2: ParallelState.create(RankGrid(dp=2, pp=2), torch.device("cpu"))}
+    out = {}
+    for pp, vpp, m, overlap in CONFIGS:
+        out[(pp, vpp, m, overlap)] = run_layout(states[pp], pp, vpp, m, overlap)
+    out["verbose"] = run_layout(states[2], 2, 2, 5, True, verbose=True, steps=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run_distributed(_worker, 4, timeout_s=170)
+
+
+def rel_err(a, b):
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("pp,vpp,m,overlap", CONFIGS)
+def test_matches_single_process_reference(reports, pp, vpp, m, overlap):
+    seen_layers = {0: set(), 1: set()}
+    for rank_report in reports:
+        r = rank_report[(pp, vpp, m, overlap)]
+        ref_losses, ref_grads, ref_xgrads = reference(r["dp"], m)
+        if r["stage"] == pp - 1:
+            assert len(r["losses"]) == m
+            for got, want in zip(r["losses"], ref_losses):
+                assert rel_err(got, want) < 1e-6
+        else:
+            assert r["losses"] == []
+        for i, (w, b) in r["grads"].items():
+            assert rel_err(w, ref_grads[i][0]) < 1e-6 and rel_err(b, ref_grads[i][1]) < 1e-6, i
+            seen_layers[r["dp"]].add(i)
+        if r["stage"] == 0:  # input gradients of the data, too
+            assert sorted(r["xgrads"]) == list(range(m))
+            for mb, g in r["xgrads"].items():
+                assert rel_err(g, ref_xgrads[mb]) < 1e-6
+    assert seen_layers[0] == set(range(NUM_LAYERS))
+    if pp == 2:
+        assert seen_layers[1] == set(range(NUM_LAYERS))
+
+
+@pytest.mark.parametrize("pp,vpp,m", LAYOUTS)
+def test_overlap_on_off_bitwise_identical(reports, pp, vpp, m):
+    for rank_report in reports:
+        off, on = rank_report[(pp, vpp, m, False)], rank_report[(pp, vpp, m, True)]
+        assert off["losses"] == on["losses"]  # float32 values, compared exactly
+        assert off["grads"] == on["grads"] and off["xgrads"] == on["xgrads"]
+
+
+@pytest.mark.parametrize("pp,vpp,m,overlap", CONFIGS)
+def test_ledger_counts_pp_ops(reports, pp, vpp, m, overlap):
+    for rank_report in reports:
+        r = rank_report[(pp, vpp, m, overlap)]
+        assert r["pp_ops"] == r["expected_ops"] > 0
+        assert r["messages"] <= r["expected_ops"] * 2  # batching: at most a send and a receive per call
+
+
+@pytest.mark.parametrize("pp,vpp,m", LAYOUTS)
+def test_overlap_posts_receives_before_the_preceding_compute(reports, pp, vpp, m):
+    ahead = [rank_report[(pp, vpp, m, True)]["posted_ahead"] for rank_report in reports]
+    lazy = [rank_report[(pp, vpp, m, False)]["posted_ahead"] for rank_report in reports]
+    assert sum(ahead) > sum(lazy), (ahead, lazy)
+    assert all(rank_report[(pp, vpp, m, True)]["times_ordered"] for rank_report in reports)
+
+
+@pytest.mark.parametrize("pp,vpp,m,overlap", CONFIGS)
+def test_backward_hook_marks_last_backward_of_each_chunk(reports, pp, vpp, m, overlap):
+    for rank_report in reports:
+        calls = rank_report[(pp, vpp, m, overlap)]["hooks"]
+        assert len(calls) == m * vpp
+        for v in range(vpp):
+            mine = [c for c in calls if c[0] == v]
+            assert [c[2] for c in mine] == [False] * (m - 1) + [True]
+
+
+def test_second_step_and_verbose_lines(reports):
+    """The verbose run is the executor's second step: same numbers as a fresh executor."""
+    for rank, rank_report in enumerate(reports):
+        r = rank_report["verbose"]
+        assert (r["losses"], r["grads"], r["xgrads"]) == tuple(rank_report[(2, 2, 5, True)][k] for k in
+                                                              ("losses", "grads", "xgrads"))
+        lines = r["verbose_lines"]
+        assert len(lines) == r["messages"]
+        assert all(line.startswith("[pp-p2p] step 1 call ") and f" rank {rank} " in line for line in lines)
+        assert any(" send to rank " in line for line in lines) and any(" recv from rank " in line for line in lines)
+        assert all(" mb " in line and " vchunk " in line for line in lines)

@@ -1,0 +1,150 @@
+"""Pipeline schedules as pure tables (no processes): coverage, data flow, p2p matching,
+link order, deadlock freedom, the microbatch rule, broken tables, and the bubble."""
+import dataclasses
+
+import pytest
+
+from mpoverlap.pipeline import (ScheduleError, bubble_fraction, build_schedule,
+                                microbatch_groups, schedule_constraints, schedule_kind,
+                                simulated_bubble, validate_schedule)
+from mpoverlap.pipeline.actions import RECV, SEND
+
+
+def microbatch_counts(pp, vpp):
+    counts = {pp, 2 * pp, 3 * pp, pp + 1, 2 * pp + 1, 3 * pp - 1}
+    if vpp == 1:
+        counts |= {1, max(1, pp - 1), pp // 2 or 1}
+    return sorted(counts)
+
+
+CASES = [(pp, vpp, m) for pp in (2, 4, 8) for vpp in (1, 2, 3) for m in microbatch_counts(pp, vpp)]
+
+
+@pytest.mark.parametrize("pp,vpp,m", CASES)
+def test_tables_validate_and_cover_every_microbatch(pp, vpp, m):
+    tables = build_schedule(schedule_kind(vpp), pp, vpp, m)
+    validate_schedule(tables)
+    assert len(tables) == pp
+    for stage, actions in enumerate(tables):
+        seen = sorted((a.kind, a.microbatch, a.vchunk) for a in actions)
+        assert seen == sorted((k, mb, v) for k in "FB" for mb in range(m) for v in range(vpp))
+        assert all(a.chunk == a.vchunk * pp + stage for a in actions)
+        for prefetch in (False, True):  # every op of the stage is posted exactly once
+            ops = [op for a in actions for part in a.batches(prefetch) for b in part for op in b]
+            assert len(ops) == len(set(ops)) == sum((a.recv is not None) + (a.send is not None) for a in actions)
+            assert all(len({op.peer for op in b}) == 1 and sum(op.op == RECV for op in b) <= 1
+                       for a in actions for part in a.batches(prefetch) for b in part)
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 4), (4, 1, 8), (4, 2, 8), (8, 3, 9), (4, 3, 6)])
+def test_prefetch_posts_some_receives_a_compute_ahead(pp, vpp, m):
+    for actions in build_schedule(schedule_kind(vpp), pp, vpp, m):
+        consumer = {a.recv: i for i, a in enumerate(actions) if a.recv}
+        ahead = [consumer[op.message] - i for i, a in enumerate(actions)
+                 for b in a.prefetch_after for op in b if op.op == RECV]
+        assert max(ahead) >= 2, "a receive posted after compute i is used at i+1 at the latest"
+
+
+def test_one_f_one_b_warmup_and_shape():
+    tables = build_schedule("1f1b", 4, 1, 8)
+    for stage, actions in enumerate(tables):
+        kinds = "".join(a.kind for a in actions)
+        warmup = 4 - stage - 1
+        assert kinds == "F" * warmup + "FB" * (8 - warmup) + "B" * warmup
+    short = build_schedule("1f1b", 4, 1, 2)  # m < pp: warm-up capped at m
+    assert "".join(a.kind for a in short[0]) == "FFBB"
+
+
+def test_interleaved_groups_and_rule():
+    assert [list(g) for g in microbatch_groups(4, 9)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+    assert [len(g) for g in microbatch_groups(4, 8)] == [4, 4]
+    problems = schedule_constraints("interleaved", 4, 2, 3)
+    assert len(problems) == 1 and "at least pp=4 microbatches" in problems[0] and "vpp=1" in problems[0]
+    assert schedule_constraints("interleaved", 4, 2, 6) == []  # m % pp != 0 is fine
+    assert "pp >= 2" in schedule_constraints("interleaved", 1, 2, 4)[0]
+    assert "vpp=1" in schedule_constraints("1f1b", 4, 2, 8)[0]
+    assert schedule_constraints("1f1b", 8, 1, 3) == []
+    assert "unknown" in schedule_constraints("gpipe", 2, 1, 2)[0]
+    with pytest.raises(ScheduleError, match="at least pp=4"):
+        build_schedule("interleaved", 4, 2, 3)
+
+
+def test_bubble_theory_and_simulation_agree():
+    assert bubble_fraction(4, 1, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction(8, 2, 16) == pytest.approx(7 / 32)
+    for pp, vpp, m in [(4, 1, 8), (4, 1, 3), (4, 2, 8), (4, 2, 6), (8, 3, 17), (2, 3, 5)]:
+        measured = simulated_bubble(build_schedule(schedule_kind(vpp), pp, vpp, m))
+        assert max(measured) == pytest.approx(bubble_fraction(pp, vpp, m)), (pp, vpp, m)
+
+
+# ---------------------------------------------------------------- broken tables are caught
+
+def _replace(tables, stage, index, **fields):
+    out = [list(t) for t in tables]
+    out[stage][index] = dataclasses.replace(out[stage][index], **fields)
+    return out
+
+
+def _find(actions, text):
+    return next(i for i, a in enumerate(actions)
+                if any(text in str(op) for part in a.batches(False) for b in part for op in b))
+
+
+def test_swapped_order_on_one_link_is_caught():
+    tables = build_schedule("interleaved", 2, 2, 4)
+    # Stage 1 posts two receives from stage 0 after one compute, in two batches: swap them.
+    i = next(i for i, a in enumerate(tables[1]) if len(a.posts_after) == 2
+             and all(any(op.op == RECV for op in b) for b in a.posts_after))
+    swapped = _replace(tables, 1, i, posts_after=tuple(reversed(tables[1][i].posts_after)))
+    with pytest.raises(ScheduleError, match=r"overlap=off link s0<->s1: s0->s1 FIFO order differs"):
+        validate_schedule(swapped)
+
+
+def test_opposite_send_receive_order_deadlocks_with_blocking_p2p():
+    tables = build_schedule("1f1b", 2, 1, 4)
+    # Megatron's send_forward_recv_backward split in two at both ends, receive first: each
+    # stage waits for the other's send (NCCL-style blocking), which is never posted.
+    i0, i1 = _find(tables[0], "act[mb1"), _find(tables[1], "grad[mb0")
+    split = []
+    for stage, i in ((0, i0), (1, i1)):
+        (batch,) = tables[stage][i].posts_after
+        split.append((stage, i, tuple((op,) for op in sorted(batch, key=lambda op: op.op != RECV))))
+    broken = tables
+    for stage, i, batches in split:
+        broken = _replace(broken, stage, i, posts_after=batches)
+    with pytest.raises(ScheduleError) as err:
+        validate_schedule(broken)
+    assert "posted in a different order at the two ends" in str(err.value)
+    assert "deadlock with blocking p2p" in str(err.value)
+    assert "overlap=off: deadlock with deferred" not in str(err.value)  # async p2p would survive
+
+
+def test_missing_send_is_caught():
+    tables = build_schedule("interleaved", 4, 2, 4)
+    i = _find(tables[3], "send->s0:act[mb0 c3->c4]")
+    dropped = tuple(tuple(op for op in b if "act[mb0 c3->c4]" not in str(op)) for b in tables[3][i].posts_after)
+    broken = _replace(tables, 3, i, posts_after=tuple(b for b in dropped if b))
+    with pytest.raises(ScheduleError, match=r"act\[mb0 c3->c4\] has 0 send\(s\) and 1 receive"):
+        validate_schedule(broken)
+
+
+def test_backward_before_forward_and_wrong_dataflow_are_caught():
+    tables = build_schedule("1f1b", 2, 1, 2)
+    swapped = [list(t) for t in tables]
+    swapped[1][0], swapped[1][1] = swapped[1][1], swapped[1][0]
+    with pytest.raises(ScheduleError, match="backward before its forward"):
+        validate_schedule(swapped)
+    wrong = _replace(tables, 1, 0, recv=tables[1][2].recv)
+    with pytest.raises(ScheduleError, match="consumes"):
+        validate_schedule(wrong)
+
+
+def test_p2p_ops_name_peers_and_directions():
+    tables = build_schedule("interleaved", 4, 2, 4)
+    for stage, actions in enumerate(tables):
+        for a in actions:
+            for part in a.batches(True):
+                for b in part:
+                    for op in b:
+                        assert op.peer in ((stage - 1) % 4, (stage + 1) % 4)
+                        assert op.op in (SEND, RECV)
