@@ -47,6 +47,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     layouts = {
         "dp1": [],
+        "dp1_4layers": ["model.num_layers=4"],
+        "dp1_4layers_untied": ["model.num_layers=4", "model.tie_embeddings=false"],
         "dp2_on": ["parallel.dp=2", "overlap.dp=true"],
         "dp2_off": ["parallel.dp=2", "overlap.dp=false"],
         "dp4_zero_on": ["parallel.dp=4", "overlap.dp=true", "train.distributed_optimizer=true",
@@ -62,6 +64,17 @@ def runs(tmp_path_factory):
         "tp4_sp_on": ["parallel.tp=4", "parallel.sequence_parallel=true", "overlap.tp=true"],
         "tp2_cp2_sp_zero": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
                             "train.distributed_optimizer=true"],
+        "pp2_on": ["parallel.pp=2", "overlap.pp=true"],
+        "pp2_off": ["parallel.pp=2", "overlap.pp=false"],
+        "pp2_vpp2_on": ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "overlap.pp=true"],
+        "pp4_on": ["parallel.pp=4", "model.num_layers=4", "overlap.pp=true"],
+        "pp4_vpp1_untied_zero": ["parallel.pp=4", "model.num_layers=4", "model.tie_embeddings=false",
+                                 "train.distributed_optimizer=true"],
+        # Compositions (world 8): every overlap mode of the layout on.
+        "dp2_tp2_pp2_sp_all": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                               "overlap.dp=true", "overlap.tp=true", "overlap.pp=true"],
+        "tp2_cp2_pp2_vpp2": ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.vpp=2",
+                             "parallel.sequence_parallel=true", "model.num_layers=4"],
     }
     for name, ov in layouts.items():
         train(root / name, *ov)
@@ -111,6 +124,25 @@ def test_tp_layouts_reproduce_single_process_curve(runs):
         assert tp["ops"] > 0 and tp["bytes"] > 0
     # Collective matmul replaces each SP all-gather / reduce-scatter by tp-1 ring steps.
     assert rows(runs / "tp2_sp_on")[-1]["comm"]["tp"]["ops"] != rows(runs / "tp2_sp_off")[-1]["comm"]["tp"]["ops"]
+
+
+def test_pp_layouts_reproduce_single_process_curve(runs):
+    ref = rows(runs / "dp1")
+    ref4 = rows(runs / "dp1_4layers")
+    for name, expected in (("pp2_on", ref), ("pp2_off", ref), ("pp2_vpp2_on", ref4), ("pp4_on", ref4)):
+        got = rows(runs / name)
+        assert_close([r["loss"] for r in got], [r["loss"] for r in expected])
+        assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in expected])
+        assert got[-1]["comm"]["pp"]["ops"] > 0
+    assert losses(runs / "pp2_on") == losses(runs / "pp2_off")
+    assert_close(losses(runs / "pp4_vpp1_untied_zero"), losses(runs / "dp1_4layers_untied"))
+
+
+def test_compositions_reproduce_single_process_curve(runs):
+    assert_close(losses(runs / "dp2_tp2_pp2_sp_all"), losses(runs / "dp1"))
+    assert_close(losses(runs / "tp2_cp2_pp2_vpp2"), losses(runs / "dp1_4layers"))
+    comm = rows(runs / "dp2_tp2_pp2_sp_all")[-1]["comm"]
+    assert {"dp", "tp", "pp"} <= set(comm)
 
 
 def test_overlap_on_off_identical(runs):

@@ -161,8 +161,6 @@ def _device(lo: Layout):
 
 # Features whose issue has not landed yet: asking for them is an error, never a silent no-op.
 _NOT_YET = (
-    ("parallel.pp", lambda lo: lo.pp is not None and lo.pp > 1, "pipeline parallelism", "parallel.pp=1"),
-    ("parallel.vpp", lambda lo: lo.vpp is not None and lo.vpp > 1, "interleaved pipeline stages", "parallel.vpp=1"),
     ("parallel.ep", lambda lo: lo.ep is not None and lo.ep > 1, "expert parallelism", "parallel.ep=1"),
     ("model.num_experts", lambda lo: lo.cfg.model.num_experts > 0, "mixture-of-experts layers",
      "model.num_experts=0"),

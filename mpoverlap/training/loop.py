@@ -11,12 +11,13 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch import nn
 
-from mpoverlap.comm import CommLedger, wait_all
+from mpoverlap.comm import CommLedger, all_reduce, wait_all
 from mpoverlap.comm.ledger import mean_over_ranks
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
-from mpoverlap.models.gpt import GPT, num_parameters
+from mpoverlap.models.gpt import num_parameters
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
@@ -26,6 +27,7 @@ from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.metrics import MetricsWriter, Progress
+from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
 from mpoverlap.training.setup import init_distributed, shared_run_dir
 
 # Model fields a checkpoint must agree on to be loadable into this model.
@@ -76,8 +78,20 @@ class Trainer:
         if state.grid.tp > 1:
             self.tp = tp_kwargs(state, sequence_parallel=bool(cfg.parallel.sequence_parallel),
                                 overlap=self.overlap.tp.enabled, ledger=self.ledger)
-        self.model = GPT(cfg.model, seed=t.seed, tp=self.tp, **attention).to(state.device)
-        self.sequence_parallel_params = self.model.sequence_parallel_params()
+        self.pp = state.grid.pp
+        self.chunks = [c.to(state.device) for c in build_chunks(
+            cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, tp=self.tp, **attention)]
+        # One chunk: the model itself. Pipelined: this stage's chunks, whose blocks keep their
+        # global names; `params_by_name` maps the layout-free names used in checkpoints.
+        self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
+        prefixed = len(self.chunks) > 1
+        self.dp_names = {n: (n.split(".", 1)[1] if prefixed else n) for n, _ in self.model.named_parameters()}
+        self.params_by_name = {self.dp_names[n]: p for n, p in self.model.named_parameters()}
+        self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()]
+        # The tied embedding lives on the first and the last stage: their gradients add up.
+        self.tied_embedding = None
+        if self.pp > 1 and cfg.model.tie_embeddings and state.group("embedding") is not None:
+            self.tied_embedding = self.params_by_name.get("embedding.weight")
         self.ddp = DataParallel(
             self.model, state, group_kind="dp_cp", overlap=self.overlap.dp.enabled,
             bucket_mb=self.overlap.dp_bucket_mb, distributed_optimizer=t.distributed_optimizer,
@@ -85,7 +99,7 @@ class Trainer:
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
-            tp_group=state.group("tp"))
+            tp_group=state.group("tp"), pp_group=state.group("pp"))
         self.schedule = LRSchedule.from_config(t)
         self.train_data, self.val_data = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
         # Context-parallel ranks of one replica share its samples (each holds part of every
@@ -97,6 +111,11 @@ class Trainer:
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if state.device.type == "cuda"
                          else nullcontext())
         self.step = 0
+        self.pipeline = None
+        if self.pp > 1:
+            m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+            self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
+                                           self.ddp, self._split, self.autocast)
 
     # ---- checkpoint state -------------------------------------------------------------
     def _meta(self) -> Dict[str, Any]:
@@ -113,24 +132,26 @@ class Trainer:
         """Everything a resume needs, as FULL tensors keyed by parameter name: tensor-parallel
         shards are gathered and ZeRO-1 optimizer shards too, so the checkpoint does not depend
         on the layout it was saved from (DCP writes each replicated entry once)."""
-        params = dict(self.model.named_parameters())
+        params = self.params_by_name
         tp_group, tp_size = self.state.group("tp"), self.state.grid.tp
         optim = self.optimizer.state_dict()
         for key in ("exp_avg", "exp_avg_sq"):
-            optim[key] = unshard_named(optim[key], params, tp_group, tp_size)
+            optim[key] = unshard_named({self.dp_names[n]: v for n, v in optim[key].items()}, params,
+                                       tp_group, tp_size)
         # Every rank starts from the same seed, so rank 0's generator state stands for all.
         return {"model": unshard_named({n: p.detach() for n, p in params.items()}, params, tp_group, tp_size),
                 "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()}}
 
     @torch.no_grad()
     def _load_app_state(self, state: Dict[str, Any]) -> None:
-        params = dict(self.model.named_parameters())
+        params = self.params_by_name
         tp_rank, tp_size = self.state.coords.tp, self.state.grid.tp
         for name, value in reshard_named(state["model"], params, tp_rank, tp_size).items():
             params[name].copy_(value)
         optim = dict(state["optimizer"])
+        to_dp = {g: n for n, g in self.dp_names.items()}
         for key in ("exp_avg", "exp_avg_sq"):
-            optim[key] = reshard_named(optim[key], params, tp_rank, tp_size)
+            optim[key] = {to_dp[n]: v for n, v in reshard_named(optim[key], params, tp_rank, tp_size).items()}
         self.optimizer.load_state_dict(optim)
         torch.set_rng_state(state["rng"]["torch_cpu"])
         self.step = int(state["meta"]["step"])
@@ -173,9 +194,9 @@ class Trainer:
         the cp ranks' losses (taken by the dp x cp gradient average) is the global mean."""
         mb_BS1 = mb_BS1.to(self.state.device, non_blocking=True)
         tokens_BS, targets_BS = mb_BS1[:, :-1], mb_BS1[:, 1:]
-        if self.cp_size == 1:
-            return tokens_BS, targets_BS, None
         S = tokens_BS.shape[1]
+        if self.cp_size == 1:
+            return tokens_BS, targets_BS, torch.arange(S, device=tokens_BS.device)
         return (split_for_cp(tokens_BS, self.cp_rank, self.cp_size, seq_dim=1),
                 split_for_cp(targets_BS, self.cp_rank, self.cp_size, seq_dim=1),
                 positions_for_cp(S, self.cp_rank, self.cp_size, device=tokens_BS.device))
@@ -187,16 +208,16 @@ class Trainer:
         micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
         t0 = time.perf_counter()
         self.ddp.start_step()
-        loss_sum = torch.zeros((), device=self.state.device)
-        for i, mb in enumerate(micro):
-            tokens, targets, positions = self._split(mb)
-            self.ddp.set_last_microbatch(i == len(micro) - 1)
-            with self.autocast:
-                logits = self.ddp(tokens, position_ids=positions)
-            loss = self.model.loss(logits.float(), targets) / len(micro)
-            loss.backward()
-            loss_sum += loss.detach()
+        if self.pipeline is not None:
+            loss_sum = self.pipeline.train_microbatches(micro)
+        else:
+            loss_sum = self._train_microbatches(micro)
         self.ddp.finish_grad_sync()
+        if self.tied_embedding is not None:
+            # Both copies of the tied embedding get the sum of their gradients (full gradients:
+            # the rule engine keeps ZeRO-1 off here).
+            all_reduce(self.tied_embedding.grad, self.state.group("embedding"), mode="pp",
+                       ledger=self.ledger).wait()
         if self.sequence_parallel_params:
             # Norm weights saw only this rank's S/tp positions: sum their gradients over TP.
             wait_all(allreduce_sequence_parallel_grads(
@@ -216,7 +237,23 @@ class Trainer:
         return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
                 "skipped": skipped}
 
+    def _train_microbatches(self, micro) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=self.state.device)
+        for i, mb in enumerate(micro):
+            tokens, targets, positions = self._split(mb)
+            self.ddp.set_last_microbatch(i == len(micro) - 1)
+            with self.autocast:
+                logits = self.ddp(tokens, position_ids=positions)
+            loss = self.model.loss(logits.float(), targets) / len(micro)
+            loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
     def _mean_over_replicas(self, value: torch.Tensor) -> float:
+        """The replicas' mean of a loss that lives on the last pipeline stage."""
+        if self.pp > 1:  # other stages hold 0: the sum over the pipeline is the last stage's
+            value = value.clone()
+            dist.all_reduce(value, group=self.state.group("pp"))
         group = self.state.group("dp_cp")
         if group is not None:
             value = value.clone()
@@ -248,6 +285,9 @@ class Trainer:
             idx = [(i * t.global_batch_size + j) % len(self.val_data) for j in range(t.global_batch_size)]
             batch = torch.stack([self.val_data[k] for k in idx])
             micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
+            if self.pipeline is not None:
+                total += self.pipeline.eval_microbatches(micro) / n
+                continue
             for mb in micro:
                 tokens, targets, positions = self._split(mb)
                 with self.autocast:

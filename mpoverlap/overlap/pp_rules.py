@@ -1,0 +1,58 @@
+"""Pipeline rules: stage partitioning, the interleaved microbatch grouping, tied embeddings."""
+from __future__ import annotations
+
+from mpoverlap.overlap.layout import Layout
+from mpoverlap.overlap.rules import Problem, next_multiple, rule
+
+
+@rule("pp.layers_divisible", "pp", ("model.num_layers", "parallel.pp", "parallel.vpp"),
+      "the layers split evenly over pp x vpp model chunks")
+def _layers(lo: Layout):
+    L = lo.cfg.model.num_layers
+    if None in (lo.pp, lo.vpp) or L < 1:
+        return
+    chunks = lo.pp * lo.vpp
+    if L % chunks:
+        yield Problem("pp.layers_divisible", {"model.num_layers": L, "parallel.pp": lo.pp, "parallel.vpp": lo.vpp},
+                      f"each of the pp x vpp = {chunks} model chunks holds num_layers / {chunks} layers",
+                      [f"model.num_layers={next_multiple(L, chunks)}"])
+
+
+@rule("pp.vpp_needs_pp", "pp", ("parallel.vpp", "parallel.pp"), "virtual stages need pp >= 2")
+def _vpp(lo: Layout):
+    if lo.vpp is not None and lo.vpp > 1 and lo.pp == 1:
+        yield Problem("pp.vpp_needs_pp", {"parallel.vpp": lo.vpp, "parallel.pp": 1},
+                      "interleaving assigns model chunks round-robin over pipeline stages; with one stage "
+                      "there is nothing to interleave", ["parallel.vpp=1"])
+
+
+@rule("pp.interleaved_microbatches", "pp",
+      ("train.global_batch_size", "train.micro_batch_size", "parallel.dp", "parallel.pp", "parallel.vpp"),
+      "the interleaved schedule needs at least pp microbatches per step")
+def _interleaved(lo: Layout):
+    from mpoverlap.pipeline import schedule_constraints, schedule_kind
+
+    t = lo.cfg.train
+    m = lo.num_microbatches
+    if None in (lo.pp, lo.vpp, m) or lo.vpp == 1 or lo.pp == 1:
+        return
+    for message in schedule_constraints(schedule_kind(lo.vpp), lo.pp, lo.vpp, m):
+        per = t.micro_batch_size * lo.dp * lo.pp
+        yield Problem("pp.interleaved_microbatches",
+                      {"train.global_batch_size": t.global_batch_size, "train.micro_batch_size": t.micro_batch_size,
+                       "parallel.dp": lo.dp, "parallel.pp": lo.pp, "parallel.vpp": lo.vpp},
+                      message, [f"train.global_batch_size={next_multiple(t.global_batch_size, per)}"])
+
+
+@rule("pp.tied_embeddings_with_distributed_optimizer", "pp",
+      ("parallel.pp", "model.tie_embeddings", "train.distributed_optimizer"),
+      "tied embeddings across pipeline stages need full gradients on both stages")
+def _tied(lo: Layout):
+    c = lo.cfg
+    if lo.pp is not None and lo.pp > 1 and c.model.tie_embeddings and c.train.distributed_optimizer:
+        yield Problem("pp.tied_embeddings_with_distributed_optimizer",
+                      {"parallel.pp": lo.pp, "model.tie_embeddings": True, "train.distributed_optimizer": True},
+                      "the first and last stage each hold a copy of the tied embedding and sum their gradients "
+                      "over the embedding group; under ZeRO-1 each stage keeps a different slice of the "
+                      "reduced gradient, so this build cannot sum them (untie the head or keep full gradients)",
+                      ["train.distributed_optimizer=false"])

@@ -1,0 +1,117 @@
+"""How the GPT is cut into pipeline chunks and run forward-only for evaluation.
+
+Model chunk k (k = vchunk * pp + stage, Megatron's interleaved assignment) holds layers
+[k L / (pp vpp), (k+1) L / (pp vpp)); chunk 0 owns the embedding, the last chunk the final
+norm, head and loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from mpoverlap.models.gpt import GPT
+
+
+def chunk_layer_ids(num_layers: int, pp: int, vpp: int, stage: int, vchunk: int) -> List[int]:
+    chunks = pp * vpp
+    per = num_layers // chunks
+    k = vchunk * pp + stage
+    return list(range(k * per, (k + 1) * per))
+
+
+def build_chunks(cfg: Any, pp: int, vpp: int, stage: int, seed: int, **gpt_kwargs) -> List[GPT]:
+    """This stage's model chunks in vchunk order."""
+    last = pp * vpp - 1
+    return [GPT(cfg, seed=seed, layer_ids=chunk_layer_ids(cfg.num_layers, pp, vpp, stage, v),
+                pre_process=(v * pp + stage == 0), post_process=(v * pp + stage == last), **gpt_kwargs)
+            for v in range(vpp)]
+
+
+@torch.no_grad()
+def forward_only(chunks: List[GPT], stage: int, pp_ranks: List[int], num_microbatches: int,
+                 run_chunk: Callable[[int, int, Optional[torch.Tensor]], torch.Tensor],
+                 hidden_shape: tuple, dtype: torch.dtype, device: torch.device) -> List[torch.Tensor]:
+    """Evaluation through the pipeline, one microbatch at a time, model chunk by model chunk
+    (blocking p2p in a chain: no schedule needed, no overlap wanted). `run_chunk(vchunk, mb,
+    hidden_or_None)` returns the chunk's output (the loss on the last chunk). Returns the
+    losses on the last stage, [] elsewhere."""
+    pp = len(pp_ranks)
+    total = pp * len(chunks)
+    losses = []
+    for mb in range(num_microbatches):
+        for k in range(total):
+            if k % pp != stage:
+                continue
+            hidden = None
+            if k > 0:
+                hidden = torch.empty(hidden_shape, dtype=dtype, device=device)
+                dist.recv(hidden, src=pp_ranks[(k - 1) % pp])
+            out = run_chunk(k // pp, mb, hidden)
+            if k < total - 1:
+                dist.send(out.contiguous(), dst=pp_ranks[(k + 1) % pp])
+            else:
+                losses.append(out)
+    return losses
+
+
+class PipelineRunner:
+    """Runs one optimizer step's microbatches through this stage's chunks with the pipeline
+    executor, and evaluation forward-only. `split(mb)` gives (tokens, targets, positions)."""
+
+    def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
+                 ledger: Any, ddp: Any, split: Callable, autocast: Any) -> None:
+        from mpoverlap.pipeline import PipelineExecutor, build_schedule, schedule_kind
+
+        self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
+        pp, vpp = state.grid.pp, len(chunks)
+        self.stage = state.coords.pp
+        m, p = cfg.model, cfg.parallel
+        seq = m.seq_length // state.grid.cp
+        if p.sequence_parallel and state.grid.tp > 1:
+            seq //= state.grid.tp
+        self.hidden_shape = (cfg.train.micro_batch_size, seq, m.hidden_size)
+        self.num_microbatches = num_microbatches
+        tables = build_schedule(schedule_kind(vpp), pp, vpp, num_microbatches)
+        self.inputs: List[tuple] = []
+        self.executor = PipelineExecutor(
+            tables[self.stage], stage=self.stage, pp_ranks=list(state.ranks("pp")), group=state.group("pp"),
+            overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=torch.float32,
+            device=state.device, forward_step=self._forward_step,
+            # A chunk's gradients are reduced over dp during its last backward of the step.
+            backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last))
+
+    def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
+        chunk = self.chunks[vchunk]
+        tokens, targets, positions = self.inputs[mb]
+        with self.autocast:
+            out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions)
+        if chunk.post_process:
+            return chunk.loss(out.float(), targets) / self.num_microbatches
+        return out.float()
+
+    def train_microbatches(self, micro: List[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of every microbatch; returns this stage's summed loss (the
+        global batch's mean on the last stage, 0 elsewhere)."""
+        self.inputs = [self.split(mb) for mb in micro]
+        losses = self.executor.run(len(micro))
+        total = torch.zeros((), device=self.state.device)
+        for loss in losses:
+            total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def eval_microbatches(self, micro: List[torch.Tensor]) -> torch.Tensor:
+        self.inputs = [self.split(mb) for mb in micro]
+        n = len(micro)
+
+        def run_chunk(vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
+            return self._forward_step(vchunk, mb, hidden) * self.num_microbatches / n
+
+        losses = forward_only(self.chunks, self.stage, list(self.state.ranks("pp")), n, run_chunk,
+                              self.hidden_shape, torch.float32, self.state.device)
+        total = torch.zeros((), device=self.state.device)
+        for loss in losses:
+            total += loss
+        return total
