@@ -169,14 +169,18 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 def test_checkpoint_reshards_across_layouts(tmp_path):
-    """Saved at tp2 x SP with ZeRO-1, resumed at tp1 x dp2 and at cp2: the same curve."""
+    """Saved at tp2 x SP with ZeRO-1 (resumed at dp2 and at cp2) and at pp2 (resumed at tp2):
+    the same curve."""
     common = ["train.lr_decay_steps=6", "checkpoint.interval=3"]
     train(tmp_path / "ref", *common, steps=6)
     ref = [r["loss"] for r in rows(tmp_path / "ref")]
-    for name, later in (("to_dp2", ["parallel.dp=2"]), ("to_cp2", ["parallel.cp=2"])):
+    saved_at = {"to_dp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.distributed_optimizer=true"],
+                "to_cp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.distributed_optimizer=true"],
+                "pp2_to_tp2": ["parallel.pp=2"]}
+    for name, later in (("to_dp2", ["parallel.dp=2"]), ("to_cp2", ["parallel.cp=2"]),
+                        ("pp2_to_tp2", ["parallel.tp=2"])):
         run = tmp_path / name
-        train(run, *common, "parallel.tp=2", "parallel.sequence_parallel=true",
-              "train.distributed_optimizer=true", steps=3)
+        train(run, *common, *saved_at[name], steps=3)
         proc = train(run, *common, *later, steps=6)
         assert "resumed from" in proc.stdout
         assert_close([r["loss"] for r in rows(run)], ref)
