@@ -40,7 +40,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List
 
-from bench.common import adamw_groups, free_port, machine_busy_s, machine_irq_s, stats
+from bench.common import adamw_groups, foreign_cores as _foreign_cores, free_port, lo_tx_bytes as _lo_tx_bytes, \
+    machine_busy_s, machine_irq_s, stats
 
 VARIANTS = {
     "mpo_overlap": ["overlap.dp=true", "train.distributed_optimizer=false"],
@@ -281,21 +282,6 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             Path(args.json_tmp).write_text(json.dumps(res, indent=2))
     finally:
         dist.destroy_process_group()
-
-
-def _lo_tx_bytes() -> float:
-    """Bytes sent on this network namespace's loopback so far (both ranks' traffic), or nan."""
-    try:
-        return float(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
-    except (OSError, ValueError):
-        return float("nan")
-
-
-def _foreign_cores(both: List[tuple]) -> float:
-    """Cores that processes other than our two ranks used during a block: machine busy time
-    (rank 0's reading) minus both ranks' CPU time, over rank 0's wall time."""
-    (busy, own0, wall), (_, own1, _) = both
-    return max(0.0, busy - own0 - own1) / max(wall, 1e-9)
 
 
 def _variant_summary(name: str, blocks0: List[dict], blocks1: List[dict], per_rank, args_block: int) -> Dict[str, Any]:

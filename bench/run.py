@@ -8,6 +8,10 @@ Writes bench/results/<timestamp>/results.json and results.md and prints the tabl
 
     python -m bench.run [--overhead-repeats 8] [--dp-repeats 6] [--block 5] [--rate 2gbit]
                         [--skip-overhead] [--skip-dp] [--no-netns]
+                        [--modes tp,cp,pp,bubble] [--modes-repeats 5] [--modes-block 4] [--modes-budget 150]
+
+--modes runs bench/modes.py (TP/CP/PP overlap against DTensor and torch.distributed.pipelining,
+and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
 """
 from __future__ import annotations
 
@@ -104,6 +108,30 @@ def run_dp(args, out: Path) -> Dict[str, Any]:
     proc = _run(bench + ["--link", f"loopback, NOT rate-limited ({note})"])
     if proc.returncode != 0:
         raise SystemExit(f"bench.dp_overlap failed with exit status {proc.returncode}")
+    return json.loads(path.read_text())
+
+
+def run_modes(args, out: Path, scenario: str) -> Dict[str, Any]:
+    """bench.modes for one scenario, inside bench/netns.sh when possible (as run_dp)."""
+    path = out / f"modes_{scenario}.json"
+    bench = [sys.executable, "-m", "bench.modes", "--scenario", scenario, "--json", str(path),
+             "--block", str(args.modes_block), "--repeats", str(args.modes_repeats), "--warmup", str(args.warmup),
+             "--time-budget", str(args.modes_budget), "--min-quiet", str(args.min_quiet),
+             "--quiet-cores", str(args.quiet_cores)]
+    if not args.no_netns:
+        proc = _run(["bash", str(ROOT / "bench" / "netns.sh")] + bench, env=dict(os.environ, RATE=args.rate))
+        if proc.returncode == 0:
+            return json.loads(path.read_text())
+        if proc.returncode != NETNS_UNAVAILABLE:
+            raise SystemExit(f"bench.modes --scenario {scenario} (in bench/netns.sh) failed with exit status "
+                             f"{proc.returncode}")
+        note = "bench/netns.sh could not create the rate-limited namespace: ran on the bare loopback instead"
+    else:
+        note = "--no-netns: ran on the bare loopback"
+    print(f"NOTE: {note}; the overlap figures below do NOT show a rate-limited link.", flush=True)
+    proc = _run(bench + ["--link", f"loopback, NOT rate-limited ({note})"])
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.modes --scenario {scenario} failed with exit status {proc.returncode}")
     return json.loads(path.read_text())
 
 
@@ -231,6 +259,84 @@ def render(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+MODE_LABELS = {"mpo_tp_overlap": "mpoverlap overlap.tp=true (collective matmul)",
+               "mpo_tp_off": "mpoverlap overlap.tp=false", "dtensor_tp": "torch DTensor Colwise/Rowwise",
+               "mpo_cp_overlap": "mpoverlap overlap.cp=true", "mpo_cp_off": "mpoverlap overlap.cp=false",
+               "mpo_pp_overlap": "mpoverlap overlap.pp=true", "mpo_pp_off": "mpoverlap overlap.pp=false",
+               "torch_interleaved_1f1b": "torch ScheduleInterleaved1F1B"}
+MODE_PEER = {"tp": "dtensor_tp", "pp": "torch_interleaved_1f1b"}
+MODE_TITLE = {"tp": "TP + SP, tp=2", "cp": "CP ring attention, cp=2", "pp": "PP interleaved 1F1B, pp=2 vpp=2",
+              "bubble": "Pipeline bubble, pp=2, overlap.pp=true"}
+
+
+def render_modes(results: Dict[str, Any]) -> str:
+    lines: List[str] = []
+    for scenario, res in results.get("modes", {}).items():
+        s = res["setup"]
+        names = list(res["variants"])
+        v, quiet = _pick(res["variants"], res.get("variants_quiet"), names, lambda r: r["blocks"])
+        lines += [f"## {MODE_TITLE.get(scenario, scenario)}", "", f"Link: {res['link']}.",
+                  f"Overrides: `{' '.join(res['base_overrides'])}`; model hidden {s['hidden']}, ffn {s['ffn']}, "
+                  f"seq {s['seq']}, {s['layers']} layers, {s['heads']} heads, micro batch {s['micro_batch']}; "
+                  f"blocks of {s['block']} steps (first {s['block_warmup']} discarded), step time = slowest rank. "
+                  + ("Quiet blocks used: " + ", ".join(f"{n} {v[n]['blocks']}/{res['variants'][n]['blocks']}"
+                                                       for n in names) + "."
+                     if quiet else f"WARNING: too few quiet blocks (other processes used > "
+                     f"{res['quiet_threshold_cores']} cores); all blocks used, expect noise."), ""]
+        if scenario == "bubble":
+            lines += ["| vpp | microbatches m | step (ms) | stage | busy (ms) | pipeline window (ms) | idle fraction | "
+                      "idle / busy | theory (p-1)/(m v) | theory idle fraction (p-1)/(m v + p-1) |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for name in names:
+                vpp, m = (int(x[1:] if x.startswith("m") else x[3:]) for x in name.split("_"))
+                for b in v[name].get("bubble", []):
+                    th = (2 - 1) / (m * vpp)
+                    idle = b["idle_fraction"]
+                    lines.append(f"| {vpp} | {m} | {_ms(v[name]['step']['median_s'])} | {b['stage']} | "
+                                 f"{b['busy_ms']:.1f} | {b['window_ms']:.1f} | {idle * 100:.0f}% | "
+                                 f"{idle / max(1 - idle, 1e-9):.2f} | {th:.2f} | {th / (1 + th) * 100:.0f}% |")
+            lines.append("")
+            continue
+        mode = {"tp": "tp", "cp": "cp", "pp": "pp"}[scenario]
+        peer = MODE_PEER.get(scenario)
+        ref = v.get(peer, {}).get("step", {}).get("median_s") if peer else None
+        lines += [f"| variant | median step (ms) | IQR (ms) | vs {MODE_LABELS.get(peer, '-') if peer else 'overlap off'} "
+                  f"| CPU ms/step (2 ranks) | wire MiB/step | {mode} ops/step | {mode} in flight (ms/step/rank) | "
+                  f"exposed (ms/step/rank) | exposed share |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        off = v.get(f"mpo_{mode}_off", {}).get("step", {}).get("median_s")
+        for name in names:
+            st = v[name]["step"]
+            base = ref or off
+            c = v[name]["comm"].get(mode)
+            comm = (f"{c['ops_per_step']:.0f} | {c['in_flight_ms']:.1f} | {c['exposed_ms']:.1f} | "
+                    f"{c['exposed_share'] * 100:.0f}%") if c else "- | - | - | -"
+            lines.append(f"| {MODE_LABELS.get(name, name)} | {_ms(st['median_s'])} | {_ms(st['q1_s'])}-{_ms(st['q3_s'])} | "
+                         f"{st['median_s'] / base:.3f} | {v[name]['cpu_ms_per_step']:.0f} | "
+                         f"{v[name]['wire_mib_per_step']:.2f} | {comm} |")
+        lines.append("")
+        fl = res.get("first_loss", {})
+        if fl:
+            lines += ["First-step loss (rank 0, rank 1): " + "; ".join(f"{k} {a:.6f}, {b:.6f}" for k, (a, b) in fl.items())
+                      + ".", ""]
+        bub = [(n, v[n]["bubble"]) for n in names if v[n].get("bubble")]
+        if bub:
+            lines += ["Idle fraction of the pipeline window per stage (stage 0, stage 1): " + "; ".join(
+                f"{n} " + ", ".join(f"{b['idle_fraction'] * 100:.0f}%" for b in bs) for n, bs in bub) + ".", ""]
+        on, offv = v.get(f"mpo_{mode}_overlap"), v.get(f"mpo_{mode}_off")
+        goals = []
+        if on and offv and offv["comm"].get(mode):
+            hidden = 1 - on["comm"][mode]["exposed_ms"] / max(offv["comm"][mode]["exposed_ms"], 1e-9)
+            goals.append(f"exposed {mode} time cut by {hidden * 100:.0f}% vs overlap off "
+                         f"({offv['comm'][mode]['exposed_ms']:.1f} -> {on['comm'][mode]['exposed_ms']:.1f} ms); "
+                         f"step overlap/off {on['step']['median_s'] / offv['step']['median_s']:.3f}")
+        if ref and on:
+            goals.append(f"overlap / {MODE_LABELS[peer]} = {on['step']['median_s'] / ref:.3f} "
+                         f"(goal < 1: {'met' if on['step']['median_s'] < ref else 'NOT met'})")
+        if goals:
+            lines += ["Reading: " + "; ".join(goals) + ".", ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block", type=int, default=5, help="steps per block, both benchmarks (default 5)")
@@ -250,6 +356,11 @@ def main() -> None:
     p.add_argument("--no-netns", action="store_true", help="run the DP benchmark on the bare loopback")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-dp", action="store_true")
+    p.add_argument("--modes", default="",
+                   help="comma-separated bench.modes scenarios to run: tp,cp,pp,bubble (default: none)")
+    p.add_argument("--modes-repeats", type=int, default=5, help="at least this many blocks per variant (default 5)")
+    p.add_argument("--modes-block", type=int, default=4, help="steps per block in bench.modes (default 4)")
+    p.add_argument("--modes-budget", type=float, default=150.0, help="seconds of measuring per scenario (default 150)")
     p.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
     args = p.parse_args()
 
@@ -263,12 +374,16 @@ def main() -> None:
         results["overhead"] = run_overhead(args, out)
     if not args.skip_dp:
         results["dp"] = run_dp(args, out)
+    for scenario in [x.strip() for x in args.modes.split(",") if x.strip()]:
+        results.setdefault("modes", {})[scenario] = run_modes(args, out, scenario)
     results["wall_s"] = time.perf_counter() - t0
     # Machine-wide busy time minus our subprocesses' (and this process's small share).
     results["others_cpu_s"] = max(0.0, (machine_busy_s() - busy0) - (own_children_cpu_s() - own0)
                                   - (time.process_time() - me0))
     (out / "results.json").write_text(json.dumps(results, indent=2))
     table = render(results)
+    if results.get("modes"):
+        table += "\n" + render_modes(results)
     (out / "results.md").write_text(table + "\n")
     print()
     print(table)

@@ -1,0 +1,465 @@
+"""TP, CP and PP overlap on 2 gloo ranks, against torch's own implementations, one run each.
+
+One scenario per spawn (each needs its own layout); inside it every variant is built once and
+stepped in rotating blocks in the same two processes (`bench.common.rotating_blocks`, the
+dp_overlap method: warmup, quiet-block filtering, slowest rank per step).
+
+  tp      parallel.tp=2 parallel.sequence_parallel=true, overlap.tp=true (collective matmul)
+          vs overlap.tp=false, vs torch DTensor: the same GPT built single-process with the
+          same seed, `parallelize_module` with ColwiseParallel on attn.qkv / mlp.gate_up and
+          RowwiseParallel on attn.proj / mlp.down (no SP; local heads), torch.optim.AdamW.
+  cp      parallel.cp=2 (ring attention), overlap.cp=true vs false, long sequence.
+  pp      parallel.pp=2 parallel.vpp=2, overlap.pp=true vs false, vs torch.distributed.pipelining
+          ScheduleInterleaved1F1B over the same 4 chunks (model.tie_embeddings=false on both).
+          The mpoverlap variants also record the bubble (below).
+  bubble  parallel.pp=2, vpp 1 and 2, several microbatch counts, overlap.pp=true: per stage
+          the idle fraction of the executor's run (time outside forward/backward compute).
+
+Bubble probe: the executor appends ("compute", i, t) to its trace right before action i's
+forward/backward (after waiting its input); wrapping `executor._compute` on the instance
+gives the end, so busy = sum(end - start) over the step's actions; wrapping `executor.run`
+gives the step's pipeline window. idle = 1 - busy / window. mpoverlap is not modified.
+
+Run it inside `bench/netns.sh` (see docs/benchmarks.md):
+
+    python -m bench.modes --scenario tp [--block 4] [--repeats 5] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from bench.common import adamw_groups, free_port, rotating_blocks, stats
+
+COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
+          "data.max_bytes=2000000", "overlap.dp=false"]
+
+
+def scenario_overrides(args) -> Dict[str, Any]:
+    """(base overrides, {variant: extra overrides or None for a peer}) of a scenario."""
+    s = args.scenario
+    if s == "tp":
+        base = ["parallel.tp=2", "parallel.sequence_parallel=true", f"model.hidden_size={args.hidden}",
+                f"model.ffn_hidden_size={args.ffn}", f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
+                f"model.num_attention_heads={args.heads}", f"train.micro_batch_size={args.micro_batch}",
+                f"train.global_batch_size={args.micro_batch * args.microbatches}"]
+        return {"base": base, "variants": {"mpo_tp_overlap": ["overlap.tp=true"], "mpo_tp_off": ["overlap.tp=false"],
+                                           "dtensor_tp": None}}
+    if s == "cp":
+        base = ["parallel.cp=2", f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
+                f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
+                f"model.num_attention_heads={args.heads}", f"train.micro_batch_size={args.micro_batch}",
+                f"train.global_batch_size={args.micro_batch * args.microbatches}"]
+        return {"base": base, "variants": {"mpo_cp_overlap": ["overlap.cp=true"], "mpo_cp_off": ["overlap.cp=false"]}}
+    if s == "pp":
+        base = ["parallel.pp=2", "parallel.vpp=2", "model.tie_embeddings=false", f"model.hidden_size={args.hidden}",
+                f"model.ffn_hidden_size={args.ffn}", f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
+                f"model.num_attention_heads={args.heads}", f"train.micro_batch_size={args.micro_batch}",
+                f"train.global_batch_size={args.micro_batch * args.microbatches}"]
+        return {"base": base, "variants": {"mpo_pp_overlap": ["overlap.pp=true"], "mpo_pp_off": ["overlap.pp=false"],
+                                           "torch_interleaved_1f1b": None}}
+    if s == "bubble":
+        base = ["parallel.pp=2", "model.tie_embeddings=false", "overlap.pp=true", f"model.hidden_size={args.hidden}",
+                f"model.ffn_hidden_size={args.ffn}", f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
+                f"model.num_attention_heads={args.heads}", f"train.micro_batch_size={args.micro_batch}"]
+        variants = {}
+        for vpp in (1, 2):
+            for m in args.bubble_microbatches:
+                variants[f"vpp{vpp}_m{m}"] = [f"parallel.vpp={vpp}", f"train.global_batch_size={args.micro_batch * m}"]
+        return {"base": base, "variants": variants}
+    raise SystemExit(f"unknown scenario {s!r}")
+
+
+# ---- sides -------------------------------------------------------------------------------------
+class MpoSide:
+    """A Trainer; per step the ledger's figures and, when pipelined, the bubble probe's."""
+
+    def __init__(self, trainer) -> None:
+        self.t = trainer
+        self.probe = BubbleProbe(trainer.pipeline.executor) if trainer.pipeline is not None else None
+
+    def train_step(self):
+        return self.t.train_step()
+
+    def settle(self) -> None:
+        self.t.optimizer.finish_param_sync()
+        self.t.ledger.reset()
+        if self.probe:
+            self.probe.take()
+
+    def collect(self, keep: bool) -> Dict[str, Any]:
+        out = {"comm": self.t.ledger.reset()}
+        if self.probe:
+            out["bubble"] = self.probe.take()
+        return out
+
+
+class BubbleProbe:
+    """Wraps one executor's `_compute` and `run` on the instance (see the module docstring)."""
+
+    def __init__(self, executor) -> None:
+        from mpoverlap.comm.handle import now
+
+        self.busy, self.window, self.n_compute = 0.0, 0.0, 0
+        compute, run = executor._compute, executor.run
+
+        def timed_compute(index, action, losses):
+            n = len(executor.trace)
+            compute(index, action, losses)
+            end = now()
+            starts = [t for ev, i, t in executor.trace[n:] if ev == "compute" and i == index]
+            if starts:
+                self.busy += end - starts[-1]
+                self.n_compute += 1
+
+        def timed_run(m):
+            t0 = now()
+            out = run(m)
+            self.window += now() - t0
+            return out
+
+        executor._compute = timed_compute
+        executor.run = timed_run
+
+    def take(self) -> Dict[str, float]:
+        out = {"busy_s": self.busy, "window_s": self.window, "actions": self.n_compute}
+        self.busy, self.window, self.n_compute = 0.0, 0.0, 0
+        return out
+
+
+def _clip_(sharded: List[Any], replicated: List[Any], max_norm: float, group=None) -> float:
+    """Global-norm clipping for a peer: grads of `sharded` parameters differ per rank (their
+    squares are summed over `group`), those of `replicated` are the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    def local(g):
+        return g.to_local() if hasattr(g, "to_local") else g
+
+    grads_s = [local(p.grad) for p in sharded if p.grad is not None]
+    grads_r = [local(p.grad) for p in replicated if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in grads_s:
+        sq += g.double().pow(2).sum()
+    dist.all_reduce(sq, group=group)
+    for g in grads_r:
+        sq += g.double().pow(2).sum()
+    norm = float(sq.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        torch._foreach_mul_(grads_s + grads_r, coef)
+    return norm
+
+
+class _Peer:
+    def settle(self) -> None:
+        pass
+
+    def collect(self, keep: bool) -> Dict[str, Any]:
+        return {}
+
+
+class DTensorTP(_Peer):
+    """The same GPT (single-process build, same seed) under DTensor tensor parallelism."""
+
+    def __init__(self, cfg, dataset) -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        from mpoverlap.models.gpt import GPT
+        from mpoverlap.training.lr import LRSchedule
+
+        t = cfg.train
+        self.cfg, self.dataset, self.step = cfg, dataset, 0
+        self.model = GPT(cfg.model, seed=t.seed)
+        mesh = init_device_mesh("cpu", (2,))
+        plan = {}
+        for i, block in self.model.layers.items():
+            # ColwiseParallel leaves each rank 3H/2 contiguous qkv rows: attention views local
+            # heads. Reordering the fused rows [q|k|v] -> [q0|k0|v0|q1|k1|v1] (and [gate|up] ->
+            # [gate0|up0|gate1|up1]) first makes each rank's contiguous shard its own heads' q, k,
+            # v (and its own F/2 of gate and up), matching the row-parallel shards of proj/down:
+            # the same function as mpoverlap's per-block split, at the same FLOPs and traffic.
+            block.attn.num_heads //= 2
+            with torch.no_grad():
+                for lin, blocks in ((block.attn.qkv, 3), (block.mlp.gate_up, 2)):
+                    w = lin.weight
+                    w.copy_(w.reshape(blocks, 2, w.shape[0] // (2 * blocks), w.shape[1]).transpose(0, 1)
+                            .reshape(w.shape))
+            plan.update({f"layers.{i}.attn.qkv": ColwiseParallel(), f"layers.{i}.mlp.gate_up": ColwiseParallel(),
+                         f"layers.{i}.attn.proj": RowwiseParallel(), f"layers.{i}.mlp.down": RowwiseParallel()})
+        parallelize_module(self.model, mesh, plan)
+        params = list(self.model.parameters())
+        self.sharded = [p for p in params if isinstance(p, DTensor)]
+        self.replicated = [p for p in params if not isinstance(p, DTensor)]
+        # foreach kernels cannot mix DTensor and Tensor lists: one param group per kind.
+        groups = []
+        for g in adamw_groups(self.model, t.weight_decay):
+            for kind in (True, False):
+                ps = [p for p in g["params"] if isinstance(p, DTensor) == kind]
+                if ps:
+                    groups.append({"params": ps, "weight_decay": g["weight_decay"]})
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                           foreach=True)
+        self.schedule = LRSchedule.from_config(t)
+
+    def train_step(self):
+        import torch
+
+        from mpoverlap.training.data import global_batch, rank_microbatches
+
+        t = self.cfg.train
+        lr = self.schedule(self.step)
+        micro = rank_microbatches(global_batch(self.dataset, self.step, t.global_batch_size, t.seed), 0, 1,
+                                  t.micro_batch_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for mb in micro:
+            loss = self.model.loss(self.model(mb[:, :-1]), mb[:, 1:]) / len(micro)
+            loss.backward()
+            loss_sum += loss.detach()
+        _clip_(self.sharded, self.replicated, t.grad_clip)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        return {"loss_local": loss_sum}
+
+
+class TorchInterleaved(_Peer):
+    """torch.distributed.pipelining ScheduleInterleaved1F1B over mpoverlap's 4 chunks."""
+
+    def __init__(self, cfg, dataset, rank: int, pp: int, vpp: int) -> None:
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+        from mpoverlap.models.init import padded_vocab_size
+        from mpoverlap.training.lr import LRSchedule
+        from mpoverlap.training.pipeline_glue import build_chunks
+
+        t, m = cfg.train, cfg.model
+        self.cfg, self.dataset, self.rank, self.step = cfg, dataset, rank, 0
+        self.chunks = build_chunks(m, pp, vpp, rank, t.seed)
+
+        class WithPositions(nn.Module):
+            def __init__(self, chunk):
+                super().__init__()
+                self.chunk = chunk
+                self.register_buffer("pos", torch.arange(m.seq_length), persistent=False)
+
+            def forward(self, x):
+                return self.chunk(x, position_ids=self.pos)
+
+        stages = [PipelineStage(WithPositions(c), stage_index=v * pp + rank, num_stages=pp * vpp,
+                                device=torch.device("cpu")) for v, c in enumerate(self.chunks)]
+        V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+
+        def loss_fn(logits, targets):  # unscaled mean: scale_grads=True (default) divides by m
+            return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1))
+
+        self.num_microbatches = t.global_batch_size // t.micro_batch_size
+        self.schedule_pp = ScheduleInterleaved1F1B(stages, n_microbatches=self.num_microbatches, loss_fn=loss_fn)
+        self.first = any(c.pre_process for c in self.chunks)
+        self.last = any(c.post_process for c in self.chunks)
+        params = [p for c in self.chunks for p in c.parameters()]
+        self.params = params
+        model_like = nn.ModuleList(self.chunks)
+        self.optimizer = torch.optim.AdamW(adamw_groups(model_like, t.weight_decay), lr=t.lr,
+                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=True)
+        self.schedule = LRSchedule.from_config(t)
+
+    def train_step(self):
+        import torch
+
+        from mpoverlap.training.data import global_batch
+
+        t = self.cfg.train
+        lr = self.schedule(self.step)
+        batch = global_batch(self.dataset, self.step, t.global_batch_size, t.seed)
+        self.optimizer.zero_grad(set_to_none=True)
+        kwargs: Dict[str, Any] = {}
+        if self.last:
+            losses: List[Any] = []
+            kwargs = {"target": batch[:, 1:], "losses": losses}
+        if self.first:
+            self.schedule_pp.step(batch[:, :-1], **kwargs)
+        else:
+            self.schedule_pp.step(**kwargs)
+        loss = torch.stack(kwargs["losses"]).mean().detach() if self.last else torch.zeros(())
+        # Every stage's gradients differ: the squares sum over the pipeline.
+        _clip_(self.params, [], t.grad_clip)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        return {"loss_local": loss}
+
+
+# ---- worker ------------------------------------------------------------------------------------
+def _worker(rank: int, port: int, args, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    from mpoverlap.config import compose
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    try:
+        spec = scenario_overrides(args)
+        sides: Dict[str, Any] = {}
+        state, any_cfg, any_trainer = None, None, None
+        for name, extra in spec["variants"].items():
+            if extra is None:
+                continue
+            cfg = compose(COMMON + spec["base"] + extra + [f"run.dir={tmp}/{name}"])
+            if state is None:
+                state = init_distributed(cfg)
+            (Path(tmp) / name).mkdir(parents=True, exist_ok=True)
+            trainer = Trainer(cfg, state, Path(tmp) / name)
+            sides[name] = MpoSide(trainer)
+            any_cfg, any_trainer = cfg, trainer
+        for name, extra in spec["variants"].items():
+            if extra is not None:
+                continue
+            if name == "dtensor_tp":
+                sides[name] = DTensorTP(any_cfg, any_trainer.train_data)
+            elif name == "torch_interleaved_1f1b":
+                sides[name] = TorchInterleaved(any_cfg, any_trainer.train_data, rank, 2, int(any_cfg.parallel.vpp))
+        sides = {k: sides[k] for k in spec["variants"]}
+        losses0 = {}
+        for name, side in sides.items():  # first-step losses, for a same-model check
+            losses0[name] = float(side.train_step()["loss_local"])
+            side.collect(False)
+            side.settle()
+        blocks = rotating_blocks(sides, args, log_prefix=f"modes[{args.scenario}]")
+        gathered: List[Any] = [None, None]
+        dist.all_gather_object(gathered, {"blocks": blocks, "first_loss": losses0})
+        if rank == 0:
+            res = summarize(gathered, list(sides), args)
+            res["base_overrides"] = COMMON + spec["base"]
+            res["variant_overrides"] = spec["variants"]
+            Path(args.json_tmp).write_text(json.dumps(res, indent=2))
+    finally:
+        dist.destroy_process_group()
+
+
+def _summary(b0: List[dict], b1: List[dict], block: int) -> Dict[str, Any]:
+    step = [max(a, b) for x, y in zip(b0, b1) for a, b in zip(x["times"], y["times"])]
+    row: Dict[str, Any] = {"blocks": len(b0), "step": stats(step),
+                           "wire_mib_per_step": stats([b["wire_bytes_per_step"] / 2**20 for b in b0])["median_s"],
+                           "cpu_ms_per_step": stats([(x["own_cpu_s"] + y["own_cpu_s"]) * 1e3 / block
+                                                     for x, y in zip(b0, b1)])["median_s"]}
+    comm: Dict[str, Dict[str, float]] = {}
+    for rank_blocks in (b0, b1):
+        for b in rank_blocks:
+            for e in b["extras"]:
+                for mode, c in e.get("comm", {}).items():
+                    acc = comm.setdefault(mode, {"ops": 0.0, "bytes": 0.0, "time_s": 0.0, "exposed_s": 0.0, "n": 0})
+                    for k in ("ops", "bytes", "time_s", "exposed_s"):
+                        acc[k] += c[k]
+                    acc["n"] += 1
+    row["comm"] = {mode: {"ops_per_step": a["ops"] / a["n"], "mib_per_step": a["bytes"] / a["n"] / 2**20,
+                          "in_flight_ms": a["time_s"] / a["n"] * 1e3, "exposed_ms": a["exposed_s"] / a["n"] * 1e3,
+                          "exposed_share": a["exposed_s"] / a["time_s"] if a["time_s"] > 0 else 0.0}
+                   for mode, a in comm.items()}
+    bub = []
+    for stage, rank_blocks in enumerate((b0, b1)):
+        xs = [e["bubble"] for b in rank_blocks for e in b["extras"] if "bubble" in e]
+        if xs:
+            idle = [1 - x["busy_s"] / x["window_s"] for x in xs if x["window_s"] > 0]
+            bub.append({"stage": stage, "idle_fraction": stats(idle)["median_s"],
+                        "busy_ms": stats([x["busy_s"] * 1e3 for x in xs])["median_s"],
+                        "window_ms": stats([x["window_s"] * 1e3 for x in xs])["median_s"]})
+    if bub:
+        row["bubble"] = bub
+    return row
+
+
+def summarize(per_rank: List[Dict[str, Any]], order: List[str], args) -> Dict[str, Any]:
+    b0, b1 = per_rank[0]["blocks"], per_rank[1]["blocks"]
+    out: Dict[str, Any] = {"variants": {}, "variants_quiet": {}, "quiet_threshold_cores": args.quiet_cores,
+                           "block_foreign_cores": [round(x["foreign_cores"], 3) for x in b0],
+                           "first_loss": {k: [per_rank[0]["first_loss"][k], per_rank[1]["first_loss"][k]]
+                                          for k in order}}
+    for name in order:
+        idx = [i for i, x in enumerate(b0) if x["name"] == name]
+        quiet = [i for i in idx if b0[i]["foreign_cores"] <= args.quiet_cores]
+        out["variants"][name] = _summary([b0[i] for i in idx], [b1[i] for i in idx], args.block)
+        if quiet:
+            out["variants_quiet"][name] = _summary([b0[i] for i in quiet], [b1[i] for i in quiet], args.block)
+    return out
+
+
+DEFAULTS = {  # scenario: hidden, ffn, seq, layers, heads, micro batch, microbatches
+    "tp": dict(hidden=256, ffn=1024, seq=256, layers=4, heads=8, micro_batch=4, microbatches=1),
+    "cp": dict(hidden=128, ffn=512, seq=2048, layers=2, heads=4, micro_batch=1, microbatches=1),
+    "pp": dict(hidden=128, ffn=512, seq=128, layers=8, heads=4, micro_batch=2, microbatches=8),
+    "bubble": dict(hidden=128, ffn=512, seq=128, layers=8, heads=4, micro_batch=2, microbatches=0),
+}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=list(DEFAULTS), default="tp")
+    p.add_argument("--block", type=int, default=4, help="steps per block (default 4)")
+    p.add_argument("--repeats", type=int, default=5, help="at least this many blocks per variant (default 5)")
+    p.add_argument("--max-repeats", type=int, default=20)
+    p.add_argument("--min-quiet", type=int, default=4)
+    p.add_argument("--time-budget", type=float, default=150.0, help="seconds of measuring at most (default 150)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--block-warmup", type=int, default=1)
+    p.add_argument("--quiet-cores", type=float, default=0.1)
+    for k in ("hidden", "ffn", "seq", "layers", "heads", "micro_batch", "microbatches"):
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help="scenario default: see DEFAULTS")
+    p.add_argument("--bubble-microbatches", default="2,4,8", help="bubble scenario: microbatch counts (default 2,4,8)")
+
+
+def run(args) -> Dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    for k, v in DEFAULTS[args.scenario].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if isinstance(args.bubble_microbatches, str):
+        args.bubble_microbatches = [int(x) for x in args.bubble_microbatches.split(",") if x.strip()]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory(prefix=f"mpo-bench-{args.scenario}-") as tmp:
+        args.json_tmp = str(Path(tmp) / "result.json")
+        t0 = time.perf_counter()
+        mp.start_processes(_worker, args=(free_port(), args, tmp), nprocs=2, start_method="spawn", join=True)
+        res = json.loads(Path(args.json_tmp).read_text())
+    res.update(benchmark="modes", scenario=args.scenario, link=args.link, wall_s=time.perf_counter() - t0,
+               setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", "hidden", "ffn", "seq",
+                                                   "layers", "heads", "micro_batch", "microbatches",
+                                                   "bubble_microbatches")})
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--link", default=os.environ.get("MPO_BENCH_LINK", "loopback, not rate-limited"))
+    args = p.parse_args()
+    res = run(args)
+    text = json.dumps(res, indent=2)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
