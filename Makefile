@@ -3,8 +3,8 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.mpoverlap-installed
 TORCH   ?= torch==2.13.0
-# The main job: a real multi-process run (dp=2, DP overlap on, distributed optimizer).
-RUN_ARGS ?= parallel.dp=2 overlap.dp=true train.distributed_optimizer=true overlap.dp_bucket_mb=0.5 train.steps=200 train.log_interval=10 train.eval_interval=100 checkpoint.interval=100
+# The main job: 8 ranks (dp2 x tp2 x pp2, sequence parallel) with DP, TP and PP overlap on.
+RUN_ARGS ?= parallel.dp=2 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true overlap.dp_bucket_mb=0.5 train.steps=200 train.log_interval=20 train.eval_interval=100 checkpoint.interval=100
 BENCH_ARGS ?=
 
 .PHONY: setup run test bench clean
