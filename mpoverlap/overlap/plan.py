@@ -8,7 +8,7 @@ from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.rules import Problem
 from mpoverlap.parallel.grid import RankGrid
 
-_SHOWN_GROUPS = ("tp", "cp", "dp", "pp", "ep", "edp")
+_PLAN_KINDS = ("tp", "cp", "dp", "pp", "ep", "edp")
 
 
 def _abbrev(groups: List[List[int]], limit: int = 4) -> str:
@@ -44,7 +44,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
     grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
     lines.append("  rank groups:")
-    for kind in _SHOWN_GROUPS:
+    for kind in _PLAN_KINDS:
         lines.append(f"    {kind:<4} {_abbrev(grid.groups(kind))}")
     return "\n".join(lines)
 

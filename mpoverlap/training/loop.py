@@ -335,7 +335,10 @@ class Trainer:
                     progress.log(f"step {self.step}: validation loss {val:.4f}")
                 if cfg.checkpoint.interval and (self.step % cfg.checkpoint.interval == 0 or self.step == t.steps):
                     self.save()
-                if preemption.agreed(self.state.device):
+                # Agreeing costs a tiny collective and a host sync: only at log steps (SLURM's
+                # --signal=TERM@120 leaves ample time), and at the last step.
+                at_log = self.step % t.log_interval == 0 or self.step == t.steps
+                if at_log and preemption.agreed(self.state.device):
                     if not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
                         self.save()
                     self.log(f"SIGTERM: saved a checkpoint at step {self.step} and stopped; rerun the same "
