@@ -1,0 +1,13 @@
+"""Mixture of experts: router, permutation, experts, token dispatchers, the overlapped layer.
+
+Math (router, permute, experts) and communication (dispatcher) live in separate modules; the
+layer composes them. Nothing here reads global state: groups, ledgers and switches are passed.
+"""
+from mpoverlap.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from mpoverlap.moe.experts import Experts
+from mpoverlap.moe.layer import MoELayer, build_moe_layer
+from mpoverlap.moe.permute import permute, unpermute
+from mpoverlap.moe.router import RouterOutput, TopKRouter
+
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "Experts", "MoELayer", "build_moe_layer",
+           "permute", "unpermute", "RouterOutput", "TopKRouter"]

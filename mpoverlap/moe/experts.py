@@ -1,0 +1,73 @@
+"""Per-expert MLPs (SwiGLU or GeLU) for this rank's local experts.
+
+Each local expert l holds global expert g = first_expert_index + l and is initialised from
+its global name, so placement over ep never changes a weight:
+    swiglu: f"{name_prefix}.experts.{g}.gate_up.weight" [2F, H], ".down.weight" [H, F]
+    gelu:   f"{name_prefix}.experts.{g}.up.weight"      [F, H],  ".down.weight" [H, F]
+forward(x [N, H] grouped by local expert, counts [L]) -> [N, H] in the same order.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mpoverlap.models.init import init_tensor
+
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int, *, global_index: int, name_prefix: str, cfg, seed: int,
+                 activation: str) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}; one of {ACTIVATIONS}")
+        self.global_index, self.activation = global_index, activation
+        base = f"{name_prefix}.experts.{global_index}"
+        first = "gate_up" if activation == "swiglu" else "up"
+        width = 2 * ffn if activation == "swiglu" else ffn
+        self.name_in = f"{base}.{first}.weight"
+        self.name_out = f"{base}.down.weight"
+        self.w_in = nn.Parameter(init_tensor(self.name_in, (width, hidden), cfg, seed))
+        self.w_out = nn.Parameter(init_tensor(self.name_out, (hidden, ffn), cfg, seed))
+
+    def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
+        h = x_NH @ self.w_in.t()
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return h @ self.w_out.t()
+
+
+class Experts(nn.Module):
+    def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, first_expert_index: int,
+                 name_prefix: str, cfg, seed: int, activation: str = "swiglu") -> None:
+        super().__init__()
+        self.first_expert_index = first_expert_index
+        self.local = nn.ModuleList(
+            ExpertMLP(hidden, ffn, global_index=first_expert_index + l, name_prefix=name_prefix,
+                      cfg=cfg, seed=seed, activation=activation)
+            for l in range(num_local_experts))
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.local)
+
+    def global_names(self):
+        """{global parameter name: parameter} of the local experts (for checkpoints/buckets)."""
+        out = {}
+        for mlp in self.local:
+            out[mlp.name_in], out[mlp.name_out] = mlp.w_in, mlp.w_out
+        return out
+
+    def forward(self, x_NH: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        counts = [int(c) for c in counts]
+        if len(counts) != len(self.local) or sum(counts) != x_NH.shape[0]:
+            raise ValueError(f"counts {counts} do not match {len(self.local)} experts / {x_NH.shape[0]} rows")
+        outs = [mlp(part) for mlp, part in zip(self.local, torch.split(x_NH, counts, dim=0))]
+        return torch.cat(outs, dim=0) if outs else x_NH

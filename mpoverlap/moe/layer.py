@@ -1,0 +1,120 @@
+"""MoELayer: router -> chunked dispatch -> experts -> combine, with EP overlap.
+
+forward(x [..., H]) -> (y [..., H], RouterOutput). The router runs once over all T tokens of
+the microbatch (so its losses do not depend on chunking); tokens are then split into
+`num_chunks` contiguous chunks, each dispatched, computed and combined on its own.
+
+overlap=True (forward), with D = dispatch exchange, E = expert compute, C = combine exchange:
+    issue D0; shared expert (while D0 is in flight);
+    for i: issue D(i+1); wait D(i); E(i); issue C(i)   (C(i) is in flight while E(i+1) runs)
+    wait C(0..n-1).
+  The token-count all_to_all inside each dispatch is waited at once (it sizes the token
+  exchange). The collective issue order (D0, D1, C0, D2, C1, ...) is the same on every rank.
+overlap=False: the same chunks and ops, each exchange waited right after it is issued; the
+  math and its summation order are identical, so outputs and gradients are bitwise equal.
+
+Backward (honest): the reverse exchanges are autograd Functions that wait at once, so the
+backward is correct but does NOT overlap EP communication with expert compute; the chunking
+only bounds the size of each blocking exchange. Overlap in backward is future work.
+
+`trace` (a list, optional) receives (event, chunk) tuples in program order: "dispatch_issued",
+"dispatch_waited", "compute", "combine_issued", "combine_waited", and ("shared", -1).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+from mpoverlap.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from mpoverlap.moe.experts import Experts
+from mpoverlap.moe.router import TopKRouter
+
+
+class MoELayer(nn.Module):
+    def __init__(self, router: TopKRouter, experts: Experts, dispatcher, *, overlap: bool,
+                 num_chunks: int = 2, shared_expert: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        if num_chunks < 1:
+            raise ValueError(f"num_chunks={num_chunks} must be >= 1")
+        if experts.num_local_experts != dispatcher.num_local or \
+                experts.first_expert_index != dispatcher.first_expert:
+            raise ValueError("experts and dispatcher disagree on this rank's expert range")
+        self.router, self.experts, self.shared_expert = router, experts, shared_expert
+        self.dispatcher, self.overlap, self.num_chunks = dispatcher, overlap, num_chunks
+
+    def forward(self, x: torch.Tensor, trace: Optional[List] = None):
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        r = self.router(xf)
+        T = xf.shape[0]
+        n = max(1, min(self.num_chunks, T))
+        bounds = [int(b) for b in torch.linspace(0, T, n + 1).round().long()] if T else [0, 0]
+        parts = [(xf[a:b], r.expert_ids[a:b], r.weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+        log = trace.append if trace is not None else (lambda _e: None)
+        d = self.dispatcher
+
+        def issue(i):
+            pending = d.dispatch_start(*parts[i])
+            log(("dispatch_issued", i))
+            return pending
+
+        def compute(i, pending):
+            tokens, counts, ctx = d.dispatch_finish(pending)
+            log(("dispatch_waited", i))
+            out = self.experts(tokens, counts.tolist())
+            log(("compute", i))
+            combine = d.combine_start(out, ctx)
+            log(("combine_issued", i))
+            return combine
+
+        def finish(i, combine):
+            y = d.combine_finish(combine)
+            log(("combine_waited", i))
+            return y
+
+        shared = None
+        ys = []
+        if self.overlap:
+            pending = [issue(0)]
+            if self.shared_expert is not None:
+                shared = self.shared_expert(xf)
+                log(("shared", -1))
+            combines = []
+            for i in range(len(parts)):
+                if i + 1 < len(parts):
+                    pending.append(issue(i + 1))
+                combines.append(compute(i, pending[i]))
+            ys = [finish(i, c) for i, c in enumerate(combines)]
+        else:
+            if self.shared_expert is not None:
+                shared = self.shared_expert(xf)
+                log(("shared", -1))
+            for i in range(len(parts)):
+                ys.append(finish(i, compute(i, issue(i))))
+        y = torch.cat(ys, dim=0)
+        if shared is not None:
+            y = y + shared
+        return y.view(shape), r
+
+
+def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name: str, cfg, seed: int,
+                    ep_group, ep_size: int, ep_rank: int, overlap: bool, num_chunks: int = 2,
+                    dispatcher: str = "alltoall", ledger=None, activation: str = "swiglu",
+                    aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+                    capacity_factor: Optional[float] = None,
+                    shared_expert: Optional[nn.Module] = None) -> MoELayer:
+    """Router f"{name}.router.weight", experts f"{name}.experts.{g}.*", this rank's experts
+    [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+    kinds = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+    if dispatcher not in kinds:
+        raise ValueError(f"dispatcher {dispatcher!r}; one of {sorted(kinds)}")
+    disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger)
+    router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
+                        aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
+                        capacity_factor=capacity_factor)
+    experts = Experts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
+                      name_prefix=name, cfg=cfg, seed=seed, activation=activation)
+    return MoELayer(router, experts, disp, overlap=overlap, num_chunks=num_chunks,
+                    shared_expert=shared_expert)

@@ -1,0 +1,260 @@
+"""MoE: router, permutation, experts, dispatchers and the overlapped layer.
+
+Single-process checks against direct computations, then one spawn of 4 gloo ranks that runs
+every distributed check (grids dp=4 with ep=2 and ep=4) against the ep=1 reference."""
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mpoverlap.models.init import init_tensor
+from mpoverlap.moe import build_moe_layer, permute, unpermute
+from mpoverlap.moe.router import TopKRouter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import run_distributed  # noqa: E402
+
+CFG = SimpleNamespace(init_std=0.5, num_layers=2)
+H, F, E, K, SEED = 8, 12, 8, 2, 3
+
+
+def rel_err(got, want):
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)) if want.numel() else 0.0
+
+
+def tokens(seed, shape=(2, 6, H)):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Shared(nn.Module):
+    """A dense MLP used as the shared expert; layout-independent init."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(init_tensor("l0.moe.shared.weight", (H, H), CFG, SEED))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w.t())
+
+
+def layer(ep_group=None, ep_size=1, ep_rank=0, overlap=False, shared=False, **kw):
+    kw.setdefault("aux_loss_coeff", 0.01)
+    kw.setdefault("z_loss_coeff", 0.001)
+    return build_moe_layer(H, F, E, K, name="l0.moe", cfg=CFG, seed=SEED, ep_group=ep_group,
+                           ep_size=ep_size, ep_rank=ep_rank, overlap=overlap,
+                           shared_expert=Shared() if shared else None, **kw)
+
+
+# ---------------------------------------------------------------- single process
+
+def test_router_matches_direct_computation():
+    router = TopKRouter(H, E, K, name="r", cfg=CFG, seed=1, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    x = tokens(0, (10, H))
+    out = router(x)
+    logits = x @ router.weight.detach().t()
+    probs = torch.softmax(logits, -1)
+    counts = torch.zeros(E)
+    for t in range(10):
+        order = sorted(range(E), key=lambda e: -float(probs[t, e]))[:K]
+        assert out.expert_ids[t].tolist() == order
+        want = probs[t, order] / probs[t, order].sum()
+        assert torch.allclose(out.weights[t], want, atol=1e-6)
+        for e in order:
+            counts[e] += 1
+    aux = E * sum(counts[e] / (10 * K) * probs[:, e].mean() for e in range(E))
+    z = (torch.logsumexp(logits, -1) ** 2).mean()
+    assert torch.allclose(out.aux_loss, 0.1 * aux, rtol=1e-5)
+    assert torch.allclose(out.z_loss, 0.01 * z, rtol=1e-5)
+    assert out.stats["tokens_per_expert"].tolist() == counts.long().tolist()
+    assert int(out.stats["dropped"]) == 0
+    (out.aux_loss + out.z_loss + out.weights.sum()).backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_capacity_drops_are_counted():
+    router = TopKRouter(H, 4, 1, name="r", cfg=CFG, seed=1, capacity_factor=1.0)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[0, 0] = 10.0  # every token with x[:, 0] > 0 prefers expert 0
+    x = torch.ones(8, H)
+    out = router(x)  # capacity = ceil(1.0 * 8 * 1 / 4) = 2
+    assert out.expert_ids[:, 0].tolist() == [0, 0] + [-1] * 6
+    assert out.weights[:, 0].tolist() == [1.0, 1.0] + [0.0] * 6
+    assert int(out.stats["dropped"]) == 6
+    assert out.stats["tokens_per_expert"].tolist() == [2, 0, 0, 0]
+
+
+def test_permute_unpermute_exact_round_trip():
+    x = tokens(1, (9, H))
+    ids = torch.randint(0, E, (9, K), generator=torch.Generator().manual_seed(2))
+    ids[3, 1] = -1  # a dropped slot
+    xp, order, counts = permute(x, ids, E)
+    assert counts.sum() == 9 * K - 1 and counts.tolist() == torch.bincount(ids[ids >= 0], minlength=E).tolist()
+    flat = ids.reshape(-1)[order]
+    assert torch.all(flat[1:] >= flat[:-1])  # grouped by expert
+    for e in range(E):  # stable: token order within an expert
+        assert torch.all(order[flat == e].diff() > 0)
+    slots = unpermute(xp, order, 9, K)
+    want = x.unsqueeze(1).expand(9, K, H).clone()
+    want[3, 1] = 0
+    assert torch.equal(slots, want)
+    assert torch.equal(unpermute(xp, order, 9, K, torch.ones(9, K)), want.sum(1))
+
+
+def dense_reference(moe, x):
+    """Loop over tokens and their experts: y_t = sum_j w_tj * expert_{e_tj}(x_t) (+ shared)."""
+    xf = x.reshape(-1, H)
+    r = moe.router(xf)
+    experts = {m.global_index: m for m in moe.experts.local}
+    rows = []
+    for t in range(xf.shape[0]):
+        y = xf.new_zeros(H)
+        for j in range(r.expert_ids.shape[1]):
+            e = int(r.expert_ids[t, j])
+            if e >= 0:
+                y = y + r.weights[t, j] * experts[e](xf[t:t + 1])[0]
+        rows.append(y)
+    y = torch.stack(rows)
+    if moe.shared_expert is not None:
+        y = y + moe.shared_expert(xf)
+    return y.view(x.shape)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(overlap=True, num_chunks=3, shared=True),
+                                dict(activation="gelu", capacity_factor=0.75),
+                                dict(dispatcher="allgather", overlap=True, shared=True)])
+def test_layer_ep1_matches_dense_reference(kw):
+    moe = layer(**kw)
+    x = tokens(5).requires_grad_()
+    y, r = moe(x)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = dense_reference(moe, x_ref)
+    assert rel_err(y, y_ref) < 1e-5
+    w = tokens(6)
+    g, = torch.autograd.grad((y * w).sum(), x)
+    g_ref, = torch.autograd.grad((y_ref * w).sum(), x_ref)
+    assert rel_err(g, g_ref) < 1e-5
+    if "capacity_factor" in kw:
+        assert int(r.stats["dropped"]) > 0
+
+
+def test_placement_does_not_change_expert_weights():
+    full = layer().experts.global_names()
+    half = layer(ep_group=object(), ep_size=2, ep_rank=1).experts.global_names()
+    assert set(half) < set(full) and all(torch.equal(full[n], p) for n, p in half.items())
+
+
+# ---------------------------------------------------------------- distributed (world 4)
+
+def _grads(moe, x, w):
+    x = x.clone().requires_grad_()
+    moe.zero_grad()
+    ledger_trace = []
+    y, r = moe(x, trace=ledger_trace)
+    ((y * w).sum() + r.aux_loss + r.z_loss).backward()
+    experts = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+               for n, p in moe.experts.global_names().items()}
+    return dict(y=y.detach(), dx=x.grad, router=moe.router.weight.grad.clone(), experts=experts,
+                trace=ledger_trace)
+
+
+def _moe_worker(rank, world):
+    from mpoverlap.comm import CommLedger
+    from mpoverlap.moe import AllToAllDispatcher
+    from mpoverlap.parallel import ParallelState, RankGrid
+
+    report = {}
+    for ep in (2, 4):
+        st = ParallelState.create(RankGrid(dp=4, ep=ep), torch.device("cpu"))
+        group, ranks, me = st.group("ep"), st.ranks("ep"), st.coords.ep
+        assert ranks[me] == rank
+        # Dispatcher round trip: integer-valued tokens, identity experts, unit weights.
+        ids_of = {q: torch.randint(0, E, (10, K), generator=torch.Generator().manual_seed(50 + q))
+                  for q in ranks}
+        x = (rank * 100 + torch.arange(10.0)).unsqueeze(1).expand(10, H).contiguous()
+        disp = AllToAllDispatcher(group, ep, me, E, False, None)
+        got, counts, ctx = disp.dispatch(x, ids_of[rank], torch.ones(10, K))
+        lo, L = me * (E // ep), E // ep
+        want = [sum(int((ids_of[q] == lo + l).sum()) for q in ranks) for l in range(L)]
+        back = disp.combine(got, ctx)
+        report[(ep, "round_trip")] = (counts.tolist() == want and torch.equal(back, K * x))
+        # Layer parity against the ep=1 reference over the ep group's tokens.
+        x_of = {q: tokens(100 + q) for q in ranks}
+        w_of = {q: tokens(200 + q) for q in ranks}
+        refs = {q: _grads(layer(), x_of[q], w_of[q]) for q in ranks}
+        ref_experts = {}
+        for q in ranks:
+            for n, g in refs[q]["experts"].items():
+                ref_experts[n] = ref_experts.get(n, 0) + g
+        for dispatcher in ("alltoall", "allgather"):
+            runs = {}
+            for overlap in (False, True):
+                ledger = CommLedger()
+                moe = layer(group, ep, me, overlap=overlap, dispatcher=dispatcher, ledger=ledger,
+                            num_chunks=3, shared=(dispatcher == "alltoall"))
+                out = _grads(moe, x_of[rank], w_of[rank])
+                ref = refs[rank]
+                if dispatcher == "alltoall":
+                    ref = _grads(layer(shared=True, num_chunks=3), x_of[rank], w_of[rank])
+                    shared_ref = {q: _grads(layer(shared=True), x_of[q], w_of[q]) for q in ranks}
+                    exp_ref = {n: sum(shared_ref[q]["experts"][n] for q in ranks) for n in out["experts"]}
+                else:
+                    exp_ref = ref_experts
+                runs[overlap] = out
+                report[(ep, dispatcher, overlap)] = dict(
+                    y=rel_err(out["y"], ref["y"]), dx=rel_err(out["dx"], ref["dx"]),
+                    router=rel_err(out["router"], ref["router"]),
+                    experts=max(rel_err(g, exp_ref[n]) for n, g in out["experts"].items()),
+                    ledger=ledger.summary(), trace=out["trace"])
+            a, b = runs[False], runs[True]
+            report[(ep, dispatcher, "bitwise")] = all(
+                torch.equal(a[k_], b[k_]) for k_ in ("y", "dx", "router")) and all(
+                torch.equal(a["experts"][n], b["experts"][n]) for n in a["experts"])
+    return report
+
+
+@pytest.fixture(scope="module")
+def moe_reports():
+    return run_distributed(_moe_worker, 4, timeout_s=100)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_dispatcher_round_trip(moe_reports, ep):
+    assert all(rep[(ep, "round_trip")] for rep in moe_reports)
+
+
+CASES = [(ep, d, o) for ep in (2, 4) for d in ("alltoall", "allgather") for o in (False, True)]
+
+
+@pytest.mark.parametrize("ep,dispatcher,overlap", CASES)
+def test_layer_matches_ep1_reference(moe_reports, ep, dispatcher, overlap):
+    for rank, rep in enumerate(moe_reports):
+        r = rep[(ep, dispatcher, overlap)]
+        for what in ("y", "dx", "router", "experts"):
+            assert r[what] < 1e-5, (rank, what, r[what])
+        assert r["ledger"]["ep"]["ops"] > 0 and set(r["ledger"]) == {"ep"}
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_overlap_on_off_bitwise_identical(moe_reports, ep, dispatcher):
+    assert all(rep[(ep, dispatcher, "bitwise")] for rep in moe_reports)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_next_dispatch_issued_before_expert_compute(moe_reports, ep):
+    for rep in moe_reports:
+        for overlap in (False, True):
+            trace = rep[(ep, "alltoall", overlap)]["trace"]
+            for i in range(2):  # 3 chunks
+                issued, computed = trace.index(("dispatch_issued", i + 1)), trace.index(("compute", i))
+                assert (issued < computed) == overlap, (overlap, trace)
+            shared, first_wait = trace.index(("shared", -1)), trace.index(("dispatch_waited", 0))
+            if overlap:
+                assert trace.index(("dispatch_issued", 0)) < shared < first_wait
