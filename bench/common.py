@@ -1,10 +1,18 @@
-"""Helpers shared by the benchmarks: statistics, free ports, AdamW groups, machine CPU clocks."""
+"""Helpers shared by the benchmarks: statistics, free ports, AdamW groups, machine CPU clocks,
+the block options, the spawned 2-rank worker setup, the rounds of blocks and the command line."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import socket
 import statistics
-from typing import Dict, List, Sequence
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -89,13 +97,10 @@ def rotating_blocks(sides: Dict[str, object], args, log_prefix: str = "bench") -
     figures, foreign_cores.
     """
     import gc
-    import sys
-    import time
 
     import torch.distributed as dist
 
     order = list(sides)
-    world = dist.get_world_size()
     for name in order:
         for _ in range(args.warmup):
             sides[name].train_step()
@@ -105,12 +110,7 @@ def rotating_blocks(sides: Dict[str, object], args, log_prefix: str = "bench") -
     quiet = dict.fromkeys(order, 0)
     blocks: List[Dict[str, object]] = []
     start, r = time.perf_counter(), 0
-    while True:
-        elapsed = [0.0] * world
-        dist.all_gather_object(elapsed, time.perf_counter() - start)
-        enough = all(q >= args.min_quiet for q in quiet.values())
-        if r >= args.repeats and (enough or r >= args.max_repeats or elapsed[0] > args.time_budget):
-            break
+    while not rounds_done(args, r, quiet, start):
         rot = r % len(order)
         for name in order[rot:] + order[:rot]:
             side = sides[name]
@@ -118,8 +118,7 @@ def rotating_blocks(sides: Dict[str, object], args, log_prefix: str = "bench") -
             side.settle()
             dist.barrier()
             block: Dict[str, object] = {"name": name, "times": [], "extras": []}
-            busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.perf_counter()
-            wire0, irq0 = lo_tx_bytes(), machine_irq_s()
+            clocks = block_clocks()
             for i in range(args.block):
                 t0 = time.perf_counter()
                 side.train_step()
@@ -131,17 +130,113 @@ def rotating_blocks(sides: Dict[str, object], args, log_prefix: str = "bench") -
                     block["extras"].append(extra)
             side.settle()
             dist.barrier()
-            block.update(busy_s=machine_busy_s() - busy0, own_cpu_s=time.process_time() - own0,
-                         wall_s=time.perf_counter() - wall0, irq_s=machine_irq_s() - irq0,
-                         wire_bytes_per_step=(lo_tx_bytes() - wire0) / args.block)
-            both: List[object] = [None] * world
-            dist.all_gather_object(both, (block["busy_s"], block["own_cpu_s"], block["wall_s"]))
-            block["foreign_cores"] = foreign_cores(both[:2])
+            block.update(block_figures(clocks, args.block))
+            block["foreign_cores"] = gathered_foreign_cores(block)
             if block["foreign_cores"] <= args.quiet_cores:
                 quiet[name] += 1
             blocks.append(block)
         r += 1
         if dist.get_rank() == 0:
-            print(f"{log_prefix}: round {r} done, quiet blocks " + " ".join(f"{k}={q}" for k, q in quiet.items()),
-                  file=sys.stderr, flush=True)
+            log_round(log_prefix, r, quiet)
     return blocks
+
+
+# ---- rounds of blocks (rotating_blocks and bench.dp_overlap) ------------------------------------
+def rounds_done(args, r: int, quiet: Dict[str, int], start: float) -> bool:
+    """Whether to stop adding rounds after `r` of them: at least `args.repeats`, then as soon as
+    every side has `args.min_quiet` quiet blocks, at `args.max_repeats` rounds or once
+    `args.time_budget` s have passed since `start` on rank 0. Every rank gathers rank 0's
+    clock and decides from the same numbers, so all run the same rounds."""
+    import torch.distributed as dist
+
+    elapsed = [0.0] * dist.get_world_size()
+    dist.all_gather_object(elapsed, time.perf_counter() - start)
+    enough = all(q >= args.min_quiet for q in quiet.values())
+    return r >= args.repeats and (enough or r >= args.max_repeats or elapsed[0] > args.time_budget)
+
+
+def block_clocks() -> Tuple[float, float, float, float, float]:
+    """The readings a block starts from: machine busy, own CPU, wall, loopback bytes, irq."""
+    return machine_busy_s(), time.process_time(), time.perf_counter(), lo_tx_bytes(), machine_irq_s()
+
+
+def block_figures(clocks: Tuple[float, float, float, float, float], steps: int) -> Dict[str, float]:
+    """A block's busy/own CPU/wall/irq seconds and loopback bytes per step since `block_clocks()`."""
+    busy0, own0, wall0, wire0, irq0 = clocks
+    return {"busy_s": machine_busy_s() - busy0, "own_cpu_s": time.process_time() - own0,
+            "wall_s": time.perf_counter() - wall0, "irq_s": machine_irq_s() - irq0,
+            "wire_bytes_per_step": (lo_tx_bytes() - wire0) / steps}
+
+
+def gathered_foreign_cores(block: Dict[str, Any]) -> float:
+    """`foreign_cores` of a block from every rank's busy/own CPU/wall figures (gathered)."""
+    import torch.distributed as dist
+
+    both: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(both, (block["busy_s"], block["own_cpu_s"], block["wall_s"]))
+    return foreign_cores(both[:2])
+
+
+def log_round(prefix: str, r: int, quiet: Dict[str, int]) -> None:
+    print(f"{prefix}: round {r} done, quiet blocks " + " ".join(f"{k}={q}" for k, q in quiet.items()),
+          file=sys.stderr, flush=True)
+
+
+# ---- the spawned 2-rank worker ------------------------------------------------------------------
+def init_bench_worker(rank: int, port: int, world: int = 2) -> None:
+    """A spawned rank's setup: rendezvous env, one intra-op thread, a gloo process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+
+
+def spawn_ranks(worker: Callable, args, prefix: str) -> Tuple[Dict[str, Any], float]:
+    """Runs `worker(rank, port, args, tmp)` on 2 spawned ranks; rank 0 writes its result to
+    `args.json_tmp`. Returns that result and the perf_counter at the spawn."""
+    import torch.multiprocessing as mp
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        args.json_tmp = str(Path(tmp) / "result.json")
+        t0 = time.perf_counter()
+        mp.start_processes(worker, args=(free_port(), args, tmp), nprocs=2, start_method="spawn", join=True)
+        return json.loads(Path(args.json_tmp).read_text()), t0
+
+
+# ---- command line -------------------------------------------------------------------------------
+def add_block_args(p: argparse.ArgumentParser, *, block: int, repeats: int, max_repeats: int, min_quiet: int,
+                   time_budget: float, warmup: int, unit: str = "variant") -> None:
+    """The options of the block method (`--block` .. `--quiet-cores`), with a script's own defaults."""
+    p.add_argument("--block", type=int, default=block, help=f"steps per block (default {block})")
+    p.add_argument("--repeats", type=int, default=repeats,
+                   help=f"at least this many blocks per {unit} (default {repeats})")
+    p.add_argument("--max-repeats", type=int, default=max_repeats,
+                   help=f"at most this many blocks per {unit} (default {max_repeats})")
+    p.add_argument("--min-quiet", type=int, default=min_quiet,
+                   help=f"go on (up to --max-repeats / --time-budget) until every {unit} has this many quiet blocks")
+    p.add_argument("--time-budget", type=float, default=time_budget,
+                   help=f"stop adding rounds after this many seconds of measuring (default {time_budget:g})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"discarded steps per {unit} first (default {warmup})")
+    p.add_argument("--block-warmup", type=int, default=1, help="discarded steps at the start of each block (default 1)")
+    p.add_argument("--quiet-cores", type=float, default=0.1,
+                   help="a block is 'quiet' when other processes used at most this many cores during it")
+
+
+def json_cli(doc: str, add_args: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], Dict[str, Any]], link: bool = False) -> None:
+    """A benchmark's main(): parse, run, write the result to --json, print it. `link` adds --link
+    (text describing the link, default $MPO_BENCH_LINK)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    p.add_argument("--json", help="write the result here")
+    if link:
+        p.add_argument("--link", default=os.environ.get("MPO_BENCH_LINK", "loopback, not rate-limited"),
+                       help="text describing the link, recorded in the result")
+    args = p.parse_args()
+    text = json.dumps(run(args), indent=2)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)

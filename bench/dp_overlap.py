@@ -32,16 +32,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List
 
-from bench.common import adamw_groups, foreign_cores as _foreign_cores, free_port, lo_tx_bytes as _lo_tx_bytes, \
-    machine_busy_s, machine_irq_s, stats
+from bench.common import add_block_args, adamw_groups, block_clocks, block_figures, gathered_foreign_cores, \
+    init_bench_worker, json_cli, log_round, rounds_done, spawn_ranks, stats
 
 VARIANTS = {
     "mpo_overlap": ["overlap.dp=true", "train.distributed_optimizer=false"],
@@ -161,17 +157,13 @@ class SpanRecorder:
 
 
 def _worker(rank: int, port: int, args, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    import torch
+    init_bench_worker(rank, port)
     import torch.distributed as dist
 
     from mpoverlap.config import compose
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
     try:
         base = _base_overrides(args)
         trainers: Dict[str, Any] = {}
@@ -236,28 +228,18 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
         # decides from the same gathered numbers, so both run the same number of rounds.
         quiet_blocks = dict.fromkeys(order, 0)
         start, r = time.perf_counter(), 0
-        while True:
-            elapsed = [0.0, 0.0]
-            dist.all_gather_object(elapsed, time.perf_counter() - start)
-            enough = all(q >= args.min_quiet for q in quiet_blocks.values())
-            if r >= args.repeats and (enough or r >= args.max_repeats or elapsed[0] > args.time_budget):
-                break
+        while not rounds_done(args, r, quiet_blocks, start):
             rot = r % len(order)
             for name in order[rot:] + order[:rot]:
                 gc.collect()
                 settle(name)
                 block = {"name": name, "times": [], "comm": [], "spans": []}
-                busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.perf_counter()
-                wire0, irq0 = _lo_tx_bytes(), machine_irq_s()
+                clocks = block_clocks()
                 for i in range(args.block):
                     one(name, block, keep=i >= args.block_warmup)
                 settle(name)
-                block.update(busy_s=machine_busy_s() - busy0, own_cpu_s=time.process_time() - own0,
-                             wall_s=time.perf_counter() - wall0, wire_bytes_per_step=(_lo_tx_bytes() - wire0) / args.block,
-                             irq_s=machine_irq_s() - irq0)
-                both: List[Any] = [None, None]
-                dist.all_gather_object(both, (block["busy_s"], block["own_cpu_s"], block["wall_s"]))
-                block["foreign_cores"] = _foreign_cores(both)
+                block.update(block_figures(clocks, args.block))
+                block["foreign_cores"] = gathered_foreign_cores(block)
                 if block["foreign_cores"] <= args.quiet_cores:
                     quiet_blocks[name] += 1
                 if name in ("torch_ddp", "local_no_comm"):
@@ -268,8 +250,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
                 blocks.append(block)
             r += 1
             if rank == 0:
-                print(f"dp_overlap: round {r} done, quiet blocks " +
-                      " ".join(f"{k}={q}" for k, q in quiet_blocks.items()), file=sys.stderr, flush=True)
+                log_round("dp_overlap", r, quiet_blocks)
 
         local = {"blocks": blocks, "losses": losses,
                  "buckets": {k: [round(b.numel * 4 / 2**20, 3) for b in t.ddp.buffer.buckets]
@@ -349,39 +330,21 @@ def summarize(per_rank: List[Dict[str, Any]], order: List[str], args) -> Dict[st
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block", type=int, default=5, help="steps per block (default 5)")
-    p.add_argument("--repeats", type=int, default=6, help="at least this many blocks per variant (default 6)")
-    p.add_argument("--max-repeats", type=int, default=30, help="at most this many blocks per variant (default 30)")
-    p.add_argument("--min-quiet", type=int, default=5,
-                   help="go on (up to --max-repeats / --time-budget) until every variant has this many quiet blocks")
-    p.add_argument("--time-budget", type=float, default=180.0,
-                   help="stop adding rounds after this many seconds of measuring (default 180)")
-    p.add_argument("--warmup", type=int, default=3, help="discarded steps per variant first (default 3)")
-    p.add_argument("--block-warmup", type=int, default=1,
-                   help="discarded steps at the start of each block (default 1)")
+    add_block_args(p, block=5, repeats=6, max_repeats=30, min_quiet=5, time_budget=180.0, warmup=3)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--bucket-mb", type=float, default=0.5)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=32, help="over both ranks (default 32: 2 microbatches per rank)")
-    p.add_argument("--quiet-cores", type=float, default=0.1,
-                   help="a block is 'quiet' when other processes used at most this many cores during it")
     p.add_argument("--data-bytes", type=int, default=2_000_000)
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
 
 
 def run(args) -> Dict[str, Any]:
-    import torch.multiprocessing as mp
-
     args.variants = [v.strip() for v in (args.variants if isinstance(args.variants, str) else ",".join(args.variants)).split(",") if v.strip()]
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory(prefix="mpo-bench-dp-") as tmp:
-        args.json_tmp = str(Path(tmp) / "result.json")
-        t0 = time.perf_counter()
-        mp.start_processes(_worker, args=(free_port(), args, tmp), nprocs=2, start_method="spawn", join=True)
-        res = json.loads(Path(args.json_tmp).read_text())
+    res, t0 = spawn_ranks(_worker, args, prefix="mpo-bench-dp-")
     res["benchmark"] = "dp_overlap"
     res["link"] = args.link
     res["wall_s"] = time.perf_counter() - t0
@@ -392,17 +355,7 @@ def run(args) -> Dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    p.add_argument("--json", help="write the result here")
-    p.add_argument("--link", default=os.environ.get("MPO_BENCH_LINK", "loopback, not rate-limited"),
-                   help="text describing the link, recorded in the result")
-    args = p.parse_args()
-    res = run(args)
-    text = json.dumps(res, indent=2)
-    if args.json:
-        Path(args.json).write_text(text)
-    print(text)
+    json_cli(__doc__, add_args, run, link=True)
 
 
 if __name__ == "__main__":

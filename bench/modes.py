@@ -28,46 +28,42 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench.common import adamw_groups, free_port, rotating_blocks, stats
+from bench.common import add_block_args, adamw_groups, init_bench_worker, json_cli, rotating_blocks, spawn_ranks, \
+    stats
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
           "data.max_bytes=2000000", "overlap.dp=false"]
 
 
+def _model_overrides(args) -> List[str]:
+    """The model shape and micro batch every scenario sets from its options."""
+    return [f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}", f"model.seq_length={args.seq}",
+            f"model.num_layers={args.layers}", f"model.num_attention_heads={args.heads}",
+            f"train.micro_batch_size={args.micro_batch}"]
+
+
 def scenario_overrides(args) -> Dict[str, Any]:
     """(base overrides, {variant: extra overrides or None for a peer}) of a scenario."""
     s = args.scenario
+    model = _model_overrides(args)
+    global_batch = [f"train.global_batch_size={args.micro_batch * args.microbatches}"]
     if s == "tp":
-        base = ["parallel.tp=2", "parallel.sequence_parallel=true", f"model.hidden_size={args.hidden}",
-                f"model.ffn_hidden_size={args.ffn}", f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
-                f"model.num_attention_heads={args.heads}", f"train.micro_batch_size={args.micro_batch}",
-                f"train.global_batch_size={args.micro_batch * args.microbatches}"]
+        base = ["parallel.tp=2", "parallel.sequence_parallel=true"] + model + global_batch
         return {"base": base, "variants": {"mpo_tp_overlap": ["overlap.tp=true"], "mpo_tp_off": ["overlap.tp=false"],
                                            "dtensor_tp": None}}
     if s == "cp":
-        base = ["parallel.cp=2", f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
-                f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
-                f"model.num_attention_heads={args.heads}", f"train.micro_batch_size={args.micro_batch}",
-                f"train.global_batch_size={args.micro_batch * args.microbatches}"]
+        base = ["parallel.cp=2"] + model + global_batch
         return {"base": base, "variants": {"mpo_cp_overlap": ["overlap.cp=true"], "mpo_cp_off": ["overlap.cp=false"]}}
     if s == "pp":
-        base = ["parallel.pp=2", "parallel.vpp=2", "model.tie_embeddings=false", f"model.hidden_size={args.hidden}",
-                f"model.ffn_hidden_size={args.ffn}", f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
-                f"model.num_attention_heads={args.heads}", f"train.micro_batch_size={args.micro_batch}",
-                f"train.global_batch_size={args.micro_batch * args.microbatches}"]
+        base = ["parallel.pp=2", "parallel.vpp=2", "model.tie_embeddings=false"] + model + global_batch
         return {"base": base, "variants": {"mpo_pp_overlap": ["overlap.pp=true"], "mpo_pp_off": ["overlap.pp=false"],
                                            "torch_interleaved_1f1b": None}}
     if s == "bubble":
-        base = ["parallel.pp=2", "model.tie_embeddings=false", "overlap.pp=true", f"model.hidden_size={args.hidden}",
-                f"model.ffn_hidden_size={args.ffn}", f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
-                f"model.num_attention_heads={args.heads}", f"train.micro_batch_size={args.micro_batch}"]
+        base = ["parallel.pp=2", "model.tie_embeddings=false", "overlap.pp=true"] + model
         variants = {}
         for vpp in (1, 2):
             for m in args.bubble_microbatches:
@@ -307,17 +303,13 @@ class TorchInterleaved(_Peer):
 
 # ---- worker ------------------------------------------------------------------------------------
 def _worker(rank: int, port: int, args, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    import torch
+    init_bench_worker(rank, port)
     import torch.distributed as dist
 
     from mpoverlap.config import compose
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
     try:
         spec = scenario_overrides(args)
         sides: Dict[str, Any] = {}
@@ -414,33 +406,19 @@ DEFAULTS = {  # scenario: hidden, ffn, seq, layers, heads, micro batch, microbat
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=list(DEFAULTS), default="tp")
-    p.add_argument("--block", type=int, default=4, help="steps per block (default 4)")
-    p.add_argument("--repeats", type=int, default=5, help="at least this many blocks per variant (default 5)")
-    p.add_argument("--max-repeats", type=int, default=20)
-    p.add_argument("--min-quiet", type=int, default=4)
-    p.add_argument("--time-budget", type=float, default=150.0, help="seconds of measuring at most (default 150)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--block-warmup", type=int, default=1)
-    p.add_argument("--quiet-cores", type=float, default=0.1)
+    add_block_args(p, block=4, repeats=5, max_repeats=20, min_quiet=4, time_budget=150.0, warmup=2)
     for k in ("hidden", "ffn", "seq", "layers", "heads", "micro_batch", "microbatches"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help="scenario default: see DEFAULTS")
     p.add_argument("--bubble-microbatches", default="2,4,8", help="bubble scenario: microbatch counts (default 2,4,8)")
 
 
 def run(args) -> Dict[str, Any]:
-    import torch.multiprocessing as mp
-
     for k, v in DEFAULTS[args.scenario].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if isinstance(args.bubble_microbatches, str):
         args.bubble_microbatches = [int(x) for x in args.bubble_microbatches.split(",") if x.strip()]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory(prefix=f"mpo-bench-{args.scenario}-") as tmp:
-        args.json_tmp = str(Path(tmp) / "result.json")
-        t0 = time.perf_counter()
-        mp.start_processes(_worker, args=(free_port(), args, tmp), nprocs=2, start_method="spawn", join=True)
-        res = json.loads(Path(args.json_tmp).read_text())
+    res, t0 = spawn_ranks(_worker, args, prefix=f"mpo-bench-{args.scenario}-")
     res.update(benchmark="modes", scenario=args.scenario, link=args.link, wall_s=time.perf_counter() - t0,
                setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", "hidden", "ffn", "seq",
                                                    "layers", "heads", "micro_batch", "microbatches",
@@ -449,16 +427,7 @@ def run(args) -> Dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    p.add_argument("--json", help="write the result here")
-    p.add_argument("--link", default=os.environ.get("MPO_BENCH_LINK", "loopback, not rate-limited"))
-    args = p.parse_args()
-    res = run(args)
-    text = json.dumps(res, indent=2)
-    if args.json:
-        Path(args.json).write_text(text)
-    print(text)
+    json_cli(__doc__, add_args, run, link=True)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -34,7 +32,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from bench.common import adamw_groups, free_port, machine_busy_s, stats
+from bench.common import add_block_args, adamw_groups, free_port, json_cli, log_round, machine_busy_s, stats
 
 
 def _overrides(args) -> List[str]:
@@ -140,8 +138,7 @@ def run(args) -> Dict[str, Any]:
                 r += 1
                 quiet_now = {k: sum(1 for b in blocks if b["side"] == k and b["foreign_cores"] <= args.quiet_cores)
                              for k in sides}
-                print(f"overhead: round {r} done, quiet blocks " + " ".join(f"{k}={q}" for k, q in quiet_now.items()),
-                      file=sys.stderr, flush=True)
+                log_round("overhead", r, quiet_now)
 
             def summary(use: List[Dict[str, Any]]) -> Dict[str, Any]:
                 res = {k: {"wall": stats([x for b in use if b["side"] == k for x in b["wall"]]),
@@ -179,35 +176,16 @@ def run(args) -> Dict[str, Any]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block", type=int, default=5, help="steps per block (default 5)")
-    p.add_argument("--repeats", type=int, default=8, help="at least this many blocks per side (default 8)")
-    p.add_argument("--max-repeats", type=int, default=40, help="at most this many blocks per side (default 40)")
-    p.add_argument("--min-quiet", type=int, default=6,
-                   help="go on (up to --max-repeats / --time-budget) until both sides have this many quiet blocks")
-    p.add_argument("--time-budget", type=float, default=60.0,
-                   help="stop adding rounds after this many seconds of measuring (default 60)")
-    p.add_argument("--warmup", type=int, default=3, help="discarded steps per side first (default 3)")
-    p.add_argument("--block-warmup", type=int, default=1,
-                   help="discarded steps at the start of each block (default 1)")
+    add_block_args(p, block=5, repeats=8, max_repeats=40, min_quiet=6, time_budget=60.0, warmup=3, unit="side")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both (default 1)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--data-bytes", type=int, default=2_000_000)
-    p.add_argument("--quiet-cores", type=float, default=0.1,
-                   help="a block is 'quiet' when other processes used at most this many cores during it")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    p.add_argument("--json", help="write the result here")
-    args = p.parse_args()
-    res = run(args)
-    text = json.dumps(res, indent=2)
-    if args.json:
-        Path(args.json).write_text(text)
-    print(text)
+    json_cli(__doc__, add_args, run)
 
 
 if __name__ == "__main__":
