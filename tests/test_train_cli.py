@@ -88,6 +88,9 @@ def test_loss_falls_and_metrics_contract(runs):
     for row in r:
         for key in ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm"):
             assert key in row
+        # Two worker processes, each holding torch: tens of MB at least, well under the machine.
+        assert len(row["peak_memory_bytes"]) == 2
+        assert all(50e6 < m < 8e9 for m in row["peak_memory_bytes"])
         dp = row["comm"]["dp"]
         assert dp["ops"] > 1 and dp["bytes"] > 0
         assert 0 <= dp["exposed_s"] <= dp["time_s"] + 1e-3

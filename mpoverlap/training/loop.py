@@ -26,7 +26,7 @@ from mpoverlap.tensor_parallel.checkpoint import reshard_named, unshard_named
 from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.lr import LRSchedule
-from mpoverlap.training.metrics import MetricsWriter, Progress
+from mpoverlap.training.metrics import MetricsWriter, Progress, peak_memory_bytes
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
 from mpoverlap.training.setup import init_distributed, shared_run_dir
 
@@ -263,17 +263,19 @@ class Trainer:
 
     def log_row(self, out: Dict[str, Any], steps_since_log: int) -> Dict[str, Any]:
         """The metrics row; `comm` holds per-step means over the steps since the last row."""
-        comm = self.ledger.reset(per=steps_since_log)
-        gathered: List[Optional[dict]] = [None] * self.state.world
+        mine = (self.ledger.reset(per=steps_since_log), peak_memory_bytes(self.state.device))
+        gathered: List[Optional[tuple]] = [None] * self.state.world
         if self.state.world > 1:
-            dist.all_gather_object(gathered, comm)
+            dist.all_gather_object(gathered, mine)
         else:
-            gathered = [comm]
+            gathered = [mine]
         t = self.cfg.train
         tokens = t.global_batch_size * self.cfg.model.seq_length
         return {"step": self.step, "loss": self._mean_over_replicas(out["loss_local"]), "lr": out["lr"],
                 "grad_norm": out["grad_norm"], "step_time_s": out["step_time_s"],
-                "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks(gathered)}
+                "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _ in gathered]),
+                # Per rank, in rank order: RSS on CPU, max allocated on CUDA.
+                "peak_memory_bytes": [m for _, m in gathered]}
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -7,6 +7,17 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 
+def peak_memory_bytes(device) -> int:
+    """Peak memory of this process: max allocated on CUDA, peak resident set size on CPU."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to `<run.dir>/metrics.jsonl`."""
 
