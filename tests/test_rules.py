@@ -163,3 +163,23 @@ def test_readme_rule_reference_matches_registry():
     assert start in readme and end in readme
     block = readme.split(start, 1)[1].split(end, 1)[0]
     assert block == rules_table(), "README rule reference is stale: run mpoverlap-check --rules --write-readme README.md"
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=gpt_125m"], ["model.tie_embeddings=false", "model.norm=layernorm",
+                                                                 "model.activation=gelu"]])
+def test_parameter_estimate_is_exact(overrides):
+    from mpoverlap.models.gpt import GPT, num_parameters
+    from mpoverlap.overlap.estimate import estimate
+    from mpoverlap.training.pipeline_glue import build_chunks
+
+    cfg = compose(overrides + (["model.num_layers=2", "model.seq_length=64"] if overrides == ["model=gpt_125m"] else []))
+    assert estimate(cfg).params == num_parameters(GPT(cfg.model))
+    # Pipeline stages: the estimate is the busiest stage; every stage's count is exact.
+    from mpoverlap.overlap.estimate import stage_params
+    from mpoverlap.overlap.layout import build_layout
+
+    cfg2 = compose(overrides + ["parallel.pp=2", "model.num_layers=4"])
+    lo = build_layout(cfg2)
+    for stage in range(2):
+        chunks = build_chunks(cfg2.model, 2, 1, stage, seed=1)
+        assert stage_params(cfg2, lo, stage) == sum(num_parameters(c) for c in chunks)

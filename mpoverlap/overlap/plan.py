@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from mpoverlap.overlap.config import CommOverlapConfig
+from mpoverlap.overlap.estimate import estimate, render_estimate
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.rules import Problem
 from mpoverlap.parallel.grid import RankGrid
@@ -35,8 +36,12 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
         f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; distributed optimizer "
         f"{'on' if t.distributed_optimizer else 'off'}",
-        "  overlap:",
     ]
+    try:
+        lines.append(render_estimate(estimate(cfg, world_size)))
+    except (ZeroDivisionError, TypeError, AttributeError):
+        pass  # an invalid layout: its problems are reported instead of a plan
+    lines.append("  overlap:")
     for name, state in ov.modes().items():
         flag = "ON " if state.enabled else "off"
         lines.append(f"    overlap.{name:<16} {state.requested:>5} -> {flag}  {state.reason}")
