@@ -40,22 +40,16 @@ def test_partitions_and_coords(grid):
             continue
         assert flat == list(range(W)), kind  # a partition of the world
         assert all(len(g) == sizes[kind] for g in groups), kind
-    # Members of a group differ only in that group's coordinate(s).
-    for g in grid.groups("tp"):
-        cs = [grid.coords(r) for r in g]
-        assert len({(c.cp, c.dp, c.pp) for c in cs}) == 1 and sorted(c.tp for c in cs) == list(range(grid.tp))
-    for g in grid.groups("dp"):
-        cs = [grid.coords(r) for r in g]
-        assert len({(c.tp, c.cp, c.pp) for c in cs}) == 1 and sorted(c.dp for c in cs) == list(range(grid.dp))
-    for g in grid.groups("pp"):
-        cs = [grid.coords(r) for r in g]
-        assert len({(c.tp, c.cp, c.dp) for c in cs}) == 1 and [c.pp for c in cs] == list(range(grid.pp))
-    for g in grid.groups("ep"):
-        cs = [grid.coords(r) for r in g]
-        assert len({(c.tp, c.pp, c.edp) for c in cs}) == 1 and sorted(c.ep for c in cs) == list(range(grid.ep))
-    for g in grid.groups("edp"):
-        cs = [grid.coords(r) for r in g]
-        assert len({(c.tp, c.pp, c.ep) for c in cs}) == 1 and sorted(c.edp for c in cs) == list(range(grid.edp))
+    # Members of a group share every other coordinate and cover the group's one in full
+    # (pipeline groups in stage order).
+    varying = {"tp": ("tp", ("cp", "dp", "pp")), "dp": ("dp", ("tp", "cp", "pp")), "pp": ("pp", ("tp", "cp", "dp")),
+               "ep": ("ep", ("tp", "pp", "edp")), "edp": ("edp", ("tp", "pp", "ep"))}
+    for kind, (coord, fixed) in varying.items():
+        for g in grid.groups(kind):
+            cs = [grid.coords(r) for r in g]
+            assert len({tuple(getattr(c, f) for f in fixed) for c in cs}) == 1, kind
+            values = [getattr(c, coord) for c in cs]
+            assert (values if kind == "pp" else sorted(values)) == list(range(getattr(grid, coord))), kind
     # ep x edp tiles exactly the dp x cp ranks of one (tp, pp) slice.
     for g in grid.groups("dp_cp"):
         eps = {r: frozenset(grid.group_of("ep", r)) for r in g}

@@ -41,6 +41,20 @@ def _pairs(ring: CPRing, src: int):
             for j, kc in enumerate(k_chunks)]
 
 
+def _issue_next_kv(ring: CPRing, buffers: list, step: int, stats: CPStats, phase: str):
+    """Send the K/V block in hand on and receive the next one into the other buffer (double
+    buffering). Without overlap the transfer is waited at once; with it, the caller waits
+    after computing on the block in hand. None at the last step."""
+    if step + 1 >= ring.cp_size:
+        return None
+    handle = ring.exchange(buffers[step % 2], buffers[(step + 1) % 2])
+    stats.event(phase, "issue", step + 1)
+    if not ring.overlap:
+        handle.wait()
+        stats.event(phase, "wait", step + 1)
+    return handle
+
+
 def ring_forward(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, ring: CPRing,
                  scale: float, stats: CPStats):
     """(out_BNSD in q's dtype, lse_BNS fp32) of causal attention over the global sequence."""
@@ -55,13 +69,7 @@ def ring_forward(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tenso
         buffers[1] = torch.empty_like(buffers[0])
     for step in range(ring.cp_size):
         kv_2BNSD = buffers[step % 2]
-        handle = None
-        if step + 1 < ring.cp_size:
-            handle = ring.exchange(kv_2BNSD, buffers[(step + 1) % 2])
-            stats.event("fwd", "issue", step + 1)
-            if not ring.overlap:
-                handle.wait()
-                stats.event("fwd", "wait", step + 1)
+        handle = _issue_next_kv(ring, buffers, step, stats, "fwd")
         stats.event("fwd", "compute_begin", step)
         k_chunks = kv_2BNSD[0].chunk(2, dim=2)
         v_chunks = kv_2BNSD[1].chunk(2, dim=2)
@@ -98,13 +106,7 @@ def ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS, ring: CP
     dkv_handle, dkv_recv_2BNSD = None, None
     for step in range(ring.cp_size):
         kv_2BNSD = buffers[step % 2]
-        kv_handle = None
-        if step + 1 < ring.cp_size:
-            kv_handle = ring.exchange(kv_2BNSD, buffers[(step + 1) % 2])
-            stats.event("bwd", "issue", step + 1)
-            if not ring.overlap:
-                kv_handle.wait()
-                stats.event("bwd", "wait", step + 1)
+        kv_handle = _issue_next_kv(ring, buffers, step, stats, "bwd")
         stats.event("bwd", "compute_begin", step)
         k_chunks = kv_2BNSD[0].chunk(2, dim=2)
         v_chunks = kv_2BNSD[1].chunk(2, dim=2)
