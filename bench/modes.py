@@ -14,6 +14,9 @@ dp_overlap method: warmup, quiet-block filtering, slowest rank per step).
           The mpoverlap variants also record the bubble (below).
   bubble  parallel.pp=2, vpp 1 and 2, several microbatch counts, overlap.pp=true: per stage
           the idle fraction of the executor's run (time outside forward/backward compute).
+  ep      model=moe_tiny reshaped (every layer MoE, 8 experts, top-2, expert width --ffn),
+          parallel.ep=2 (dp 2, so edp 1), overlap.ep=true vs false, each with and without a
+          shared expert. No peer: torch has no expert-parallel MoE to compare against.
 
 Bubble probe: the executor appends ("compute", i, t) to its trace right before action i's
 forward/backward (after waiting its input); wrapping `executor._compute` on the instance
@@ -62,6 +65,17 @@ def scenario_overrides(args) -> Dict[str, Any]:
         base = ["parallel.pp=2", "parallel.vpp=2", "model.tie_embeddings=false"] + model + global_batch
         return {"base": base, "variants": {"mpo_pp_overlap": ["overlap.pp=true"], "mpo_pp_off": ["overlap.pp=false"],
                                            "torch_interleaved_1f1b": None}}
+    if s == "ep":
+        model = [m for m in model if not m.startswith("model.ffn_hidden_size")]
+        base = ["model=moe_tiny", "parallel.ep=2", f"model.moe_ffn_hidden_size={args.ffn}",
+                f"train.global_batch_size={args.micro_batch * args.microbatches * 2}"] + model
+        variants = {}
+        for shared in (False, True):
+            tag = "_shared" if shared else ""
+            for on in (True, False):
+                variants[f"mpo_ep_{'overlap' if on else 'off'}{tag}"] = [
+                    f"overlap.ep={'true' if on else 'false'}", f"model.shared_expert={'true' if shared else 'false'}"]
+        return {"base": base, "variants": variants}
     if s == "bubble":
         base = ["parallel.pp=2", "model.tie_embeddings=false", "overlap.pp=true"] + model
         variants = {}
@@ -401,6 +415,9 @@ DEFAULTS = {  # scenario: hidden, ffn, seq, layers, heads, micro batch, microbat
     "cp": dict(hidden=128, ffn=512, seq=2048, layers=2, heads=4, micro_batch=1, microbatches=1),
     "pp": dict(hidden=128, ffn=512, seq=128, layers=8, heads=4, micro_batch=2, microbatches=8),
     "bubble": dict(hidden=128, ffn=512, seq=128, layers=8, heads=4, micro_batch=2, microbatches=0),
+    # ep: `ffn` is each expert's width; a narrow expert against a wide hidden keeps the token
+    # exchange comparable to the expert compute on the capped link.
+    "ep": dict(hidden=512, ffn=128, seq=256, layers=2, heads=8, micro_batch=4, microbatches=1),
 }
 
 

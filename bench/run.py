@@ -8,7 +8,7 @@ Writes bench/results/<timestamp>/results.json and results.md and prints the tabl
 
     python -m bench.run [--overhead-repeats 8] [--dp-repeats 6] [--block 5] [--rate 2gbit]
                         [--skip-overhead] [--skip-dp] [--no-netns]
-                        [--modes tp,cp,pp,bubble] [--modes-repeats 5] [--modes-block 4] [--modes-budget 150]
+                        [--modes tp,cp,pp,ep,bubble] [--modes-repeats 5] [--modes-block 4] [--modes-budget 150]
 
 --modes runs bench/modes.py (TP/CP/PP overlap against DTensor and torch.distributed.pipelining,
 and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
@@ -263,10 +263,14 @@ MODE_LABELS = {"mpo_tp_overlap": "mpoverlap overlap.tp=true (collective matmul)"
                "mpo_tp_off": "mpoverlap overlap.tp=false", "dtensor_tp": "torch DTensor Colwise/Rowwise",
                "mpo_cp_overlap": "mpoverlap overlap.cp=true", "mpo_cp_off": "mpoverlap overlap.cp=false",
                "mpo_pp_overlap": "mpoverlap overlap.pp=true", "mpo_pp_off": "mpoverlap overlap.pp=false",
+               "mpo_ep_overlap": "mpoverlap overlap.ep=true", "mpo_ep_off": "mpoverlap overlap.ep=false",
+               "mpo_ep_overlap_shared": "overlap.ep=true + shared expert",
+               "mpo_ep_off_shared": "overlap.ep=false + shared expert",
                "torch_interleaved_1f1b": "torch ScheduleInterleaved1F1B"}
 MODE_PEER = {"tp": "dtensor_tp", "pp": "torch_interleaved_1f1b"}
 MODE_TITLE = {"tp": "TP + SP, tp=2", "cp": "CP ring attention, cp=2", "pp": "PP interleaved 1F1B, pp=2 vpp=2",
-              "bubble": "Pipeline bubble, pp=2, overlap.pp=true"}
+              "bubble": "Pipeline bubble, pp=2, overlap.pp=true",
+              "ep": "EP token dispatch, ep=2 (dp 2), 8 experts top-2, with and without a shared expert"}
 
 
 def render_modes(results: Dict[str, Any]) -> str:
@@ -297,7 +301,7 @@ def render_modes(results: Dict[str, Any]) -> str:
                                  f"{idle / max(1 - idle, 1e-9):.2f} | {th:.2f} | {th / (1 + th) * 100:.0f}% |")
             lines.append("")
             continue
-        mode = {"tp": "tp", "cp": "cp", "pp": "pp"}[scenario]
+        mode = {"tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep"}[scenario]
         peer = MODE_PEER.get(scenario)
         ref = v.get(peer, {}).get("step", {}).get("median_s") if peer else None
         lines += [f"| variant | median step (ms) | IQR (ms) | vs {MODE_LABELS.get(peer, '-') if peer else 'overlap off'} "
@@ -306,7 +310,8 @@ def render_modes(results: Dict[str, Any]) -> str:
         off = v.get(f"mpo_{mode}_off", {}).get("step", {}).get("median_s")
         for name in names:
             st = v[name]["step"]
-            base = ref or off
+            # Against the peer, else against overlap off of the same model (ep: with its shared expert).
+            base = ref or v.get(name.replace("_overlap", "_off"), {}).get("step", {}).get("median_s") or off
             c = v[name]["comm"].get(mode)
             comm = (f"{c['ops_per_step']:.0f} | {c['in_flight_ms']:.1f} | {c['exposed_ms']:.1f} | "
                     f"{c['exposed_share'] * 100:.0f}%") if c else "- | - | - | -"
@@ -357,7 +362,7 @@ def main() -> None:
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-dp", action="store_true")
     p.add_argument("--modes", default="",
-                   help="comma-separated bench.modes scenarios to run: tp,cp,pp,bubble (default: none)")
+                   help="comma-separated bench.modes scenarios to run: tp,cp,pp,ep,bubble (default: none)")
     p.add_argument("--modes-repeats", type=int, default=5, help="at least this many blocks per variant (default 5)")
     p.add_argument("--modes-block", type=int, default=4, help="steps per block in bench.modes (default 4)")
     p.add_argument("--modes-budget", type=float, default=150.0, help="seconds of measuring per scenario (default 150)")

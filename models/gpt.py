@@ -85,9 +85,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, prefix: str = "mlp", seed: int = 1234, tp: Optional[dict] = None):
+    def __init__(self, cfg, prefix: str = "mlp", seed: int = 1234, tp: Optional[dict] = None,
+                 ffn_hidden_size: Optional[int] = None):
         super().__init__()
-        H, Fh = cfg.hidden_size, cfg.ffn_hidden_size
+        H, Fh = cfg.hidden_size, ffn_hidden_size or cfg.ffn_hidden_size
         self.activation = cfg.activation
         if cfg.activation == "swiglu":
             self.gate_up = layers.column(f"{prefix}.gate_up", H, 2 * Fh, cfg, seed, tp, blocks=2)
@@ -108,26 +109,44 @@ class MLP(nn.Module):
         return self.down(h_BSF)
 
 
+def is_moe_layer(cfg, layer_index: int) -> bool:
+    """Layer i's MLP is a mixture of experts when the model has experts and
+    i % model.moe_layer_freq == 0."""
+    return cfg.num_experts > 0 and layer_index % cfg.moe_layer_freq == 0
+
+
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a mixture of
+    experts on MoE layers (`moe`: the expert-parallel context, None on one process)."""
 
     def __init__(self, cfg, prefix: str = "layers.0", seed: int = 1234, core_attention=causal_sdpa,
-                 tp: Optional[dict] = None):
+                 tp: Optional[dict] = None, moe: Optional[dict] = None, layer_index: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg, f"{prefix}.attn", seed, core_attention, tp)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", seed, tp)
+        if is_moe_layer(cfg, layer_index):
+            # Experts and router are not split over TP: under SP each TP rank routes its own
+            # S/tp tokens (their gradients are then summed over TP like the norms').
+            shared = (MLP(cfg, f"{prefix}.mlp.shared_expert", seed, None, layers.moe_ffn(cfg))
+                      if cfg.shared_expert else None)
+            self.mlp = layers.moe_mlp(f"{prefix}.mlp", cfg, seed, moe, shared)
+        else:
+            self.mlp = MLP(cfg, f"{prefix}.mlp", seed, tp)
 
     def forward(self, x_BSH, cos_SD, sin_SD):
         x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD, sin_SD)
-        return x_BSH + self.mlp(self.mlp_norm(x_BSH))
+        y_BSH = self.mlp(self.mlp_norm(x_BSH))
+        if isinstance(y_BSH, tuple):  # MoE: (y, router output)
+            y_BSH = y_BSH[0]
+        return x_BSH + y_BSH
 
 
 class GPT(nn.Module):
     """The decoder, or one pipeline chunk of it.
 
     `core_attention`: see CausalSelfAttention (default: causal SDPA on one process).
+    `moe`: the expert-parallel context (`mpoverlap.moe.moe_kwargs`), None on one process.
     `tp`: the tensor-parallel context (`mpoverlap.tensor_parallel.tp_kwargs`), None on one
     process: projections, embedding, head and loss then come from the TP layers, and with
     sequence parallelism the residual stream holds S/tp positions per rank.
@@ -140,7 +159,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa, tp: Optional[dict] = None,
                  layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, moe: Optional[dict] = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp if layers.tp_size(tp) > 1 else None
@@ -150,7 +169,7 @@ class GPT(nn.Module):
         needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
         self.embedding = (layers.embedding(self.vocab_size, cfg.hidden_size, cfg, seed, self.tp)
                           if needs_embedding else None)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, f"layers.{i}", seed, core_attention, self.tp)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, f"layers.{i}", seed, core_attention, self.tp, moe, i)
                                      for i in ids})
         self.final_norm = make_norm(cfg) if post_process else None
         # Tied: the head reuses self.embedding.weight and there is no separate head parameter.
@@ -196,6 +215,10 @@ class GPT(nn.Module):
         """Mean token cross entropy over B*S tokens, in fp32 (vocab-parallel under TP)."""
         return layers.token_loss(logits_BSV, targets_BS, self.tp)
 
+    def moe_layers(self) -> list:
+        """This model's (or chunk's) MoE layers, in layer order."""
+        return [b.mlp for b in self.layers.values() if not isinstance(b.mlp, MLP)]
+
     def sequence_parallel_params(self) -> list:
         """Parameters replicated over TP whose gradients are partial under sequence
         parallelism (norms): they need a sum over the TP group."""
@@ -217,9 +240,14 @@ def flops_per_token(cfg) -> float:
                                                   the output head; the embedding lookup is free)
       12 L H S: attention scores (QK^T) and values (AV), 2 * 2 S H per token and layer forward,
                 times 3; the causal mask is not discounted (as Megatron reports it).
+    MoE layers count the ACTIVE parameters: top_k experts (+ the shared expert) of width
+    moe_ffn and the router H * E, instead of the dense m H F.
     """
     H, L, S, Fh = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
     m = 3 if cfg.activation == "swiglu" else 2
     vpad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-    n_matmul = L * (4 * H * H + m * H * Fh) + H * vpad
+    n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
+    active_experts = cfg.moe_top_k + (1 if cfg.shared_expert else 0)
+    moe_mlp = m * H * layers.moe_ffn(cfg) * active_experts + H * cfg.num_experts
+    n_matmul = L * 4 * H * H + (L - n_moe) * m * H * Fh + n_moe * moe_mlp + H * vpad
     return float(6 * n_matmul + 12 * L * H * S)

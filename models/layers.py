@@ -64,3 +64,23 @@ def token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, tp: Optional[
     return vocab_parallel_cross_entropy(logits_BSV.float(), targets_BS, tp_group=tp["tp_group"],
                                         tp_rank=tp["tp_rank"], tp_size=tp["tp_size"],
                                         ledger=tp.get("ledger")).mean()
+
+
+def moe_ffn(cfg) -> int:
+    """Each expert's hidden size: model.moe_ffn_hidden_size, default model.ffn_hidden_size."""
+    return cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+
+
+def moe_mlp(name: str, cfg, seed: int, moe: Optional[dict], shared_expert: Optional[nn.Module]) -> nn.Module:
+    """x [B, S, H] -> (y [B, S, H], router output): a mixture of experts over the
+    expert-parallel group of `moe` (one process when None). The layer's aux-loss gradient
+    scale starts at 1 (the trainer sets 1 / microbatches)."""
+    from mpoverlap.moe import build_moe_layer
+
+    ctx = dict(moe or {"ep_group": None, "ep_size": 1, "ep_rank": 0, "overlap": False})
+    layer = build_moe_layer(cfg.hidden_size, moe_ffn(cfg), cfg.num_experts, cfg.moe_top_k, name=name,
+                            cfg=cfg, seed=seed, activation=cfg.activation, dispatcher=cfg.moe_dispatcher,
+                            aux_loss_coeff=cfg.moe_aux_loss_coeff, z_loss_coeff=cfg.moe_z_loss_coeff,
+                            capacity_factor=cfg.moe_capacity_factor, shared_expert=shared_expert, **ctx)
+    layer.aux_loss_scale = 1.0
+    return layer

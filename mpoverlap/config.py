@@ -34,7 +34,13 @@ class ModelConfig:
     # Mixture of experts (0 experts = dense MLP everywhere).
     num_experts: int = 0
     moe_top_k: int = 2
-    shared_expert: bool = False
+    shared_expert: bool = False  # a dense MLP beside the experts, computed under the dispatch
+    moe_layer_freq: int = 1  # layer i holds an MoE MLP when i % moe_layer_freq == 0
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's hidden size (default ffn_hidden_size)
+    moe_aux_loss_coeff: float = 1e-2  # load-balancing loss coefficient
+    moe_z_loss_coeff: float = 1e-3  # router z-loss coefficient
+    moe_capacity_factor: Optional[float] = None  # None = dropless; else drop beyond capacity
+    moe_dispatcher: str = "alltoall"  # alltoall | allgather
     transformer_impl: str = "local"  # local | te
 
 
@@ -64,6 +70,9 @@ class OverlapConfig:
     # optimizer's parameter all-gather is overlapped with the next forward.
     dp_bucket_mb: float = 4.0
     dp_param_gather: Any = "auto"
+    # EP detail: each microbatch's tokens are dispatched in this many chunks, so one chunk's
+    # exchange is in flight while the experts compute another (on and off use the same chunks).
+    ep_chunks: int = 2
 
 
 @dataclass
@@ -89,6 +98,11 @@ class TrainConfig:
     comm_timeout_s: float = 300.0
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/Inf gradient does (before the update)
     progress: bool = True
+    # torch profiler traces (Chrome format) and a per-rank communication timeline for the
+    # steps [profile_start_step, profile_start_step + profile_steps).
+    profile: bool = False
+    profile_start_step: int = 2
+    profile_steps: int = 3
 
 
 @dataclass

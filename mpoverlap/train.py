@@ -122,7 +122,9 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
 def _failure_reason(failure: Any) -> str:
     message = failure.message
     if isinstance(message, dict):  # the error file torch elastic's @record wrote
-        message = message.get("message", {}).get("message", "")
+        message = message.get("message", "")
+        if isinstance(message, dict):  # nested form {"message": {"message": ...}}
+            message = message.get("message", "")
     message = str(message or "").strip().splitlines()
     if not message or message[0] == "N/A" or message[0].startswith("To enable traceback"):
         return ""

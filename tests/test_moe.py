@@ -258,3 +258,37 @@ def test_next_dispatch_issued_before_expert_compute(moe_reports, ep):
             shared, first_wait = trace.index(("shared", -1)), trace.index(("dispatch_waited", 0))
             if overlap:
                 assert trace.index(("dispatch_issued", 0)) < shared < first_wait
+
+
+def _open_exchanges_during_expert_backward(trace):
+    """For each ("bwd_compute", i) in the backward part of the trace: how many reverse
+    exchanges were issued and not yet waited when it ran."""
+    open_ids, counts = set(), []
+    for event in trace:
+        if event[0] == "bwd_exchange_issued":
+            open_ids.add(event[1])
+        elif event[0] == "bwd_exchange_waited":
+            open_ids.discard(event[1])
+        elif event[0] == "bwd_compute":
+            counts.append(len(open_ids))
+    return counts
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_backward_mirrors_forward_overlap(moe_reports, ep, dispatcher):
+    """overlap=True: expert backward of a chunk runs while another chunk's reverse exchange is
+    in flight; overlap=False: every reverse exchange is waited before anything else runs."""
+    for rep in moe_reports:
+        for overlap in (False, True):
+            trace = rep[(ep, dispatcher, overlap)]["trace"]
+            issued = [e for e in trace if e[0] == "bwd_exchange_issued"]
+            waited = [e for e in trace if e[0] == "bwd_exchange_waited"]
+            assert issued and sorted(issued, key=lambda e: e[1]) == sorted(
+                [("bwd_exchange_issued", e[1]) for e in waited], key=lambda e: e[1])
+            open_counts = _open_exchanges_during_expert_backward(trace)
+            assert len(open_counts) == 3  # every chunk's experts ran backward
+            if overlap:
+                assert sum(c > 0 for c in open_counts) >= 2, trace
+            else:
+                assert not any(open_counts), trace

@@ -19,7 +19,9 @@ KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.e
         "parallel.sequence_parallel", "parallel.cp_comm", "overlap.dp", "overlap.tp", "overlap.pp", "overlap.cp",
         "overlap.ep", "overlap.dp_param_gather", "overlap.dp_bucket_mb", "train.distributed_optimizer",
         "train.global_batch_size", "train.micro_batch_size", "model.num_layers", "model.num_attention_heads",
-        "model.seq_length", "model.num_experts", "model.tie_embeddings", "train.on_nonfinite"]
+        "model.seq_length", "model.num_experts", "model.tie_embeddings", "train.on_nonfinite",
+        "model.moe_top_k", "model.moe_layer_freq", "model.moe_capacity_factor", "model.moe_dispatcher",
+        "model.shared_expert", "overlap.ep_chunks", "train.profile", "train.profile_steps"]
 
 
 def _fmt(v):
@@ -50,6 +52,8 @@ LAYOUT = st.fixed_dictionaries({
     "overlap.pp": st.sampled_from(["auto", "false"]), "overlap.cp": st.sampled_from(["auto", "false"]),
     "model.tie_embeddings": st.booleans(), "model.num_layers": st.sampled_from([2, 4]),
     "train.micro_batch_size": st.sampled_from([1, 2]), "train.global_batch_size": st.sampled_from([8, 16]),
+    "model.num_experts": st.sampled_from([0, 4]), "parallel.ep": st.sampled_from([1, 2]),
+    "overlap.ep": st.sampled_from(["auto", "false"]),
 })
 TINY = ["model.hidden_size=32", "model.num_attention_heads=4", "model.ffn_hidden_size=64", "model.seq_length=32",
         "data.max_bytes=100000", "train.progress=false", "train.eval_iters=1", "overlap.dp_bucket_mb=0.02"]

@@ -17,6 +17,9 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
          "overlap.dp_bucket_mb=0.05", "train.progress=false", "train.eval_iters=1"]
 
 
+MOE = ["model=moe_tiny", "model.moe_ffn_hidden_size=64"]
+
+
 def train(run_dir, *overrides, steps=4, expect=0, launcher=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
@@ -72,6 +75,20 @@ LAYOUTS = {
                            "overlap.dp=true", "overlap.tp=true", "overlap.pp=true"],
     "tp2_cp2_pp2_vpp2": ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.vpp=2",
                          "parallel.sequence_parallel=true", "model.num_layers=4"],
+    # Mixture of experts: each ep layout against ep=1 at the same dp (and tp, pp).
+    "moe_dp4": [*MOE, "parallel.dp=4"],
+    "moe_dp4_ep2_on": [*MOE, "parallel.dp=4", "parallel.ep=2", "overlap.ep=true"],
+    "moe_dp4_ep4_on": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=true"],
+    "moe_dp4_ep4_off": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=false"],
+    "moe_dp4_ep2_zero": [*MOE, "parallel.dp=4", "parallel.ep=2", "train.distributed_optimizer=true",
+                         "overlap.dp_param_gather=true"],
+    "moe_shared_dp2": [*MOE, "model.shared_expert=true", "parallel.dp=2"],
+    "moe_shared_dp2_ep2_allgather": [*MOE, "model.shared_expert=true", "parallel.dp=2", "parallel.ep=2",
+                                     "model.moe_dispatcher=allgather", "overlap.ep=true"],
+    "moe_dp2_tp2_pp2": [*MOE, "parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
+    "moe_dp2_ep2_tp2_pp2_all": [*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2",
+                                "parallel.sequence_parallel=true", "overlap.dp=true", "overlap.tp=true",
+                                "overlap.pp=true", "overlap.ep=true"],
 }
 
 
@@ -150,6 +167,32 @@ def test_compositions_reproduce_single_process_curve(runs):
     assert {"dp", "tp", "pp"} <= set(comm)
 
 
+def test_moe_ep_layouts_reproduce_ep1_curve(runs):
+    """Dropless MoE: expert parallelism (2 and 4, overlap on and off, ZeRO-1, the all-gather
+    dispatcher with a shared expert, and composed with dp2 x tp2 x pp2) reproduces ep=1."""
+    ref = losses(runs / "moe_dp4")
+    for name in ("moe_dp4_ep2_on", "moe_dp4_ep4_on", "moe_dp4_ep4_off", "moe_dp4_ep2_zero"):
+        assert_close(losses(runs / name), ref)
+    assert_close(losses(runs / "moe_shared_dp2_ep2_allgather"), losses(runs / "moe_shared_dp2"))
+    assert_close(losses(runs / "moe_dp2_ep2_tp2_pp2_all"), losses(runs / "moe_dp2_tp2_pp2"))
+    assert {"dp", "tp", "pp", "ep"} <= set(rows(runs / "moe_dp2_ep2_tp2_pp2_all")[-1]["comm"])
+    assert ref[-1] < ref[0]
+
+
+def test_moe_metrics_and_ep_overlap_on_off_identical(runs):
+    on, off = rows(runs / "moe_dp4_ep4_on"), rows(runs / "moe_dp4_ep4_off")
+    assert [r["loss"] for r in on] == [r["loss"] for r in off]
+    assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
+    for row in on + off:
+        ep = row["comm"]["ep"]
+        assert ep["ops"] > 0 and ep["bytes"] > 0 and 0 <= ep["exposed_s"] <= ep["time_s"] + 1e-3
+        # Load balancing: 1.0 when perfectly balanced, at most num_experts; dropless drops nothing.
+        assert 0.5 < row["moe"]["aux_loss"] < 8 and row["moe"]["z_loss"] > 0
+        assert row["moe"]["dropped_fraction"] == 0
+    assert [r["comm"]["ep"]["bytes"] for r in on] == [r["comm"]["ep"]["bytes"] for r in off]
+    assert "ep" not in rows(runs / "moe_dp4")[0]["comm"]  # ep=1: nothing dispatched over a group
+
+
 def test_check_estimates_match_measured_comm(runs):
     """mpoverlap-check's per-step communication estimate against what the ledger measured."""
     from mpoverlap.config import compose
@@ -157,7 +200,7 @@ def test_check_estimates_match_measured_comm(runs):
     from mpoverlap.overlap.layout import build_layout
 
     for name in ("dp2_on", "dp4_zero_on", "tp2", "tp2_sp_on", "pp2_vpp2_on", "pp4_on", "cp4_ring_off",
-                 "dp2_tp2_pp2_sp_all"):
+                 "dp2_tp2_pp2_sp_all", "moe_dp4_ep2_on", "moe_dp4_ep2_zero", "moe_dp2_ep2_tp2_pp2_all"):
         cfg = compose([*SMALL, *LAYOUTS[name]])
         est = estimate(cfg, build_layout(cfg).world).comm_bytes_per_step
         measured = rows(runs / name)[-1]["comm"]
@@ -206,6 +249,24 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
         proc = train(run, *common, *later, steps=6)
         assert "resumed from" in proc.stdout
         assert_close([r["loss"] for r in rows(run)], ref)
+
+
+def test_checkpoint_reshards_tp_pp_chain_and_ep(tmp_path):
+    """tp2 x pp2 -> tp1 x pp1 -> tp4 on one curve; an MoE checkpoint moves from ep1 to ep2 and
+    from ep2 to ep1 (experts are saved under their global index)."""
+    common = ["train.lr_decay_steps=6", "checkpoint.interval=2"]
+    train(tmp_path / "ref", *common, steps=6)
+    run = tmp_path / "chain"
+    train(run, *common, "parallel.tp=2", "parallel.pp=2", steps=2)
+    for later, steps in ((["parallel.tp=1"], 4), (["parallel.tp=4"], 6)):
+        assert "resumed from" in train(run, *common, *later, steps=steps).stdout
+    assert_close(losses(run), losses(tmp_path / "ref"))
+    moe = [*MOE, "parallel.dp=2", "train.lr_decay_steps=6", "checkpoint.interval=3"]
+    train(tmp_path / "moe_ref", *moe, steps=6)
+    for name, first, then in (("ep1_to_ep2", [], ["parallel.ep=2"]), ("ep2_to_ep1", ["parallel.ep=2"], [])):
+        train(tmp_path / name, *moe, *first, steps=3)
+        assert "resumed from" in train(tmp_path / name, *moe, *then, steps=6).stdout
+        assert_close(losses(tmp_path / name), losses(tmp_path / "moe_ref"))
 
 
 def test_torchrun_joins(tmp_path, runs):

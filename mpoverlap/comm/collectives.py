@@ -4,6 +4,9 @@ Every function issues with `async_op=True` and returns at once; the caller decid
 wait (that decision is the overlap mode). A `group` of None means a one-member group: the
 result is computed locally and the handle is already complete, so callers never special-case
 size 1.
+
+Each issue runs inside `named_range("comm", mode, op)`: a `comm/<mode>/<op>` range in a torch
+profiler trace while one records (free otherwise), and an NVTX range for CUDA tensors.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mpoverlap.comm.handle import CommHandle, now
+from mpoverlap.comm.handle import CommHandle, named_range, now
 from mpoverlap.comm.ledger import CommLedger
 
 
@@ -39,7 +42,10 @@ def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommL
                op=dist.ReduceOp.SUM) -> CommHandle:
     """In-place all-reduce of `tensor` over `group`."""
     clock = _clock(tensor, group)
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True) if group is not None else None
+    work = None
+    if group is not None:
+        with named_range("comm", mode, "all_reduce", cuda=tensor.is_cuda):
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return CommHandle(mode, "all_reduce", _nbytes(tensor), [work], ledger, keepalive=tensor, **clock)
 
 
@@ -51,7 +57,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: st
         output.copy_(input)
         work = None
     else:
-        work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
+        with named_range("comm", mode, "reduce_scatter", cuda=input.is_cuda):
+            work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
     return CommHandle(mode, "reduce_scatter", _nbytes(input), [work], ledger, keepalive=(output, input), **clock)
 
 
@@ -63,7 +70,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
         output.copy_(input)
         work = None
     else:
-        work = _all_gather_tensor(output, input, group=group, async_op=True)
+        with named_range("comm", mode, "all_gather", cuda=input.is_cuda):
+            work = _all_gather_tensor(output, input, group=group, async_op=True)
     return CommHandle(mode, "all_gather", _nbytes(output), [work], ledger, keepalive=(output, input), **clock)
 
 
@@ -76,8 +84,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
         output.copy_(input)
         work = None
     else:
-        work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                      group=group, async_op=True)
+        with named_range("comm", mode, "all_to_all", cuda=input.is_cuda):
+            work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                          group=group, async_op=True)
     return CommHandle(mode, "all_to_all", _nbytes(input), [work], ledger, keepalive=(output, input), **clock)
 
 
@@ -89,6 +98,7 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: st
     clock = _clock(tensors[0], True) if tensors else {}
     ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
-    works = dist.batch_isend_irecv(ops) if ops else []
+    with named_range("comm", mode, "send_recv", cuda=bool(tensors) and tensors[0].is_cuda):
+        works = dist.batch_isend_irecv(ops) if ops else []
     nbytes = sum(_nbytes(t) for t, _ in sends) + sum(_nbytes(t) for t, _ in recvs)
     return CommHandle(mode, "send_recv", nbytes, list(works), ledger, keepalive=tensors, **clock)

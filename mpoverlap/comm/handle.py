@@ -11,12 +11,21 @@ the compute stream at issue and around the wait; the GPU-side stall (exposed tim
 elapsed time between the events around the wait, and the in-flight time runs from issue to
 the end of the wait (an upper bound when the transfer finished earlier). Events are read
 only when the ledger summarises (at log steps), never with a device-wide synchronize.
+
+`wait_began_at` / `wait_ended_at` bound the blocked span (host clock on CPU; on CUDA mapped
+onto the host clock from the issue time once resolved). Profiling: issue and wait show as
+named ranges `comm/<mode>/<op>` and `wait/<mode>/<op>` in a torch profiler trace (only while
+one records) and, for CUDA tensors, as NVTX ranges for Nsight; see `named_range`.
 """
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, List, Optional
+
+import torch
+import torch.autograd.profiler as _autograd_profiler
 
 MODES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -25,10 +34,50 @@ def now() -> float:
     return time.perf_counter()
 
 
+# Shared no-op context: the common case (no profiler, CPU) allocates nothing.
+_NO_RANGE = nullcontext()
+
+
+class _NamedRange:
+    """A torch profiler range (only while a profiler records) plus an NVTX range (CUDA)."""
+
+    __slots__ = ("name", "cuda", "_record")
+
+    def __init__(self, name: str, cuda: bool) -> None:
+        self.name, self.cuda, self._record = name, cuda, None
+
+    def __enter__(self) -> "_NamedRange":
+        if _autograd_profiler._is_profiler_enabled:
+            self._record = torch.profiler.record_function(self.name)
+            self._record.__enter__()
+        if self.cuda:
+            torch.cuda.nvtx.range_push(self.name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cuda:
+            torch.cuda.nvtx.range_pop()
+        if self._record is not None:
+            self._record.__exit__(None, None, None)
+            self._record = None
+
+
+def named_range(*parts: Any, cuda: bool = False):
+    """Context manager naming a span `parts[0]/parts[1]/...` (e.g. `comm/dp/all_reduce`).
+
+    Off (a shared no-op, the name never built) unless a torch profiler is recording or
+    `cuda` is True; NVTX ranges are pushed for CUDA work always, since an outside profiler
+    (nsys) cannot be detected from here and a push costs about a microsecond.
+    """
+    if not (cuda or _autograd_profiler._is_profiler_enabled):
+        return _NO_RANGE
+    return _NamedRange("/".join(map(str, parts)), cuda)
+
+
 class CommHandle:
     __slots__ = (
         "mode", "op", "nbytes", "issued_at", "completed_at", "blocked_s", "_works", "_ledger",
-        "_waited", "_on_done", "_lock", "_keepalive", "_cuda_events",
+        "_waited", "_on_done", "_lock", "_keepalive", "_cuda_events", "wait_began_at", "wait_ended_at",
     )
 
     def __init__(self, mode: str, op: str, nbytes: int, works: List[Any], ledger: Optional["Any"],
@@ -42,6 +91,8 @@ class CommHandle:
         self.issued_at = issued_at if issued_at is not None else now()
         self.completed_at: Optional[float] = None
         self.blocked_s = 0.0
+        self.wait_began_at: Optional[float] = None
+        self.wait_ended_at: Optional[float] = None
         self._works = [w for w in works if w is not None]
         self._ledger = ledger
         self._waited = False
@@ -97,11 +148,13 @@ class CommHandle:
             return self
         if self._ledger is not None:
             self._ledger.poll()
-        t0 = now()
-        for work in self._works:
-            work.wait()
-        t1 = now()
+        with named_range("wait", self.mode, self.op):
+            t0 = now()
+            for work in self._works:
+                work.wait()
+            t1 = now()
         self._waited = True
+        self.wait_began_at, self.wait_ended_at = t0, t1
         if self.completed_at is None or self.completed_at > t1:
             self.completed_at = t1
         # Blocked = time compute could not proceed; a handle already done costs ~0.
@@ -112,14 +165,13 @@ class CommHandle:
         return self
 
     def _wait_cuda(self) -> None:
-        import torch
-
         before = torch.cuda.Event(enable_timing=True)
         after = torch.cuda.Event(enable_timing=True)
-        before.record()
-        for work in self._works:
-            work.wait()  # enqueues a stream wait; the host moves on
-        after.record()
+        with named_range("wait", self.mode, self.op, cuda=True):
+            before.record()
+            for work in self._works:
+                work.wait()  # enqueues a stream wait; the host moves on
+            after.record()
         self._cuda_events[1:] = [before, after]
         self._waited = True
         # The tensors must outlive the transfer, which may still run on the GPU: keep them
@@ -142,6 +194,8 @@ class CommHandle:
         self.blocked_s = before.elapsed_time(after) / 1e3
         in_flight = start.elapsed_time(after) / 1e3
         self.completed_at = self.issued_at + in_flight
+        self.wait_ended_at = self.completed_at
+        self.wait_began_at = self.completed_at - self.blocked_s
         self._cuda_events = None
         self._keepalive = None
 

@@ -4,11 +4,14 @@
 union of issue-to-completion intervals, so handles queued behind each other are not counted
 twice), `exposed_s` the time compute sat blocked in wait(). exposed_s / time_s is the share of
 that mode's communication that overlap failed to hide.
+
+An optional `recorder` (a callable, None by default) sees every handle as it is recorded, for
+the profiler's per-handle timeline; with it unset recording costs one attribute test.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 FIELDS = ("ops", "bytes", "time_s", "exposed_s")
 
@@ -19,6 +22,9 @@ class CommLedger:
         self._intervals: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         self._unresolved: List = []  # CUDA handles whose events are read at summary time
         self._polled: List = []  # handles whose backend gives no completion callback
+        # Called with each handle at record() (right after its wait, before CUDA timings are
+        # resolved: the recorder resolves them itself when it needs them). Off when None.
+        self.recorder: Optional[Callable[[object], None]] = None
 
     def watch(self, handle) -> None:
         self._polled.append(handle)
@@ -29,6 +35,8 @@ class CommLedger:
             self._polled = [h for h in self._polled if not h.poll()]
 
     def record(self, handle) -> None:
+        if self.recorder is not None:
+            self.recorder(handle)
         if handle.uses_cuda_events:
             self._unresolved.append(handle)
             return

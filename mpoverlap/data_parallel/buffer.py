@@ -7,9 +7,10 @@ the buffer and a bucket's communication is one collective over one contiguous sl
 
 Layout: parameters in REVERSE order of `module.named_parameters()`, because backward produces
 gradients roughly last layer first; the first bucket therefore completes first. A bucket
-closes as soon as it holds >= `bucket_mb` MiB (a parameter is never split), and is padded with
-zeros to a multiple of `pad_to` (the dp size under the distributed optimizer) so it
-reduce-scatters into `pad_to` equal shards:
+closes as soon as it holds >= `bucket_mb` MiB (a parameter is never split), or when the next
+parameter has another `key_of` (expert weights reduce over another group than dense ones, so
+a bucket never mixes them), and is padded with zeros to a multiple of `pad_to[key]` (that
+group's size under the distributed optimizer) so it reduce-scatters into equal shards:
 
     bucket b: [offset_b, offset_b + numel_b),   numel_b % pad_to == 0
     shard r of bucket b: [offset_b + r * numel_b / pad_to, offset_b + (r + 1) * numel_b / pad_to)
@@ -17,7 +18,7 @@ reduce-scatters into `pad_to` equal shards:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -41,6 +42,7 @@ class Bucket:
     names: List[str]
     param_data: torch.Tensor
     grad_data: torch.Tensor
+    key: Hashable = None  # which reduction group the bucket belongs to (see build_buffer)
 
     def shard_range(self, rank: int, world: int) -> Tuple[int, int]:
         """Global buffer range [lo, hi) of shard `rank` when the bucket is split `world` ways."""
@@ -79,12 +81,17 @@ class ParamAndGradBuffer:
         self.grad_data.zero_()
 
 
-def _plan_buckets(sizes: List[int], bucket_elems: int) -> List[List[int]]:
-    """Group consecutive parameter indices; a bucket closes once it reaches `bucket_elems`."""
+def _plan_buckets(sizes: List[int], bucket_elems: int, keys: Optional[List[Hashable]] = None) -> List[List[int]]:
+    """Group consecutive parameter indices; a bucket closes once it reaches `bucket_elems`
+    or before a parameter whose key differs from the bucket's."""
+    keys = keys if keys is not None else [None] * len(sizes)
     groups: List[List[int]] = []
     current: List[int] = []
     filled = 0
     for i, n in enumerate(sizes):
+        if current and keys[i] != keys[current[0]]:
+            groups.append(current)
+            current, filled = [], 0
         current.append(i)
         filled += n
         if filled >= bucket_elems:
@@ -96,7 +103,8 @@ def _plan_buckets(sizes: List[int], bucket_elems: int) -> List[List[int]]:
 
 
 def build_buffer(named_params: Iterable[Tuple[str, nn.Parameter]], *, bucket_mb: float,
-                 pad_to: int = 1) -> ParamAndGradBuffer:
+                 pad_to: Union[int, Dict[Hashable, int]] = 1,
+                 key_of: Optional[Callable[[nn.Parameter], Hashable]] = None) -> ParamAndGradBuffer:
     """Move every trainable parameter of `named_params` (model order) into flat buffers.
 
     Parameters with `requires_grad=False` are left where they are (nothing to reduce or
@@ -106,7 +114,8 @@ def build_buffer(named_params: Iterable[Tuple[str, nn.Parameter]], *, bucket_mb:
     """
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-    if pad_to < 1:
+    pad_of = pad_to if isinstance(pad_to, dict) else None
+    if (min(pad_of.values()) if pad_of else pad_to) < 1:
         raise ValueError(f"pad_to must be >= 1, got {pad_to}")
     seen, ordered = set(), []
     for name, p in named_params:
@@ -126,12 +135,14 @@ def build_buffer(named_params: Iterable[Tuple[str, nn.Parameter]], *, bucket_mb:
     bucket_elems = max(1, int(bucket_mb * MIB / elem_bytes))
 
     sizes = [p.numel() for _, p in ordered]
-    groups = _plan_buckets(sizes, bucket_elems)
+    keys = [key_of(p) if key_of is not None else None for _, p in ordered]
+    groups = _plan_buckets(sizes, bucket_elems, keys)
     # Offsets first, so the buffers are allocated once at their final size.
     spans, total = [], 0
     for group in groups:
         data_numel = sum(sizes[i] for i in group)
-        numel = -(-data_numel // pad_to) * pad_to
+        pad = pad_of[keys[group[0]]] if pad_of is not None else pad_to
+        numel = -(-data_numel // pad) * pad
         spans.append((total, numel, data_numel))
         total += numel
     param_data = torch.zeros(total, dtype=dtype, device=device)
@@ -142,7 +153,7 @@ def build_buffer(named_params: Iterable[Tuple[str, nn.Parameter]], *, bucket_mb:
         start = offset
         bucket = Bucket(index=b, offset=offset, numel=numel, data_numel=data_numel, params=[],
                         names=[], param_data=param_data[offset:offset + numel],
-                        grad_data=grad_data[offset:offset + numel])
+                        grad_data=grad_data[offset:offset + numel], key=keys[group[0]])
         for i in group:
             name, p = ordered[i]
             end = start + p.numel()

@@ -12,7 +12,13 @@ With `overlap=True` the handle is left in flight under the rest of backward and 
 `finish_grad_sync()`; with `overlap=False` it is waited the moment it is issued. Both modes
 run the same ops on the same data, so their gradients are bitwise identical.
 
-Averaging: every bucket is divided by the group size g right before the SUM collective
+Expert weights (parameters marked `expert_parallel`) sit in buckets of their own, reduced
+over the expert-data-parallel group (`expert_group_kind`, ranks holding the same experts)
+instead of dp x cp. Each expert's local gradient already sums the contributions of every
+expert-parallel peer's tokens (the dispatch backward brought them), so the sum over edp
+covers all dp x cp ranks and is divided by the dp x cp size, like a dense bucket.
+
+Averaging: every bucket is divided by the dp x cp size right before the SUM collective
 (gloo has no AVG). Buckets are issued strictly in bucket order, so the sequence of
 collectives is identical on every rank even if a bucket is held back by a parameter that got
 no gradient (it is then issued, with everything after it, by `finish_grad_sync()`).
@@ -21,7 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Dict, Iterator, List, Optional, Set
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 import torch.nn as nn
@@ -33,40 +40,52 @@ from mpoverlap.data_parallel.buffer import ParamAndGradBuffer, build_buffer
 from mpoverlap.parallel.state import ParallelState
 
 
+@dataclass(frozen=True)
+class ReduceGroup:
+    """Where one bucket's gradients are reduced: the group (None = one member), its size and
+    this rank's position in it (its shard under the distributed optimizer)."""
+
+    kind: str
+    group: Any
+    size: int
+    rank: int
+
+
+def expert_key(param: nn.Parameter) -> str:
+    return "expert" if getattr(param, "expert_parallel", False) else "dense"
+
+
 class DataParallel:
-    """Wrap `module` for data-parallel training over `state.group(group_kind)`.
+    """Wrap `module` for data-parallel training over `state.group(group_kind)` (expert
+    weights over `state.group(expert_group_kind)`).
 
     The module's trainable parameters move into one flat buffer (bucketed, reverse model
     order); `.grad` of each is a view of the gradient buffer, so never set it to None.
     """
 
     def __init__(self, module: nn.Module, state: ParallelState, *, group_kind: str = "dp_cp",
-                 overlap: bool, bucket_mb: float, distributed_optimizer: bool,
-                 ledger: Optional[CommLedger]) -> None:
-        ranks = state.ranks(group_kind)
-        if state.rank not in ranks:
-            raise ValueError(f"rank {state.rank} has no {group_kind!r} group to reduce over")
+                 expert_group_kind: str = "edp", overlap: bool, bucket_mb: float,
+                 distributed_optimizer: bool, ledger: Optional[CommLedger]) -> None:
+        self.reduce_groups = {"dense": self._reduce_group(state, group_kind),
+                              "expert": self._reduce_group(state, expert_group_kind)}
         self.module = module
         self.group_kind = group_kind
-        self.group = state.group(group_kind)
-        self.group_size = len(ranks)
-        # Groups are built from sorted rank lists, so the group rank is the position in it.
-        self.group_rank = ranks.index(state.rank)
-        if (self.group is None) != (self.group_size == 1):
-            raise RuntimeError(f"{group_kind!r} group object does not match its size {self.group_size}")
+        dense = self.reduce_groups["dense"]
+        self.group, self.group_size, self.group_rank = dense.group, dense.size, dense.rank
         self.overlap = bool(overlap)
         self.distributed_optimizer = bool(distributed_optimizer)
         self.ledger = ledger
         self.bucket_mb = bucket_mb
-        pad_to = self.group_size if self.distributed_optimizer else 1
-        self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(),
-                                                       bucket_mb=bucket_mb, pad_to=pad_to)
+        pad_to = {k: (g.size if self.distributed_optimizer else 1) for k, g in self.reduce_groups.items()}
+        self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(), bucket_mb=bucket_mb,
+                                                       pad_to=pad_to, key_of=expert_key)
         nb = len(self.buffer.buckets)
         # Reduce-scatter output lands in a scratch shard, then is copied into the gradient
         # buffer: gloo gives no guarantee for an output that aliases its own input.
-        self._rs_out = ([torch.empty(b.numel // self.group_size, dtype=b.grad_data.dtype,
-                                     device=b.grad_data.device) for b in self.buffer.buckets]
-                        if self.distributed_optimizer and self.group is not None else [])
+        self._rs_out = [torch.empty(b.numel // self.bucket_group(b.index).size, dtype=b.grad_data.dtype,
+                                    device=b.grad_data.device)
+                        if self.distributed_optimizer and self.bucket_group(b.index).group is not None else None
+                        for b in self.buffer.buckets]
         self._is_last = True
         self._ready: List[Set[nn.Parameter]] = [set() for _ in range(nb)]
         self._issued = [False] * nb
@@ -76,6 +95,21 @@ class DataParallel:
         self._warned_unused = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.buffer.params]
+
+    @staticmethod
+    def _reduce_group(state: ParallelState, kind: str) -> ReduceGroup:
+        ranks = state.ranks(kind)
+        if state.rank not in ranks:
+            raise ValueError(f"rank {state.rank} has no {kind!r} group to reduce over")
+        group = state.group(kind)
+        if (group is None) != (len(ranks) == 1):
+            raise RuntimeError(f"{kind!r} group object does not match its size {len(ranks)}")
+        # Groups are built from sorted rank lists, so the group rank is the position in it.
+        return ReduceGroup(kind, group, len(ranks), ranks.index(state.rank))
+
+    def bucket_group(self, bucket_index: int) -> ReduceGroup:
+        """The group bucket `bucket_index` is reduced (and sharded) over."""
+        return self.reduce_groups[self.buffer.buckets[bucket_index].key]
 
     # ---- module-like surface -------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -105,7 +139,8 @@ class DataParallel:
         its shard with the distributed optimizer, else the whole bucket."""
         b = self.buffer.buckets[bucket_index]
         if self.distributed_optimizer:
-            return b.shard_range(self.group_rank, self.group_size)
+            g = self.bucket_group(bucket_index)
+            return b.shard_range(g.rank, g.size)
         return b.offset, b.offset + b.numel
 
     @property
@@ -191,14 +226,16 @@ class DataParallel:
         bucket = self.buffer.buckets[b]
         self._issued[b] = True
         self._next = b + 1
-        if self.group is None:
-            return  # a group of one: the local gradient already is the average
-        bucket.grad_data.div_(self.group_size)
+        if self.group_size > 1:  # dense and expert buckets both average over dp x cp
+            bucket.grad_data.div_(self.group_size)
+        rg = self.bucket_group(b)
+        if rg.group is None:
+            return  # a group of one: nothing to add up
         if self.distributed_optimizer:
-            handle = reduce_scatter(self._rs_out[b], bucket.grad_data, self.group, mode="dp",
+            handle = reduce_scatter(self._rs_out[b], bucket.grad_data, rg.group, mode="dp",
                                     ledger=self.ledger)
         else:
-            handle = all_reduce(bucket.grad_data, self.group, mode="dp", ledger=self.ledger)
+            handle = all_reduce(bucket.grad_data, rg.group, mode="dp", ledger=self.ledger)
         self._handles[b] = handle
         if not self.overlap:
             self._complete(b)

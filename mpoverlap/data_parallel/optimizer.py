@@ -48,6 +48,9 @@ class _Piece:
     # A second copy of a parameter held by another pipeline stage (the tied head's embedding
     # on the last stage): left out of the norm, which counts the first stage's copy.
     pipeline_duplicate: bool = False
+    # An expert weight: its squares add up over the expert-parallel group (each rank holds
+    # other experts) and, under ZeRO-1, its shards over the expert-data-parallel group.
+    expert: bool = False
 
 
 class DataParallelAdamW:
@@ -59,13 +62,14 @@ class DataParallelAdamW:
 
     def __init__(self, ddp: DataParallel, *, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01,
-                 param_gather_overlap: bool = False, tp_group=None, pp_group=None) -> None:
+                 param_gather_overlap: bool = False, tp_group=None, pp_group=None, ep_group=None) -> None:
         if param_gather_overlap and not ddp.distributed_optimizer:
             raise ValueError("param_gather_overlap=True needs DataParallel(distributed_optimizer="
                              "True); without it the parameters are never sharded")
         self.ddp = ddp
         self.tp_group = tp_group
         self.pp_group = pp_group
+        self.ep_group = ep_group
         self.param_gather_overlap = bool(param_gather_overlap)
         buf = ddp.buffer
         self.pieces: List[_Piece] = []
@@ -80,7 +84,8 @@ class DataParallelAdamW:
                 main.grad = buf.grad_data[lo:hi]
                 self.pieces.append(_Piece(buf.name_of[p], p.ndim, lo - start, hi - start, lo, hi, main,
                                           bool(getattr(p, "tensor_model_parallel", False)),
-                                          bool(getattr(p, "pipeline_duplicate", False))))
+                                          bool(getattr(p, "pipeline_duplicate", False)),
+                                          bool(getattr(p, "expert_parallel", False))))
         groups = [{"params": [pc.main for pc in self.pieces if pc.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [pc.main for pc in self.pieces if pc.ndim < 2], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
@@ -93,9 +98,9 @@ class DataParallelAdamW:
         self._step = 0
         self._pending: Dict[int, CommHandle] = {}
         # Gather inputs: a copy of the shard, so the collective's input never aliases its output.
-        self._gather_in = ([torch.empty(b.numel // ddp.group_size, dtype=b.param_data.dtype,
-                                        device=b.param_data.device) for b in buf.buckets]
-                           if self._gathers else [])
+        self._gather_in = [torch.empty(b.numel // ddp.bucket_group(b.index).size, dtype=b.param_data.dtype,
+                                       device=b.param_data.device) if self._bucket_gathers(b.index) else None
+                           for b in buf.buckets]
         self._hooks = []
         if self.param_gather_overlap and self._gathers:
             for module in ddp.module.modules():
@@ -103,9 +108,13 @@ class DataParallelAdamW:
                 if owned:
                     self._hooks.append(module.register_forward_pre_hook(partial(self._wait_buckets, owned)))
 
+    def _bucket_gathers(self, bucket_index: int) -> bool:
+        """Under ZeRO-1 a bucket reduced over a group of more than one rank is sharded."""
+        return self.ddp.distributed_optimizer and self.ddp.bucket_group(bucket_index).group is not None
+
     @property
     def _gathers(self) -> bool:
-        return self.ddp.distributed_optimizer and self.ddp.group is not None
+        return any(self._bucket_gathers(b.index) for b in self.ddp.buffer.buckets)
 
     @property
     def param_groups(self) -> list:
@@ -132,10 +141,13 @@ class DataParallelAdamW:
     def _gather_params(self) -> None:
         ddp, buf = self.ddp, self.ddp.buffer
         for bucket in reversed(buf.buckets):  # forward order: first layers sit in the last bucket
+            if not self._bucket_gathers(bucket.index):
+                continue
             lo, hi = ddp.shard_range(bucket.index)
             inp = self._gather_in[bucket.index]
             inp.copy_(buf.param_data[lo:hi])
-            handle = all_gather(bucket.param_data, inp, ddp.group, mode="dp", ledger=ddp.ledger)
+            handle = all_gather(bucket.param_data, inp, ddp.bucket_group(bucket.index).group, mode="dp",
+                                ledger=ddp.ledger)
             if self.param_gather_overlap:
                 self._pending[bucket.index] = handle
             else:
@@ -167,31 +179,46 @@ class DataParallelAdamW:
         norm is returned without touching the gradients."""
         self.ddp.finish_grad_sync()
         regions = self._grad_regions()
-        if self.tp_group is None and self.pp_group is None:
+        if self.tp_group is None and self.pp_group is None and self.ep_group is None:
             # fp64 accumulation: an fp32 norm over a whole bucket rounds differently per bucket layout.
             sq = torch.stack([torch.linalg.vector_norm(r, dtype=torch.float64) for r in regions]).pow(2).sum()
+            if self.ddp.distributed_optimizer and self.ddp.group is not None:
+                # Each rank holds disjoint shards (expert buckets too: without expert
+                # parallelism their group has the dense group's ranks): the squares add up.
+                # A small synchronous reduction, not part of the overlapped dp traffic.
+                dist.all_reduce(sq, group=self.ddp.group)
         else:
-            # [replicated, tp-sharded] square sums: shards add up over the TP group, copies
-            # of a replicated parameter must count once.
-            sq2 = torch.zeros(2, dtype=torch.float64, device=self.ddp.buffer.grad_data.device)
-            for pc in self.pieces:
-                if not pc.pipeline_duplicate:
-                    sq2[int(pc.tp_sharded)] += torch.linalg.vector_norm(pc.main.grad, dtype=torch.float64).pow(2)
-            if self.tp_group is not None:
-                dist.all_reduce(sq2[1:], group=self.tp_group)
-            sq = sq2.sum()
-            if self.pp_group is not None:  # each stage holds different layers: squares add up
-                dist.all_reduce(sq, group=self.pp_group)
-        if self.ddp.distributed_optimizer and self.ddp.group is not None:
-            # Each rank holds disjoint shards: the square sums add up. A small synchronous
-            # reduction, not part of the overlapped dp traffic.
-            dist.all_reduce(sq, group=self.ddp.group)
+            sq = self._sharded_square_sum()
         norm = float(sq.sqrt())
         if max_norm > 0 and math.isfinite(norm):
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_(regions, coef)
         return norm
+
+    def _sharded_square_sum(self) -> torch.Tensor:
+        """Squares of [replicated dense, tp-sharded dense, expert] gradients, each reduced over
+        the groups that split it: ZeRO-1 shards (dense over dp x cp, experts over edp), TP
+        shards, expert-parallel ranks (other experts), then pipeline stages (other layers).
+        Copies of a replicated parameter count once."""
+        sq3 = torch.zeros(3, dtype=torch.float64, device=self.ddp.buffer.grad_data.device)
+        for pc in self.pieces:
+            if not pc.pipeline_duplicate:
+                cat = 2 if pc.expert else int(pc.tp_sharded)
+                sq3[cat] += torch.linalg.vector_norm(pc.main.grad, dtype=torch.float64).pow(2)
+        if self.ddp.distributed_optimizer:
+            for sl, key in ((slice(0, 2), "dense"), (slice(2, 3), "expert")):
+                group = self.ddp.reduce_groups[key].group
+                if group is not None:
+                    dist.all_reduce(sq3[sl], group=group)
+        if self.tp_group is not None:
+            dist.all_reduce(sq3[1:2], group=self.tp_group)
+        if self.ep_group is not None:
+            dist.all_reduce(sq3[2:], group=self.ep_group)
+        sq = sq3.sum()
+        if self.pp_group is not None:  # each stage holds different layers: squares add up
+            dist.all_reduce(sq, group=self.pp_group)
+        return sq
 
     def grad_norm(self) -> float:
         return self.clip_grad_norm(0.0)
@@ -213,12 +240,12 @@ class DataParallelAdamW:
                 for k in _STATE_KEYS:
                     if st and k in st:
                         full[k][pc.lo:pc.hi].copy_(st[k])
-        if self._gathers:
-            for bucket in buf.buckets:
+        for bucket in buf.buckets:
+            if self._bucket_gathers(bucket.index):
                 lo, hi = ddp.shard_range(bucket.index)
                 for k in _STATE_KEYS:
                     _all_gather_tensor(full[k][bucket.offset:bucket.offset + bucket.numel],
-                                       full[k][lo:hi].clone(), group=ddp.group)
+                                       full[k][lo:hi].clone(), group=ddp.bucket_group(bucket.index).group)
         out = {"step": self._step, "exp_avg": {}, "exp_avg_sq": {}}
         for p in buf.params:
             start, end, _ = buf.index[p]

@@ -5,9 +5,9 @@ layer composes them. Nothing here reads global state: groups, ledgers and switch
 """
 from mpoverlap.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mpoverlap.moe.experts import Experts
-from mpoverlap.moe.layer import MoELayer, build_moe_layer
+from mpoverlap.moe.layer import MoELayer, build_moe_layer, moe_kwargs
 from mpoverlap.moe.permute import permute, unpermute
 from mpoverlap.moe.router import RouterOutput, TopKRouter
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "Experts", "MoELayer", "build_moe_layer",
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "Experts", "MoELayer", "build_moe_layer", "moe_kwargs",
            "permute", "unpermute", "RouterOutput", "TopKRouter"]

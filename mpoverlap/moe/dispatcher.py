@@ -15,7 +15,17 @@ AllGatherDispatcher: all_gather x [T, H], ids, weights over ep (T equal on every
 
 Autograd: a token exchange is issued on detached tensors; once waited, `_Link` joins the
 received buffer to the sent tensor in the graph, and its backward runs the reverse collective
-(all_to_all with swapped splits; all_gather <-> reduce_scatter), waited at once.
+(all_to_all with swapped splits; all_gather <-> reduce_scatter).
+  overlap=False: the reverse collective is waited inside `_Link.backward`.
+  overlap=True:  `_Link.backward` only issues it and returns the buffer being written; a
+    `_WaitGrad` identity node, inserted in front of the link when the exchange was issued,
+    waits it. Nothing reads the buffer in between, and the autograd engine runs the nodes it
+    created later in forward first, so the backward of another chunk's experts (and the
+    shared expert) runs while the reverse exchange is in flight: the backward mirrors the
+    forward overlap. The node order is the same on every rank (same graph), so is the
+    collective order.
+`backward_trace` (a list, optional) receives ("bwd_exchange_issued", id) and
+("bwd_exchange_waited", id) in the order backward runs them.
 """
 from __future__ import annotations
 
@@ -49,8 +59,8 @@ class Pending:
 
 
 class _Link(torch.autograd.Function):
-    """Identity edge x -> received buffer; backward runs `fn` (the reverse collective,
-    waited at once) on the gradient."""
+    """Identity edge x -> received buffer; backward runs `fn` (the reverse collective) on the
+    gradient."""
 
     @staticmethod
     def forward(ctx, x, box, fn):
@@ -62,41 +72,93 @@ class _Link(torch.autograd.Function):
         return ctx.fn(grad.contiguous()), None, None
 
 
-def _a2a(x, group, out_splits, in_splits, ledger):
+class _WaitGrad(torch.autograd.Function):
+    """Identity in forward; in backward waits the reverse exchange `box["handle"]` issued by
+    the `_Link` right after it (overlap=True), so the gradient is read only once it landed."""
+
+    @staticmethod
+    def forward(ctx, x, box):
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        box = ctx.box
+        handle = box.pop("handle", None)
+        if handle is not None:
+            handle.wait()
+            if box.get("trace") is not None:
+                box["trace"].append(("bwd_exchange_waited", box["id"]))
+        return grad, None
+
+
+class _Exchange:
+    """Issues one token exchange and its reverse in backward (see the module docstring)."""
+
+    def __init__(self, group, ledger, async_backward: bool, trace, exchange_id: int) -> None:
+        self.group, self.ledger, self.async_backward = group, ledger, async_backward
+        self.box = {"trace": trace, "id": exchange_id}
+
+    def prepare(self, x):
+        """x as the graph should see it: behind a wait node when the backward is async."""
+        return _WaitGrad.apply(x, self.box) if self.async_backward and x.requires_grad else x
+
+    def reverse(self, issue):
+        """Run `issue() -> (handle, out)` as the backward collective: waited now, or left to
+        the `_WaitGrad` node."""
+        handle, out = issue()
+        if self.box["trace"] is not None:
+            self.box["trace"].append(("bwd_exchange_issued", self.box["id"]))
+        if self.async_backward:
+            self.box["handle"] = handle
+        else:
+            handle.wait()
+            if self.box["trace"] is not None:
+                self.box["trace"].append(("bwd_exchange_waited", self.box["id"]))
+        return out
+
+
+def _a2a(x, group, out_splits, in_splits, ledger, ex: _Exchange):
     """Issue all_to_all of x (no autograd); returns (handle, link)."""
+    x = ex.prepare(x)
     buf = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     h = all_to_all(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger,
                    output_split_sizes=out_splits, input_split_sizes=in_splits)
 
     def back(g):
-        out = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
-        all_to_all(out, g, group, mode=MODE, ledger=ledger, output_split_sizes=in_splits,
-                   input_split_sizes=out_splits).wait()
-        return out
+        def issue():
+            out = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
+            return all_to_all(out, g, group, mode=MODE, ledger=ledger, output_split_sizes=in_splits,
+                              input_split_sizes=out_splits), out
+        return ex.reverse(issue)
     return h, (x, buf, back)
 
 
-def _gather(x, group, size, ledger):
+def _gather(x, group, size, ledger, ex: _Exchange):
     """Issue all_gather [T, ...] -> [R*T, ...]; backward reduce-scatters."""
+    x = ex.prepare(x)
     buf = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
     h = all_gather(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger)
 
     def back(g):
-        out = g.new_empty((g.shape[0] // size,) + tuple(g.shape[1:]))
-        reduce_scatter(out, g, group, mode=MODE, ledger=ledger).wait()
-        return out
+        def issue():
+            out = g.new_empty((g.shape[0] // size,) + tuple(g.shape[1:]))
+            return reduce_scatter(out, g, group, mode=MODE, ledger=ledger), out
+        return ex.reverse(issue)
     return h, (x, buf, back)
 
 
-def _scatter(x, group, size, ledger):
+def _scatter(x, group, size, ledger, ex: _Exchange):
     """Issue reduce_scatter [R*T, ...] -> [T, ...]; backward all-gathers."""
+    x = ex.prepare(x)
     buf = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
     h = reduce_scatter(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger)
 
     def back(g):
-        out = g.new_empty((size * g.shape[0],) + tuple(g.shape[1:]))
-        all_gather(out, g, group, mode=MODE, ledger=ledger).wait()
-        return out
+        def issue():
+            out = g.new_empty((size * g.shape[0],) + tuple(g.shape[1:]))
+            return all_gather(out, g, group, mode=MODE, ledger=ledger), out
+        return ex.reverse(issue)
     return h, (x, buf, back)
 
 
@@ -110,8 +172,17 @@ class _Base:
         self.group, self.size, self.rank = ep_group, ep_size, ep_rank
         self.num_experts, self.num_local = num_experts, num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
-        # `overlap` is recorded for the layer/plan; the dispatcher itself never blocks early.
-        self.overlap, self.ledger = overlap, ledger
+        # Forward: the layer decides when each Pending is waited. Backward: `overlap` makes
+        # the reverse exchanges asynchronous (see the module docstring).
+        # One member: the "exchanges" are local copies, not communication; keep them out of
+        # the ledger so comm.ep reports only real traffic.
+        self.overlap, self.ledger = overlap, (ledger if ep_group is not None else None)
+        self.backward_trace = None
+        self._exchanges = 0
+
+    def _exchange(self) -> _Exchange:
+        self._exchanges += 1
+        return _Exchange(self.group, self.ledger, self.overlap, self.backward_trace, self._exchanges)
 
     def dispatch(self, x_TH, expert_ids_Tk, weights_Tk):
         return self.dispatch_finish(self.dispatch_start(x_TH, expert_ids_Tk, weights_Tk))
@@ -129,7 +200,7 @@ class AllToAllDispatcher(_Base):
         all_to_all(recv_counts, send_counts, self.group, mode=MODE, ledger=self.ledger).wait()
         in_splits = send_counts.sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
-        h, link = _a2a(x_perm, self.group, out_splits, in_splits, self.ledger)
+        h, link = _a2a(x_perm, self.group, out_splits, in_splits, self.ledger, self._exchange())
         ctx = dict(order=order, weights=weights_Tk, T=T, k=k, recv_counts=recv_counts,
                    in_splits=in_splits, out_splits=out_splits)
         return Pending([h], [link], ctx)
@@ -142,7 +213,7 @@ class AllToAllDispatcher(_Base):
 
     def combine_start(self, expert_out_NH, ctx) -> Pending:
         back = expert_out_NH.index_select(0, inverse_index(ctx["index"]))
-        h, link = _a2a(back, self.group, ctx["in_splits"], ctx["out_splits"], self.ledger)
+        h, link = _a2a(back, self.group, ctx["in_splits"], ctx["out_splits"], self.ledger, self._exchange())
         return Pending([h], [link], ctx)
 
     def combine_finish(self, p: Pending):
@@ -154,8 +225,8 @@ class AllToAllDispatcher(_Base):
 class AllGatherDispatcher(_Base):
     def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk) -> Pending:
         T, k = expert_ids_Tk.shape
-        hx, lx = _gather(x_TH, self.group, self.size, self.ledger)
-        hw, lw = _gather(weights_Tk, self.group, self.size, self.ledger)
+        hx, lx = _gather(x_TH, self.group, self.size, self.ledger, self._exchange())
+        hw, lw = _gather(weights_Tk, self.group, self.size, self.ledger, self._exchange())
         ids = expert_ids_Tk.new_empty((self.size * T, k))
         hi = all_gather(ids, expert_ids_Tk.contiguous(), self.group, mode=MODE, ledger=self.ledger)
         return Pending([hx, hw, hi], [lx, lw], dict(ids=ids, T=T, k=k))
@@ -172,7 +243,7 @@ class AllGatherDispatcher(_Base):
 
     def combine_start(self, expert_out_NH, ctx) -> Pending:
         partial = unpermute(expert_out_NH, ctx["order"], self.size * ctx["T"], ctx["k"], ctx["weights"])
-        h, link = _scatter(partial, self.group, self.size, self.ledger)
+        h, link = _scatter(partial, self.group, self.size, self.ledger, self._exchange())
         return Pending([h], [link], ctx)
 
     def combine_finish(self, p: Pending):

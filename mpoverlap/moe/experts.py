@@ -20,6 +20,10 @@ ACTIVATIONS = ("swiglu", "gelu")
 
 
 class ExpertMLP(nn.Module):
+    """One expert: swiglu down(silu(gate) * up) or gelu down(gelu(up)). x [N, H] -> [N, H].
+    Its parameters are marked `expert_parallel` (reduced over the expert-data-parallel group,
+    their squares summed over the expert-parallel group in the gradient norm)."""
+
     def __init__(self, hidden: int, ffn: int, *, global_index: int, name_prefix: str, cfg, seed: int,
                  activation: str) -> None:
         super().__init__()
@@ -31,8 +35,23 @@ class ExpertMLP(nn.Module):
         width = 2 * ffn if activation == "swiglu" else ffn
         self.name_in = f"{base}.{first}.weight"
         self.name_out = f"{base}.down.weight"
-        self.w_in = nn.Parameter(init_tensor(self.name_in, (width, hidden), cfg, seed))
-        self.w_out = nn.Parameter(init_tensor(self.name_out, (hidden, ffn), cfg, seed))
+        # Submodule names make the parameter paths equal the init names, so a model that
+        # re-initialises every parameter by its path draws the same expert weights.
+        setattr(self, first, nn.Linear(hidden, width, bias=False))
+        self.down = nn.Linear(ffn, hidden, bias=False)
+        with torch.no_grad():
+            self.w_in.copy_(init_tensor(self.name_in, (width, hidden), cfg, seed))
+            self.w_out.copy_(init_tensor(self.name_out, (hidden, ffn), cfg, seed))
+        for p in self.parameters():
+            p.expert_parallel = True
+
+    @property
+    def w_in(self) -> nn.Parameter:
+        return (self.gate_up if self.activation == "swiglu" else self.up).weight
+
+    @property
+    def w_out(self) -> nn.Parameter:
+        return self.down.weight
 
     def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
         h = x_NH @ self.w_in.t()
@@ -45,14 +64,23 @@ class ExpertMLP(nn.Module):
 
 
 class Experts(nn.Module):
+    """This rank's experts, keyed by GLOBAL index (`experts.<g>.*`), so checkpoints and
+    initialisation do not depend on the expert-parallel layout."""
+
     def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, first_expert_index: int,
                  name_prefix: str, cfg, seed: int, activation: str = "swiglu") -> None:
         super().__init__()
         self.first_expert_index = first_expert_index
-        self.local = nn.ModuleList(
-            ExpertMLP(hidden, ffn, global_index=first_expert_index + l, name_prefix=name_prefix,
-                      cfg=cfg, seed=seed, activation=activation)
-            for l in range(num_local_experts))
+        # Children named by global index: parameter paths `experts.<g>.<proj>.weight`.
+        for l in range(num_local_experts):
+            g = first_expert_index + l
+            self.add_module(str(g), ExpertMLP(hidden, ffn, global_index=g, name_prefix=name_prefix,
+                                              cfg=cfg, seed=seed, activation=activation))
+
+    @property
+    def local(self):
+        """The local experts in order of global index."""
+        return list(self.children())
 
     @property
     def num_local_experts(self) -> int:

@@ -13,12 +13,21 @@ overlap=True (forward), with D = dispatch exchange, E = expert compute, C = comb
 overlap=False: the same chunks and ops, each exchange waited right after it is issued; the
   math and its summation order are identical, so outputs and gradients are bitwise equal.
 
-Backward (honest): the reverse exchanges are autograd Functions that wait at once, so the
-backward is correct but does NOT overlap EP communication with expert compute; the chunking
-only bounds the size of each blocking exchange. Overlap in backward is future work.
+Backward: with overlap=True the reverse exchanges are asynchronous (see dispatcher.py), so
+the reverse dispatch of chunk i+1 is in flight while the experts of chunk i run backward, and
+the combine's reverse exchanges while the unpermute backward runs; overlap=False waits each
+one inside its autograd node.
+
+Auxiliary losses: with `aux_loss_scale` set (the model sets it; the trainer makes it
+1 / microbatches), the router's load-balancing and z losses are attached to the output by an
+identity autograd node whose backward feeds them the gradient `aux_loss_scale`: the losses
+train the router on every pipeline stage without changing the language-model loss value.
+Their raw values, dropped slots and routed slots are summed in `stats_since()` for metrics.
 
 `trace` (a list, optional) receives (event, chunk) tuples in program order: "dispatch_issued",
-"dispatch_waited", "compute", "combine_issued", "combine_waited", and ("shared", -1).
+"dispatch_waited", "compute", "combine_issued", "combine_waited", and ("shared", -1); in
+backward, ("bwd_compute", i) when chunk i's experts start their backward and the
+dispatcher's ("bwd_exchange_issued"/"bwd_exchange_waited", id) events.
 """
 from __future__ import annotations
 
@@ -32,6 +41,36 @@ from mpoverlap.moe.experts import Experts
 from mpoverlap.moe.router import TopKRouter
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """y unchanged; backward also gives the scalar `aux` the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale: float):
+        ctx.scale = scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full((), ctx.scale, dtype=torch.float32), None
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity; logs `event` when its backward runs (tests read the backward order)."""
+
+    @staticmethod
+    def forward(ctx, x, log, event):
+        ctx.log, ctx.event = log, event
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log(ctx.event)
+        return grad, None, None
+
+
+STAT_KEYS = ("aux_loss", "z_loss", "dropped_slots", "routed_slots", "calls")
+
+
 class MoELayer(nn.Module):
     def __init__(self, router: TopKRouter, experts: Experts, dispatcher, *, overlap: bool,
                  num_chunks: int = 2, shared_expert: Optional[nn.Module] = None) -> None:
@@ -43,6 +82,23 @@ class MoELayer(nn.Module):
             raise ValueError("experts and dispatcher disagree on this rank's expert range")
         self.router, self.experts, self.shared_expert = router, experts, shared_expert
         self.dispatcher, self.overlap, self.num_chunks = dispatcher, overlap, num_chunks
+        self.aux_loss_scale: Optional[float] = None
+        self._stats = dict.fromkeys(STAT_KEYS, 0.0)
+
+    def stats_since(self) -> dict:
+        """Sums since the last call (training forwards only): raw aux_loss and z_loss summed
+        over calls, dropped and routed slots, calls. Resets them. A host sync: log steps only."""
+        out = {k: float(v) for k, v in self._stats.items()}
+        self._stats = dict.fromkeys(STAT_KEYS, 0.0)
+        return out
+
+    def _record(self, r) -> None:
+        st, k = self._stats, r.expert_ids.shape[1]
+        st["aux_loss"] = st["aux_loss"] + r.stats["aux_loss"]
+        st["z_loss"] = st["z_loss"] + r.stats["z_loss"]
+        st["dropped_slots"] = st["dropped_slots"] + r.stats["dropped"]
+        st["routed_slots"] += r.expert_ids.shape[0] * k
+        st["calls"] += 1
 
     def forward(self, x: torch.Tensor, trace: Optional[List] = None):
         shape = x.shape
@@ -54,6 +110,7 @@ class MoELayer(nn.Module):
         parts = [(xf[a:b], r.expert_ids[a:b], r.weights[a:b]) for a, b in zip(bounds, bounds[1:])]
         log = trace.append if trace is not None else (lambda _e: None)
         d = self.dispatcher
+        d.backward_trace = trace
 
         def issue(i):
             pending = d.dispatch_start(*parts[i])
@@ -64,6 +121,8 @@ class MoELayer(nn.Module):
             tokens, counts, ctx = d.dispatch_finish(pending)
             log(("dispatch_waited", i))
             out = self.experts(tokens, counts.tolist())
+            if trace is not None and out.requires_grad:
+                out = _BackwardMark.apply(out, log, ("bwd_compute", i))
             log(("compute", i))
             combine = d.combine_start(out, ctx)
             log(("combine_issued", i))
@@ -94,8 +153,13 @@ class MoELayer(nn.Module):
             for i in range(len(parts)):
                 ys.append(finish(i, compute(i, issue(i))))
         y = torch.cat(ys, dim=0)
+        d.backward_trace = None
         if shared is not None:
             y = y + shared
+        if self.training and torch.is_grad_enabled():  # training forwards, not evaluation
+            self._record(r)
+        if self.aux_loss_scale is not None and torch.is_grad_enabled():
+            y = _AttachAuxLoss.apply(y, r.aux_loss + r.z_loss, self.aux_loss_scale)
         return y.view(shape), r
 
 
@@ -118,3 +182,9 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
                       name_prefix=name, cfg=cfg, seed=seed, activation=activation)
     return MoELayer(router, experts, disp, overlap=overlap, num_chunks=num_chunks,
                     shared_expert=shared_expert)
+
+
+def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger) -> dict:
+    """The expert-parallel context a model hands to its MoE layers (see models/layers.py)."""
+    return {"ep_group": state.group("ep"), "ep_size": state.grid.ep, "ep_rank": state.coords.ep,
+            "overlap": bool(overlap), "num_chunks": int(num_chunks), "ledger": ledger}

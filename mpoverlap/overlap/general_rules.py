@@ -159,19 +159,21 @@ def _device(lo: Layout):
                           "no CUDA device is visible to this process", ["train.device=auto"])
 
 
-# Features whose issue has not landed yet: asking for them is an error, never a silent no-op.
-_NOT_YET = (
-    ("parallel.ep", lambda lo: lo.ep is not None and lo.ep > 1, "expert parallelism", "parallel.ep=1"),
-    ("model.num_experts", lambda lo: lo.cfg.model.num_experts > 0, "mixture-of-experts layers",
-     "model.num_experts=0"),
-)
-
-
-@rule("build.feature_available", "general", tuple(k for k, *_ in _NOT_YET),
-      "features this build does not implement yet are refused, not ignored")
-def _not_yet(lo: Layout):
-    for key, requested, what, fix in _NOT_YET:
-        if requested(lo):
-            yield Problem("build.feature_available", {key: _get(lo.cfg, key)},
-                          f"{what} is not implemented in this build of mpoverlap yet; "
-                          "running without it would silently change what you asked for", [fix])
+@rule("train.profile_window", "general", ("train.profile", "train.profile_start_step", "train.profile_steps",
+                                          "train.steps"),
+      "a profiled window of steps lies inside the run (steps are numbered from 1)")
+def _profile_window(lo: Layout):
+    t = lo.cfg.train
+    if not t.profile:
+        return
+    start, count, total = t.profile_start_step, t.profile_steps, t.steps
+    keys = {"train.profile_start_step": start, "train.profile_steps": count, "train.steps": total}
+    if start < 1 or count < 1:
+        yield Problem("train.profile_window", keys, "the window starts at step 1 or later and holds at "
+                      "least one step", ["train.profile_start_step=1", "train.profile_steps=1"])
+    elif start + count - 1 > total >= 1:
+        fix = ([f"train.profile_steps={total - start + 1}"] if start <= total
+               else ["train.profile_start_step=1", f"train.profile_steps={min(count, total)}"])
+        yield Problem("train.profile_window", keys,
+                      f"steps {start}..{start + count - 1} are profiled but the run ends at step {total}: "
+                      "the trace would never be written", fix)

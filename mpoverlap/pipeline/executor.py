@@ -24,6 +24,9 @@ program.py), so gloo's per-pair ordering can neither mismatch nor deadlock.
 
 `trace` holds (event, action_index, time) of the last run: "post_recv" (index of the
 compute that consumes it), "post_send" (index of the producer), "wait_recv", "compute".
+
+Profiling: each action (its receive wait, compute and posts) runs inside a `pp/<action>` range,
+e.g. `pp/F(mb0,v1)`, in a torch profiler trace while one records, and as NVTX on CUDA.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mpoverlap.comm.handle import CommHandle, now
+from mpoverlap.comm.handle import CommHandle, named_range, now
 from mpoverlap.pipeline.actions import BACKWARD, FORWARD, RECV, SEND, Action, Batch, Message
 from mpoverlap.pipeline.p2p import StageP2P, verbose_from_env
 
@@ -54,6 +57,7 @@ class PipelineExecutor:
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = torch.device(device)
+        self._nvtx = self.device.type == "cuda"
         self.forward_step = forward_step
         self.backward_hook = backward_hook
         verbose = verbose_from_env() if verbose is None else verbose
@@ -90,11 +94,12 @@ class PipelineExecutor:
         try:
             for index, action in enumerate(self.actions):
                 before, after = action.batches(self.overlap)
-                for batch in before:
-                    self._post(batch)
-                self._compute(index, action, losses)
-                for batch in after:
-                    self._post(batch)
+                with named_range("pp", action, cuda=self._nvtx):
+                    for batch in before:
+                        self._post(batch)
+                    self._compute(index, action, losses)
+                    for batch in after:
+                        self._post(batch)
                 self._reap_sends()
             for handle in self._in_flight:
                 handle.wait()

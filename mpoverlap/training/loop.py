@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -18,6 +17,7 @@ from mpoverlap.comm.ledger import mean_over_ranks
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.models.gpt import num_parameters
+from mpoverlap.moe import moe_kwargs
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
@@ -26,40 +26,20 @@ from mpoverlap.tensor_parallel.checkpoint import reshard_named, unshard_named
 from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.lr import LRSchedule
-from mpoverlap.training.metrics import MetricsWriter, Progress, peak_memory_bytes
+from mpoverlap.training.metrics import MetricsWriter, Progress, moe_summary, peak_memory_bytes
+from mpoverlap.training.preemption import PreemptionFlag
+from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
 from mpoverlap.training.setup import init_distributed, shared_run_dir
 
 # Model fields a checkpoint must agree on to be loadable into this model.
 _SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-               "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings")
+               "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings", "num_experts",
+               "moe_top_k", "shared_expert", "moe_layer_freq", "moe_ffn_hidden_size")
 
 
 class NonFiniteError(FloatingPointError):
     """A NaN/Inf gradient with train.on_nonfinite=stop."""
-
-
-class PreemptionFlag:
-    """SIGTERM (SLURM preemption, the launcher shutting down) sets the flag; the loop agrees on
-    it across ranks at the next step boundary, saves a checkpoint and exits cleanly."""
-
-    def __init__(self) -> None:
-        self.raised = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.raised = True
-
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank as soon as any rank was signalled (a tiny MAX all-reduce)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self.raised
-        flag = torch.tensor([1.0 if self.raised else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
 
 
 class Trainer:
@@ -79,8 +59,11 @@ class Trainer:
             self.tp = tp_kwargs(state, sequence_parallel=bool(cfg.parallel.sequence_parallel),
                                 overlap=self.overlap.tp.enabled, ledger=self.ledger)
         self.pp = state.grid.pp
+        moe = (moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=cfg.overlap.ep_chunks,
+                          ledger=self.ledger) if cfg.model.num_experts > 0 else None)
         self.chunks = [c.to(state.device) for c in build_chunks(
-            cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, tp=self.tp, **attention)]
+            cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, tp=self.tp, moe=moe, **attention)]
+        self.moe_layers = [layer for c in self.chunks for layer in c.moe_layers()]
         # One chunk: the model itself. Pipelined: this stage's chunks, whose blocks keep their
         # global names; `params_by_name` maps the layout-free names used in checkpoints.
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -99,13 +82,19 @@ class Trainer:
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
-            tp_group=state.group("tp"), pp_group=state.group("pp"))
+            tp_group=state.group("tp"), pp_group=state.group("pp"),
+            ep_group=state.group("ep") if self.moe_layers else None)
         self.schedule = LRSchedule.from_config(t)
         self.train_data, self.val_data = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
         # Context-parallel ranks of one replica share its samples (each holds part of every
         # sequence), so the batch is sliced by the dp coordinate alone.
         self.dp_rank = state.coords.dp
         self.dp_size = state.grid.dp
+        # The router losses are attached inside each MoE layer (they live on every pipeline
+        # stage); like the LM loss, each microbatch's share is 1 / microbatches.
+        num_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        for layer in self.moe_layers:
+            layer.aux_loss_scale = 1.0 / num_micro
         ck_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
         self.checkpointer = Checkpointer(ck_dir, keep=cfg.checkpoint.keep)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if state.device.type == "cuda"
@@ -263,7 +252,9 @@ class Trainer:
 
     def log_row(self, out: Dict[str, Any], steps_since_log: int) -> Dict[str, Any]:
         """The metrics row; `comm` holds per-step means over the steps since the last row."""
-        mine = (self.ledger.reset(per=steps_since_log), peak_memory_bytes(self.state.device))
+        moe = [layer.stats_since() for layer in self.moe_layers]
+        moe_sums = {k: sum(st[k] for st in moe) for k in moe[0]} if moe else None
+        mine = (self.ledger.reset(per=steps_since_log), peak_memory_bytes(self.state.device), moe_sums)
         gathered: List[Optional[tuple]] = [None] * self.state.world
         if self.state.world > 1:
             dist.all_gather_object(gathered, mine)
@@ -271,11 +262,14 @@ class Trainer:
             gathered = [mine]
         t = self.cfg.train
         tokens = t.global_batch_size * self.cfg.model.seq_length
-        return {"step": self.step, "loss": self._mean_over_replicas(out["loss_local"]), "lr": out["lr"],
-                "grad_norm": out["grad_norm"], "step_time_s": out["step_time_s"],
-                "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _ in gathered]),
-                # Per rank, in rank order: RSS on CPU, max allocated on CUDA.
-                "peak_memory_bytes": [m for _, m in gathered]}
+        row = {"step": self.step, "loss": self._mean_over_replicas(out["loss_local"]), "lr": out["lr"],
+               "grad_norm": out["grad_norm"], "step_time_s": out["step_time_s"],
+               "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _, _ in gathered]),
+               # Per rank, in rank order: RSS on CPU, max allocated on CUDA.
+               "peak_memory_bytes": [m for _, m, _ in gathered]}
+        if self.moe_layers:
+            row["moe"] = moe_summary([s for _, _, s in gathered if s is not None])
+        return row
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -304,6 +298,10 @@ class Trainer:
     # ---- the run ----------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
+        # train.profile: trace + comm timeline of a window of steps (inert when off). Built
+        # first so a window past train.steps fails before any step runs.
+        profiler = RunProfiler.from_config(cfg, self.run_dir, self.state.rank, self.ledger, self.state.device,
+                                           coords=self.state.coords)
         if self.is_rank0:
             print(render_plan(cfg, self.state.world, num_parameters(self.model),
                               f"{self.state.device.type}/{self.state.backend}"), flush=True)
@@ -320,7 +318,9 @@ class Trainer:
         preemption = PreemptionFlag()
         try:
             while self.step < t.steps:
+                profiler.step_begin(self.step + 1)
                 out = self.train_step()
+                profiler.step_end(self.step)
                 if out["skipped"]:
                     writer.write({"step": self.step, "nonfinite": True, "action": "skipped the update",
                                   "grad_norm": out["grad_norm"]})
@@ -349,6 +349,7 @@ class Trainer:
             val = self.evaluate()
             writer.write({"step": self.step, "val_loss": val})
         finally:
+            profiler.close()
             preemption.restore()
             progress.close()
             writer.close()

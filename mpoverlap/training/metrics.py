@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 def peak_memory_bytes(device) -> int:
@@ -83,3 +83,13 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def moe_summary(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
+    """Router figures since the last row, over every rank's MoE layers and forwards: the mean
+    raw load-balancing loss (1.0 = perfectly balanced), the mean raw z-loss, and the share of
+    routed (token, expert) slots dropped by the capacity factor (0 when dropless)."""
+    total = {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
+    calls = max(total["calls"], 1.0)
+    return {"aux_loss": total["aux_loss"] / calls, "z_loss": total["z_loss"] / calls,
+            "dropped_fraction": total["dropped_slots"] / max(total["routed_slots"], 1.0)}

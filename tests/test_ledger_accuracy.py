@@ -1,0 +1,163 @@
+"""The ledger's per-mode figures against a workload of KNOWN durations.
+
+On CPU a collective's duration cannot be set by its size (loopback is fast and noisy), so the
+peer sets it: rank 1 joins each collective D ms after rank 0 issued it, so rank 0's handle
+completes ~D ms after issue. Compute is a sleep of C ms between issue and wait. Sleeps need
+no CPU, so the 2-core machine's scheduling noise (a few ms) stays well under the 10% allowed.
+
+Expected, for one handle: time_s = D; exposed_s = max(0, D - C) (C = 0: overlap off).
+All scenarios run in ONE 2-process spawn; rank 0 keeps the ledger, rank 1 only paces.
+"""
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import run_distributed  # noqa: E402
+
+from mpoverlap.comm import CommLedger  # noqa: E402
+
+MS = 1e-3
+TOLERANCE = 0.10  # relative; for an expected 0, 10% of the scenario's communication time
+
+# name -> (peer joins: [(at_ms after the common start, group)], expected {mode: (time_ms, exposed_ms)})
+# Rank 0's side of each scenario is in `_rank0_scenario`.
+SCENARIOS = {
+    "compute<comm (C=100, D=300)": ([(300, "world")], {"dp": (300, 200)}),
+    "compute>comm (C=350, D=150)": ([(150, "world")], {"dp": (150, 0)}),
+    # h1 issued at 0 (D=200), h2 at 50 (done at 350); waits from 100: union 350, not 200+300.
+    "two queued handles": ([(200, "world"), (350, "world")], {"dp": (350, 250)}),
+    "overlap off (wait at once, D=250)": ([(250, "world")], {"dp": (250, 250)}),
+    # dp (D=300) and pp (D=150) in flight together on different groups, compute 100.
+    "two modes at once": ([(150, "second"), (300, "world")], {"dp": (300, 200), "pp": (150, 0)}),
+    # Two handles with an idle gap between them: the union must not fill the gap.
+    "gap between handles (2 x 150 ms, 150 ms idle)": ([(150, "world"), (450, "world")], {"dp": (300, 300)}),
+}
+
+
+def _sleep_until(start: float, at_ms: float) -> None:
+    left = start + at_ms * MS - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def _rank0_scenario(name, ledger, groups, start):
+    import torch
+
+    from mpoverlap.comm import all_reduce
+
+    def issue(mode, group="world"):
+        return all_reduce(torch.ones(8), groups[group], mode=mode, ledger=ledger)
+
+    if name.startswith("compute<comm"):
+        h = issue("dp")
+        _sleep_until(start, 100)
+        h.wait()
+    elif name.startswith("compute>comm"):
+        h = issue("dp")
+        _sleep_until(start, 350)
+        h.wait()
+    elif name == "two queued handles":
+        h1 = issue("dp")
+        _sleep_until(start, 50)
+        h2 = issue("dp")
+        _sleep_until(start, 100)
+        h1.wait()
+        h2.wait()
+    elif name.startswith("overlap off"):
+        issue("dp").wait()
+    elif name == "two modes at once":
+        dp, pp = issue("dp"), issue("pp", "second")
+        _sleep_until(start, 100)
+        dp.wait()
+        pp.wait()
+    elif name.startswith("gap between"):
+        issue("dp").wait()
+        _sleep_until(start, 300)
+        issue("dp").wait()
+    else:
+        raise KeyError(name)
+
+
+def _accuracy_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    groups = {"world": dist.group.WORLD, "second": dist.new_group([0, 1])}
+    for group in groups.values():  # first use of a group may set up state: keep it out of the timings
+        dist.all_reduce(torch.ones(8), group=group)
+    ledger = CommLedger()
+    measured = {}
+    for name, (peer_joins, _) in SCENARIOS.items():
+        dist.barrier()  # both ranks leave together: the common start of the scenario
+        start = time.perf_counter()
+        if rank == 0:
+            _rank0_scenario(name, ledger, groups, start)
+            measured[name] = ledger.reset()
+        else:
+            for at_ms, group in peer_joins:
+                _sleep_until(start, at_ms)
+                dist.all_reduce(torch.ones(8), group=groups[group])
+    return measured
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_distributed(_accuracy_worker, 2)[0]
+
+
+def test_ledger_matches_known_durations(measured):
+    lines, errors = [], []
+    for name, (peer_joins, expected) in SCENARIOS.items():
+        got = measured[name]
+        assert set(got) == set(expected), f"{name}: modes {sorted(got)}, expected {sorted(expected)}"
+        for mode, (time_ms, exposed_ms) in expected.items():
+            for field, want in (("time_s", time_ms), ("exposed_s", exposed_ms)):
+                have = got[mode][field] / MS
+                allowed = TOLERANCE * (want if want else time_ms)
+                ok = abs(have - want) <= allowed
+                lines.append(f"{name:<48} {mode} {field:<9} expected {want:6.1f} ms  measured {have:6.1f} ms"
+                             f"  ({'ok' if ok else 'OFF'})")
+                if not ok:
+                    errors.append(lines[-1])
+    print("\n" + "\n".join(lines))
+    assert not errors, "\n".join(errors)
+
+
+def test_ledger_counts_ops_and_bytes(measured):
+    assert measured["two queued handles"]["dp"]["ops"] == 2
+    assert measured["two modes at once"]["pp"]["ops"] == 1
+    assert measured["overlap off (wait at once, D=250)"]["dp"]["bytes"] == 8 * 4  # 8 fp32
+
+
+def _fake(mode, issued, completed, blocked, nbytes=4):
+    return SimpleNamespace(mode=mode, op="x", nbytes=nbytes, issued_at=issued, completed_at=completed,
+                           blocked_s=blocked, uses_cuda_events=False)
+
+
+def test_ledger_arithmetic_without_processes():
+    """Union of in-flight intervals per mode, sum of blocked time, division by steps."""
+    ledger = CommLedger()
+    for h in [_fake("dp", 0.0, 3.0, 1.0), _fake("dp", 1.0, 2.0, 0.5),  # nested: union 3
+              _fake("dp", 5.0, 6.0, 0.0),                               # disjoint: +1
+              _fake("tp", 2.0, 4.0, 2.0), _fake("tp", 3.0, 7.0, 0.0)]:  # overlapping: union 5
+        ledger.record(h)
+    out = ledger.reset(per=2)
+    assert out["dp"] == {"ops": 1.5, "bytes": 6.0, "time_s": pytest.approx(2.0), "exposed_s": pytest.approx(0.75)}
+    assert out["tp"]["time_s"] == pytest.approx(2.5) and out["tp"]["exposed_s"] == pytest.approx(1.0)
+    assert ledger.summary() == {}
+
+
+def test_recorder_sees_every_recorded_handle_and_is_off_by_default():
+    ledger = CommLedger()
+    assert ledger.recorder is None
+    seen = []
+    ledger.recorder = seen.append
+    h = _fake("pp", 0.0, 1.0, 0.2)
+    ledger.record(h)
+    ledger.recorder = None
+    ledger.record(_fake("pp", 2.0, 3.0, 0.0))
+    assert seen == [h] and ledger.summary()["pp"]["ops"] == 2
