@@ -1,12 +1,15 @@
 """Helpers shared by the benchmarks: statistics, free ports, AdamW groups, machine CPU clocks,
-the block options, the spawned 2-rank worker setup, the rounds of blocks and the command line."""
+the block options, the spawned 2-rank worker setup, the rounds of blocks, the command line, and
+whole `mpoverlap-train` runs (inside bench/netns.sh when it can be made) with their metrics."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import socket
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -15,6 +18,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+NETNS = ROOT / "bench" / "netns.sh"
+NETNS_UNAVAILABLE = 3  # bench/netns.sh's exit status when it cannot set up the namespace
 
 
 def free_port() -> int:
@@ -56,6 +63,14 @@ def machine_busy_s() -> float:
         return sum(fields) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return float("nan")
+
+
+def own_children_cpu_s() -> float:
+    """User+system CPU seconds of this process's finished (waited-for) children and theirs."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def machine_irq_s() -> float:
@@ -240,3 +255,55 @@ def json_cli(doc: str, add_args: Callable[[argparse.ArgumentParser], None],
     if args.json:
         Path(args.json).write_text(text)
     print(text)
+
+
+# ---- whole mpoverlap-train runs (bench.scaling, bench.memory, bench.timelines) -------------------
+# No progress bar, a metrics row per step, no checkpoints, a small slice of the stdlib corpus.
+TRAIN_BASE = ["train.progress=false", "train.log_interval=1", "checkpoint.interval=0", "checkpoint.resume=none",
+              "data.max_bytes=2000000"]
+
+
+def netns_prefix(rate: str, no_netns: bool) -> Tuple[List[str], str]:
+    """(command prefix, link description) for commands run inside bench/netns.sh at `rate`.
+
+    Probes the namespace once. When it cannot be made (or with `no_netns`) the prefix is empty,
+    the description says the commands run on the bare loopback, and a NOTE goes to stderr."""
+    prefix = ["env", f"RATE={rate}", "bash", str(NETNS)]
+    if no_netns:
+        note = "--no-netns: ran on the bare loopback"
+    else:
+        proc = subprocess.run(prefix + ["sh", "-c", 'printf %s "$MPO_BENCH_LINK"'], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+        if proc.returncode == 0:
+            return prefix, proc.stdout.strip()
+        if proc.returncode != NETNS_UNAVAILABLE:
+            raise SystemExit(f"bash bench/netns.sh failed with exit status {proc.returncode}")
+        note = "bench/netns.sh could not create the rate-limited namespace (see its message above): ran on the bare loopback"
+    print(f"NOTE: {note}. Communication is then nearly free on the wire and costs CPU instead.",
+          file=sys.stderr, flush=True)
+    return [], f"loopback, NOT rate-limited ({note})"
+
+
+def console_script(name: str, module: str) -> List[str]:
+    """The venv's console script `name` beside this Python, else `python -m module`."""
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.exists() else [sys.executable, "-m", module]
+
+
+def run_train(overrides: Sequence[str], run_dir: Path, prefix: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    """Runs `mpoverlap-train` with TRAIN_BASE + `overrides` in a fresh `run_dir` (deleted first:
+    metrics.jsonl is appended to), one torch thread per rank, under `prefix` (netns_prefix's).
+    Returns metrics.jsonl's training rows (not the validation rows). Its output is shown only
+    when it fails, and then the benchmark stops naming the command."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = list(prefix) + console_script("mpoverlap-train", "mpoverlap.train") + TRAIN_BASE + list(overrides) \
+        + [f"run.dir={run_dir}"]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)  # a RANK would make mpoverlap-train act as one torchrun rank
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-6000:])
+        raise SystemExit(f"{' '.join(cmd)} failed with exit status {proc.returncode}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "step_time_s" in r]

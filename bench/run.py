@@ -1,4 +1,5 @@
-"""`make bench`: framework overhead (dp=1), then DP overlap on a rate-limited link (dp=2).
+"""`make bench`: framework overhead (dp=1), DP overlap on a rate-limited link (dp=2), weak scaling
+of pure DP, peak memory against the estimate, and a drawn timeline per parallel mode.
 
 Each benchmark runs in its own subprocess; the DP one inside `bench/netns.sh` (a network
 namespace whose loopback is capped with tc tbf). When the namespace cannot be made (no root,
@@ -9,9 +10,16 @@ Writes bench/results/<timestamp>/results.json and results.md and prints the tabl
     python -m bench.run [--overhead-repeats 8] [--dp-repeats 6] [--block 5] [--rate 2gbit]
                         [--skip-overhead] [--skip-dp] [--no-netns]
                         [--modes tp,cp,pp,ep,bubble] [--modes-repeats 5] [--modes-block 4] [--modes-budget 150]
+                        [--skip-scaling] [--scaling-worlds 1,2,4,8] [--scaling-steps 12]
+                        [--skip-memory] [--memory-layouts dp2,...] [--memory-steps 3]
+                        [--skip-timelines] [--timelines dp2,tp2,pp2,cp2,ep2]
 
 --modes runs bench/modes.py (TP/CP/PP overlap against DTensor and torch.distributed.pipelining,
 and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
+
+Scaling (bench/scaling.py), memory (bench/memory.py) and timelines (bench/timelines.py) run
+`mpoverlap-train` itself, one run per world size / layout / scenario; scaling and timelines
+inside bench/netns.sh (probed once; the bare loopback otherwise, and the output says so).
 """
 from __future__ import annotations
 
@@ -26,10 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench.common import machine_busy_s
-
-ROOT = Path(__file__).resolve().parent.parent
-NETNS_UNAVAILABLE = 3  # bench/netns.sh's exit status when it cannot set up the namespace
+from bench import memory, scaling, timelines
+from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
 
 
 def machine_info() -> Dict[str, Any]:
@@ -58,13 +64,6 @@ def _quiet(cmd: List[str]) -> Optional[str]:
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def own_children_cpu_s() -> float:
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def _run(cmd: List[str], env: Optional[dict] = None) -> subprocess.CompletedProcess:
@@ -133,6 +132,10 @@ def run_modes(args, out: Path, scenario: str) -> Dict[str, Any]:
     if proc.returncode != 0:
         raise SystemExit(f"bench.modes --scenario {scenario} failed with exit status {proc.returncode}")
     return json.loads(path.read_text())
+
+
+def _names(csv: str) -> List[str]:
+    return [x.strip() for x in csv.split(",") if x.strip()]
 
 
 def _ms(seconds: float) -> str:
@@ -358,7 +361,7 @@ def main() -> None:
     p.add_argument("--rate", default="2gbit", help="tc tbf rate of the namespace's loopback (default 2gbit)")
     p.add_argument("--quiet-cores", type=float, default=0.1,
                    help="blocks during which other processes used more cores than this are left out (default 0.1)")
-    p.add_argument("--no-netns", action="store_true", help="run the DP benchmark on the bare loopback")
+    p.add_argument("--no-netns", action="store_true", help="run the DP, modes, scaling and timeline runs on the bare loopback")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-dp", action="store_true")
     p.add_argument("--modes", default="",
@@ -366,8 +369,24 @@ def main() -> None:
     p.add_argument("--modes-repeats", type=int, default=5, help="at least this many blocks per variant (default 5)")
     p.add_argument("--modes-block", type=int, default=4, help="steps per block in bench.modes (default 4)")
     p.add_argument("--modes-budget", type=float, default=150.0, help="seconds of measuring per scenario (default 150)")
+    p.add_argument("--skip-scaling", action="store_true")
+    p.add_argument("--scaling-worlds", default="1,2,4,8", help="world sizes of the DP scaling runs (default 1,2,4,8)")
+    p.add_argument("--scaling-steps", type=int, default=12, help="steps per scaling run (default 12)")
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--memory-layouts", default=",".join(memory.LAYOUTS),
+                   help=f"layouts whose peak memory is compared with the estimate (default {','.join(memory.LAYOUTS)})")
+    p.add_argument("--memory-steps", type=int, default=3, help="steps per memory run (default 3)")
+    p.add_argument("--skip-timelines", action="store_true")
+    p.add_argument("--timelines", default=",".join(timelines.SCENARIOS),
+                   help=f"scenarios to profile and draw (default {','.join(timelines.SCENARIOS)})")
     p.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
     args = p.parse_args()
+    worlds = [int(x) for x in _names(args.scaling_worlds)]
+    layouts, scenarios = _names(args.memory_layouts), _names(args.timelines)
+    for given, known, flag in ((layouts, memory.LAYOUTS, "--memory-layouts"),
+                               (scenarios, timelines.SCENARIOS, "--timelines")):
+        if set(given) - set(known):
+            p.error(f"{flag}: unknown {', '.join(sorted(set(given) - set(known)))}; known: {', '.join(known)}")
 
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / stamp
@@ -381,6 +400,15 @@ def main() -> None:
         results["dp"] = run_dp(args, out)
     for scenario in [x.strip() for x in args.modes.split(",") if x.strip()]:
         results.setdefault("modes", {})[scenario] = run_modes(args, out, scenario)
+    # One namespace probe for the scaling and timeline runs.
+    prefix, link = (([], "") if args.skip_scaling and args.skip_timelines
+                    else netns_prefix(args.rate, args.no_netns))
+    if not args.skip_scaling:
+        results["scaling"] = scaling.run(worlds, args.scaling_steps, args.bucket_mb, out, prefix, link)
+    if not args.skip_memory:
+        results["memory"] = memory.run(layouts, args.memory_steps, out)
+    if not args.skip_timelines:
+        results["timelines"] = timelines.run(scenarios, args.bucket_mb, out, prefix, link)
     results["wall_s"] = time.perf_counter() - t0
     # Machine-wide busy time minus our subprocesses' (and this process's small share).
     results["others_cpu_s"] = max(0.0, (machine_busy_s() - busy0) - (own_children_cpu_s() - own0)
@@ -389,6 +417,9 @@ def main() -> None:
     table = render(results)
     if results.get("modes"):
         table += "\n" + render_modes(results)
+    for section in (scaling.render(results), memory.render(results), timelines.render(results)):
+        if section:
+            table += "\n" + section
     (out / "results.md").write_text(table + "\n")
     print()
     print(table)

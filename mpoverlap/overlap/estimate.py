@@ -101,7 +101,7 @@ def estimate(cfg: Any, world_size: int | None = None) -> RankEstimate:
     memory = {"params": params * BYTES, "grads": params * BYTES,
               # ZeRO-1 shards dense state over dp x cp and expert state over edp = dp x cp / ep.
               "optimizer": 2 * BYTES * ((params - expert_params) // (replicas if zero else 1)
-                                        + expert_params * lo.ep // (replicas if zero else 1)),
+                                        + expert_params // (replicas // lo.ep if zero else 1)),
               "activations": per_layer_act * layers_here * in_flight}
     hidden_bytes = BYTES * b * s_hidden * H
     V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)

@@ -170,10 +170,11 @@ class Trainer:
                      f"saved with (saved {dict(meta['lr_schedule'])}, seed {meta['seed']}, global batch "
                      f"{meta['global_batch_size']}): the run will not continue the saved trajectory exactly; "
                      "set train.lr_decay_steps explicitly to keep a schedule across reruns")
+        t0 = time.perf_counter()
         state = self._app_state()
         self.checkpointer.load(path, state)
         self._load_app_state(state)
-        self.log(f"resumed from {path} at step {self.step}")
+        self.log(f"resumed from {path} at step {self.step} ({time.perf_counter() - t0:.2f}s)")
 
     # ---- one optimizer step -------------------------------------------------------------
     def _split(self, mb_BS1: torch.Tensor):

@@ -1,0 +1,53 @@
+"""bench.scaling / bench.memory / bench.timelines without running anything: every configuration
+they would launch validates, and their results.md sections render from results.json's shape."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
+
+from bench import memory, scaling, timelines  # noqa: E402
+from mpoverlap.config import compose  # noqa: E402
+from mpoverlap.overlap.rules import validate  # noqa: E402
+
+MACHINE = {"cores": 2}
+
+
+def _configs():
+    for world in (1, 2, 4, 8):
+        yield scaling.world_overrides(world, 12, 0.5)
+    for layout in memory.LAYOUTS.values():
+        overrides = layout + ["train.steps=3"]
+        yield overrides
+        yield overrides + memory.baseline_overrides(compose(overrides))
+    for scenario in timelines.SCENARIOS.values():
+        yield scenario + timelines.PROFILED
+
+
+def test_every_launched_configuration_validates():
+    for overrides in _configs():
+        assert validate(compose(overrides), None) == [], overrides
+
+
+def test_scaling_render_names_oversubscription():
+    step = {"n": 3, "median_s": 0.2, "min_s": 0.2, "q1_s": 0.2, "q3_s": 0.2}
+    rows = [{"world": w, "overrides": scaling.world_overrides(w, 4, 0.5), "step": dict(step, median_s=0.2 * w),
+             "dp_time_s_median": None if w == 1 else 0.05, "dp_exposed_s_median": None if w == 1 else 0.01,
+             "tokens_per_step": 2048 * w, "others_cores": 0.0, "wall_s": 5.0} for w in (1, 2, 4)]
+    text = scaling.render({"machine": MACHINE, "scaling": {"link": "x", "steps": 4, "skipped_steps": 1,
+                                                            "per_rank_batch": 16, "rows": rows}})
+    assert "| 4 | 800.0 |" in text and "| 0.25 |" in text
+    assert "At 4 ranks the ranks oversubscribe the CPU (2 ranks per core" in text
+
+
+def test_memory_and_timelines_render():
+    est = {"params": 2**20, "grads": 2**20, "optimizer": 2**21, "activations": 2**22}
+    small = dict.fromkeys(est, 0)
+    mem = {"steps": 3, "world": 2, "layouts": {"dp2": {
+        "overrides": ["parallel.dp=2", "train.steps=3"], "baseline_overrides": [], "rss_bytes": [300 * 2**20, 310 * 2**20],
+        "baseline_rss_bytes": [302 * 2**20, 302 * 2**20], "estimate_bytes": est, "baseline_estimate_bytes": small}}}
+    text = memory.render({"memory": mem})
+    assert "| `parallel.dp=2` | 310.0 | 302.0 | 8.0 | 8.0 | 8.0 | 1.0 / 1.0 / 2.0 / 4.0 | 1.00 |" in text
+    tl = {"link": "x", "scenarios": {"dp2": {"overrides": ["parallel.dp=2"], "png": "timelines/dp2.png",
+                                             "summary": ["rank 0 dp: 1 handles"]}}}
+    assert "![dp2](timelines/dp2.png)" in timelines.render({"timelines": tl})
+    assert scaling.render({}) == memory.render({}) == timelines.render({}) == ""
