@@ -364,8 +364,9 @@ def main() -> None:
     p.add_argument("--no-netns", action="store_true", help="run the DP, modes, scaling and timeline runs on the bare loopback")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-dp", action="store_true")
-    p.add_argument("--modes", default="",
-                   help="comma-separated bench.modes scenarios to run: tp,cp,pp,ep,bubble (default: none)")
+    p.add_argument("--modes", default="tp,cp,pp,ep,bubble",
+                   help="comma-separated bench.modes scenarios to run (default: tp,cp,pp,ep,bubble; "
+                        "'none' runs none)")
     p.add_argument("--modes-repeats", type=int, default=5, help="at least this many blocks per variant (default 5)")
     p.add_argument("--modes-block", type=int, default=4, help="steps per block in bench.modes (default 4)")
     p.add_argument("--modes-budget", type=float, default=150.0, help="seconds of measuring per scenario (default 150)")
@@ -398,7 +399,7 @@ def main() -> None:
         results["overhead"] = run_overhead(args, out)
     if not args.skip_dp:
         results["dp"] = run_dp(args, out)
-    for scenario in [x.strip() for x in args.modes.split(",") if x.strip()]:
+    for scenario in [x.strip() for x in args.modes.split(",") if x.strip() and x.strip() != "none"]:
         results.setdefault("modes", {})[scenario] = run_modes(args, out, scenario)
     # One namespace probe for the scaling and timeline runs.
     prefix, link = (([], "") if args.skip_scaling and args.skip_timelines
