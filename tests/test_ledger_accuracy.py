@@ -35,6 +35,10 @@ SCENARIOS = {
     "two modes at once": ([(150, "second"), (300, "world")], {"dp": (300, 200), "pp": (150, 0)}),
     # Two handles with an idle gap between them: the union must not fill the gap.
     "gap between handles (2 x 150 ms, 150 ms idle)": ([(150, "world"), (450, "world")], {"dp": (300, 300)}),
+    # Backends without a completion future (gloo p2p, reduce-scatter): completion must be
+    # seen when the transfer ends (150 ms), not at the wait after 350 ms of compute.
+    "p2p receive, compute>comm (C=350, D=150)": ([(150, "send")], {"pp": (150, 0)}),
+    "reduce-scatter, compute>comm (C=350, D=150)": ([(150, "reduce_scatter")], {"tp": (150, 0)}),
 }
 
 
@@ -47,7 +51,7 @@ def _sleep_until(start: float, at_ms: float) -> None:
 def _rank0_scenario(name, ledger, groups, start):
     import torch
 
-    from mpoverlap.comm import all_reduce
+    from mpoverlap.comm import all_reduce, reduce_scatter, send_recv
 
     def issue(mode, group="world"):
         return all_reduce(torch.ones(8), groups[group], mode=mode, ledger=ledger)
@@ -74,6 +78,14 @@ def _rank0_scenario(name, ledger, groups, start):
         _sleep_until(start, 100)
         dp.wait()
         pp.wait()
+    elif name.startswith("p2p receive"):
+        h = send_recv([], [(torch.empty(8), 1)], None, mode="pp", ledger=ledger)
+        _sleep_until(start, 350)
+        h.wait()
+    elif name.startswith("reduce-scatter"):
+        h = reduce_scatter(torch.empty(4), torch.ones(8), groups["world"], mode="tp", ledger=ledger)
+        _sleep_until(start, 350)
+        h.wait()
     elif name.startswith("gap between"):
         issue("dp").wait()
         _sleep_until(start, 300)
@@ -98,9 +110,14 @@ def _accuracy_worker(rank, world):
             _rank0_scenario(name, ledger, groups, start)
             measured[name] = ledger.reset()
         else:
-            for at_ms, group in peer_joins:
+            for at_ms, op in peer_joins:
                 _sleep_until(start, at_ms)
-                dist.all_reduce(torch.ones(8), group=groups[group])
+                if op == "send":
+                    dist.send(torch.ones(8), dst=0)
+                elif op == "reduce_scatter":
+                    dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8), group=groups["world"])
+                else:
+                    dist.all_reduce(torch.ones(8), group=groups[op])
     return measured
 
 

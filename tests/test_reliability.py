@@ -1,5 +1,6 @@
 """Failures end the run cleanly: a NaN stops or skips before the update, SIGTERM saves and
-stops at a step boundary, a killed worker brings every process down with its rank named."""
+stops at a step boundary, a killed, raising or hung worker brings every process down with a
+rank named, and the same command resumes a killed run on its curve."""
 import json
 import os
 import signal
@@ -28,8 +29,8 @@ def test_nonfinite_stop_and_skip(tmp_path):
     assert events == [2, 3, 4]
 
 
-def _launch(run_dir, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _launch(run_dir, *overrides, fault=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **({"MPOVERLAP_FAULT": fault} if fault else {}))
     env.pop("RANK", None)
     args = [str(BIN / "mpoverlap-train"), *SMALL, "train.steps=100000", f"run.dir={run_dir}", *overrides]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -77,12 +78,17 @@ def test_sigterm_saves_and_resume_continues_the_curve(tmp_path):
     assert [r["loss"] for r in rows(run)][-(k + 2):] == [r["loss"] for r in rows(tmp_path / "ref")]
 
 
-def test_killed_worker_brings_the_run_down(tmp_path):
+KILL_LAYOUT = ["parallel.dp=2", "parallel.pp=2", "checkpoint.interval=2", "train.lr_decay_steps=50"]
+
+
+def test_killed_worker_brings_the_run_down_and_rerun_resumes_exactly(tmp_path):
+    """SIGKILL one worker of a dp2 x pp2 run: every process gone within 60 s with the rank
+    named; the same command then resumes from the last checkpoint on the uninterrupted curve."""
     run = tmp_path / "kill"
-    proc = _launch(run, "parallel.dp=2")
-    _wait_for_steps(run, 2)
+    proc = _launch(run, *KILL_LAYOUT)
+    _wait_for_steps(run, 5)
     workers = _workers(proc.pid)
-    assert len(workers) == 2
+    assert len(workers) == 4
     os.kill(workers[1], signal.SIGKILL)
     t0 = time.time()
     out, err = proc.communicate(timeout=90)
@@ -90,5 +96,48 @@ def test_killed_worker_brings_the_run_down(tmp_path):
     assert proc.returncode not in (0, 2)
     assert "run failed: rank 1 exited" in err and "SIGKILL" in err
     print(f"\nall processes gone {took:.1f}s after SIGKILL; launcher said: {err.strip().splitlines()[-1]}")
+    assert took < 60, took
+    assert not [p for p in workers if Path(f"/proc/{p}").exists()]
+    last = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if (p / "COMPLETE").exists())
+    steps = last + 3
+    again = train(run, *KILL_LAYOUT, steps=steps)
+    assert f"resumed from" in again.stdout and f"at step {last}" in again.stdout
+    train(tmp_path / "ref", *KILL_LAYOUT, steps=steps)
+    resumed = rows(run)[-3:]
+    assert [r["step"] for r in resumed] == [last + 1, last + 2, last + 3]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows(tmp_path / "ref")][-3:]
+
+
+def _faulty(run_dir, fault, *overrides):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPOVERLAP_FAULT=fault)
+    env.pop("RANK", None)
+    args = [str(BIN / "mpoverlap-train"), *SMALL, "train.steps=20", f"run.dir={run_dir}", *overrides]
+    t0 = time.time()
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=150)
+    return proc, time.time() - t0
+
+
+def test_exception_in_one_rank_names_it_and_the_cause(tmp_path):
+    proc, took = _faulty(tmp_path / "raise", "1:3:raise", "parallel.dp=2")
+    assert proc.returncode == 1
+    assert "run failed: rank 1 exited" in proc.stderr and "injected fault" in proc.stderr
+    assert took < 60, took
+
+
+def test_hung_rank_times_out_instead_of_hanging(tmp_path):
+    """Rank 1 stops at step 3 without dying: rank 0's next collective times out after
+    train.comm_timeout_s, and the launcher takes the hung rank down too (SIGTERM, then
+    SIGKILL after its grace period, as for a rank stuck inside a C++ call)."""
+    run = tmp_path / "hang"
+    proc = _launch(run, "parallel.dp=2", "train.comm_timeout_s=10", fault="1:3:hang")
+    _wait_for_steps(run, 2)
+    workers = _workers(proc.pid)
+    t0 = time.time()
+    out, err = proc.communicate(timeout=120)
+    took = time.time() - t0
+    assert proc.returncode == 1
+    assert "run failed: rank 0 exited" in err and "Timed out" in err, err[-2000:]
+    print(f"\nhung rank: every process gone {took:.1f}s after step 2 (timeout 10 s); launcher said: "
+          f"{err.strip().splitlines()[-1]}")
     assert took < 60, took
     assert not [p for p in workers if Path(f"/proc/{p}").exists()]

@@ -78,6 +78,7 @@ class CommHandle:
     __slots__ = (
         "mode", "op", "nbytes", "issued_at", "completed_at", "blocked_s", "_works", "_ledger",
         "_waited", "_on_done", "_lock", "_keepalive", "_cuda_events", "wait_began_at", "wait_ended_at",
+        "_background",
     )
 
     def __init__(self, mode: str, op: str, nbytes: int, works: List[Any], ledger: Optional["Any"],
@@ -102,9 +103,8 @@ class CommHandle:
         self._keepalive = keepalive
         # (start, before_wait, after_wait) CUDA events, or None on CPU.
         self._cuda_events = [cuda_start, None, None] if cuda_start is not None else None
+        self._background = None  # a future waiting the works on the ledger's pool
         if self._cuda_events is None:
-            if ledger is not None:
-                ledger.poll()
             self._watch_completion()
 
     def _watch_completion(self) -> None:
@@ -123,21 +123,22 @@ class CommHandle:
             try:
                 work.get_future().add_done_callback(done)
             except (RuntimeError, AttributeError):
-                # No future (gloo's reduce-scatter): the ledger polls is_completed() whenever
-                # another handle is issued or waited, so completion is known to that granularity.
-                remaining[0] = -1
+                remaining[0] = -1  # no future (gloo p2p, reduce-scatter): see below
         if remaining[0] < 0 and self._ledger is not None:
-            self._ledger.watch(self)
+            # Such works report completion only once waited: wait them on the ledger's pool,
+            # so the completion time is the transfer's end, not this handle's wait().
+            self._background = self._ledger.wait_in_background(self._works, self._stamp_completed)
 
-    def poll(self) -> bool:
-        """Stamp the completion time if the backend has finished; True once stamped."""
-        if self.completed_at is None and all(w.is_completed() for w in self._works):
-            self.completed_at = now()
-        return self.completed_at is not None
+    def _stamp_completed(self) -> None:
+        with self._lock:
+            if self.completed_at is None:
+                self.completed_at = now()
 
     def is_completed(self) -> bool:
         if self._waited:
             return True
+        if self._background is not None:
+            return self._background.done()
         return all(w.is_completed() for w in self._works)
 
     def wait(self) -> "CommHandle":
@@ -146,13 +147,15 @@ class CommHandle:
         if self._cuda_events is not None:
             self._wait_cuda()
             return self
-        if self._ledger is not None:
-            self._ledger.poll()
         with named_range("wait", self.mode, self.op):
             t0 = now()
-            for work in self._works:
-                work.wait()
+            if self._background is not None:
+                self._background.result()  # re-raises the backend's error, as work.wait() would
+            else:
+                for work in self._works:
+                    work.wait()
             t1 = now()
+        self._background = None
         self._waited = True
         self.wait_began_at, self.wait_ended_at = t0, t1
         if self.completed_at is None or self.completed_at > t1:

@@ -5,15 +5,25 @@ union of issue-to-completion intervals, so handles queued behind each other are 
 twice), `exposed_s` the time compute sat blocked in wait(). exposed_s / time_s is the share of
 that mode's communication that overlap failed to hide.
 
+Completion: most backends call back when a handle completes. Gloo's point-to-point and
+reduce-scatter works give no completion future and report `is_completed()` False until
+waited, so for them `wait_in_background` waits on a small thread pool owned by the ledger
+and stamps the completion time there; the handle's own wait() then waits for that task.
+Their in-flight time so ends when the transfer ends, not at the wait (which could be a whole
+compute phase later and would inflate time_s). Waiting a gloo work never drives its progress
+(sends and receives are posted at issue), so a queued background wait cannot deadlock.
+
 An optional `recorder` (a callable, None by default) sees every handle as it is recorded, for
 the profiler's per-handle timeline; with it unset recording costs one attribute test.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 FIELDS = ("ops", "bytes", "time_s", "exposed_s")
+BACKGROUND_WAITERS = 16
 
 
 class CommLedger:
@@ -21,18 +31,22 @@ class CommLedger:
         self._totals: Dict[str, Dict[str, float]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0.0))
         self._intervals: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         self._unresolved: List = []  # CUDA handles whose events are read at summary time
-        self._polled: List = []  # handles whose backend gives no completion callback
+        self._waiters: Optional[ThreadPoolExecutor] = None  # made on first use
         # Called with each handle at record() (right after its wait, before CUDA timings are
         # resolved: the recorder resolves them itself when it needs them). Off when None.
         self.recorder: Optional[Callable[[object], None]] = None
 
-    def watch(self, handle) -> None:
-        self._polled.append(handle)
+    def wait_in_background(self, works: List, on_complete: Callable[[], None]) -> Future:
+        """Wait `works` on a pool thread, then call `on_complete` (stamps the completion time).
+        The returned future re-raises the backend's error (a timeout) in whoever takes its result."""
+        if self._waiters is None:
+            self._waiters = ThreadPoolExecutor(BACKGROUND_WAITERS, thread_name_prefix="mpoverlap-comm-wait")
 
-    def poll(self) -> None:
-        """Stamp completion of watched handles that finished (called at every issue/wait)."""
-        if self._polled:
-            self._polled = [h for h in self._polled if not h.poll()]
+        def wait_all_works() -> None:
+            for work in works:
+                work.wait()
+            on_complete()
+        return self._waiters.submit(wait_all_works)
 
     def record(self, handle) -> None:
         if self.recorder is not None:

@@ -25,6 +25,7 @@ from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwar
 from mpoverlap.tensor_parallel.checkpoint import reshard_named, unshard_named
 from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
+from mpoverlap.training.faults import FaultInjector
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.metrics import MetricsWriter, Progress, moe_summary, peak_memory_bytes
 from mpoverlap.training.preemption import PreemptionFlag
@@ -100,6 +101,7 @@ class Trainer:
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if state.device.type == "cuda"
                          else nullcontext())
         self.step = 0
+        self.faults = FaultInjector(state.rank)
         self.pipeline = None
         if self.pp > 1:
             m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
@@ -193,6 +195,7 @@ class Trainer:
 
     def train_step(self) -> Dict[str, Any]:
         t = self.cfg.train
+        self.faults.at_step(self.step + 1)
         lr = self.schedule(self.step)
         batch = global_batch(self.train_data, self.step, t.global_batch_size, t.seed)
         micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
