@@ -68,6 +68,7 @@ def scenario_overrides(args) -> Dict[str, Any]:
     if s == "ep":
         model = [m for m in model if not m.startswith("model.ffn_hidden_size")]
         base = ["model=moe_tiny", "parallel.ep=2", f"model.moe_ffn_hidden_size={args.ffn}",
+                f"overlap.ep_chunks={args.ep_chunks}",
                 f"train.global_batch_size={args.micro_batch * args.microbatches * 2}"] + model
         variants = {}
         for shared in (False, True):
@@ -426,6 +427,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_block_args(p, block=4, repeats=5, max_repeats=20, min_quiet=4, time_budget=150.0, warmup=2)
     for k in ("hidden", "ffn", "seq", "layers", "heads", "micro_batch", "microbatches"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help="scenario default: see DEFAULTS")
+    p.add_argument("--ep-chunks", type=int, default=4, help="ep scenario: overlap.ep_chunks (default 4, as the config)")
     p.add_argument("--bubble-microbatches", default="2,4,8", help="bubble scenario: microbatch counts (default 2,4,8)")
 
 

@@ -72,7 +72,7 @@ class OverlapConfig:
     dp_param_gather: Any = "auto"
     # EP detail: each microbatch's tokens are dispatched in this many chunks, so one chunk's
     # exchange is in flight while the experts compute another (on and off use the same chunks).
-    ep_chunks: int = 2
+    ep_chunks: int = 4
 
 
 @dataclass

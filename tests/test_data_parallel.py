@@ -355,6 +355,29 @@ def test_buffer_layout():
     assert model.head.weight is model.embed.weight
 
 
+def test_expert_weights_get_buckets_of_their_own():
+    """Expert parameters never share a bucket with dense ones (they reduce over another
+    group), each kind is padded to its own group size, and buckets still follow reverse order."""
+    from mpoverlap.data_parallel.ddp import expert_key
+
+    model = make_model()
+    experts = [p for n, p in model.named_parameters() if ".1." in n or n.startswith("blocks.1")]
+    assert experts
+    for p in experts:
+        p.expert_parallel = True
+    buf = build_buffer(model.named_parameters(), bucket_mb=BUCKET_MB, pad_to={"dense": 4, "expert": 3},
+                       key_of=expert_key)
+    names = [n for b in buf.buckets for n in b.names]
+    assert names == [n for n, _ in model.named_parameters() if n != "head.weight"][::-1]
+    kinds = set()
+    for b in buf.buckets:
+        keys = {expert_key(p) for p in b.params}
+        assert keys == {b.key}, (b.names, keys)
+        assert b.numel % {"dense": 4, "expert": 3}[b.key] == 0
+        kinds.add(b.key)
+    assert kinds == {"dense", "expert"}
+
+
 def test_single_rank_matches_reference_bitwise():
     ref = reference()
     model = make_model()

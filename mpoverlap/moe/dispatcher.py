@@ -5,6 +5,9 @@ CommHandle) and `*_finish` (waits, returns tensors), so the layer decides what r
 handle is in flight. `dispatch`/`combine` are start+finish back to back. All handles: mode "ep".
 
 AllToAllDispatcher (R = ep_size, L = num_experts / R local experts, T tokens, k = top_k):
+    exchange_counts: one all_to_all of every chunk's per-expert counts [chunks, R, L], waited at
+    once (it sizes the token exchanges), so a microbatch pays one round trip for counts, not
+    one per chunk; `dispatch_start(..., recv_counts=)` then issues its token exchange at once.
     dispatch: permute slots by expert -> all_to_all of counts [R, L] (waited at once: it sizes
     the next exchange) -> all_to_all of tokens, uneven splits -> regroup rows from [src rank]
     [local expert] to [local expert][src rank]. Returns tokens [N_recv, H], counts [L], context.
@@ -192,12 +195,23 @@ class _Base:
 
 
 class AllToAllDispatcher(_Base):
-    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk) -> Pending:
+    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Slots each source rank sends to each of this rank's experts, per chunk: one
+        collective for all chunks. Returns [chunks] of recv_counts [R, L] (long)."""
+        send = torch.stack([torch.bincount(ids[ids >= 0], minlength=self.num_experts)
+                            for ids in expert_ids_per_chunk])  # [n, E]
+        send = send.view(len(expert_ids_per_chunk), self.size, self.num_local).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)  # [R, n, L]: block r holds source rank r's counts
+        all_to_all(recv, send, self.group, mode=MODE, ledger=self.ledger).wait()
+        return [recv[:, i, :] for i in range(recv.shape[1])]
+
+    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, recv_counts=None) -> Pending:
         T, k = expert_ids_Tk.shape
         x_perm, order, counts = permute(x_TH, expert_ids_Tk, self.num_experts)
         send_counts = counts.view(self.size, self.num_local).contiguous()
-        recv_counts = torch.empty_like(send_counts)
-        all_to_all(recv_counts, send_counts, self.group, mode=MODE, ledger=self.ledger).wait()
+        if recv_counts is None:
+            recv_counts = torch.empty_like(send_counts)
+            all_to_all(recv_counts, send_counts, self.group, mode=MODE, ledger=self.ledger).wait()
         in_splits = send_counts.sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
         h, link = _a2a(x_perm, self.group, out_splits, in_splits, self.ledger, self._exchange())

@@ -8,8 +8,9 @@ overlap=True (forward), with D = dispatch exchange, E = expert compute, C = comb
     issue D0; shared expert (while D0 is in flight);
     for i: issue D(i+1); wait D(i); E(i); issue C(i)   (C(i) is in flight while E(i+1) runs)
     wait C(0..n-1).
-  The token-count all_to_all inside each dispatch is waited at once (it sizes the token
-  exchange). The collective issue order (D0, D1, C0, D2, C1, ...) is the same on every rank.
+  Every chunk's token counts travel in ONE all_to_all before D0, waited at once (they size
+  the token exchanges). The collective issue order (counts, D0, D1, C0, D2, C1, ...) is the
+  same on every rank.
 overlap=False: the same chunks and ops, each exchange waited right after it is issued; the
   math and its summation order are identical, so outputs and gradients are bitwise equal.
 
@@ -112,8 +113,14 @@ class MoELayer(nn.Module):
         d = self.dispatcher
         d.backward_trace = trace
 
+        # Every chunk's token counts in one exchange (the all-to-all dispatcher needs them to
+        # size its token exchanges); the all-gather dispatcher needs none.
+        counts = (d.exchange_counts([ids for _, ids, _ in parts]) if hasattr(d, "exchange_counts")
+                  else None)
+
         def issue(i):
-            pending = d.dispatch_start(*parts[i])
+            pending = (d.dispatch_start(*parts[i], recv_counts=counts[i]) if counts is not None
+                       else d.dispatch_start(*parts[i]))
             log(("dispatch_issued", i))
             return pending
 

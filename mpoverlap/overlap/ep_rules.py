@@ -73,7 +73,7 @@ def _values(lo: Layout):
         ("model.moe_dispatcher", m.moe_dispatcher, m.moe_dispatcher in DISPATCHERS,
          f"must be one of {'|'.join(DISPATCHERS)}", DISPATCHERS[0]),
         ("overlap.ep_chunks", o.ep_chunks, o.ep_chunks >= 1,
-         "each microbatch's tokens are dispatched in ep_chunks >= 1 chunks", "2"),
+         "each microbatch's tokens are dispatched in ep_chunks >= 1 chunks", "4"),
     ]
     for key, value, ok, why, fix in checks:
         if not ok:

@@ -147,8 +147,8 @@ def estimate(cfg: Any, world_size: int | None = None) -> RankEstimate:
     if lo.ep > 1 and moe_here:
         # Per MoE layer and microbatch, dropless: the dispatch and the combine exchange every
         # routed (token, expert) slot once forward and once backward (the ledger counts the
-        # sent buffer; received sizes vary with routing but average the same), plus each
-        # chunk's all_to_all of per-expert counts (int64).
+        # sent buffer; received sizes vary with routing but average the same), plus one
+        # all_to_all of every chunk's per-expert counts (int64).
         slots = b * s_hidden * m.moe_top_k
         per_layer = 4 * slots * H * BYTES + min(cfg.overlap.ep_chunks, b * s_hidden) * m.num_experts * 8
         comm["ep"] = per_layer * moe_here * micro
