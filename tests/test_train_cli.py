@@ -252,8 +252,8 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
 
 
 def test_checkpoint_reshards_tp_pp_chain_and_ep(tmp_path):
-    """tp2 x pp2 -> tp1 x pp1 -> tp4 on one curve; an MoE checkpoint moves from ep1 to ep2 and
-    from ep2 to ep1 (experts are saved under their global index)."""
+    """tp2 x pp2 -> tp1 x pp1 -> tp4 on one curve; an MoE checkpoint moves from ep1 (ZeRO-1) to
+    ep2 and from ep2 to ep1 (experts are saved under their global index)."""
     common = ["train.lr_decay_steps=6", "checkpoint.interval=2"]
     train(tmp_path / "ref", *common, steps=6)
     run = tmp_path / "chain"
@@ -263,7 +263,9 @@ def test_checkpoint_reshards_tp_pp_chain_and_ep(tmp_path):
     assert_close(losses(run), losses(tmp_path / "ref"))
     moe = [*MOE, "parallel.dp=2", "train.lr_decay_steps=6", "checkpoint.interval=3"]
     train(tmp_path / "moe_ref", *moe, steps=6)
-    for name, first, then in (("ep1_to_ep2", [], ["parallel.ep=2"]), ("ep2_to_ep1", ["parallel.ep=2"], [])):
+    # Saved with ZeRO-1 at ep1 (expert optimizer state sharded over edp = 2), loaded at ep2.
+    for name, first, then in (("ep1_zero_to_ep2", ["train.distributed_optimizer=true"], ["parallel.ep=2"]),
+                              ("ep2_to_ep1", ["parallel.ep=2"], [])):
         train(tmp_path / name, *moe, *first, steps=3)
         assert "resumed from" in train(tmp_path / name, *moe, *then, steps=6).stdout
         assert_close(losses(tmp_path / name), losses(tmp_path / "moe_ref"))
