@@ -33,7 +33,7 @@ received buffer to the sent tensor in the graph, and its backward runs the rever
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -187,6 +187,10 @@ class _Base:
         self._exchanges += 1
         return _Exchange(self.group, self.ledger, self.overlap, self.backward_trace, self._exchanges)
 
+    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """Per-chunk receive counts exchanged up front, or None when the dispatcher needs none."""
+        return None
+
     def dispatch(self, x_TH, expert_ids_Tk, weights_Tk):
         return self.dispatch_finish(self.dispatch_start(x_TH, expert_ids_Tk, weights_Tk))
 
@@ -237,7 +241,8 @@ class AllToAllDispatcher(_Base):
 
 
 class AllGatherDispatcher(_Base):
-    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk) -> Pending:
+    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, recv_counts=None) -> Pending:
+        """`recv_counts` is unused: every rank receives every token."""
         T, k = expert_ids_Tk.shape
         hx, lx = _gather(x_TH, self.group, self.size, self.ledger, self._exchange())
         hw, lw = _gather(weights_Tk, self.group, self.size, self.ledger, self._exchange())

@@ -115,12 +115,10 @@ class MoELayer(nn.Module):
 
         # Every chunk's token counts in one exchange (the all-to-all dispatcher needs them to
         # size its token exchanges); the all-gather dispatcher needs none.
-        counts = (d.exchange_counts([ids for _, ids, _ in parts]) if hasattr(d, "exchange_counts")
-                  else None)
+        counts = d.exchange_counts([ids for _, ids, _ in parts])
 
         def issue(i):
-            pending = (d.dispatch_start(*parts[i], recv_counts=counts[i]) if counts is not None
-                       else d.dispatch_start(*parts[i]))
+            pending = d.dispatch_start(*parts[i], recv_counts=counts[i] if counts is not None else None)
             log(("dispatch_issued", i))
             return pending
 
