@@ -200,7 +200,8 @@ def test_check_estimates_match_measured_comm(runs):
     from mpoverlap.overlap.layout import build_layout
 
     for name in ("dp2_on", "dp4_zero_on", "tp2", "tp2_sp_on", "pp2_vpp2_on", "pp4_on", "cp4_ring_off",
-                 "dp2_tp2_pp2_sp_all", "moe_dp4_ep2_on", "moe_dp4_ep2_zero", "moe_dp2_ep2_tp2_pp2_all"):
+                 "dp2_tp2_pp2_sp_all", "moe_dp4_ep2_on", "moe_dp4_ep2_zero", "moe_dp2_ep2_tp2_pp2_all",
+                 "moe_shared_dp2_ep2_allgather"):
         cfg = compose([*SMALL, *LAYOUTS[name]])
         est = estimate(cfg, build_layout(cfg).world).comm_bytes_per_step
         measured = rows(runs / name)[-1]["comm"]

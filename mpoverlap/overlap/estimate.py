@@ -145,12 +145,21 @@ def estimate(cfg: Any, world_size: int | None = None) -> RankEstimate:
         comm["cp"] = 2 * kv_block * (3 * lo.cp - 2) * layers_here * micro
     moe_here = sum(is_moe_layer(m, i) for i in stage_layers(cfg, lo, busiest))
     if lo.ep > 1 and moe_here:
-        # Per MoE layer and microbatch, dropless: the dispatch and the combine exchange every
-        # routed (token, expert) slot once forward and once backward (the ledger counts the
-        # sent buffer; received sizes vary with routing but average the same), plus one
-        # all_to_all of every chunk's per-expert counts (int64).
-        slots = b * s_hidden * m.moe_top_k
-        per_layer = 4 * slots * H * BYTES + min(cfg.overlap.ep_chunks, b * s_hidden) * m.num_experts * 8
+        tokens = b * s_hidden
+        if m.moe_dispatcher == "allgather":
+            # Per MoE layer and microbatch, summed over chunks: forward all-gathers of the
+            # tokens, router weights (fp32) and expert ids (int64) and the combine's
+            # reduce-scatter; backward a reduce-scatter per gathered input that needs a
+            # gradient (tokens, weights) and an all-gather for the combine. The ledger counts
+            # the gathered size for both (an all-gather's output, a reduce-scatter's input).
+            per_layer = lo.ep * tokens * (4 * H * BYTES + 2 * m.moe_top_k * BYTES + m.moe_top_k * 8)
+        else:
+            # Dropless all-to-all: the dispatch and the combine exchange every routed (token,
+            # expert) slot once forward and once backward (the ledger counts the sent buffer;
+            # received sizes vary with routing but average the same), plus one all_to_all of
+            # every chunk's per-expert counts (int64).
+            per_layer = (4 * tokens * m.moe_top_k * H * BYTES
+                         + min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8)
         comm["ep"] = per_layer * moe_here * micro
     return RankEstimate(params=params, memory_bytes=memory, comm_bytes_per_step=comm)
 
