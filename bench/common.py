@@ -257,6 +257,25 @@ def json_cli(doc: str, add_args: Callable[[argparse.ArgumentParser], None],
     print(text)
 
 
+# ---- the plain-PyTorch peers' training step ------------------------------------------------------
+def plain_microbatches(model, micro) -> torch.Tensor:
+    """Forward and backward of every microbatch [B, S+1] of a single-process GPT (loss scaled by
+    1 / microbatches, gradients accumulating); returns the detached sum of the scaled losses."""
+    loss_sum = torch.zeros(())
+    for mb in micro:
+        loss = model.loss(model(mb[:, :-1]), mb[:, 1:]) / len(micro)
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def step_with_lr(optimizer, lr: float) -> None:
+    """Set `lr` on every parameter group, then step."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+
+
 # ---- whole mpoverlap-train runs (bench.scaling, bench.memory, bench.timelines) -------------------
 # No progress bar, a metrics row per step, no checkpoints, a small slice of the stdlib corpus.
 TRAIN_BASE = ["train.progress=false", "train.log_interval=1", "checkpoint.interval=0", "checkpoint.resume=none",

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from bench.common import add_block_args, adamw_groups, block_clocks, block_figures, gathered_foreign_cores, \
-    init_bench_worker, json_cli, log_round, rounds_done, spawn_ranks, stats
+    init_bench_worker, json_cli, log_round, rounds_done, spawn_ranks, stats, step_with_lr
 
 VARIANTS = {
     "mpo_overlap": ["overlap.dp=true", "train.distributed_optimizer=false"],
@@ -106,9 +106,7 @@ class DDPLoop:
                 self.bwd_s.append(c - b)
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip, foreach=True)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        step_with_lr(self.optimizer, lr)
         self.step += 1
         return {"loss_local": loss_sum, "grad_norm": float(grad_norm), "step_time_s": time.perf_counter() - t0}
 

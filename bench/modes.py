@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from bench.common import add_block_args, adamw_groups, init_bench_worker, json_cli, rotating_blocks, spawn_ranks, \
-    stats
+    stats, plain_microbatches, step_with_lr
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
           "data.max_bytes=2000000", "overlap.dp=false"]
@@ -232,15 +232,9 @@ class DTensorTP(_Peer):
         micro = rank_microbatches(global_batch(self.dataset, self.step, t.global_batch_size, t.seed), 0, 1,
                                   t.micro_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
-        for mb in micro:
-            loss = self.model.loss(self.model(mb[:, :-1]), mb[:, 1:]) / len(micro)
-            loss.backward()
-            loss_sum += loss.detach()
+        loss_sum = plain_microbatches(self.model, micro)
         _clip_(self.sharded, self.replicated, t.grad_clip)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.optimizer.step()
+        step_with_lr(self.optimizer, lr)
         self.step += 1
         return {"loss_local": loss_sum}
 
@@ -309,9 +303,7 @@ class TorchInterleaved(_Peer):
         loss = torch.stack(kwargs["losses"]).mean().detach() if self.last else torch.zeros(())
         # Every stage's gradients differ: the squares sum over the pipeline.
         _clip_(self.params, [], t.grad_clip)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.optimizer.step()
+        step_with_lr(self.optimizer, lr)
         self.step += 1
         return {"loss_local": loss}
 

@@ -32,7 +32,8 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from bench.common import add_block_args, adamw_groups, free_port, json_cli, log_round, machine_busy_s, stats
+from bench.common import add_block_args, adamw_groups, free_port, json_cli, log_round, machine_busy_s, \
+    plain_microbatches, stats, step_with_lr
 
 
 def _overrides(args) -> List[str]:
@@ -66,15 +67,9 @@ class PlainLoop:
         micro = batch.split(t.micro_batch_size)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
-        for mb in micro:
-            loss = self.model.loss(self.model(mb[:, :-1]), mb[:, 1:]) / len(micro)
-            loss.backward()
-            loss_sum += loss.detach()
+        loss_sum = plain_microbatches(self.model, micro)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip, foreach=True)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        step_with_lr(self.optimizer, lr)
         self.step += 1
         return {"loss_local": loss_sum, "grad_norm": float(grad_norm),
                 "step_time_s": time.perf_counter() - t0}

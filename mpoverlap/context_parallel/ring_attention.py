@@ -41,6 +41,12 @@ def _pairs(ring: CPRing, src: int):
             for j, kc in enumerate(k_chunks)]
 
 
+def _kv_double_buffer(k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, ring: CPRing) -> list:
+    """[kv_2BNSD in hand, buffer the next block is received into (None when cp == 1)]."""
+    held = torch.stack([k_BNSD, v_BNSD])
+    return [held, torch.empty_like(held) if ring.cp_size > 1 else None]
+
+
 def _issue_next_kv(ring: CPRing, buffers: list, step: int, stats: CPStats, phase: str):
     """Send the K/V block in hand on and receive the next one into the other buffer (double
     buffering). Without overlap the transfer is waited at once; with it, the caller waits
@@ -64,9 +70,7 @@ def ring_forward(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tenso
     out_acc = [None, None]
     lse_acc = [None, None]
     # kv_2BNSD: the block in hand; the other buffer receives the next one.
-    buffers = [torch.stack([k_BNSD, v_BNSD]), None]
-    if ring.cp_size > 1:
-        buffers[1] = torch.empty_like(buffers[0])
+    buffers = _kv_double_buffer(k_BNSD, v_BNSD, ring)
     for step in range(ring.cp_size):
         kv_2BNSD = buffers[step % 2]
         handle = _issue_next_kv(ring, buffers, step, stats, "fwd")
@@ -100,9 +104,7 @@ def ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS, ring: CP
     lse_chunks, delta_chunks = lse_BNS.chunk(2, dim=2), delta_BNS.chunk(2, dim=2)
     dq_BNSD = torch.zeros(q_BNSD.shape, dtype=acc_dtype(q_BNSD.dtype), device=q_BNSD.device)
     dq_chunks = dq_BNSD.chunk(2, dim=2)
-    buffers = [torch.stack([k_BNSD, v_BNSD]), None]
-    if ring.cp_size > 1:
-        buffers[1] = torch.empty_like(buffers[0])
+    buffers = _kv_double_buffer(k_BNSD, v_BNSD, ring)
     dkv_handle, dkv_recv_2BNSD = None, None
     for step in range(ring.cp_size):
         kv_2BNSD = buffers[step % 2]
