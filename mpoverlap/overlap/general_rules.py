@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from mpoverlap.overlap.layout import DEGREES, Layout, as_positive_int
-from mpoverlap.overlap.rules import Problem, nearest_divisor, next_multiple, rule
+from mpoverlap.overlap.rules import Problem, divisors, next_multiple, rule
 
 TRISTATE_KEYS = ("dp", "tp", "pp", "cp", "ep", "dp_param_gather")
 
@@ -128,15 +128,46 @@ def _choices(lo: Layout):
                           [f"overlap.{name}=auto"])
 
 
+def even_head_count(hidden: int, heads: int) -> int | None:
+    """The head count nearest `heads` that divides `hidden` into an even head dimension (RoPE
+    rotates channel pairs), or None when `hidden` is odd and no head count can."""
+    good = [d for d in divisors(hidden) if (hidden // d) % 2 == 0]
+    return min(good, key=lambda d: (abs(d - heads), d)) if good else None
+
+
+def _head_shape_fix(m) -> list:
+    """Overrides that give an even head dimension: the nearest valid head count, or (odd
+    hidden size) the hidden size rounded up to a multiple of 2 x heads."""
+    heads = even_head_count(m.hidden_size, m.num_attention_heads)
+    if heads is not None:
+        return [f"model.num_attention_heads={heads}"]
+    return [f"model.hidden_size={next_multiple(m.hidden_size, 2 * m.num_attention_heads)}"]
+
+
 @rule("model.heads_divide_hidden", "general", ("model.hidden_size", "model.num_attention_heads"),
       "attention heads divide the hidden size")
 def _heads(lo: Layout):
     m = lo.cfg.model
     if m.hidden_size >= 1 and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
+        # The fix must also give an even head dimension, or it would trip model.head_dim_even.
         yield Problem("model.heads_divide_hidden",
                       {"model.hidden_size": m.hidden_size, "model.num_attention_heads": m.num_attention_heads},
-                      "each head gets hidden_size / num_attention_heads channels",
-                      [f"model.num_attention_heads={nearest_divisor(m.hidden_size, m.num_attention_heads)}"])
+                      "each head gets hidden_size / num_attention_heads channels", _head_shape_fix(m))
+
+
+@rule("model.head_dim_even", "general", ("model.hidden_size", "model.num_attention_heads"),
+      "the head dimension hidden_size / num_attention_heads is even (RoPE rotates channel pairs)")
+def _head_dim_even(lo: Layout):
+    m = lo.cfg.model
+    if m.hidden_size < 1 or m.num_attention_heads < 1 or m.hidden_size % m.num_attention_heads:
+        return  # model.heads_divide_hidden reports it
+    head_dim = m.hidden_size // m.num_attention_heads
+    if head_dim % 2:
+        yield Problem("model.head_dim_even",
+                      {"model.hidden_size": m.hidden_size, "model.num_attention_heads": m.num_attention_heads},
+                      f"the head dimension {m.hidden_size} / {m.num_attention_heads} = {head_dim} is odd; "
+                      "rotary embeddings rotate pairs of channels (x[i], x[i + D/2]) and need it even",
+                      _head_shape_fix(m))
 
 
 @rule("data.indexed_path", "general", ("data.name", "data.path"), "indexed data names its files")
