@@ -38,8 +38,10 @@ def write_readme_rules(path: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print("usage: mpoverlap-check [--rules [--write-readme README.md]] [hydra overrides ...]\n"
-              "  validates the configuration and prints the plan; exit 0 valid, 2 invalid")
+        print("usage: mpoverlap-check [--rules [--write-readme README.md]] [--korthikanti] [hydra overrides ...]\n"
+              "  validates the configuration and prints the plan; exit 0 valid, 2 invalid\n"
+              "  --korthikanti: count activations as Korthikanti et al. 2022 Table 2 does (16-bit, dropout\n"
+              "    masks, no flash attention) instead of as this code saves them (compute dtype, flash, no dropout)")
         return 0
     if "--rules" in args:
         if "--write-readme" in args:
@@ -47,6 +49,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print(rules_table())
         return 0
+    conventions = None
+    if "--korthikanti" in args:
+        from mpoverlap.overlap.estimate import Conventions
+
+        args.remove("--korthikanti")
+        conventions = Conventions.korthikanti()
     try:
         cfg = compose(args)
     except ConfigError as err:
@@ -56,7 +64,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if problems:
         print(render_problems(problems), file=sys.stderr)
         return EXIT_INVALID
-    print(render_plan(cfg))
+    print(render_plan(cfg, conventions=conventions))
     return 0
 
 

@@ -24,7 +24,9 @@ def _abbrev(groups: List[List[int]], limit: int = 4) -> str:
 
 
 def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional[int] = None,
-                device: Optional[str] = None) -> str:
+                device: Optional[str] = None, conventions=None) -> str:
+    """`conventions`: how activations are counted (`estimate.Conventions`; default: as this
+    code saves them, in the compute dtype)."""
     lo = build_layout(cfg, world_size)
     ov = CommOverlapConfig.from_config(cfg, world_size)
     t, m = cfg.train, cfg.model
@@ -38,7 +40,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"{'on' if t.distributed_optimizer else 'off'}",
     ]
     try:
-        lines.append(render_estimate(estimate(cfg, world_size)))
+        lines.append(render_estimate(estimate(cfg, world_size, conventions=conventions), lo.world))
     except (ZeroDivisionError, TypeError, AttributeError):
         pass  # an invalid layout: its problems are reported instead of a plan
     lines.append("  overlap:")

@@ -1,0 +1,141 @@
+"""Activation memory: the bytes autograd keeps for backward, layer by layer, as this code saves
+them, and how many microbatches' worth the pipeline schedule keeps alive on each stage.
+
+What one block keeps per token (measured with `saved_tensors_hooks`, tests/test_estimate.py;
+f = residual-stream bytes, 4: the residual stays fp32 under autocast; c = compute bytes):
+
+  residual region (S/tp positions with SP, all S without):
+    the two block inputs x, x + attn (the norms' inputs)        2H f
+    RMSNorm keeps x * rsqrt(mean x^2) too (the weight's grad)    2H f   (LayerNorm: mean, rstd only)
+    the two norm outputs (the next GEMM's input, in c)           2H c
+  TP region (each rank holds 1/tp of the heads and of F, all S/cp positions):
+    qkv output (v is a view of it, so SDPA keeps it all)         3H c
+    q, k after RoPE, attention output (flash: log-sum-exp only)  3H c + N f
+      ring CP: + a copy of the output for the projection (BNSD)  +1H c
+      a2a CP: stacked head-sharded q, k, v + output + copy, the
+              qkv output is not kept                             5H c in all
+      no flash (math SDPA): the probabilities                    N S c (per token)
+    MLP: GeLU up output and GeLU output                          2F c
+         SwiGLU gate|up output, silu(gate), the product          4F c
+  MoE MLP instead (not split over TP; S/tp tokens with SP): router logits and probabilities,
+    top-k, log-sum-exp (fp32) 2E*4 + 12k + 40 bytes; the permuted tokens, the experts' outputs and
+    their unpermuted copy 3kH c; each routed copy runs an expert MLP (4 or 2 x expert width, c);
+    the shared expert a dense MLP of the expert width.
+  The last chunk adds the final norm and the loss's fp32 log-softmax (or, vocab-parallel,
+  softmax) over V/tp per token; the first the token ids.
+
+`Conventions.korthikanti()` applies Korthikanti et al. 2022's conventions instead (everything
+16-bit, no flash attention: softmax output + dropout mask + dropout output, and a 1-byte dropout
+mask after the attention projection and after the MLP), to compare with their Table 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.overlap.estimate.params import chunk_layers, expert_ffn, is_moe_layer
+from mpoverlap.overlap.layout import Layout
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """How activations are counted. The default is what this code does."""
+    compute_bytes: int = 4  # bytes of the compute dtype (2 for train.precision=bf16)
+    residual_bytes: int = 4  # the residual stream and norm statistics (fp32 under autocast)
+    flash: bool = True  # SDPA picks a flash kernel on CPU and CUDA; ring/a2a CP are flash-style
+    dropout: bool = False  # this model has no dropout
+
+    @classmethod
+    def for_dtype(cls, compute_bytes: int = 4) -> "Conventions":
+        return cls(compute_bytes=compute_bytes)
+
+    @classmethod
+    def korthikanti(cls) -> "Conventions":
+        """Korthikanti et al. 2022, Table 2: 16-bit activations, dropout, no flash attention."""
+        return cls(compute_bytes=2, residual_bytes=2, flash=False, dropout=True)
+
+
+def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micro_batch: int) -> int:
+    """Bytes layer i keeps for backward, per rank and microbatch (see the module doc)."""
+    m, p = cfg.model, cfg.parallel
+    H, N, c, f = m.hidden_size, m.num_attention_heads, conv.compute_bytes, conv.residual_bytes
+    s_local = m.seq_length // lo.cp
+    sp = bool(p.sequence_parallel) and lo.tp > 1
+    tokens_tp = micro_batch * s_local  # TP region: every position, 1/tp of heads and F
+    tokens_res = tokens_tp // lo.tp if sp else tokens_tp  # residual region: S/tp with SP
+    norm_extra = 2 * H * f if m.norm == "rmsnorm" else 2 * 2 * f
+    residual = 2 * H * f + norm_extra + 2 * H * c + (2 * H if conv.dropout else 0)
+    if lo.cp > 1:
+        core = {"a2a": 5 * H}.get(p.cp_comm, 7 * H) * c
+    else:
+        core = 6 * H * c
+    attn_tp = core + N * f  # the log-sum-exp per head
+    if not conv.flash and lo.cp == 1:
+        # Math SDPA keeps the causal softmax over all S keys; with dropout also its mask
+        # (1 byte) and the dropped-out probabilities.
+        attn_tp += N * s_local * (c + (1 + c if conv.dropout else 0))
+    total = tokens_res * residual + tokens_tp * attn_tp // lo.tp
+    mult = 4 if m.activation == "swiglu" else 2
+    if is_moe_layer(m, i):
+        tokens = tokens_res  # experts are not split over TP: each TP rank routes its S/tp (SP) or all S
+        k, E, fe = m.moe_top_k, m.num_experts, expert_ffn(m)
+        per_token = 2 * E * 4 + 12 * k + 40 + 3 * k * H * c + k * mult * fe * c
+        if m.shared_expert:
+            per_token += mult * fe * c
+        total += tokens * per_token
+    else:
+        total += tokens_tp * mult * m.ffn_hidden_size * c // lo.tp
+    return total
+
+
+def head_activation_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int) -> int:
+    """The last chunk's final norm and loss, per microbatch: the norm's input (and RMSNorm's
+    normalised copy), its output in c, and the fp32 (log-)softmax over the local V/tp."""
+    m = cfg.model
+    H, c, f = m.hidden_size, conv.compute_bytes, conv.residual_bytes
+    tokens = micro_batch * (m.seq_length // lo.cp)
+    sp = bool(cfg.parallel.sequence_parallel) and lo.tp > 1
+    norm = (tokens // lo.tp if sp else tokens) * (H * f + (H * f if m.norm == "rmsnorm" else 2 * f) + H * c)
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    return norm + tokens * (V // lo.tp) * 4
+
+
+def chunk_activation_bytes(cfg: Any, lo: Layout, chunk: int, conv: Conventions, micro_batch: int) -> int:
+    """One microbatch's saved bytes on model chunk `chunk` (layers, plus loss or token ids)."""
+    total = sum(layer_activation_bytes(cfg, lo, i, conv, micro_batch) for i in chunk_layers(cfg, lo, chunk))
+    if chunk == lo.pp * lo.vpp - 1:
+        total += head_activation_bytes(cfg, lo, conv, micro_batch)
+    if chunk == 0:
+        total += micro_batch * (cfg.model.seq_length // lo.cp) * 8  # int64 token ids
+    return total
+
+
+def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int) -> List[Dict[str, int]]:
+    """Per stage, the peak of saved bytes over the step and how many chunk-microbatches are
+    alive then, replaying the schedule's own compute order (a forward keeps its chunk's
+    activations until the matching backward). Interleaving keeps more alive on early stages:
+    stage 0 of a 96-layer pp 8, vpp 2 run (m >= 8) peaks at 23 chunks of 6 layers, 138
+    layers, where 1F1B peaks at 8 microbatches of its 12 layers, 96 (Korthikanti's
+    1 + (p-1)/(p v) factor)."""
+    from mpoverlap.pipeline import compute_orders, schedule_kind
+    from mpoverlap.pipeline.actions import FORWARD
+
+    per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch) for k in range(lo.pp * lo.vpp)]
+    micro = lo.num_microbatches or 1
+    if lo.pp == 1:
+        # One forward and its backward at a time (no pipeline): one microbatch alive.
+        return [{"bytes": sum(per_chunk), "chunks_in_flight": lo.vpp, "layers_in_flight": cfg.model.num_layers}]
+    orders = compute_orders(schedule_kind(lo.vpp), lo.pp, lo.vpp, micro)
+    per = cfg.model.num_layers // (lo.pp * lo.vpp)
+    out = []
+    for stage, order in enumerate(orders):
+        live = alive = peak = peak_alive = 0
+        for kind, _mb, v in order:
+            sign = 1 if kind == FORWARD else -1
+            live += sign * per_chunk[v * lo.pp + stage]
+            alive += sign
+            if live > peak:
+                peak, peak_alive = live, alive
+        out.append({"bytes": peak, "chunks_in_flight": peak_alive, "layers_in_flight": peak_alive * per})
+    return out

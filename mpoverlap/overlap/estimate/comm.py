@@ -1,0 +1,133 @@
+"""Communication per step and rank, in two views, from the same list of operations.
+
+- buffer bytes: what the ledger counts (metrics.jsonl `comm.<mode>.bytes`): an all-reduce's
+  buffer once, an all-gather's output, a reduce-scatter's input, an all-to-all's send buffer,
+  a send/receive pair's two buffers.
+- link bytes: what each rank puts on the wire for the algorithm NCCL and gloo use: ring
+  all-reduce 2(n-1)/n of the buffer, ring all-gather and reduce-scatter (n-1)/n, all-to-all
+  (n-1)/n (its own slot stays home), point-to-point the sent half of the pair.
+  ZeRO's reduce-scatter + all-gather then moves what one all-reduce moves, and SP's 10
+  gathers/scatters per layer move 1.25x what the 4 all-reduces without SP move.
+
+The figures are per rank, averaged over the ranks (as metrics.jsonl reports them).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.overlap.estimate.params import (is_moe_layer, layer_params, moe_dense_unsplit, norm_params,
+                                               stage_layers)
+from mpoverlap.overlap.layout import Layout
+
+PARAM_BYTES = 4  # gradients are reduced in fp32
+
+# (mode, op, buffer bytes, group size)
+Op = Tuple[str, str, float, int]
+
+
+def link_factor(op: str, n: int) -> float:
+    """Bytes each rank sends per buffer byte (as the ledger counts the buffer)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op == "send_recv":
+        return 0.5  # the ledger counts the send and the receive buffer; only the send leaves
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int, c: int) -> List[Op]:
+    """Every mode's operations per step on a rank of stage `busiest`; `c` activation bytes."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    replicas = lo.dp * lo.cp
+    zero = bool(t.distributed_optimizer) and replicas > 1
+    micro = lo.num_microbatches or 1
+    b, H = t.micro_batch_size, m.hidden_size
+    s_cp = m.seq_length // lo.cp
+    s_hidden = s_cp // lo.tp if (p.sequence_parallel and lo.tp > 1) else s_cp
+    layers_here = m.num_layers // lo.pp
+    heads_here = m.num_attention_heads // lo.tp
+    here = stage_layers(cfg, lo, busiest)
+    moe_here = sum(is_moe_layer(m, i) for i in here)
+    ops: List[Op] = []
+    if replicas > 1:
+        # ZeRO-1: reduce-scatter the gradients, all-gather the parameters; else all-reduce.
+        # Dense weights over dp x cp; expert weights over edp = dp x cp / ep (none when 1).
+        edp = replicas // lo.ep
+        for n, nbytes in ((replicas, (params - expert_params) * PARAM_BYTES),
+                          (edp, expert_params * PARAM_BYTES if edp > 1 else 0)):
+            if nbytes:
+                ops += ([("dp", "reduce_scatter", nbytes, n), ("dp", "all_gather", nbytes, n)] if zero
+                        else [("dp", "all_reduce", nbytes, n)])
+    if lo.tp > 1:
+        # Full-sequence activation-sized collectives per microbatch. Without SP: each layer's two
+        # forward all-reduces and two backward input-gradient all-reduces, plus the embedding's
+        # and the head's. With SP: per layer 2 all-gathers + 2 reduce-scatters forward, the
+        # re-gathered inputs and scattered gradients of backward (10 in all, half of each kind),
+        # plus 5 around the embedding and head. The vocab-parallel loss and SP norm gradients
+        # are small and left out. An MoE MLP is not split over TP: an MoE layer has only its
+        # attention's half.
+        full = c * b * s_cp * H
+        per_layer, ends = (10, 5) if p.sequence_parallel else (4, 2)
+        tp_layers = layers_here - moe_here / 2
+        nbytes = full * micro * (per_layer * tp_layers + ends / lo.pp)
+        if p.sequence_parallel:
+            ops += [("tp", "all_gather", nbytes / 2, lo.tp), ("tp", "reduce_scatter", nbytes / 2, lo.tp)]
+            # Parameters not split over TP saw only S/tp positions: their gradients are summed
+            # over TP once per step (norms, and the MoE layers' routers and experts).
+            unsplit = sum(2 * norm_params(m) + (layer_params(cfg, lo, i)[1] + moe_dense_unsplit(m)
+                                                if is_moe_layer(m, i) else 0) for i in here)
+            ops.append(("tp", "all_reduce", unsplit * PARAM_BYTES, lo.tp))
+        else:
+            ops.append(("tp", "all_reduce", nbytes, lo.tp))
+    if lo.pp > 1:
+        # pp*vpp - 1 chunk boundaries, each an activation forward and a gradient backward,
+        # counted at the sending and the receiving end; plus the tied embedding's gradient sum
+        # over the first and last stage (2 of pp ranks).
+        hidden_bytes = c * b * s_hidden * H
+        ops.append(("pp", "send_recv", 4 * hidden_bytes * micro * (lo.pp * lo.vpp - 1) / lo.pp, 2))
+        if m.tie_embeddings:
+            V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+            ops.append(("pp", "all_reduce", V * H // lo.tp * PARAM_BYTES * min(2, lo.pp) / lo.pp, 2))
+    if lo.cp > 1:
+        head_dim = H // m.num_attention_heads
+        local_qkv = c * b * heads_here * s_cp * head_dim  # one of q, k, v on this rank
+        if p.cp_comm == "a2a":
+            # a2a_attention.py, per layer and microbatch: forward q, k, v go to head-sharded
+            # (3 buffers of this rank's size) and the output comes back (1); backward d(out)
+            # goes (1) and dq, dk, dv come back (3). Head groups split these, never add.
+            ops.append(("cp", "all_to_all", 8 * local_qkv * layers_here * micro, lo.cp))
+        else:
+            # Ring, per layer and microbatch: cp-1 K+V exchanges forward; backward cp-1 K+V and
+            # cp dK+dV exchanges (each exchange counts its send and its receive).
+            ops.append(("cp", "send_recv", 2 * 2 * local_qkv * (3 * lo.cp - 2) * layers_here * micro, 2))
+    if lo.ep > 1 and moe_here:
+        tokens = b * s_hidden
+        if m.moe_dispatcher == "allgather":
+            # Per MoE layer and microbatch, summed over chunks: forward all-gathers of the
+            # tokens, router weights (fp32) and expert ids (int64) and the combine's
+            # reduce-scatter; backward a reduce-scatter per gathered input that needs a
+            # gradient (tokens, weights) and an all-gather for the combine. The ledger counts
+            # the gathered size for both (an all-gather's output, a reduce-scatter's input).
+            gathered = lo.ep * tokens * (2 * H * c + m.moe_top_k * 4 + m.moe_top_k * 8) * moe_here * micro
+            scattered = lo.ep * tokens * (2 * H * c + m.moe_top_k * 4) * moe_here * micro
+            ops += [("ep", "all_gather", gathered, lo.ep), ("ep", "reduce_scatter", scattered, lo.ep)]
+        else:
+            # Dropless all-to-all: the dispatch and the combine exchange every routed (token,
+            # expert) slot once forward and once backward (the ledger counts the sent buffer;
+            # received sizes vary with routing but average the same), plus one all_to_all of
+            # every chunk's per-expert counts (int64).
+            per_layer = 4 * tokens * m.moe_top_k * H * c + min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8
+            ops.append(("ep", "all_to_all", per_layer * moe_here * micro, lo.ep))
+    return ops
+
+
+def comm_views(ops: List[Op]) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """(buffer bytes, link bytes) per mode."""
+    buffer: Dict[str, float] = {}
+    link: Dict[str, float] = {}
+    for mode, op, nbytes, n in ops:
+        buffer[mode] = buffer.get(mode, 0) + nbytes
+        link[mode] = link.get(mode, 0) + nbytes * link_factor(op, n)
+    return {k: int(v) for k, v in buffer.items()}, {k: int(v) for k, v in link.items()}

@@ -1,0 +1,123 @@
+"""Per-rank estimates for the plan: parameters, memory per pipeline stage, communication
+(buffer and link views), model FLOPs and the pipeline bubble.
+
+Pure arithmetic on the config (no process group, no model built), so `mpoverlap-check` can
+print them for a 4,096-rank layout in a second. Parameters are exact for this GPT; parameters,
+gradients and Adam state are fp32 (the master weights under bf16 autocast too). Activations
+count what each layer saves for backward (activations.py), in the compute dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from mpoverlap.overlap.estimate.activations import (Conventions, layer_activation_bytes,
+                                                    stage_activation_peak)
+from mpoverlap.overlap.estimate.comm import comm_ops, comm_views
+from mpoverlap.overlap.estimate.params import stage_layers, stage_params
+from mpoverlap.overlap.layout import build_layout
+
+BYTES = 4  # fp32 parameters, gradients, optimizer state
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    stage: int
+    params: int
+    memory_bytes: Dict[str, int]  # params, grads, optimizer, activations
+    layers_in_flight: int  # layers' worth of activations alive at this stage's peak
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    params: int  # on the pipeline stage with the most parameters
+    memory_bytes: Dict[str, int]  # of the stage with the largest total (params, grads, optimizer, activations)
+    comm_bytes_per_step: Dict[str, int]  # BUFFER bytes per mode and step, per rank averaged (= the ledger)
+    comm_link_bytes_per_step: Dict[str, int] = field(default_factory=dict)  # LINK bytes each rank sends
+    stages: List[StageEstimate] = field(default_factory=list)
+    layer_activation_bytes: int = 0  # stage 0's first layer, one microbatch
+    model_flops_per_step: float = 0.0  # training FLOPs of the whole model per step (all ranks)
+    bubble: float = 0.0  # (pp - 1) / (vpp m): pipeline idle over ideal compute
+    conventions: Conventions = Conventions()
+
+
+def compute_bytes(cfg: Any) -> int:
+    """Bytes of the compute dtype: 2 when `train.precision` is bf16, else fp32's 4 (the key is
+    read only where the schema has it)."""
+    precision = getattr(cfg.train, "precision", "fp32")
+    return 2 if str(precision) in ("bf16", "fp16") else 4
+
+
+def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optional[int] = None,
+             conventions: Optional[Conventions] = None) -> RankEstimate:
+    """The plan's figures for `cfg`. `dtype_bytes` overrides the compute dtype (2 = bf16);
+    `conventions=Conventions.korthikanti()` counts activations as Korthikanti et al. 2022 do
+    (16-bit, dropout, no flash) to compare with their Table 2."""
+    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.pipeline import bubble_fraction
+
+    lo = build_layout(cfg, world_size)
+    m, t = cfg.model, cfg.train
+    conv = conventions or Conventions.for_dtype(dtype_bytes or compute_bytes(cfg))
+    by_params = max(range(lo.pp), key=lambda s: stage_params(cfg, lo, s))
+    params = stage_params(cfg, lo, by_params)
+    expert_params = stage_params(cfg, lo, by_params, expert_only=True)
+    replicas = lo.dp * lo.cp
+    zero = bool(t.distributed_optimizer) and replicas > 1
+    micro = lo.num_microbatches or 1
+    peaks = stage_activation_peak(cfg, lo, conv, t.micro_batch_size)
+    stages = []
+    for s in range(lo.pp):
+        n, n_exp = stage_params(cfg, lo, s), stage_params(cfg, lo, s, expert_only=True)
+        mem = {"params": n * BYTES, "grads": n * BYTES,
+               # ZeRO-1 shards dense state over dp x cp and expert state over edp = dp x cp / ep.
+               "optimizer": 2 * BYTES * ((n - n_exp) // (replicas if zero else 1)
+                                         + n_exp // (replicas // lo.ep if zero else 1)),
+               "activations": peaks[s]["bytes"]}
+        stages.append(StageEstimate(s, n, mem, peaks[s]["layers_in_flight"]))
+    heaviest = max(stages, key=lambda st: sum(st.memory_bytes.values()))
+    buffer, link = comm_views(comm_ops(cfg, lo, by_params, params, expert_params, conv.compute_bytes))
+    return RankEstimate(
+        params=params, memory_bytes=dict(heaviest.memory_bytes), comm_bytes_per_step=buffer,
+        comm_link_bytes_per_step=link, stages=stages,
+        layer_activation_bytes=layer_activation_bytes(cfg, lo, stage_layers(cfg, lo, 0)[0], conv,
+                                                      t.micro_batch_size),
+        model_flops_per_step=flops_per_token(m) * t.global_batch_size * m.seq_length,
+        bubble=bubble_fraction(lo.pp, lo.vpp, micro) if lo.pp > 1 else 0.0, conventions=conv)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} FLOP"
+
+
+def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
+    conv = est.conventions
+    dtype = {2: "16-bit", 4: "fp32"}.get(conv.compute_bytes, f"{conv.compute_bytes}-byte")
+    how = ("Korthikanti et al. 2022 conventions: 16-bit, dropout, no flash" if conv.dropout
+           else f"{dtype} compute, {'flash' if conv.flash else 'math'} attention")
+    heaviest = max(est.stages, key=lambda st: sum(st.memory_bytes.values()))
+    lines = [f"  memory per rank ({how}); heaviest stage {heaviest.stage}: ~{_mib(sum(heaviest.memory_bytes.values()))}",
+             "    stage | parameters | params+grads+optim | activations (layers in flight) | total"]
+    for st in est.stages:
+        mem = st.memory_bytes
+        lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {_mib(mem['params'] + mem['grads'] + mem['optimizer']):>17} |"
+                     f" {_mib(mem['activations']):>14} ({st.layers_in_flight:>3}) | {_mib(sum(mem.values()))}")
+    lines.append(f"    activations of one layer, one microbatch: {_mib(est.layer_activation_bytes)}")
+    per_rank = f" ({_flops(est.model_flops_per_step / world)} per rank)" if world else ""
+    lines.append(f"  model FLOPs per step: {_flops(est.model_flops_per_step)}{per_rank}; "
+                 f"pipeline bubble (p-1)/(v m): {est.bubble:.3f}")
+    if est.comm_bytes_per_step:
+        lines.append("  communication per step per rank (estimate):")
+        for mode, nbytes in est.comm_bytes_per_step.items():
+            lines.append(f"    {mode:<3} buffers {_mib(nbytes):>14} (what metrics.jsonl counts)   "
+                         f"link {_mib(est.comm_link_bytes_per_step.get(mode, 0)):>14} (sent by the algorithm)")
+    else:
+        lines.append("  communication per step per rank (estimate): none")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""Exact parameter counts per rank and pipeline stage (pure arithmetic on the config)."""
+from __future__ import annotations
+
+from typing import Any
+
+from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.overlap.layout import Layout
+
+
+def norm_params(cfg_model: Any) -> int:
+    return cfg_model.hidden_size * (2 if cfg_model.norm == "layernorm" else 1)
+
+
+def stage_layers(cfg: Any, lo: Layout, stage: int) -> list:
+    """Global indices of the layers on pipeline stage `stage` (model chunk k = v * pp + stage
+    holds layers [k L / (pp vpp), (k+1) L / (pp vpp)))."""
+    return [i for v in range(lo.vpp) for i in chunk_layers(cfg, lo, v * lo.pp + stage)]
+
+
+def chunk_layers(cfg: Any, lo: Layout, chunk: int) -> list:
+    """Global indices of the layers of model chunk `chunk` (0 .. pp*vpp-1)."""
+    per = cfg.model.num_layers // (lo.pp * lo.vpp)
+    return list(range(chunk * per, (chunk + 1) * per))
+
+
+def is_moe_layer(m: Any, i: int) -> bool:
+    return m.num_experts > 0 and i % m.moe_layer_freq == 0
+
+
+def mlp_mult(m: Any) -> int:
+    """Weight matrices of one MLP: 3 for SwiGLU (gate, up, down), 2 for GeLU (up, down)."""
+    return 3 if m.activation == "swiglu" else 2
+
+
+def expert_ffn(m: Any) -> int:
+    return m.moe_ffn_hidden_size or m.ffn_hidden_size
+
+
+def layer_params(cfg: Any, lo: Layout, i: int) -> tuple:
+    """(dense, expert) parameters of layer i on one rank: attention and dense MLP split over
+    tp; an MoE MLP holds the router, num_experts / ep experts and the shared expert, not split
+    over tp (experts are the `expert` part)."""
+    m = cfg.model
+    H, tp = m.hidden_size, lo.tp
+    dense = 4 * H * H // tp + 2 * norm_params(m)
+    if not is_moe_layer(m, i):
+        return dense + mlp_mult(m) * H * m.ffn_hidden_size // tp, 0
+    return dense + moe_dense_unsplit(m), m.num_experts // lo.ep * mlp_mult(m) * H * expert_ffn(m)
+
+
+def moe_dense_unsplit(m: Any) -> int:
+    """Router and shared expert of one MoE layer (replicated over TP)."""
+    return m.hidden_size * m.num_experts + (mlp_mult(m) * m.hidden_size * expert_ffn(m) if m.shared_expert else 0)
+
+
+def stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) -> int:
+    """Parameters held by one rank of pipeline stage `stage` (all its vpp chunks); with
+    `expert_only`, only its expert weights."""
+    m = cfg.model
+    H, tp = m.hidden_size, lo.tp
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    parts = [layer_params(cfg, lo, i) for i in stage_layers(cfg, lo, stage)]
+    if expert_only:
+        return sum(e for _, e in parts)
+    total = sum(d + e for d, e in parts)
+    first, last = stage == 0, stage == lo.pp - 1
+    if first or (last and m.tie_embeddings):
+        total += V * H // tp  # the embedding (and, tied, the last stage's copy for the head)
+    if last:
+        total += norm_params(m) + (0 if m.tie_embeddings else V * H // tp)
+    return total
