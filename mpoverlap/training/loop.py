@@ -16,7 +16,7 @@ from mpoverlap.comm import CommLedger, all_reduce, wait_all
 from mpoverlap.comm.ledger import mean_over_ranks
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
-from mpoverlap.models.gpt import num_parameters
+from mpoverlap.models.gpt import flops_per_token, num_parameters
 from mpoverlap.moe import moe_kwargs
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
@@ -27,7 +27,8 @@ from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.faults import FaultInjector
 from mpoverlap.training.lr import LRSchedule
-from mpoverlap.training.metrics import MetricsWriter, Progress, moe_summary, peak_memory_bytes
+from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflops, moe_summary, peak_memory_bytes,
+                                        throughput)
 from mpoverlap.training.preemption import PreemptionFlag
 from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
@@ -271,6 +272,8 @@ class Trainer:
                "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _, _ in gathered]),
                # Per rank, in rank order: RSS on CPU, max allocated on CUDA.
                "peak_memory_bytes": [m for _, m, _ in gathered]}
+        row.update(throughput(flops_per_token(self.cfg.model), tokens, out["step_time_s"], self.state.world,
+                              bf16_peak_tflops(self.state.device)))
         if self.moe_layers:
             row["moe"] = moe_summary([s for _, _, s in gathered if s is not None])
         return row

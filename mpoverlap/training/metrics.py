@@ -18,6 +18,39 @@ def peak_memory_bytes(device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+# Dense bf16 tensor-core peak (TFLOP/s, no sparsity) of NVIDIA data-centre GPUs, from the
+# vendors' data sheets. Matched against torch.cuda.get_device_name() in order, so the more
+# specific names (H100 PCIe, H100 NVL) come before the plain one (SXM).
+BF16_PEAK_TFLOPS = (
+    ("GB200", 2500.0), ("B200", 2250.0), ("B100", 1750.0), ("GH200", 989.0), ("H200", 989.0),
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0),
+    ("A100", 312.0), ("A800", 312.0), ("A30", 165.0), ("A10", 125.0), ("L40S", 362.0), ("L40", 181.0),
+    ("L4", 121.0),
+)
+
+
+def bf16_peak_tflops(device) -> Optional[float]:
+    """The device's dense bf16 peak in TFLOP/s, or None where unknown (CPU, other GPUs)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in BF16_PEAK_TFLOPS if key in name), None)
+
+
+def throughput(flops_per_token: float, tokens: int, step_time_s: float, world: int,
+               peak_tflops: Optional[float]) -> Dict[str, float]:
+    """`model_tflops_per_s` per rank (model FLOPs, Narayanan et al.'s formula, over the step
+    time and the ranks) and `mfu` against the peak, only where the peak is known: an
+    unknown peak leaves `mfu` out rather than reporting 0."""
+    achieved = flops_per_token * tokens / step_time_s / world / 1e12
+    row = {"model_tflops_per_s": achieved}
+    if peak_tflops:
+        row["mfu"] = achieved / peak_tflops
+    return row
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to `<run.dir>/metrics.jsonl`."""
 
@@ -64,8 +97,9 @@ class Progress:
     def update(self, row: Dict[str, Any]) -> None:
         if not self.enabled:
             return
+        mfu = f" MFU {row['mfu']:.1%}" if "mfu" in row else ""
         text = (f"loss {row['loss']:.4f} lr {row['lr']:.2e} gnorm {row['grad_norm']:.3f} "
-                f"{row['tokens_per_s']:,.0f} tok/s exposed comm: {format_comm(row['comm'])}")
+                f"{row['tokens_per_s']:,.0f} tok/s{mfu} exposed comm: {format_comm(row['comm'])}")
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(row["step"] - self.bar.n)
