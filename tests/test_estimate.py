@@ -172,3 +172,16 @@ def test_cp_a2a_estimate_equals_ledger_and_metrics_report_flops(tmp_path, cp):
     cfg = compose([*SMALL, *layout])
     assert row["comm"]["cp"]["bytes"] == estimate(cfg, cp).comm_bytes_per_step["cp"]
     assert row["model_tflops_per_s"] > 0 and "mfu" not in row
+
+
+def test_throughput_fields_and_peak_table(monkeypatch):
+    from mpoverlap.training.metrics import bf16_peak_tflops, throughput
+
+    assert bf16_peak_tflops(torch.device("cpu")) is None
+    row = throughput(6e9, 1000, 2.0, 4, None)
+    assert row == {"model_tflops_per_s": pytest.approx(6e9 * 1000 / 2.0 / 4 / 1e12)}  # no mfu, not 0
+    assert throughput(6e9, 1000, 2.0, 4, 312.0)["mfu"] == pytest.approx(row["model_tflops_per_s"] / 312.0)
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                       ("NVIDIA A10", 125.0), ("NVIDIA L40S", 362.0), ("NVIDIA H200", 989.0), ("Tesla V100", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert bf16_peak_tflops(torch.device("cuda", 0)) == peak, name
