@@ -49,10 +49,41 @@ def estimate_bytes(overrides: Sequence[str]) -> Dict[str, int]:
     return dict(estimate(compose(list(overrides)), WORLD).memory_bytes)
 
 
+def estimate_stages(overrides: Sequence[str]) -> List[Dict[str, int]]:
+    """Per pipeline stage, estimate(cfg, WORLD)'s memory dict (stage s runs on ranks
+    s * WORLD / pp .. : pp is the outermost grid dimension)."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
+    return [dict(st.memory_bytes) for st in estimate(compose(list(overrides)), WORLD).stages]
+
+
+# glibc keeps freed blocks below its mmap threshold (dynamic, growing up to 32 MiB) in the heap,
+# so by default the peak RSS is the heap's high-water mark, fragmentation included (1.7x the
+# live activations of the pp2_vpp2 layout). A fixed 128 KiB threshold maps every tensor-sized
+# block on its own and returns it at free: the peak RSS then follows the live tensors.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def run(layouts: Sequence[str], steps: int, out: Path) -> Dict[str, Any]:
     """Each layout and its baseline under `out`/memory/<layout>[_baseline]."""
+    import os
+
     from mpoverlap.config import compose
 
+    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
+    os.environ.update(MALLOC_ENV)
+    try:
+        return _run(layouts, steps, out, compose)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run(layouts: Sequence[str], steps: int, out: Path, compose) -> Dict[str, Any]:
     rows = {}
     for name in layouts:
         overrides = LAYOUTS[name] + [f"train.steps={steps}"]
@@ -61,8 +92,26 @@ def run(layouts: Sequence[str], steps: int, out: Path) -> Dict[str, Any]:
         baseline = run_train(small, out / "memory" / f"{name}_baseline")[-1]["peak_memory_bytes"]
         rows[name] = {"overrides": overrides, "baseline_overrides": small, "rss_bytes": measured,
                       "baseline_rss_bytes": baseline, "estimate_bytes": estimate_bytes(overrides),
-                      "baseline_estimate_bytes": estimate_bytes(small)}
-    return {"steps": steps, "world": WORLD, "layouts": rows}
+                      "baseline_estimate_bytes": estimate_bytes(small),
+                      "stage_estimate_bytes": estimate_stages(overrides),
+                      "baseline_stage_estimate_bytes": estimate_stages(small)}
+    return {"steps": steps, "world": WORLD, "layouts": rows, "malloc_env": MALLOC_ENV}
+
+
+def activation_rows(r: Dict[str, Any]) -> List[Dict[str, float]]:
+    """Per rank: measured activations = RSS - baseline RSS - the estimate's weights, gradients
+    and optimizer (over the baseline's), against the estimate's activations for that rank's
+    stage (over the baseline's)."""
+    stages, base = r["stage_estimate_bytes"], r["baseline_stage_estimate_bytes"]
+    out = []
+    for rank, (rss, rss0) in enumerate(zip(r["rss_bytes"], r["baseline_rss_bytes"])):
+        s = rank * len(stages) // len(r["rss_bytes"])
+        state = sum(v for k, v in stages[s].items() if k != "activations")
+        state0 = sum(v for k, v in base[s].items() if k != "activations")
+        measured = (rss - rss0) - (state - state0)
+        est = stages[s]["activations"] - base[s]["activations"]
+        out.append({"rank": rank, "stage": s, "measured": measured, "estimate": est, "ratio": measured / max(est, 1)})
+    return out
 
 
 def _mib(n: float) -> str:
@@ -89,11 +138,21 @@ def render(results: Dict[str, Any]) -> str:
         parts = " / ".join(_mib(v) for v in r["estimate_bytes"].values())
         lines.append(f"| `{' '.join(r['overrides'][:-1])}` | {_mib(rss)} | {_mib(base)} | {_mib(rss - base)} | "
                      f"{_mib(est)} | {_mib(est - est_base)} | {parts} | {(rss - base) / max(est - est_base, 1):.2f} |")
+    lines += ["", "Activations per rank (RSS - baseline - the estimate's weights, gradients and optimizer state; "
+              "estimate: that rank's pipeline stage, in-flight chunks from the schedule):", "",
+              "| layout | rank (stage) | measured (MiB) | estimate (MiB) | measured / estimate |", "|---|---|---:|---:|---:|"]
+    for name, r in mem["layouts"].items():
+        if "stage_estimate_bytes" in r:
+            for a in activation_rows(r):
+                lines.append(f"| `{name}` | {a['rank']} ({a['stage']}) | {_mib(a['measured'])} | {_mib(a['estimate'])} | "
+                             f"{a['ratio']:.2f} |")
     lines += ["", "What RSS does and does not measure: it counts pages, not tensors. It includes the interpreter, "
               "torch's libraries and the corpus (the baseline takes these out), allocator caches, freed blocks the "
               "allocator has not returned to the OS, and transient buffers (logits, the loss, foreach and gloo "
               "temporaries) the estimate does not model; it misses nothing the model really touched, but a peak "
-              "reached once counts even if it lasted a millisecond. At this model size the difference is tens of "
+              "reached once counts even if it lasted a millisecond. The runs set MALLOC_MMAP_THRESHOLD_=131072 so that "
+              "glibc returns freed tensor-sized blocks to the OS (by default RSS shows the heap's high-water mark). "
+              "At this model size the difference is tens of "
               "MiB against a runtime of a few hundred, so a few MiB of noise moves the ratio visibly; the per-rank "
               "figures are in results.json.", ""]
     return "\n".join(lines)

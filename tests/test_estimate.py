@@ -185,3 +185,16 @@ def test_throughput_fields_and_peak_table(monkeypatch):
                        ("NVIDIA A10", 125.0), ("NVIDIA L40S", 362.0), ("NVIDIA H200", 989.0), ("Tesla V100", None)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         assert bf16_peak_tflops(torch.device("cuda", 0)) == peak, name
+
+
+@pytest.mark.slow
+def test_pp2_vpp2_peak_activations_within_25pct(tmp_path):
+    """Peak activation memory of stage 0 of a real pp 2 x vpp 2 run, measured as bench/memory.py
+    measures it (peak RSS over a near-empty baseline, the estimate's weights and optimizer
+    state taken out), against the estimate for stage 0 (5 chunk-microbatches in flight)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/ is not installed
+    from bench import memory
+
+    res = memory.run(["pp2_vpp2"], 2, tmp_path)
+    stage0 = memory.activation_rows(res["layouts"]["pp2_vpp2"])[0]
+    assert stage0["stage"] == 0 and 0.75 <= stage0["ratio"] <= 1.25, stage0
