@@ -164,12 +164,53 @@ def _grads(moe, x, w):
                 trace=ledger_trace)
 
 
+def _router_losses(router, x):
+    """(loss value, the reported stats, dW, dx) of the router's aux + z losses."""
+    x = x.clone().requires_grad_()
+    router.zero_grad()
+    r = router(x)
+    (r.aux_loss + r.z_loss).backward()
+    return (r.aux_loss + r.z_loss).detach(), r.stats, router.weight.grad.clone(), x.grad
+
+
+def _router_split_checks(rank):
+    """The router over a sequence split n ways (2 and 4) against the unsplit router: the stats
+    are the whole sequence's, the tp-style summed weight gradient and the cp-style averaged one
+    (grad_mean_size = n) are the unsplit gradient, and so is each slice's input gradient."""
+    import torch.distributed as dist
+    from mpoverlap.moe.sequence_shards import SequenceShards
+    from mpoverlap.parallel import ParallelState, RankGrid
+
+    T = 24
+    x_full = tokens(400, (T, H))
+    make = dict(name="r", cfg=CFG, seed=4, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    _, ref_stats, ref_dw, ref_dx = _router_losses(TopKRouter(H, E, K, **make), x_full)
+    out = {}
+    for n in (2, 4):
+        st = ParallelState.create(RankGrid(tp=n, dp=4 // n), torch.device("cpu"))
+        group, me = st.group("tp"), st.coords.tp
+        # A strided share, as context parallelism's load-balanced chunks are not contiguous.
+        rows = torch.arange(me, T, n)
+        for mean in (1, n):
+            shards = SequenceShards(group=group, size=n, grad_mean_size=mean)
+            _, stats, dw, dx = _router_losses(TopKRouter(H, E, K, shards=shards, **make), x_full[rows])
+            dw_total = dw.clone()
+            dist.all_reduce(dw_total, group=group)
+            if mean > 1:
+                dw_total /= mean  # the dp x cp gradient average
+            out[(n, mean)] = dict(
+                aux=rel_err(stats["aux_loss"], ref_stats["aux_loss"]),
+                z=rel_err(stats["z_loss"], ref_stats["z_loss"]),
+                dw=rel_err(dw_total, ref_dw), dx=rel_err(dx / mean, ref_dx[rows]))
+    return out
+
+
 def _moe_worker(rank, world):
     from mpoverlap.comm import CommLedger
     from mpoverlap.moe import AllToAllDispatcher
     from mpoverlap.parallel import ParallelState, RankGrid
 
-    report = {}
+    report = {"router_split": _router_split_checks(rank)}
     for ep in (2, 4):
         st = ParallelState.create(RankGrid(dp=4, ep=ep), torch.device("cpu"))
         group, ranks, me = st.group("ep"), st.ranks("ep"), st.coords.ep
@@ -222,6 +263,16 @@ def _moe_worker(rank, world):
 @pytest.fixture(scope="module")
 def moe_reports():
     return run_distributed(_moe_worker, 4, timeout_s=100)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_router_losses_over_a_split_sequence_match_the_unsplit_ones(moe_reports, split):
+    """Issue 14: the load-balancing and z losses of a sequence split across ranks (SP, CP) are
+    those of the whole sequence, in value and in gradient (weights and inputs)."""
+    for rank, rep in enumerate(moe_reports):
+        for mean in (1, split):
+            errs = rep["router_split"][(split, mean)]
+            assert max(errs.values()) < 1e-5, (rank, split, mean, errs)
 
 
 @pytest.mark.parametrize("ep", [2, 4])

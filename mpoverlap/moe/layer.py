@@ -40,6 +40,7 @@ import torch.nn as nn
 from mpoverlap.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mpoverlap.moe.experts import Experts
 from mpoverlap.moe.router import TopKRouter
+from mpoverlap.moe.sequence_shards import SequenceShards, sequence_shards
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -173,23 +174,26 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
                     dispatcher: str = "alltoall", ledger=None, activation: str = "swiglu",
                     aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                     capacity_factor: Optional[float] = None,
-                    shared_expert: Optional[nn.Module] = None) -> MoELayer:
+                    shared_expert: Optional[nn.Module] = None,
+                    shards: Optional[SequenceShards] = None) -> MoELayer:
     """Router f"{name}.router.weight", experts f"{name}.experts.{g}.*", this rank's experts
-    [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+    [ep_rank * E/ep, (ep_rank + 1) * E/ep). `shards`: the ranks holding the other parts of
+    this rank's sequences (SP, CP), over which the router's statistics are summed."""
     kinds = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
     if dispatcher not in kinds:
         raise ValueError(f"dispatcher {dispatcher!r}; one of {sorted(kinds)}")
     disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger)
     router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-                        capacity_factor=capacity_factor)
+                        capacity_factor=capacity_factor, shards=shards)
     experts = Experts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
                       name_prefix=name, cfg=cfg, seed=seed, activation=activation)
     return MoELayer(router, experts, disp, overlap=overlap, num_chunks=num_chunks,
                     shared_expert=shared_expert)
 
 
-def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger) -> dict:
+def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger, sequence_parallel: bool = False) -> dict:
     """The expert-parallel context a model hands to its MoE layers (see models/layers.py)."""
     return {"ep_group": state.group("ep"), "ep_size": state.grid.ep, "ep_rank": state.coords.ep,
-            "overlap": bool(overlap), "num_chunks": int(num_chunks), "ledger": ledger}
+            "overlap": bool(overlap), "num_chunks": int(num_chunks), "ledger": ledger,
+            "shards": sequence_shards(state, sequence_parallel=sequence_parallel, ledger=ledger)}
