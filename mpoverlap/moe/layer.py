@@ -105,28 +105,32 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, trace: Optional[List] = None):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        r = self.router(xf)
+        r = self.router(xf)  # fp32 logits and losses, whatever the autocast state
+        if torch.is_autocast_enabled(x.device.type):
+            # Tokens travel (dispatch, combine) and experts compute in the compute dtype; the
+            # norm before the layer returns fp32 under autocast, which would double the bytes.
+            xf = xf.to(torch.get_autocast_dtype(x.device.type))
         T = xf.shape[0]
         n = max(1, min(self.num_chunks, T))
-        bounds = [int(b) for b in torch.linspace(0, T, n + 1).round().long()] if T else [0, 0]
+        bounds = [i * T // n for i in range(n + 1)]  # host arithmetic: no tensor read
         parts = [(xf[a:b], r.expert_ids[a:b], r.weights[a:b]) for a, b in zip(bounds, bounds[1:])]
         log = trace.append if trace is not None else (lambda _e: None)
         d = self.dispatcher
         d.backward_trace = trace
 
-        # Every chunk's token counts in one exchange (the all-to-all dispatcher needs them to
-        # size its token exchanges); the all-gather dispatcher needs none.
+        # Every chunk's token counts in one exchange and one host read (they size the token
+        # exchanges and the experts' row blocks); nothing else in the layer reads the device.
         counts = d.exchange_counts([ids for _, ids, _ in parts])
 
         def issue(i):
-            pending = d.dispatch_start(*parts[i], recv_counts=counts[i] if counts is not None else None)
+            pending = d.dispatch_start(*parts[i], counts=counts[i])
             log(("dispatch_issued", i))
             return pending
 
         def compute(i, pending):
-            tokens, counts, ctx = d.dispatch_finish(pending)
+            tokens, rows_per_expert, ctx = d.dispatch_finish(pending)
             log(("dispatch_waited", i))
-            out = self.experts(tokens, counts.tolist())
+            out = self.experts(tokens, rows_per_expert)
             if trace is not None and out.requires_grad:
                 out = _BackwardMark.apply(out, log, ("bwd_compute", i))
             log(("compute", i))

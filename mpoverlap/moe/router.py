@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from mpoverlap.models.init import init_tensor
+from mpoverlap.moe.permute import expert_counts
 from mpoverlap.moe.sequence_shards import SequenceShards
 
 
@@ -44,14 +45,6 @@ class RouterOutput:
     aux_loss: torch.Tensor  # scalar, already multiplied by its coefficient
     z_loss: torch.Tensor  # scalar, already multiplied by its coefficient
     stats: Dict[str, torch.Tensor] = field(default_factory=dict)  # detached figures
-
-
-def expert_counts(expert_ids_Tk: torch.Tensor, num_experts: int, dtype=torch.float32) -> torch.Tensor:
-    """[E] number of slots per expert; ids of -1 (dropped) are not counted. No host read
-    (unlike bincount, whose output size depends on the data)."""
-    flat = expert_ids_Tk.reshape(-1)
-    kept = (flat >= 0).to(dtype)
-    return torch.zeros(num_experts, dtype=dtype, device=flat.device).index_add_(0, flat.clamp_min(0), kept)
 
 
 def z_loss_terms(logits_TE: torch.Tensor) -> torch.Tensor:
@@ -105,7 +98,7 @@ class TopKRouter(nn.Module):
         # Whole-microbatch totals: routed slots per expert, summed probabilities, summed z
         # terms and the token count, in one buffer and (when sequences are split) one
         # all-reduce. Evaluation forwards attach no loss: no exchange there.
-        local = torch.cat([expert_counts(ids, E), probs_sum.detach(), z_sum.detach().view(1),
+        local = torch.cat([expert_counts(ids, E, torch.float32), probs_sum.detach(), z_sum.detach().view(1),
                            probs_sum.new_full((1,), float(T))])
         totals = self.shards.sum(local) if torch.is_grad_enabled() else local
         counts_g, probs_sum_g = totals[:E], totals[E:2 * E]

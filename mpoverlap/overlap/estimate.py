@@ -152,7 +152,9 @@ def estimate(cfg: Any, world_size: int | None = None) -> RankEstimate:
             # reduce-scatter; backward a reduce-scatter per gathered input that needs a
             # gradient (tokens, weights) and an all-gather for the combine. The ledger counts
             # the gathered size for both (an all-gather's output, a reduce-scatter's input).
-            per_layer = lo.ep * tokens * (4 * H * BYTES + 2 * m.moe_top_k * BYTES + m.moe_top_k * 8)
+            # Plus one all_gather of every chunk's per-expert counts (int64).
+            per_layer = (lo.ep * tokens * (4 * H * BYTES + 2 * m.moe_top_k * BYTES + m.moe_top_k * 8)
+                         + lo.ep * min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8)
         else:
             # Dropless all-to-all: the dispatch and the combine exchange every routed (token,
             # expert) slot once forward and once backward (the ledger counts the sent buffer;
