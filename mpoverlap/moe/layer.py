@@ -86,6 +86,9 @@ class MoELayer(nn.Module):
         self.dispatcher, self.overlap, self.num_chunks = dispatcher, overlap, num_chunks
         self.aux_loss_scale: Optional[float] = None
         self._stats = dict.fromkeys(STAT_KEYS, 0.0)
+        # Set while activation recomputation replays this layer's forward in backward: the
+        # router statistics were recorded by the first forward already.
+        self.recomputing = False
 
     def stats_since(self) -> dict:
         """Sums since the last call (training forwards only): raw aux_loss and z_loss summed
@@ -166,7 +169,7 @@ class MoELayer(nn.Module):
         d.backward_trace = None
         if shared is not None:
             y = y + shared
-        if self.training and torch.is_grad_enabled():  # training forwards, not evaluation
+        if self.training and torch.is_grad_enabled() and not self.recomputing:  # training forwards, once
             self._record(r)
         if self.aux_loss_scale is not None and torch.is_grad_enabled():
             y = _AttachAuxLoss.apply(y, r.aux_loss + r.z_loss, self.aux_loss_scale)
