@@ -23,6 +23,7 @@ from torch import nn
 
 from mpoverlap.models import layers
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
+from mpoverlap.recompute import recomputed, recomputed_layers
 
 def make_norm(cfg) -> nn.Module:
     """RMSNorm or LayerNorm over H, per `model.norm`."""
@@ -67,6 +68,8 @@ class CausalSelfAttention(nn.Module):
         # q, k, v [B, N, S, D] -> y [B, N, S, D], causal over global positions. Context
         # parallelism hands in ring or all-to-all attention here; the model never sees a group.
         self.core_attention = core_attention
+        # model.recompute=selective: the attention core keeps only q, k, v (recomputed in backward).
+        self.recompute_core = getattr(cfg, "recompute", "none") == "selective"
         self.qkv = layers.column(f"{prefix}.qkv", H, 3 * H, cfg, seed, tp, blocks=3)
         self.proj = layers.row(f"{prefix}.proj", H, H, cfg, seed, tp)
 
@@ -80,7 +83,10 @@ class CausalSelfAttention(nn.Module):
                                   for t in qkv_BS3h.split(h, dim=-1))
         q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
         k_BNSD = apply_rope(k_BNSD, cos_SD, sin_SD)
-        y_BNSD = self.core_attention(q_BNSD, k_BNSD, v_BNSD)
+        if self.recompute_core:
+            y_BNSD = recomputed(self.core_attention, q_BNSD, k_BNSD, v_BNSD)
+        else:
+            y_BNSD = self.core_attention(q_BNSD, k_BNSD, v_BNSD)
         return self.proj(y_BNSD.transpose(1, 2).reshape(B, S, h))
 
 
@@ -172,6 +178,9 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, f"layers.{i}", seed, core_attention, self.tp, moe, i)
                                      for i in ids})
         self.final_norm = make_norm(cfg) if post_process else None
+        # model.recompute=full: the chunk's first blocks keep only their input (see mpoverlap/recompute).
+        self.num_recomputed = recomputed_layers(getattr(cfg, "recompute", "none"), len(self.layers),
+                                                getattr(cfg, "recompute_num_layers", None))
         # Tied: the head reuses self.embedding.weight and there is no separate head parameter.
         self.output = (None if cfg.tie_embeddings or not post_process
                        else layers.column("output", cfg.hidden_size, self.vocab_size, cfg, seed, self.tp))
@@ -202,8 +211,11 @@ class GPT(nn.Module):
         cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim, self.cfg.rope_base)
         x_BSH = self.embedding(tokens_BS) if self.pre_process else tokens_BS
         cos_SD, sin_SD = cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
-        for layer in self.layers.values():
-            x_BSH = layer(x_BSH, cos_SD, sin_SD)
+        for j, layer in enumerate(self.layers.values()):
+            if j < self.num_recomputed:
+                x_BSH = recomputed(layer, x_BSH, cos_SD, sin_SD, replaying=[layer.mlp])
+            else:
+                x_BSH = layer(x_BSH, cos_SD, sin_SD)
         if not self.post_process:
             return x_BSH
         x_BSH = self.final_norm(x_BSH)

@@ -42,6 +42,9 @@ class ModelConfig:
     moe_capacity_factor: Optional[float] = None  # None = dropless; else drop beyond capacity
     moe_dispatcher: str = "alltoall"  # alltoall | allgather
     transformer_impl: str = "local"  # local | te
+    # Activation recomputation: none | selective (the attention core) | full (whole blocks).
+    recompute: str = "none"
+    recompute_num_layers: Optional[int] = None  # full: blocks recomputed per pipeline chunk (None = all)
 
 
 @dataclass

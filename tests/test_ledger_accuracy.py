@@ -151,12 +151,14 @@ def test_ledger_counts_ops_and_bytes(measured):
 
 
 def _fake(mode, issued, completed, blocked, nbytes=4):
+    """A waited handle whose blocked span ends at its completion (as CommHandle.wait sets it)."""
     return SimpleNamespace(mode=mode, op="x", nbytes=nbytes, issued_at=issued, completed_at=completed,
-                           blocked_s=blocked, uses_cuda_events=False)
+                           blocked_s=blocked, wait_began_at=completed - blocked, wait_ended_at=completed,
+                           uses_cuda_events=False)
 
 
 def test_ledger_arithmetic_without_processes():
-    """Union of in-flight intervals per mode, sum of blocked time, division by steps."""
+    """Union of in-flight intervals per mode, union of blocked spans, division by steps."""
     ledger = CommLedger()
     for h in [_fake("dp", 0.0, 3.0, 1.0), _fake("dp", 1.0, 2.0, 0.5),  # nested: union 3
               _fake("dp", 5.0, 6.0, 0.0),                               # disjoint: +1
@@ -178,3 +180,54 @@ def test_recorder_sees_every_recorded_handle_and_is_off_by_default():
     ledger.recorder = None
     ledger.record(_fake("pp", 2.0, 3.0, 0.0))
     assert seen == [h] and ledger.summary()["pp"]["ops"] == 2
+
+
+def test_exposed_never_exceeds_in_flight_for_real_handles():
+    """Issue 14: a handle whose backend completed just before (or while) the waiter woke, one
+    waited long after it completed, and one still in flight: each blocked span lies inside its
+    in-flight interval, so exposed <= time_s holds exactly, not within a tolerance."""
+    from mpoverlap.comm.handle import CommHandle
+
+    class Work:
+        def __init__(self, done_after_s):
+            self.done_at = time.perf_counter() + done_after_s
+
+        def wait(self):
+            time.sleep(max(0.0, self.done_at - time.perf_counter()))
+
+        def get_future(self):
+            raise RuntimeError("no future")  # completion known only once waited
+
+        def is_completed(self):
+            return time.perf_counter() >= self.done_at
+
+    ledger = CommLedger()
+    handles = []
+    for delay, wait_after in ((0.02, 0.0), (0.0, 0.02), (0.01, 0.01), (0.03, 0.005)):
+        h = CommHandle("dp", "all_reduce", 4, [Work(delay)], ledger)
+        time.sleep(wait_after)
+        handles.append(h.wait())
+    for h in handles:
+        assert h.issued_at <= h.completed_at
+        assert h.blocked_s == 0.0 or h.issued_at <= h.wait_began_at <= h.wait_ended_at <= h.completed_at
+    assert any(h.blocked_s > 0 for h in handles)
+    out = ledger.reset()["dp"]
+    assert 0 <= out["exposed_s"] <= out["time_s"]
+    # A handle that completed before its wait began blocked nothing.
+    late = CommHandle("dp", "all_reduce", 4, [], ledger)
+    time.sleep(0.005)
+    assert late.wait().blocked_s == 0.0
+
+
+def test_ledger_exposed_is_bounded_by_in_flight_under_random_spans():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        ledger = CommLedger()
+        for _ in range(rng.randint(1, 8)):
+            issued = rng.uniform(0, 1)
+            completed = issued + rng.uniform(0, 0.5)
+            ledger.record(_fake(rng.choice(["dp", "tp"]), issued, completed, rng.uniform(0, completed - issued)))
+        for row in ledger.reset(per=rng.randint(1, 3)).values():
+            assert 0 <= row["exposed_s"] <= row["time_s"]

@@ -144,6 +144,50 @@ def test_layer_ep1_matches_dense_reference(kw):
         assert int(r.stats["dropped"]) > 0
 
 
+MOE_CONFIGS = [dict(), dict(overlap=True, num_chunks=4, shared=True), dict(capacity_factor=0.75, num_chunks=4),
+               dict(dispatcher="allgather", overlap=True, num_chunks=4, shared=True)]
+
+
+@pytest.mark.parametrize("kw", MOE_CONFIGS)
+def test_one_host_read_per_layer_and_microbatch(kw):
+    """Issue 15 finding 10: forward and backward of an MoE layer read the device on the host
+    once (every chunk's split sizes together), whatever the chunking, capacity or dispatcher."""
+    from mpoverlap.training.host_sync import count_host_reads
+
+    moe = layer(**kw)
+    x = tokens(5).requires_grad_()
+    with count_host_reads() as reads:
+        y, r = moe(x)
+        ((y * y).sum() + r.aux_loss + r.z_loss).backward()
+    assert reads.count == 1 and reads.by_kind() == {"tolist": 1}, reads.summary()
+
+
+@pytest.mark.parametrize("kw", MOE_CONFIGS)
+def test_no_tensor_is_made_off_its_inputs_device(kw):
+    """Issue 15 finding 3: every index and count tensor is created on the tokens' device (the
+    default device is meta during the pass, so a device-less tensor would show)."""
+    from mpoverlap.training.device_check import stray_device_tensors
+
+    moe = layer(**kw)
+    x = tokens(5).requires_grad_()
+    with stray_device_tensors() as strays:
+        y, r = moe(x)
+        ((y * y).sum() + r.aux_loss + r.z_loss).backward()
+    assert not strays.events, strays.summary()
+
+
+def test_router_computes_in_fp32_under_autocast():
+    """Issue 15 finding 8: routing decisions and losses do not change under bf16 autocast."""
+    router = TopKRouter(H, E, K, name="r", cfg=CFG, seed=1, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    x = tokens(0, (32, H))
+    ref = router(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        got = router(x)
+    assert torch.equal(got.expert_ids, ref.expert_ids) and torch.equal(got.weights, ref.weights)
+    assert got.weights.dtype == torch.float32
+    assert torch.equal(got.aux_loss, ref.aux_loss) and torch.equal(got.z_loss, ref.z_loss)
+
+
 def test_placement_does_not_change_expert_weights():
     full = layer().experts.global_names()
     half = layer(ep_group=object(), ep_size=2, ep_rank=1).experts.global_names()
@@ -164,12 +208,74 @@ def _grads(moe, x, w):
                 trace=ledger_trace)
 
 
+def _router_losses(router, x):
+    """(loss value, the reported stats, dW, dx) of the router's aux + z losses."""
+    x = x.clone().requires_grad_()
+    router.zero_grad()
+    r = router(x)
+    (r.aux_loss + r.z_loss).backward()
+    return (r.aux_loss + r.z_loss).detach(), r.stats, router.weight.grad.clone(), x.grad
+
+
+def _router_split_checks(rank):
+    """The router over a sequence split n ways (2 and 4) against the unsplit router: the stats
+    are the whole sequence's, the tp-style summed weight gradient and the cp-style averaged one
+    (grad_mean_size = n) are the unsplit gradient, and so is each slice's input gradient."""
+    import torch.distributed as dist
+    from mpoverlap.moe.sequence_shards import SequenceShards
+    from mpoverlap.parallel import ParallelState, RankGrid
+
+    T = 24
+    x_full = tokens(400, (T, H))
+    make = dict(name="r", cfg=CFG, seed=4, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    _, ref_stats, ref_dw, ref_dx = _router_losses(TopKRouter(H, E, K, **make), x_full)
+    out = {}
+    for n in (2, 4):
+        st = ParallelState.create(RankGrid(tp=n, dp=4 // n), torch.device("cpu"))
+        group, me = st.group("tp"), st.coords.tp
+        # A strided share, as context parallelism's load-balanced chunks are not contiguous.
+        rows = torch.arange(me, T, n)
+        for mean in (1, n):
+            shards = SequenceShards(group=group, size=n, grad_mean_size=mean)
+            _, stats, dw, dx = _router_losses(TopKRouter(H, E, K, shards=shards, **make), x_full[rows])
+            dw_total = dw.clone()
+            dist.all_reduce(dw_total, group=group)
+            if mean > 1:
+                dw_total /= mean  # the dp x cp gradient average
+            out[(n, mean)] = dict(
+                aux=rel_err(stats["aux_loss"], ref_stats["aux_loss"]),
+                z=rel_err(stats["z_loss"], ref_stats["z_loss"]),
+                dw=rel_err(dw_total, ref_dw), dx=rel_err(dx / mean, ref_dx[rows]))
+    return out
+
+
+def _ep_bytes_fp32_bf16(group, ep, me, x, w):
+    """ep ledger bytes of one forward + backward in fp32 and under bf16 autocast, the host
+    reads of the bf16 one, and the bytes of the counts exchange (int64, not halved)."""
+    from mpoverlap.comm import CommLedger
+    from mpoverlap.training.host_sync import count_host_reads
+
+    out = {}
+    for name, ctx in (("fp32", None), ("bf16", torch.autocast("cpu", torch.bfloat16))):
+        ledger = CommLedger()
+        moe = layer(group, ep, me, overlap=True, ledger=ledger, num_chunks=3)
+        xr = x.clone().requires_grad_()
+        with count_host_reads() as reads:
+            with (ctx if ctx is not None else torch.autocast("cpu", enabled=False)):
+                y, r = moe(xr)
+            ((y.float() * w).sum() + r.aux_loss + r.z_loss).backward()
+        out[name] = ledger.summary()["ep"]["bytes"]
+        out[name + "_reads"] = reads.count
+    out["counts"] = 3 * E * 8  # one all_to_all of [chunks, E] int64 counts
+    return out
+
+
 def _moe_worker(rank, world):
     from mpoverlap.comm import CommLedger
     from mpoverlap.moe import AllToAllDispatcher
     from mpoverlap.parallel import ParallelState, RankGrid
 
-    report = {}
+    report = {"router_split": _router_split_checks(rank)}
     for ep in (2, 4):
         st = ParallelState.create(RankGrid(dp=4, ep=ep), torch.device("cpu"))
         group, ranks, me = st.group("ep"), st.ranks("ep"), st.coords.ep
@@ -183,7 +289,7 @@ def _moe_worker(rank, world):
         lo, L = me * (E // ep), E // ep
         want = [sum(int((ids_of[q] == lo + l).sum()) for q in ranks) for l in range(L)]
         back = disp.combine(got, ctx)
-        report[(ep, "round_trip")] = (counts.tolist() == want and torch.equal(back, K * x))
+        report[(ep, "round_trip")] = (counts == want and torch.equal(back, K * x))
         # Layer parity against the ep=1 reference over the ep group's tokens.
         x_of = {q: tokens(100 + q) for q in ranks}
         w_of = {q: tokens(200 + q) for q in ranks}
@@ -212,6 +318,8 @@ def _moe_worker(rank, world):
                     router=rel_err(out["router"], ref["router"]),
                     experts=max(rel_err(g, exp_ref[n]) for n, g in out["experts"].items()),
                     ledger=ledger.summary(), trace=out["trace"])
+            if dispatcher == "alltoall":
+                report[(ep, "bf16_bytes")] = _ep_bytes_fp32_bf16(group, ep, me, x_of[rank], w_of[rank])
             a, b = runs[False], runs[True]
             report[(ep, dispatcher, "bitwise")] = all(
                 torch.equal(a[k_], b[k_]) for k_ in ("y", "dx", "router")) and all(
@@ -222,6 +330,26 @@ def _moe_worker(rank, world):
 @pytest.fixture(scope="module")
 def moe_reports():
     return run_distributed(_moe_worker, 4, timeout_s=100)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_router_losses_over_a_split_sequence_match_the_unsplit_ones(moe_reports, split):
+    """Issue 14: the load-balancing and z losses of a sequence split across ranks (SP, CP) are
+    those of the whole sequence, in value and in gradient (weights and inputs)."""
+    for rank, rep in enumerate(moe_reports):
+        for mean in (1, split):
+            errs = rep["router_split"][(split, mean)]
+            assert max(errs.values()) < 1e-5, (rank, split, mean, errs)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_tokens_travel_in_the_compute_dtype(moe_reports, ep):
+    """Issue 15 finding 9 (EP): under bf16 autocast the dispatch and combine exchanges (and
+    their backward) move half the bytes; and the layer reads the host once with ep > 1 too."""
+    for rep in moe_reports:
+        b = rep[(ep, "bf16_bytes")]
+        assert b["bf16"] - b["counts"] == (b["fp32"] - b["counts"]) // 2, b
+        assert b["fp32_reads"] == 1 and b["bf16_reads"] == 1, b
 
 
 @pytest.mark.parametrize("ep", [2, 4])

@@ -37,6 +37,9 @@ FAILING = {
                    (["model=moe_tiny", "model.moe_dispatcher=ring"], None),
                    (["model=moe_tiny", "overlap.ep_chunks=0"], None), (["model=moe_tiny", "model.moe_layer_freq=0"], None)],
     "ep.overlap_needs_moe": [(["overlap.ep=true"], None)],
+    "recompute.values": [(["model.recompute=some"], None), (["model.recompute=full", "model.recompute_num_layers=0"], None),
+                         (["model.recompute_num_layers=2"], None),
+                         (["model.recompute=selective", "model.recompute_num_layers=2"], None)],
     "pp.layers_divisible": [(["parallel.pp=3"], None), (["parallel.pp=2", "parallel.vpp=3"], None)],
     "pp.vpp_needs_pp": [(["parallel.vpp=2"], None)],
     "pp.interleaved_microbatches": [(["parallel.pp=4", "parallel.vpp=1", "train.global_batch_size=8",
@@ -199,3 +202,21 @@ def test_parameter_estimate_is_exact(overrides):
     for stage in range(2):
         chunks = build_chunks(cfg2.model, 2, 1, stage, seed=1)
         assert stage_params(cfg2, lo, stage) == sum(num_parameters(c) for c in chunks)
+
+
+@pytest.mark.parametrize("overrides,noted", [
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.moe_capacity_factor=1.25"], True),
+    (["parallel.cp=2", "model.moe_capacity_factor=1.25"], True),
+    (["parallel.tp=2", "model.moe_capacity_factor=1.25"], False),  # no SP: every tp rank routes all tokens
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], False),  # dropless: layout-invariant
+])
+def test_plan_states_when_capacity_drops_depend_on_the_layout(overrides, noted):
+    """Issue 14: capacity is applied per rank; with split sequences the plan (and so
+    mpoverlap-check and the start-up output) says that drops then depend on the layout."""
+    from mpoverlap.overlap.plan import render_plan
+
+    cfg = compose(["model=moe_tiny", *overrides])
+    plan = render_plan(cfg, 4)
+    assert ("note: model.moe_capacity_factor=1.25" in plan) == noted, plan
+    if noted:
+        assert "depend on the layout" in plan and "model.moe_capacity_factor=null" in plan

@@ -75,7 +75,7 @@ LAYOUTS = {
                            "overlap.dp=true", "overlap.tp=true", "overlap.pp=true"],
     "tp2_cp2_pp2_vpp2": ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.vpp=2",
                          "parallel.sequence_parallel=true", "model.num_layers=4"],
-    # Mixture of experts: each ep layout against ep=1 at the same dp (and tp, pp).
+    # Mixture of experts: each layout against the dp-only reference of the same dp.
     "moe_dp4": [*MOE, "parallel.dp=4"],
     "moe_dp4_ep2_on": [*MOE, "parallel.dp=4", "parallel.ep=2", "overlap.ep=true"],
     "moe_dp4_ep4_on": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=true"],
@@ -85,7 +85,7 @@ LAYOUTS = {
     "moe_shared_dp2": [*MOE, "model.shared_expert=true", "parallel.dp=2"],
     "moe_shared_dp2_ep2_allgather": [*MOE, "model.shared_expert=true", "parallel.dp=2", "parallel.ep=2",
                                      "model.moe_dispatcher=allgather", "overlap.ep=true"],
-    "moe_dp2_tp2_pp2": [*MOE, "parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
+    "moe_dp2": [*MOE, "parallel.dp=2"],
     "moe_dp2_ep2_tp2_pp2_all": [*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2",
                                 "parallel.sequence_parallel=true", "overlap.dp=true", "overlap.tp=true",
                                 "overlap.pp=true", "overlap.ep=true"],
@@ -112,7 +112,7 @@ def test_loss_falls_and_metrics_contract(runs):
         assert all(50e6 < m < 8e9 for m in row["peak_memory_bytes"])
         dp = row["comm"]["dp"]
         assert dp["ops"] > 1 and dp["bytes"] > 0
-        assert 0 <= dp["exposed_s"] <= dp["time_s"] + 1e-3
+        assert 0 <= dp["exposed_s"] <= dp["time_s"]
     assert rows(runs / "dp1")[0]["comm"] == {}  # one replica: nothing communicated
     val = [json.loads(x) for x in (runs / "dp2_on" / "metrics.jsonl").read_text().splitlines()]
     assert any("val_loss" in x for x in val)
@@ -129,7 +129,7 @@ def test_cp_layouts_reproduce_single_process_curve(runs):
     for name in ("cp2_ring_on", "cp4_ring_off", "cp2_a2a_on", "cp2_dp2"):
         assert_close(losses(runs / name), ref)
         cp = rows(runs / name)[-1]["comm"]["cp"]
-        assert cp["ops"] > 0 and cp["bytes"] > 0 and 0 <= cp["exposed_s"] <= cp["time_s"] + 1e-3
+        assert cp["ops"] > 0 and cp["bytes"] > 0 and 0 <= cp["exposed_s"] <= cp["time_s"]
     # The ring moves cp-1 K/V blocks forward and 2cp-1 transfers backward per layer and microbatch.
     cp2 = rows(runs / "cp2_ring_on")[-1]["comm"]["cp"]
     microbatches, layers = 8, 2
@@ -169,12 +169,13 @@ def test_compositions_reproduce_single_process_curve(runs):
 
 def test_moe_ep_layouts_reproduce_ep1_curve(runs):
     """Dropless MoE: expert parallelism (2 and 4, overlap on and off, ZeRO-1, the all-gather
-    dispatcher with a shared expert, and composed with dp2 x tp2 x pp2) reproduces ep=1."""
+    dispatcher with a shared expert, and composed with dp2 x tp2 x pp2 + SP) reproduces the
+    dp-only run of the same dp."""
     ref = losses(runs / "moe_dp4")
     for name in ("moe_dp4_ep2_on", "moe_dp4_ep4_on", "moe_dp4_ep4_off", "moe_dp4_ep2_zero"):
         assert_close(losses(runs / name), ref)
     assert_close(losses(runs / "moe_shared_dp2_ep2_allgather"), losses(runs / "moe_shared_dp2"))
-    assert_close(losses(runs / "moe_dp2_ep2_tp2_pp2_all"), losses(runs / "moe_dp2_tp2_pp2"))
+    assert_close(losses(runs / "moe_dp2_ep2_tp2_pp2_all"), losses(runs / "moe_dp2"))
     assert {"dp", "tp", "pp", "ep"} <= set(rows(runs / "moe_dp2_ep2_tp2_pp2_all")[-1]["comm"])
     assert ref[-1] < ref[0]
 
@@ -185,12 +186,60 @@ def test_moe_metrics_and_ep_overlap_on_off_identical(runs):
     assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
     for row in on + off:
         ep = row["comm"]["ep"]
-        assert ep["ops"] > 0 and ep["bytes"] > 0 and 0 <= ep["exposed_s"] <= ep["time_s"] + 1e-3
+        assert ep["ops"] > 0 and ep["bytes"] > 0 and 0 <= ep["exposed_s"] <= ep["time_s"]
         # Load balancing: 1.0 when perfectly balanced, at most num_experts; dropless drops nothing.
         assert 0.5 < row["moe"]["aux_loss"] < 8 and row["moe"]["z_loss"] > 0
         assert row["moe"]["dropped_fraction"] == 0
     assert [r["comm"]["ep"]["bytes"] for r in on] == [r["comm"]["ep"]["bytes"] for r in off]
     assert "ep" not in rows(runs / "moe_dp4")[0]["comm"]  # ep=1: nothing dispatched over a group
+
+
+def test_no_row_of_any_run_exposes_more_than_in_flight(runs, moe_sequence_runs):
+    """The metrics contract, as an invariant: 0 <= exposed_s <= time_s for every mode and row."""
+    for root in (runs, moe_sequence_runs):
+        for run in root.iterdir():
+            for row in rows(run):
+                for mode, c in row["comm"].items():
+                    assert 0 <= c["exposed_s"] <= c["time_s"], (run.name, row["step"], mode, c)
+
+
+# Issue 14's model and batch: MoE whose tokens are split over ranks (SP, CP) keeps the dp-only
+# curve, because the router's statistics are the whole sequence's.
+MOE_SEQ = ["model=moe_tiny", "model.num_layers=4", "model.hidden_size=64", "model.num_experts=4",
+           "model.moe_top_k=2", "model.seq_length=64", "train.global_batch_size=8", "parallel.dp=2"]
+MOE_SEQ_LAYOUTS = {
+    "ref_dp2": [],
+    "tp2": ["parallel.tp=2"],
+    "cp2": ["parallel.cp=2"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "cp2_tp2_sp": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "ep2_tp2_sp_allgather": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                             "model.moe_dispatcher=allgather"],
+    "ep2_tp2_pp2_sp_all": ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                           "overlap.dp=true", "overlap.tp=true", "overlap.pp=true", "overlap.ep=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def moe_sequence_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_seq")
+    for name, ov in MOE_SEQ_LAYOUTS.items():
+        train(root / name, *MOE_SEQ, *ov, steps=6)
+    return root
+
+
+def test_moe_with_split_sequences_reproduces_the_dp_reference(moe_sequence_runs):
+    ref = rows(moe_sequence_runs / "ref_dp2")
+    assert len(ref) == 6
+    for name in MOE_SEQ_LAYOUTS:
+        got = rows(moe_sequence_runs / name)
+        assert_close([r["loss"] for r in got], [r["loss"] for r in ref])
+        assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+        # The reported router figures are the whole sequence's too.
+        assert_close([r["moe"]["aux_loss"] for r in got], [r["moe"]["aux_loss"] for r in ref])
+        assert_close([r["moe"]["z_loss"] for r in got], [r["moe"]["z_loss"] for r in ref])
+    # The statistics' all-reduce is counted (tp under SP, cp under CP).
+    assert rows(moe_sequence_runs / "cp2")[-1]["comm"]["cp"]["ops"] > 0
 
 
 def test_check_estimates_match_measured_comm(runs):

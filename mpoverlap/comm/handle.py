@@ -13,7 +13,10 @@ the end of the wait (an upper bound when the transfer finished earlier). Events 
 only when the ledger summarises (at log steps), never with a device-wide synchronize.
 
 `wait_began_at` / `wait_ended_at` bound the blocked span (host clock on CPU; on CUDA mapped
-onto the host clock from the issue time once resolved). Profiling: issue and wait show as
+onto the host clock from the issue time once resolved). The blocked span always lies inside
+the in-flight interval [issued_at, completed_at] (a handle still in flight at its wait
+completes, for the ledger, when the wait returns; one already complete blocked nothing), so
+per mode the exposed time never exceeds the in-flight time. Profiling: issue and wait show as
 named ranges `comm/<mode>/<op>` and `wait/<mode>/<op>` in a torch profiler trace (only while
 one records) and, for CUDA tensors, as NVTX ranges for Nsight; see `named_range`.
 """
@@ -157,11 +160,19 @@ class CommHandle:
             t1 = now()
         self._background = None
         self._waited = True
-        self.wait_began_at, self.wait_ended_at = t0, t1
-        if self.completed_at is None or self.completed_at > t1:
-            self.completed_at = t1
-        # Blocked = time compute could not proceed; a handle already done costs ~0.
-        self.blocked_s = t1 - t0
+        with self._lock:
+            if self.completed_at is None or self.completed_at > t0:
+                # In flight when compute began to wait: it reaches compute when the wait
+                # returns (the backend's completion callback can fire a little before the
+                # waiter wakes), so the in-flight interval ends no earlier than t1 and the
+                # blocked span [t0, t1] lies inside it: exposed <= in flight, always.
+                self.completed_at = t1 if self.completed_at is None else max(self.completed_at, t1)
+                self.wait_began_at, self.wait_ended_at = t0, t1
+            else:
+                # Done before the wait began: compute was never blocked on it (the call's own
+                # microseconds are not communication).
+                self.wait_began_at = self.wait_ended_at = t0
+        self.blocked_s = self.wait_ended_at - self.wait_began_at
         self._keepalive = None
         self._works = []
         self._finish()

@@ -2,7 +2,9 @@
 
 `time_s` is the wall time during which at least one handle of the mode was in flight (the
 union of issue-to-completion intervals, so handles queued behind each other are not counted
-twice), `exposed_s` the time compute sat blocked in wait(). exposed_s / time_s is the share of
+twice), `exposed_s` the time compute sat blocked in wait() (the union of the blocked spans).
+Each blocked span lies inside its handle's in-flight interval (see handle.py), so
+0 <= exposed_s <= time_s for every mode, step and rank; exposed_s / time_s is the share of
 that mode's communication that overlap failed to hide.
 
 Completion: most backends call back when a handle completes. Gloo's point-to-point and
@@ -30,6 +32,7 @@ class CommLedger:
     def __init__(self) -> None:
         self._totals: Dict[str, Dict[str, float]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0.0))
         self._intervals: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
+        self._blocked: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         self._unresolved: List = []  # CUDA handles whose events are read at summary time
         self._waiters: Optional[ThreadPoolExecutor] = None  # made on first use
         # Called with each handle at record() (right after its wait, before CUDA timings are
@@ -60,9 +63,10 @@ class CommLedger:
         row = self._totals[handle.mode]
         row["ops"] += 1
         row["bytes"] += handle.nbytes
-        row["exposed_s"] += handle.blocked_s
         end = handle.completed_at if handle.completed_at is not None else handle.issued_at
         self._intervals[handle.mode].append((handle.issued_at, end))
+        if handle.blocked_s > 0 and handle.wait_began_at is not None:
+            self._blocked[handle.mode].append((handle.wait_began_at, handle.wait_ended_at))
 
     def summary(self, per: int = 1) -> Dict[str, Dict[str, float]]:
         """{mode: {ops, bytes, time_s, exposed_s}} for the modes that communicated, divided by
@@ -73,15 +77,19 @@ class CommLedger:
         self._unresolved.clear()
         out = {}
         for mode, row in self._totals.items():
+            in_flight = union_length(self._intervals[mode])
+            # The blocked spans are sub-intervals of the in-flight ones; min() only absorbs
+            # the last-bit rounding of summing the two unions differently.
+            exposed = min(union_length(self._blocked[mode]), in_flight)
             out[mode] = {"ops": row["ops"] / per, "bytes": row["bytes"] / per,
-                         "time_s": union_length(self._intervals[mode]) / per,
-                         "exposed_s": row["exposed_s"] / per}
+                         "time_s": in_flight / per, "exposed_s": exposed / per}
         return out
 
     def reset(self, per: int = 1) -> Dict[str, Dict[str, float]]:
         out = self.summary(per)
         self._totals.clear()
         self._intervals.clear()
+        self._blocked.clear()
         return out
 
 

@@ -4,17 +4,26 @@ Both dispatchers split each exchange into `*_start` (issues, returns a Pending h
 CommHandle) and `*_finish` (waits, returns tensors), so the layer decides what runs while a
 handle is in flight. `dispatch`/`combine` are start+finish back to back. All handles: mode "ep".
 
+Counts and host reads. The split sizes of uneven exchanges and the per-expert row counts are
+host integers, and reading a device tensor on the host waits for the GPU (ending any overlap
+in flight). So `exchange_counts` exchanges every chunk's per-expert counts in ONE collective,
+waited at once, and copies all of them to the host in ONE read per layer and microbatch;
+`ChunkCounts` carries each chunk's figures to `dispatch_start`/`dispatch_finish`, and nothing
+else in a dispatch or combine reads the device.
+
 AllToAllDispatcher (R = ep_size, L = num_experts / R local experts, T tokens, k = top_k):
-    exchange_counts: one all_to_all of every chunk's per-expert counts [chunks, R, L], waited at
-    once (it sizes the token exchanges), so a microbatch pays one round trip for counts, not
-    one per chunk; `dispatch_start(..., recv_counts=)` then issues its token exchange at once.
+    exchange_counts: one all_to_all of every chunk's per-expert counts [chunks, R, L]; then
+    `dispatch_start(..., counts=)` issues its token exchange at once.
     dispatch: permute slots by expert -> all_to_all of counts [R, L] (waited at once: it sizes
     the next exchange) -> all_to_all of tokens, uneven splits -> regroup rows from [src rank]
     [local expert] to [local expert][src rank]. Returns tokens [N_recv, H], counts [L], context.
     combine: undo the regroup -> reverse all_to_all -> unpermute with the router weights -> [T, H].
 AllGatherDispatcher: all_gather x [T, H], ids, weights over ep (T equal on every rank); each
     rank runs the slots of its own experts; the weighted partial sums [R*T, H] go back by a
-    reduce_scatter. Its tokens are [N_local, H] grouped by local expert.
+    reduce_scatter. Its tokens are [N_local, H] grouped by local expert. exchange_counts: one
+    all_gather of every chunk's per-expert counts [R, chunks, E].
+
+Tokens travel in the compute dtype: under autocast the layer casts them before dispatch.
 
 Autograd: a token exchange is issued on detached tensors; once waited, `_Link` joins the
 received buffer to the sent tensor in the graph, and its backward runs the reverse collective
@@ -39,9 +48,20 @@ import torch
 
 from mpoverlap.comm.collectives import all_gather, all_to_all, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
-from mpoverlap.moe.permute import inverse_index, permute, regroup, unpermute
+from mpoverlap.moe.permute import expert_counts, inverse_index, permute, regroup, unpermute
 
 MODE = "ep"
+
+
+@dataclass
+class ChunkCounts:
+    """One chunk's slot counts: host integers (read once per layer for all chunks) and, for
+    the all-to-all regroup, the device tensor they came from."""
+    num_kept: int  # slots this rank sorts for the exchange (the all-gather: for its own experts)
+    local_counts: List[int]  # [L] rows each local expert computes
+    in_splits: List[int] = None  # [R] rows sent to each rank (all-to-all)
+    out_splits: List[int] = None  # [R] rows received from each rank (all-to-all)
+    recv_counts: Optional[torch.Tensor] = None  # [R, L] device (all-to-all)
 
 
 @dataclass
@@ -187,47 +207,53 @@ class _Base:
         self._exchanges += 1
         return _Exchange(self.group, self.ledger, self.overlap, self.backward_trace, self._exchanges)
 
-    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-        """Per-chunk receive counts exchanged up front, or None when the dispatcher needs none."""
-        return None
+    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
+        """Every chunk's counts: one collective and one host read for all chunks."""
+        raise NotImplementedError
 
     def dispatch(self, x_TH, expert_ids_Tk, weights_Tk):
-        return self.dispatch_finish(self.dispatch_start(x_TH, expert_ids_Tk, weights_Tk))
+        counts = self.exchange_counts([expert_ids_Tk])[0]
+        return self.dispatch_finish(self.dispatch_start(x_TH, expert_ids_Tk, weights_Tk, counts))
 
     def combine(self, expert_out_NH, ctx):
         return self.combine_finish(self.combine_start(expert_out_NH, ctx))
 
 
 class AllToAllDispatcher(_Base):
-    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[torch.Tensor]:
+    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
         """Slots each source rank sends to each of this rank's experts, per chunk: one
-        collective for all chunks. Returns [chunks] of recv_counts [R, L] (long)."""
-        send = torch.stack([torch.bincount(ids[ids >= 0], minlength=self.num_experts)
-                            for ids in expert_ids_per_chunk])  # [n, E]
-        send = send.view(len(expert_ids_per_chunk), self.size, self.num_local).transpose(0, 1).contiguous()
-        recv = torch.empty_like(send)  # [R, n, L]: block r holds source rank r's counts
-        all_to_all(recv, send, self.group, mode=MODE, ledger=self.ledger).wait()
-        return [recv[:, i, :] for i in range(recv.shape[1])]
+        all_to_all and one host read for all chunks."""
+        n, R, L = len(expert_ids_per_chunk), self.size, self.num_local
+        send = torch.stack([expert_counts(ids, self.num_experts) for ids in expert_ids_per_chunk])  # [n, E]
+        send_RnL = send.view(n, R, L).transpose(0, 1).contiguous()
+        recv_RnL = torch.empty_like(send_RnL)  # block r holds source rank r's counts
+        all_to_all(recv_RnL, send_RnL, self.group, mode=MODE, ledger=self.ledger).wait()
+        host = torch.cat([send_RnL.reshape(-1), recv_RnL.reshape(-1)]).tolist()  # the one host read
+        sent = [[host[(r * n + i) * L:(r * n + i + 1) * L] for r in range(R)] for i in range(n)]
+        got = [[host[R * n * L + (r * n + i) * L:R * n * L + (r * n + i + 1) * L] for r in range(R)]
+               for i in range(n)]
+        return [ChunkCounts(num_kept=sum(map(sum, sent[i])),
+                            local_counts=[sum(got[i][r][l] for r in range(R)) for l in range(L)],
+                            in_splits=[sum(c) for c in sent[i]], out_splits=[sum(c) for c in got[i]],
+                            recv_counts=recv_RnL[:, i, :])
+                for i in range(n)]
 
-    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, recv_counts=None) -> Pending:
+    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, counts: ChunkCounts) -> Pending:
         T, k = expert_ids_Tk.shape
-        x_perm, order, counts = permute(x_TH, expert_ids_Tk, self.num_experts)
-        send_counts = counts.view(self.size, self.num_local).contiguous()
-        if recv_counts is None:
-            recv_counts = torch.empty_like(send_counts)
-            all_to_all(recv_counts, send_counts, self.group, mode=MODE, ledger=self.ledger).wait()
-        in_splits = send_counts.sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
+        x_perm, order, _ = permute(x_TH, expert_ids_Tk, self.num_experts, counts.num_kept)
+        in_splits, out_splits = counts.in_splits, counts.out_splits
         h, link = _a2a(x_perm, self.group, out_splits, in_splits, self.ledger, self._exchange())
-        ctx = dict(order=order, weights=weights_Tk, T=T, k=k, recv_counts=recv_counts,
+        ctx = dict(order=order, weights=weights_Tk, T=T, k=k, counts=counts,
                    in_splits=in_splits, out_splits=out_splits)
         return Pending([h], [link], ctx)
 
     def dispatch_finish(self, p: Pending):
+        """-> (tokens [N, H] grouped by local expert, rows per local expert (host ints), ctx)."""
         recv, = p.wait()
-        tokens, index = regroup(recv, p.ctx["recv_counts"])
+        counts = p.ctx["counts"]
+        tokens, index = regroup(recv, counts.recv_counts)
         p.ctx["index"] = index
-        return tokens, p.ctx["recv_counts"].sum(0), p.ctx
+        return tokens, counts.local_counts, p.ctx
 
     def combine_start(self, expert_out_NH, ctx) -> Pending:
         back = expert_out_NH.index_select(0, inverse_index(ctx["index"]))
@@ -241,24 +267,33 @@ class AllToAllDispatcher(_Base):
 
 
 class AllGatherDispatcher(_Base):
-    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, recv_counts=None) -> Pending:
-        """`recv_counts` is unused: every rank receives every token."""
+    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
+        """Every rank's per-expert counts of every chunk: one all_gather and one host read."""
+        n, R, L, lo = len(expert_ids_per_chunk), self.size, self.num_local, self.first_expert
+        mine = torch.stack([expert_counts(ids, self.num_experts) for ids in expert_ids_per_chunk])  # [n, E]
+        every = mine.new_empty((R * n, self.num_experts))
+        all_gather(every, mine, self.group, mode=MODE, ledger=self.ledger).wait()
+        host = every[:, lo:lo + L].reshape(R, n, L).sum(0).tolist()  # the one host read: [n][L]
+        return [ChunkCounts(num_kept=sum(host[i]), local_counts=host[i]) for i in range(n)]
+
+    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, counts: ChunkCounts) -> Pending:
         T, k = expert_ids_Tk.shape
         hx, lx = _gather(x_TH, self.group, self.size, self.ledger, self._exchange())
         hw, lw = _gather(weights_Tk, self.group, self.size, self.ledger, self._exchange())
         ids = expert_ids_Tk.new_empty((self.size * T, k))
         hi = all_gather(ids, expert_ids_Tk.contiguous(), self.group, mode=MODE, ledger=self.ledger)
-        return Pending([hx, hw, hi], [lx, lw], dict(ids=ids, T=T, k=k))
+        return Pending([hx, hw, hi], [lx, lw], dict(ids=ids, T=T, k=k, counts=counts))
 
     def dispatch_finish(self, p: Pending):
+        """-> (tokens [N_local, H] grouped by local expert, rows per local expert, ctx)."""
         xs, ws = p.wait()
         c, lo = p.ctx, self.first_expert
         ids = c["ids"]
         mine = (ids >= lo) & (ids < lo + self.num_local)
         local_ids = torch.where(mine, ids - lo, torch.full_like(ids, -1))
-        tokens, order, counts = permute(xs, local_ids, self.num_local)
+        tokens, order, _ = permute(xs, local_ids, self.num_local, c["counts"].num_kept)
         c.update(order=order, weights=ws)
-        return tokens, counts, c
+        return tokens, c["counts"].local_counts, c
 
     def combine_start(self, expert_out_NH, ctx) -> Pending:
         partial = unpermute(expert_out_NH, ctx["order"], self.size * ctx["T"], ctx["k"], ctx["weights"])

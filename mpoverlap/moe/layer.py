@@ -40,6 +40,7 @@ import torch.nn as nn
 from mpoverlap.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mpoverlap.moe.experts import Experts
 from mpoverlap.moe.router import TopKRouter
+from mpoverlap.moe.sequence_shards import SequenceShards, sequence_shards
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -85,6 +86,9 @@ class MoELayer(nn.Module):
         self.dispatcher, self.overlap, self.num_chunks = dispatcher, overlap, num_chunks
         self.aux_loss_scale: Optional[float] = None
         self._stats = dict.fromkeys(STAT_KEYS, 0.0)
+        # Set while activation recomputation replays this layer's forward in backward: the
+        # router statistics were recorded by the first forward already.
+        self.recomputing = False
 
     def stats_since(self) -> dict:
         """Sums since the last call (training forwards only): raw aux_loss and z_loss summed
@@ -104,28 +108,32 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, trace: Optional[List] = None):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        r = self.router(xf)
+        r = self.router(xf)  # fp32 logits and losses, whatever the autocast state
+        if torch.is_autocast_enabled(x.device.type):
+            # Tokens travel (dispatch, combine) and experts compute in the compute dtype; the
+            # norm before the layer returns fp32 under autocast, which would double the bytes.
+            xf = xf.to(torch.get_autocast_dtype(x.device.type))
         T = xf.shape[0]
         n = max(1, min(self.num_chunks, T))
-        bounds = [int(b) for b in torch.linspace(0, T, n + 1).round().long()] if T else [0, 0]
+        bounds = [i * T // n for i in range(n + 1)]  # host arithmetic: no tensor read
         parts = [(xf[a:b], r.expert_ids[a:b], r.weights[a:b]) for a, b in zip(bounds, bounds[1:])]
         log = trace.append if trace is not None else (lambda _e: None)
         d = self.dispatcher
         d.backward_trace = trace
 
-        # Every chunk's token counts in one exchange (the all-to-all dispatcher needs them to
-        # size its token exchanges); the all-gather dispatcher needs none.
+        # Every chunk's token counts in one exchange and one host read (they size the token
+        # exchanges and the experts' row blocks); nothing else in the layer reads the device.
         counts = d.exchange_counts([ids for _, ids, _ in parts])
 
         def issue(i):
-            pending = d.dispatch_start(*parts[i], recv_counts=counts[i] if counts is not None else None)
+            pending = d.dispatch_start(*parts[i], counts=counts[i])
             log(("dispatch_issued", i))
             return pending
 
         def compute(i, pending):
-            tokens, counts, ctx = d.dispatch_finish(pending)
+            tokens, rows_per_expert, ctx = d.dispatch_finish(pending)
             log(("dispatch_waited", i))
-            out = self.experts(tokens, counts.tolist())
+            out = self.experts(tokens, rows_per_expert)
             if trace is not None and out.requires_grad:
                 out = _BackwardMark.apply(out, log, ("bwd_compute", i))
             log(("compute", i))
@@ -161,7 +169,7 @@ class MoELayer(nn.Module):
         d.backward_trace = None
         if shared is not None:
             y = y + shared
-        if self.training and torch.is_grad_enabled():  # training forwards, not evaluation
+        if self.training and torch.is_grad_enabled() and not self.recomputing:  # training forwards, once
             self._record(r)
         if self.aux_loss_scale is not None and torch.is_grad_enabled():
             y = _AttachAuxLoss.apply(y, r.aux_loss + r.z_loss, self.aux_loss_scale)
@@ -173,23 +181,26 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
                     dispatcher: str = "alltoall", ledger=None, activation: str = "swiglu",
                     aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                     capacity_factor: Optional[float] = None,
-                    shared_expert: Optional[nn.Module] = None) -> MoELayer:
+                    shared_expert: Optional[nn.Module] = None,
+                    shards: Optional[SequenceShards] = None) -> MoELayer:
     """Router f"{name}.router.weight", experts f"{name}.experts.{g}.*", this rank's experts
-    [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+    [ep_rank * E/ep, (ep_rank + 1) * E/ep). `shards`: the ranks holding the other parts of
+    this rank's sequences (SP, CP), over which the router's statistics are summed."""
     kinds = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
     if dispatcher not in kinds:
         raise ValueError(f"dispatcher {dispatcher!r}; one of {sorted(kinds)}")
     disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger)
     router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-                        capacity_factor=capacity_factor)
+                        capacity_factor=capacity_factor, shards=shards)
     experts = Experts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
                       name_prefix=name, cfg=cfg, seed=seed, activation=activation)
     return MoELayer(router, experts, disp, overlap=overlap, num_chunks=num_chunks,
                     shared_expert=shared_expert)
 
 
-def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger) -> dict:
+def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger, sequence_parallel: bool = False) -> dict:
     """The expert-parallel context a model hands to its MoE layers (see models/layers.py)."""
     return {"ep_group": state.group("ep"), "ep_size": state.grid.ep, "ep_rank": state.coords.ep,
-            "overlap": bool(overlap), "num_chunks": int(num_chunks), "ledger": ledger}
+            "overlap": bool(overlap), "num_chunks": int(num_chunks), "ledger": ledger,
+            "shards": sequence_shards(state, sequence_parallel=sequence_parallel, ledger=ledger)}

@@ -1,18 +1,28 @@
 """Softmax top-k router with load-balancing and z-loss, optional capacity (token dropping).
 
 Shapes: T tokens, H hidden, E experts, k = top_k.
-    logits [T, E] = x [T, H] @ W^T, W [E, H] initialised by `init_tensor(f"{name}.weight")`
-    probs  [T, E] = softmax(logits) in fp32
+    logits [T, E] = x [T, H] @ W^T in fp32 (autocast off: routing decisions and the losses
+                    must not depend on the compute dtype), W [E, H] from `init_tensor`
+    probs  [T, E] = softmax(logits), fp32
     expert_ids [T, k] (long), weights [T, k] (fp32 probs of the top-k, renormalised to sum 1)
 
-aux_loss = aux_loss_coeff * E * sum_e f_e * P_e      (Switch / Megatron load balancing)
-    f_e = (#slots routed to e before drops) / (T * k), P_e = mean_t probs[t, e]
-z_loss   = z_loss_coeff * mean_t logsumexp(logits[t])^2
+The losses describe the WHOLE microbatch, whatever the layout. With `shards` (the ranks that
+hold parts of the same sequences, see sequence_shards.py) of total token count T_g:
+    f_e = (#slots routed to e before drops, summed over shards) / (T_g * k)     (no gradient)
+    aux_loss = aux_loss_coeff * E * sum_e f_e * P_e,   P_e = (sum over all T_g tokens of probs[t, e]) / T_g
+    z_loss   = z_loss_coeff * (sum over all T_g tokens of logsumexp(logits[t])^2) / T_g
+Each rank's RouterOutput.aux_loss / z_loss is its own tokens' share of those sums (times
+`shards.grad_mean_size`, see there): the shares add up to the whole loss and each share's
+gradient is exactly the whole loss's gradient for this rank's tokens. The reported
+`stats["aux_loss"]`/`stats["z_loss"]` are the whole-microbatch values (unscaled).
 
 Capacity (capacity_factor not None): capacity = ceil(capacity_factor * T * k / E) slots per
-expert; slots are kept in token order (token 0 first, then within a token by rank of choice)
-and a slot beyond its expert's capacity is dropped: its id becomes -1 and its weight 0 (the
-surviving weights are not renormalised). capacity_factor None = dropless.
+expert, with T this rank's tokens; slots are kept in token order (token 0 first, then within a
+token by rank of choice) and a slot beyond its expert's capacity is dropped: its id becomes -1
+and its weight 0 (the surviving weights are not renormalised). Drops are decided per rank:
+when SP or CP splits the sequence, which slots are dropped depends on the layout (the plan and
+mpoverlap-check say so). capacity_factor None = dropless, exactly layout-invariant.
+No host reads: counts are scatter-adds into fixed-size [E] tensors.
 """
 from __future__ import annotations
 
@@ -24,6 +34,8 @@ import torch
 import torch.nn as nn
 
 from mpoverlap.models.init import init_tensor
+from mpoverlap.moe.permute import expert_counts
+from mpoverlap.moe.sequence_shards import SequenceShards
 
 
 @dataclass
@@ -35,43 +47,37 @@ class RouterOutput:
     stats: Dict[str, torch.Tensor] = field(default_factory=dict)  # detached figures
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """E * sum_e f_e * P_e (unscaled); f from the routing choice (no gradient), P from probs."""
-    T, k = expert_ids_Tk.shape
-    counts = torch.bincount(expert_ids_Tk.reshape(-1), minlength=num_experts).to(probs_TE.dtype)
-    f = counts / max(T * k, 1)
-    P = probs_TE.mean(dim=0) if T else probs_TE.sum(dim=0)
-    return num_experts * (f * P).sum()
-
-
-def z_loss_of(logits_TE: torch.Tensor) -> torch.Tensor:
-    """mean_t logsumexp(logits_t)^2 (unscaled), fp32."""
+def z_loss_terms(logits_TE: torch.Tensor) -> torch.Tensor:
+    """[T] logsumexp(logits_t)^2 in fp32."""
     lse = torch.logsumexp(logits_TE.float(), dim=-1)
-    return (lse * lse).mean() if lse.numel() else lse.sum()
+    return lse * lse
 
 
 def apply_capacity(expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_experts: int,
                    capacity: int):
-    """Drop slots beyond `capacity` per expert, in token order. Returns (ids, weights, dropped)."""
+    """Drop slots beyond `capacity` per expert, in token order. Returns (ids, weights,
+    dropped: a 0-d long tensor, so that no host read happens here)."""
     flat = expert_ids_Tk.reshape(-1)
     onehot = torch.nn.functional.one_hot(flat, num_experts)  # [T*k, E]
     position = (onehot.cumsum(dim=0) * onehot).sum(dim=1) - 1  # slot's place in its expert's queue
     keep = (position < capacity).view_as(expert_ids_Tk)
     ids = torch.where(keep, expert_ids_Tk, torch.full_like(expert_ids_Tk, -1))
     weights = weights_Tk * keep.to(weights_Tk.dtype)
-    return ids, weights, int((~keep).sum())
+    return ids, weights, (~keep).sum()
 
 
 class TopKRouter(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, name: str, cfg, seed: int,
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                 capacity_factor: Optional[float] = None) -> None:
+                 capacity_factor: Optional[float] = None,
+                 shards: Optional[SequenceShards] = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor
+        self.shards = shards or SequenceShards()
         self.weight = nn.Parameter(init_tensor(f"{name}.weight", (num_experts, hidden), cfg, seed))
 
     def capacity(self, num_tokens: int) -> Optional[int]:
@@ -80,18 +86,32 @@ class TopKRouter(nn.Module):
         return int(math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
 
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
-        logits = x_TH @ self.weight.t()  # [T, E]
-        probs = torch.softmax(logits.float(), dim=-1)
+        with torch.autocast(x_TH.device.type, enabled=False):
+            logits = x_TH.float() @ self.weight.float().t()  # [T, E] fp32
+        probs = torch.softmax(logits, dim=-1)
         top_p, ids = torch.topk(probs, self.top_k, dim=-1)  # sorted, ties to the lower index
         weights = top_p / top_p.sum(dim=-1, keepdim=True)
-        aux_raw = load_balancing_loss(probs, ids, self.num_experts)
-        z_raw = z_loss_of(logits)
-        dropped = 0
-        cap = self.capacity(x_TH.shape[0])
+        T, E = x_TH.shape[0], self.num_experts
+        z_TE = z_loss_terms(logits)
+        probs_sum = probs.sum(dim=0)
+        z_sum = z_TE.sum()
+        # Whole-microbatch totals: routed slots per expert, summed probabilities, summed z
+        # terms and the token count, in one buffer and (when sequences are split) one
+        # all-reduce. Evaluation forwards attach no loss: no exchange there.
+        local = torch.cat([expert_counts(ids, E, torch.float32), probs_sum.detach(), z_sum.detach().view(1),
+                           probs_sum.new_full((1,), float(T))])
+        totals = self.shards.sum(local) if torch.is_grad_enabled() else local
+        counts_g, probs_sum_g = totals[:E], totals[E:2 * E]
+        z_sum_g, tokens_g = totals[2 * E], totals[2 * E + 1].clamp_min(1.0)
+        f = counts_g / (tokens_g * self.top_k)
+        share = float(self.shards.grad_mean_size)
+        aux_raw = share * E * (f * probs_sum).sum() / tokens_g
+        z_raw = share * z_sum / tokens_g
+        dropped = torch.zeros((), dtype=torch.long, device=ids.device)
+        cap = self.capacity(T)
         if cap is not None:
-            ids, weights, dropped = apply_capacity(ids, weights, self.num_experts, cap)
-        valid = ids[ids >= 0]
-        stats = {"tokens_per_expert": torch.bincount(valid, minlength=self.num_experts),
-                 "dropped": torch.tensor(dropped), "aux_loss": aux_raw.detach(),
-                 "z_loss": z_raw.detach()}
+            ids, weights, dropped = apply_capacity(ids, weights, E, cap)
+        stats = {"tokens_per_expert": expert_counts(ids, E, torch.long), "dropped": dropped,
+                 "aux_loss": (E * (f * probs_sum_g).sum() / tokens_g).detach(),
+                 "z_loss": (z_sum_g / tokens_g).detach()}
         return RouterOutput(ids, weights, self.aux_loss_coeff * aux_raw, self.z_loss_coeff * z_raw, stats)

@@ -2,8 +2,10 @@
 
 No rule ties EP overlap to the pipeline or to recomputation: the overlap chunks the tokens of
 one MoE layer's forward and backward and waits every handle before the layer returns (or its
-backward finishes), so nothing is in flight across a pipeline send or a layer boundary, and
-mpoverlap has no activation recomputation that could replay a dispatch.
+backward finishes), so nothing is in flight across a pipeline send or a layer boundary; full
+activation recomputation replays a whole block's forward, dispatch and combine included, with
+the same issue-and-wait order (Megatron's refusal concerns its overlap of one microbatch's
+all-to-all with another's compute across layers, which mpoverlap does not do).
 """
 from __future__ import annotations
 

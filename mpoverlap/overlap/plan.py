@@ -49,11 +49,26 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         lines.append(f"    overlap.{name:<16} {state.requested:>5} -> {flag}  {state.reason}")
     if ov.dp.enabled or ov.dp.requested == "false":
         lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
+    lines.extend(f"  note: {n}" for n in layout_notes(cfg, lo))
     grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
     lines.append("  rank groups:")
     for kind in _PLAN_KINDS:
         lines.append(f"    {kind:<4} {_abbrev(grid.groups(kind))}")
     return "\n".join(lines)
+
+
+def layout_notes(cfg: Any, lo) -> List[str]:
+    """Behaviour that is allowed but depends on the layout, stated so that nobody is surprised."""
+    m, notes = cfg.model, []
+    sp_split = lo.tp > 1 and bool(cfg.parallel.sequence_parallel)
+    if m.num_experts > 0 and m.moe_capacity_factor is not None and (sp_split or lo.cp > 1):
+        split = " x ".join(f"{k} {v}" for k, v in (("tp", lo.tp if sp_split else 1), ("cp", lo.cp)) if v > 1)
+        notes.append(
+            f"model.moe_capacity_factor={m.moe_capacity_factor} with each sequence split over ranks ({split}): "
+            "every rank applies the capacity to its own share of the tokens, so WHICH slots are dropped, and "
+            "with them the loss curve, depend on the layout (router losses and dropless routing do not); "
+            "model.moe_capacity_factor=null is exactly layout-invariant")
+    return notes
 
 
 def render_problems(problems: List[Problem]) -> str:

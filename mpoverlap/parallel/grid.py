@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List
 
-GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "edp", "mp", "embedding")
+GROUP_KINDS = ("tp", "cp", "tp_cp", "dp", "dp_cp", "pp", "ep", "edp", "mp", "embedding")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ class RankGrid:
             out = [[self.rank(t, c, d, p) for t in range(T)] for p in range(P) for d in range(D) for c in range(C)]
         elif kind == "cp":
             out = [[self.rank(t, c, d, p) for c in range(C)] for p in range(P) for d in range(D) for t in range(T)]
+        elif kind == "tp_cp":  # the ranks that together hold one replica's sequences
+            out = [[self.rank(t, c, d, p) for c in range(C) for t in range(T)] for p in range(P) for d in range(D)]
         elif kind == "dp":
             out = [[self.rank(t, c, d, p) for d in range(D)] for p in range(P) for c in range(C) for t in range(T)]
         elif kind == "dp_cp":

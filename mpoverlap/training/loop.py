@@ -62,7 +62,8 @@ class Trainer:
                                 overlap=self.overlap.tp.enabled, ledger=self.ledger)
         self.pp = state.grid.pp
         moe = (moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=cfg.overlap.ep_chunks,
-                          ledger=self.ledger) if cfg.model.num_experts > 0 else None)
+                          ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel))
+               if cfg.model.num_experts > 0 else None)
         self.chunks = [c.to(state.device) for c in build_chunks(
             cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, tp=self.tp, moe=moe, **attention)]
         self.moe_layers = [layer for c in self.chunks for layer in c.moe_layers()]
