@@ -25,6 +25,14 @@ f = residual-stream bytes, 4: the residual stays fp32 under autocast; c = comput
   The last chunk adds the final norm and the loss's fp32 log-softmax (or, vocab-parallel,
   softmax) over V/tp per token; the first the token ids.
 
+Recomputation (model.recompute, mpoverlap/recompute): `full` keeps only a recomputed block's
+input x (H f per residual-region token; 2sbh in the paper's 16-bit terms), and while backward
+replays one block its whole activations exist again once: the stage peak adds the largest
+recomputed block's bytes. `selective` drops what the attention core alone keeps: with flash
+kernels only its log-sum-exp (N f per token: the core's output is still kept, by the
+projection that reads it), without flash also the s^2 softmax (and dropout) terms, which is
+Korthikanti's selective recomputation (34 sbh/t at TP + SP).
+
 `Conventions.korthikanti()` applies Korthikanti et al. 2022's conventions instead (everything
 16-bit, no flash attention: softmax output + dropout mask + dropout output, and a 1-byte dropout
 mask after the attention projection and after the MLP), to compare with their Table 2.
@@ -32,7 +40,7 @@ mask after the attention projection and after the MLP), to compare with their Ta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from mpoverlap.models.init import padded_vocab_size
 from mpoverlap.overlap.estimate.params import chunk_layers, expert_ffn, is_moe_layer
@@ -46,6 +54,7 @@ class Conventions:
     residual_bytes: int = 4  # the residual stream and norm statistics (fp32 under autocast)
     flash: bool = True  # SDPA picks a flash kernel on CPU and CUDA; ring/a2a CP are flash-style
     dropout: bool = False  # this model has no dropout
+    rope: bool = True  # RoPE makes rotated copies of q and k beside the qkv output (2H c per token)
 
     @classmethod
     def for_dtype(cls, compute_bytes: int = 4) -> "Conventions":
@@ -53,13 +62,18 @@ class Conventions:
 
     @classmethod
     def korthikanti(cls) -> "Conventions":
-        """Korthikanti et al. 2022, Table 2: 16-bit activations, dropout, no flash attention."""
-        return cls(compute_bytes=2, residual_bytes=2, flash=False, dropout=True)
+        """Korthikanti et al. 2022, Table 2: 16-bit activations, dropout, no flash attention, and
+        GPT-3's learned positions (no RoPE copies of q and k)."""
+        return cls(compute_bytes=2, residual_bytes=2, flash=False, dropout=True, rope=False)
 
 
-def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micro_batch: int) -> int:
-    """Bytes layer i keeps for backward, per rank and microbatch (see the module doc)."""
+def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micro_batch: int,
+                           recompute: Optional[str] = None) -> int:
+    """Bytes layer i keeps for backward, per rank and microbatch (see the module doc), when it
+    is not a fully recomputed block. `recompute` None reads model.recompute (selective applies
+    to every layer; "full" is handled by `chunk_activation_bytes`)."""
     m, p = cfg.model, cfg.parallel
+    selective = (getattr(m, "recompute", "none") if recompute is None else recompute) == "selective"
     H, N, c, f = m.hidden_size, m.num_attention_heads, conv.compute_bytes, conv.residual_bytes
     s_local = m.seq_length // lo.cp
     sp = bool(p.sequence_parallel) and lo.tp > 1
@@ -76,8 +90,10 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
         core = {"a2a": 5 * H}.get(p.cp_comm, 7 * H) * c
     else:
         core = 6 * H * c
-    attn_tp = core + N * f  # the log-sum-exp per head
-    if not conv.flash and lo.cp == 1:
+    if not conv.rope and p.cp_comm != "a2a":
+        core -= 2 * H * c
+    attn_tp = core + (0 if selective else N * f)  # the log-sum-exp per head (recomputed: none)
+    if not conv.flash and lo.cp == 1 and not selective:
         # Math SDPA keeps the causal softmax over all S keys; with dropout also its mask
         # (1 byte) and the dropped-out probabilities.
         attn_tp += N * s_local * (c + (1 + c if conv.dropout else 0))
@@ -107,9 +123,28 @@ def head_activation_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     return norm + tokens * (V // lo.tp) * 4
 
 
+def block_input_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int) -> int:
+    """What a fully recomputed block keeps: its input x, residual-region tokens x H."""
+    m = cfg.model
+    tokens = micro_batch * (m.seq_length // lo.cp)
+    if bool(cfg.parallel.sequence_parallel) and lo.tp > 1:
+        tokens //= lo.tp
+    return tokens * m.hidden_size * conv.residual_bytes
+
+
+def recomputed_in_chunk(cfg: Any, lo: Layout, chunk: int) -> List[int]:
+    """The layers of `chunk` that full recomputation replays (its first recompute_num_layers)."""
+    from mpoverlap.recompute import recomputed_layers
+
+    m, ids = cfg.model, chunk_layers(cfg, lo, chunk)
+    return ids[:recomputed_layers(getattr(m, "recompute", "none"), len(ids), getattr(m, "recompute_num_layers", None))]
+
+
 def chunk_activation_bytes(cfg: Any, lo: Layout, chunk: int, conv: Conventions, micro_batch: int) -> int:
     """One microbatch's saved bytes on model chunk `chunk` (layers, plus loss or token ids)."""
-    total = sum(layer_activation_bytes(cfg, lo, i, conv, micro_batch) for i in chunk_layers(cfg, lo, chunk))
+    replayed = set(recomputed_in_chunk(cfg, lo, chunk))
+    total = sum(block_input_bytes(cfg, lo, conv, micro_batch) if i in replayed
+                else layer_activation_bytes(cfg, lo, i, conv, micro_batch) for i in chunk_layers(cfg, lo, chunk))
     if chunk == lo.pp * lo.vpp - 1:
         total += head_activation_bytes(cfg, lo, conv, micro_batch)
     if chunk == 0:
@@ -129,9 +164,15 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
 
     per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch) for k in range(lo.pp * lo.vpp)]
     micro = lo.num_microbatches or 1
+
+    def replay(stage: int) -> int:
+        """Full recomputation: the largest block this stage replays, alive once in backward."""
+        return max([layer_activation_bytes(cfg, lo, i, conv, micro_batch)
+                    for v in range(lo.vpp) for i in recomputed_in_chunk(cfg, lo, v * lo.pp + stage)], default=0)
     if lo.pp == 1:
         # One forward and its backward at a time (no pipeline): one microbatch alive.
-        return [{"bytes": sum(per_chunk), "chunks_in_flight": lo.vpp, "layers_in_flight": cfg.model.num_layers}]
+        return [{"bytes": sum(per_chunk) + replay(0), "chunks_in_flight": lo.vpp,
+                 "layers_in_flight": cfg.model.num_layers}]
     orders = compute_orders(schedule_kind(lo.vpp), lo.pp, lo.vpp, micro)
     per = cfg.model.num_layers // (lo.pp * lo.vpp)
     out = []
@@ -143,5 +184,6 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
             alive += sign
             if live > peak:
                 peak, peak_alive = live, alive
-        out.append({"bytes": peak, "chunks_in_flight": peak_alive, "layers_in_flight": peak_alive * per})
+        out.append({"bytes": peak + replay(stage), "chunks_in_flight": peak_alive,
+                    "layers_in_flight": peak_alive * per})
     return out

@@ -102,6 +102,13 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # Ring, per layer and microbatch: cp-1 K+V exchanges forward; backward cp-1 K+V and
             # cp dK+dV exchanges (each exchange counts its send and its receive).
             ops.append(("cp", "send_recv", 2 * 2 * local_qkv * (3 * lo.cp - 2) * layers_here * micro, 2))
+    sp_split = lo.tp > 1 and bool(p.sequence_parallel)
+    if moe_here and (sp_split or lo.cp > 1):
+        # The router's whole-sequence statistics (moe/sequence_shards.py): counts, summed
+        # probabilities, the z sum and the token count, fp32, one all-reduce per MoE layer and
+        # microbatch over the ranks sharing the sequences; counted under cp when cp > 1.
+        ops.append(("cp" if lo.cp > 1 else "tp", "all_reduce", (2 * m.num_experts + 2) * 4 * moe_here * micro,
+                    (lo.tp if sp_split else 1) * lo.cp))
     if lo.ep > 1 and moe_here:
         tokens = b * s_hidden
         if m.moe_dispatcher == "allgather":
@@ -110,7 +117,9 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # reduce-scatter; backward a reduce-scatter per gathered input that needs a
             # gradient (tokens, weights) and an all-gather for the combine. The ledger counts
             # the gathered size for both (an all-gather's output, a reduce-scatter's input).
-            gathered = lo.ep * tokens * (2 * H * c + m.moe_top_k * 4 + m.moe_top_k * 8) * moe_here * micro
+            # Plus one all_gather of every chunk's per-expert counts (int64), before the tokens.
+            gathered = (lo.ep * tokens * (2 * H * c + m.moe_top_k * 4 + m.moe_top_k * 8)
+                        + lo.ep * min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8) * moe_here * micro
             scattered = lo.ep * tokens * (2 * H * c + m.moe_top_k * 4) * moe_here * micro
             ops += [("ep", "all_gather", gathered, lo.ep), ("ep", "reduce_scatter", scattered, lo.ep)]
         else:
