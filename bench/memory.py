@@ -31,6 +31,11 @@ LAYOUTS = {
                  "model.ffn_hidden_size=704", "model.seq_length=512", "train.micro_batch_size=4",
                  "train.global_batch_size=16"],
 }
+# Activation recomputation (issue 18): 8 activation-heavy layers, none / selective / full.
+RECOMPUTE_BASE = ["parallel.dp=2", "model.num_layers=8", "model.hidden_size=256", "model.ffn_hidden_size=704",
+                  "model.seq_length=512", "train.micro_batch_size=4", "train.global_batch_size=16"]
+for _mode in ("none", "selective", "full"):
+    LAYOUTS[f"recompute_{_mode}"] = RECOMPUTE_BASE + [f"model.recompute={_mode}"]
 WORLD = 2
 
 
@@ -88,13 +93,16 @@ def _run(layouts: Sequence[str], steps: int, out: Path, compose) -> Dict[str, An
     for name in layouts:
         overrides = LAYOUTS[name] + [f"train.steps={steps}"]
         small = overrides + baseline_overrides(compose(overrides))
-        measured = run_train(overrides, out / "memory" / name)[-1]["peak_memory_bytes"]
+        measured_rows = run_train(overrides, out / "memory" / name)
+        measured = measured_rows[-1]["peak_memory_bytes"]
         baseline = run_train(small, out / "memory" / f"{name}_baseline")[-1]["peak_memory_bytes"]
         rows[name] = {"overrides": overrides, "baseline_overrides": small, "rss_bytes": measured,
                       "baseline_rss_bytes": baseline, "estimate_bytes": estimate_bytes(overrides),
                       "baseline_estimate_bytes": estimate_bytes(small),
                       "stage_estimate_bytes": estimate_stages(overrides),
-                      "baseline_stage_estimate_bytes": estimate_stages(small)}
+                      "baseline_stage_estimate_bytes": estimate_stages(small),
+                      "step_time_s": sorted(r["step_time_s"] for r in measured_rows[1:] or measured_rows)[
+                          len(measured_rows[1:] or measured_rows) // 2]}
     return {"steps": steps, "world": WORLD, "layouts": rows, "malloc_env": MALLOC_ENV}
 
 

@@ -132,19 +132,26 @@ def block_input_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int)
     return tokens * m.hidden_size * conv.residual_bytes
 
 
-def recomputed_in_chunk(cfg: Any, lo: Layout, chunk: int) -> List[int]:
+def recompute_mode(cfg: Any, recompute: Optional[str] = None) -> str:
+    return getattr(cfg.model, "recompute", "none") if recompute is None else recompute
+
+
+def recomputed_in_chunk(cfg: Any, lo: Layout, chunk: int, recompute: Optional[str] = None) -> List[int]:
     """The layers of `chunk` that full recomputation replays (its first recompute_num_layers)."""
     from mpoverlap.recompute import recomputed_layers
 
     m, ids = cfg.model, chunk_layers(cfg, lo, chunk)
-    return ids[:recomputed_layers(getattr(m, "recompute", "none"), len(ids), getattr(m, "recompute_num_layers", None))]
+    return ids[:recomputed_layers(recompute_mode(cfg, recompute), len(ids), getattr(m, "recompute_num_layers", None))]
 
 
-def chunk_activation_bytes(cfg: Any, lo: Layout, chunk: int, conv: Conventions, micro_batch: int) -> int:
-    """One microbatch's saved bytes on model chunk `chunk` (layers, plus loss or token ids)."""
-    replayed = set(recomputed_in_chunk(cfg, lo, chunk))
+def chunk_activation_bytes(cfg: Any, lo: Layout, chunk: int, conv: Conventions, micro_batch: int,
+                           recompute: Optional[str] = None) -> int:
+    """One microbatch's saved bytes on model chunk `chunk` (layers, plus loss or token ids);
+    `recompute` None reads model.recompute."""
+    mode = recompute_mode(cfg, recompute)
+    replayed = set(recomputed_in_chunk(cfg, lo, chunk, mode))
     total = sum(block_input_bytes(cfg, lo, conv, micro_batch) if i in replayed
-                else layer_activation_bytes(cfg, lo, i, conv, micro_batch) for i in chunk_layers(cfg, lo, chunk))
+                else layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode) for i in chunk_layers(cfg, lo, chunk))
     if chunk == lo.pp * lo.vpp - 1:
         total += head_activation_bytes(cfg, lo, conv, micro_batch)
     if chunk == 0:
@@ -152,7 +159,8 @@ def chunk_activation_bytes(cfg: Any, lo: Layout, chunk: int, conv: Conventions, 
     return total
 
 
-def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int) -> List[Dict[str, int]]:
+def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int,
+                          recompute: Optional[str] = None) -> List[Dict[str, int]]:
     """Per stage, the peak of saved bytes over the step and how many chunk-microbatches are
     alive then, replaying the schedule's own compute order (a forward keeps its chunk's
     activations until the matching backward). Interleaving keeps more alive on early stages:
@@ -162,13 +170,14 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     from mpoverlap.pipeline import compute_orders, schedule_kind
     from mpoverlap.pipeline.actions import FORWARD
 
-    per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch) for k in range(lo.pp * lo.vpp)]
+    mode = recompute_mode(cfg, recompute)
+    per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch, mode) for k in range(lo.pp * lo.vpp)]
     micro = lo.num_microbatches or 1
 
     def replay(stage: int) -> int:
         """Full recomputation: the largest block this stage replays, alive once in backward."""
-        return max([layer_activation_bytes(cfg, lo, i, conv, micro_batch)
-                    for v in range(lo.vpp) for i in recomputed_in_chunk(cfg, lo, v * lo.pp + stage)], default=0)
+        return max([layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode)
+                    for v in range(lo.vpp) for i in recomputed_in_chunk(cfg, lo, v * lo.pp + stage, mode)], default=0)
     if lo.pp == 1:
         # One forward and its backward at a time (no pipeline): one microbatch alive.
         return [{"bytes": sum(per_chunk) + replay(0), "chunks_in_flight": lo.vpp,

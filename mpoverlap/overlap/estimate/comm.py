@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from mpoverlap.models.init import padded_vocab_size
-from mpoverlap.overlap.estimate.params import (is_moe_layer, layer_params, moe_dense_unsplit, norm_params,
-                                               stage_layers)
+from mpoverlap.overlap.estimate.params import (chunk_layers, is_moe_layer, layer_params, moe_dense_unsplit,
+                                               norm_params, stage_layers)
 from mpoverlap.overlap.layout import Layout
 
 PARAM_BYTES = 4  # gradients are reduced in fp32
@@ -129,6 +129,63 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # every chunk's per-expert counts (int64).
             per_layer = 4 * tokens * m.moe_top_k * H * c + min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8
             ops.append(("ep", "all_to_all", per_layer * moe_here * micro, lo.ep))
+    return ops + replayed_ops(cfg, lo, busiest, c)
+
+
+def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
+    """The forward communication that recomputation issues again in backward (see
+    mpoverlap/recompute): `full` replays whole blocks (TP, CP, the router statistics, EP),
+    `selective` the attention core (CP's exchanges only; SDPA on one rank communicates nothing).
+    torch stops a replay once the region's last saved tensor is recomputed, so a collective
+    after it is not issued again: the MLP's row all-reduce without SP, its reduce-scatter with
+    SP unless collective matmul fuses it with the GEMM (which saves after communicating), and
+    the all-gather dispatcher's combine reduce-scatter (the all-to-all combine is followed by
+    the unpermute, which saves). Checked against the ledger of real runs."""
+    from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
+
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    mode = getattr(m, "recompute", "none")
+    if mode == "none":
+        return []
+    chunks = [v * lo.pp + busiest for v in range(lo.vpp)]
+    full_ids = [i for k in chunks for i in recomputed_in_chunk(cfg, lo, k)]
+    core_ids = full_ids if mode == "full" else [i for k in chunks for i in chunk_layers(cfg, lo, k)]
+    n_moe = sum(is_moe_layer(m, i) for i in full_ids)
+    micro, b, H = lo.num_microbatches or 1, t.micro_batch_size, m.hidden_size
+    s_cp = m.seq_length // lo.cp
+    sp = bool(p.sequence_parallel) and lo.tp > 1
+    ops: List[Op] = []
+    if lo.tp > 1 and full_ids:
+        from mpoverlap.overlap.config import CommOverlapConfig
+
+        full, n_dense = c * b * s_cp * H * micro, len(full_ids) - n_moe
+        if sp:
+            # Attention: all-gather + reduce-scatter; a dense MLP: all-gather, and its
+            # reduce-scatter only when collective matmul fuses it into the GEMM's function.
+            fused = CommOverlapConfig.from_config(cfg, lo.world).tp.enabled
+            gathers = len(full_ids) + n_dense
+            scatters = len(full_ids) + (n_dense if fused else 0)
+            ops += [("tp", "all_gather", full * gathers, lo.tp), ("tp", "reduce_scatter", full * scatters, lo.tp)]
+        else:
+            ops.append(("tp", "all_reduce", full * len(full_ids), lo.tp))  # the attention's row all-reduce
+    if lo.cp > 1 and core_ids:
+        local_qkv = c * b * (m.num_attention_heads // lo.tp) * s_cp * (H // m.num_attention_heads)
+        if p.cp_comm == "a2a":
+            ops.append(("cp", "all_to_all", 4 * local_qkv * len(core_ids) * micro, lo.cp))
+        else:
+            ops.append(("cp", "send_recv", 2 * 2 * local_qkv * (lo.cp - 1) * len(core_ids) * micro, 2))
+    if n_moe and (sp or lo.cp > 1):
+        ops.append(("cp" if lo.cp > 1 else "tp", "all_reduce", (2 * m.num_experts + 2) * 4 * n_moe * micro,
+                    (lo.tp if sp else 1) * lo.cp))
+    if lo.ep > 1 and n_moe:
+        tokens = b * (s_cp // lo.tp if sp else s_cp)
+        counts = min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8
+        if m.moe_dispatcher == "allgather":
+            k = m.moe_top_k
+            ops.append(("ep", "all_gather", (lo.ep * tokens * (H * c + 12 * k) + lo.ep * counts) * n_moe * micro,
+                        lo.ep))
+        else:
+            ops.append(("ep", "all_to_all", (2 * tokens * m.moe_top_k * H * c + counts) * n_moe * micro, lo.ep))
     return ops
 
 

@@ -39,6 +39,8 @@ class RankEstimate:
     model_flops_per_step: float = 0.0  # training FLOPs of the whole model per step (all ranks)
     bubble: float = 0.0  # (pp - 1) / (vpp m): pipeline idle over ideal compute
     conventions: Conventions = Conventions()
+    # The heaviest stage's activation peak under each model.recompute mode (this config otherwise).
+    activations_by_recompute: Dict[str, int] = field(default_factory=dict)
 
 
 def compute_bytes(cfg: Any) -> int:
@@ -76,6 +78,8 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
                "activations": peaks[s]["bytes"]}
         stages.append(StageEstimate(s, n, mem, peaks[s]["layers_in_flight"]))
     heaviest = max(stages, key=lambda st: sum(st.memory_bytes.values()))
+    by_recompute = {mode: max(p["bytes"] for p in stage_activation_peak(cfg, lo, conv, t.micro_batch_size, mode))
+                    for mode in ("none", "selective", "full")}
     buffer, link = comm_views(comm_ops(cfg, lo, by_params, params, expert_params, conv.compute_bytes))
     return RankEstimate(
         params=params, memory_bytes=dict(heaviest.memory_bytes), comm_bytes_per_step=buffer,
@@ -83,7 +87,8 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
         layer_activation_bytes=layer_activation_bytes(cfg, lo, stage_layers(cfg, lo, 0)[0], conv,
                                                       t.micro_batch_size),
         model_flops_per_step=flops_per_token(m) * t.global_batch_size * m.seq_length,
-        bubble=bubble_fraction(lo.pp, lo.vpp, micro) if lo.pp > 1 else 0.0, conventions=conv)
+        bubble=bubble_fraction(lo.pp, lo.vpp, micro) if lo.pp > 1 else 0.0, conventions=conv,
+        activations_by_recompute=by_recompute)
 
 
 def _mib(n: float) -> str:
@@ -110,6 +115,11 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
         lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {_mib(mem['params'] + mem['grads'] + mem['optimizer']):>17} |"
                      f" {_mib(mem['activations']):>14} ({st.layers_in_flight:>3}) | {_mib(sum(mem.values()))}")
     lines.append(f"    activations of one layer, one microbatch: {_mib(est.layer_activation_bytes)}")
+    if est.activations_by_recompute:
+        by = est.activations_by_recompute
+        lines.append("    activation peak with model.recompute=none / selective / full: "
+                     + " / ".join(_mib(by[k]) for k in ("none", "selective", "full"))
+                     + " (selective saves little with flash attention: the core keeps no s^2 tensor)")
     per_rank = f" ({_flops(est.model_flops_per_step / world)} per rank)" if world else ""
     lines.append(f"  model FLOPs per step: {_flops(est.model_flops_per_step)}{per_rank}; "
                  f"pipeline bubble (p-1)/(v m): {est.bubble:.3f}")
