@@ -95,7 +95,10 @@ class A2AAttentionFunction(torch.autograd.Function):
 
         def attend(g, qkv_3BnSD):
             leaves = [t.detach().requires_grad_() for t in qkv_3BnSD.unbind(0)]
-            with torch.enable_grad():
+            # Identity saved-tensor hooks: this inner graph keeps its own tensors even inside an
+            # activation-recomputation region, whose hooks would otherwise drop them and replay
+            # the whole block once per torch.autograd.grad call in backward (a graph task each).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 y_BnSD = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale)
             graphs.append((leaves, y_BnSD))
             B, Ng, S, D = y_BnSD.shape

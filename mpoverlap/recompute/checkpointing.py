@@ -22,7 +22,7 @@ checkpoint restores the RNG state (the model has no random op today; dropout wou
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -31,15 +31,20 @@ from torch.utils.checkpoint import checkpoint
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-@contextmanager
-def _recomputing(modules: Sequence[torch.nn.Module]):
-    """Tell `modules` (those with a `recomputing` attribute) that their forward is a replay."""
-    for m in modules:
-        m.recomputing = True
-    try:
-        yield
-    finally:
-        for m in modules:
+class _Recomputing:
+    """Tells `modules` (those with a `recomputing` attribute) that their forward is a replay.
+    A class, not a generator: torch may replay one region more than once (a second backward
+    graph task reaching the same saved tensors) and enters the same object each time."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        self.modules = modules
+
+    def __enter__(self) -> None:
+        for m in self.modules:
+            m.recomputing = True
+
+    def __exit__(self, *exc) -> None:
+        for m in self.modules:
             m.recomputing = False
 
 
@@ -51,7 +56,7 @@ def recomputed(fn: Callable, *args, replaying: Iterable[torch.nn.Module] = ()):
         return fn(*args)
     modules = [m for m in replaying if hasattr(m, "recomputing")]
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: (nullcontext(), _recomputing(modules)))
+                      context_fn=lambda: (nullcontext(), _Recomputing(modules)))
 
 
 def recomputed_layers(mode: str, num_layers_in_chunk: int, recompute_num_layers: Optional[int]) -> int:
