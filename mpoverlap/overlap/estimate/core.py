@@ -76,7 +76,8 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
                "activations": peaks[s]["bytes"]}
         stages.append(StageEstimate(s, n, mem, peaks[s]["layers_in_flight"]))
     heaviest = max(stages, key=lambda st: sum(st.memory_bytes.values()))
-    buffer, link = comm_views(comm_ops(cfg, lo, by_params, params, expert_params, conv.compute_bytes))
+    buffer, link = comm_views(comm_ops(cfg, lo, by_params, params, expert_params, conv.compute_bytes,
+                                          conv.residual_bytes))
     return RankEstimate(
         params=params, memory_bytes=dict(heaviest.memory_bytes), comm_bytes_per_step=buffer,
         comm_link_bytes_per_step=link, stages=stages,
