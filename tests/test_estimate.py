@@ -199,10 +199,11 @@ def test_flops_and_bubble():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [4])
 def test_cp_a2a_estimate_equals_ledger_and_metrics_report_flops(tmp_path, cp):
     """A real a2a run: the ledger's cp bytes per step equal the estimate's buffer bytes exactly;
-    metrics.jsonl has model_tflops_per_s and, on CPU, no mfu."""
+    metrics.jsonl has model_tflops_per_s and, on CPU, no mfu. (cp 2: test_train_cli's
+    cp2_a2a_on run, in test_check_estimates_match_measured_comm.)"""
     from test_train_cli import SMALL, rows, train
 
     layout = [f"parallel.cp={cp}", "parallel.cp_comm=a2a"]
@@ -236,4 +237,6 @@ def test_pp2_vpp2_peak_activations_within_25pct(tmp_path):
 
     res = memory.run(["pp2_vpp2"], 2, tmp_path)
     stage0 = memory.activation_rows(res["layouts"]["pp2_vpp2"])[0]
+    print(f"\n  pp2_vpp2 stage 0 activations: measured {stage0['measured'] / 2**20:.1f} MiB, "
+          f"estimate {stage0['estimate'] / 2**20:.1f} MiB ({stage0['ratio']:.2f}x)")
     assert stage0["stage"] == 0 and 0.75 <= stage0["ratio"] <= 1.25, stage0

@@ -104,11 +104,13 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
     how = ("Korthikanti et al. 2022 conventions: 16-bit, dropout, no flash" if conv.dropout
            else f"{dtype} compute, {'flash' if conv.flash else 'math'} attention")
     heaviest = max(est.stages, key=lambda st: sum(st.memory_bytes.values()))
-    lines = [f"  memory per rank ({how}); heaviest stage {heaviest.stage}: ~{_mib(sum(heaviest.memory_bytes.values()))}",
+    total = _mib(sum(heaviest.memory_bytes.values()))
+    lines = [f"  memory per rank ({how}); heaviest stage {heaviest.stage}: ~{total}",
              "    stage | parameters | params+grads+optim | activations (layers in flight) | total"]
     for st in est.stages:
         mem = st.memory_bytes
-        lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {_mib(mem['params'] + mem['grads'] + mem['optimizer']):>17} |"
+        state = _mib(mem["params"] + mem["grads"] + mem["optimizer"])
+        lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {state:>17} |"
                      f" {_mib(mem['activations']):>14} ({st.layers_in_flight:>3}) | {_mib(sum(mem.values()))}")
     lines.append(f"    activations of one layer, one microbatch: {_mib(est.layer_activation_bytes)}")
     per_rank = f" ({_flops(est.model_flops_per_step / world)} per rank)" if world else ""
