@@ -28,7 +28,7 @@ LAYOUTS = {
     "moe_ep2": ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2"],
     # Activation-heavy interleaved pipeline (issue 22): stage 0 keeps 7 chunk-microbatches alive.
     "pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "model.hidden_size=256",
-                 "model.ffn_hidden_size=704", "model.seq_length=512", "train.micro_batch_size=4",
+                 "model.ffn_hidden_size=704", "model.seq_length=256", "train.micro_batch_size=4",
                  "train.global_batch_size=16"],
 }
 # Activation recomputation (issue 18): 8 activation-heavy layers, none / selective / full.
@@ -148,12 +148,13 @@ def render(results: Dict[str, Any]) -> str:
                      f"{_mib(est)} | {_mib(est - est_base)} | {parts} | {(rss - base) / max(est - est_base, 1):.2f} |")
     lines += ["", "Activations per rank (RSS - baseline - the estimate's weights, gradients and optimizer state; "
               "estimate: that rank's pipeline stage, in-flight chunks from the schedule):", "",
-              "| layout | rank (stage) | measured (MiB) | estimate (MiB) | measured / estimate |", "|---|---|---:|---:|---:|"]
+              "| layout | rank (stage) | measured (MiB) | estimate (MiB) | measured / estimate |",
+              "|---|---|---:|---:|---:|"]
     for name, r in mem["layouts"].items():
         if "stage_estimate_bytes" in r:
             for a in activation_rows(r):
-                lines.append(f"| `{name}` | {a['rank']} ({a['stage']}) | {_mib(a['measured'])} | {_mib(a['estimate'])} | "
-                             f"{a['ratio']:.2f} |")
+                lines.append(f"| `{name}` | {a['rank']} ({a['stage']}) | {_mib(a['measured'])} | "
+                             f"{_mib(a['estimate'])} | {a['ratio']:.2f} |")
     lines += ["", "What RSS does and does not measure: it counts pages, not tensors. It includes the interpreter, "
               "torch's libraries and the corpus (the baseline takes these out), allocator caches, freed blocks the "
               "allocator has not returned to the OS, and transient buffers (logits, the loss, foreach and gloo "

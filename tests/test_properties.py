@@ -109,7 +109,7 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
     raise AssertionError(f"fixes did not converge from {assignment}:\n" + "\n---\n".join(map("\n".join, history)))
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                    HealthCheck.filter_too_much])
 @given(st.fixed_dictionaries({}, optional=FIXABLE))
 # Issue 22's cases: head dimension 5 (odd), and heads that do not divide the hidden size

@@ -105,7 +105,7 @@ def test_loss_falls_and_metrics_contract(runs):
     assert [x["step"] for x in r] == [1, 2, 3, 4]
     assert r[-1]["loss"] < r[0]["loss"]
     for row in r:
-        for key in ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm"):
+        for key in ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm", "model_tflops_per_s"):
             assert key in row
         # Two worker processes, each holding torch: tens of MB at least, well under the machine.
         assert len(row["peak_memory_bytes"]) == 2
@@ -248,7 +248,7 @@ def test_check_estimates_match_measured_comm(runs):
     from mpoverlap.overlap.estimate import estimate
     from mpoverlap.overlap.layout import build_layout
 
-    for name in ("dp2_on", "dp4_zero_on", "tp2", "tp2_sp_on", "pp2_vpp2_on", "pp4_on", "cp4_ring_off",
+    for name in ("dp2_on", "dp4_zero_on", "tp2", "tp2_sp_on", "pp2_vpp2_on", "pp4_on", "cp4_ring_off", "cp2_a2a_on",
                  "dp2_tp2_pp2_sp_all", "moe_dp4_ep2_on", "moe_dp4_ep2_zero", "moe_dp2_ep2_tp2_pp2_all",
                  "moe_shared_dp2_ep2_allgather"):
         cfg = compose([*SMALL, *LAYOUTS[name]])

@@ -8,6 +8,7 @@ from mpoverlap.overlap.estimate import estimate, render_estimate
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.rules import Problem
 from mpoverlap.parallel.grid import RankGrid
+from mpoverlap.pipeline.actions import ScheduleError
 
 _PLAN_KINDS = ("tp", "cp", "dp", "pp", "ep", "edp")
 
@@ -41,7 +42,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     ]
     try:
         lines.append(render_estimate(estimate(cfg, world_size, conventions=conventions), lo.world))
-    except (ZeroDivisionError, TypeError, AttributeError):
+    except (ZeroDivisionError, TypeError, AttributeError, ValueError, ScheduleError):
         pass  # an invalid layout: its problems are reported instead of a plan
     lines.append("  overlap:")
     for name, state in ov.modes().items():

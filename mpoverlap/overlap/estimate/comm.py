@@ -37,8 +37,12 @@ def link_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int, c: int) -> List[Op]:
-    """Every mode's operations per step on a rank of stage `busiest`; `c` activation bytes."""
+def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int, c: int,
+             f: int = 4) -> List[Op]:
+    """Every mode's operations per step on a rank of stage `busiest`; `c` bytes of the compute
+    dtype (attention's q, k, v, expert tokens, TP activations), `f` of the residual stream
+    (fp32 under autocast: what pipeline stages send). Under bf16 the TP figure is the least
+    sure: SP gathers the norm's fp32 output but reduces bf16 GEMM outputs; it is counted in c."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     replicas = lo.dp * lo.cp
     zero = bool(t.distributed_optimizer) and replicas > 1
@@ -85,7 +89,7 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # pp*vpp - 1 chunk boundaries, each an activation forward and a gradient backward,
         # counted at the sending and the receiving end; plus the tied embedding's gradient sum
         # over the first and last stage (2 of pp ranks).
-        hidden_bytes = c * b * s_hidden * H
+        hidden_bytes = f * b * s_hidden * H
         ops.append(("pp", "send_recv", 4 * hidden_bytes * micro * (lo.pp * lo.vpp - 1) / lo.pp, 2))
         if m.tie_embeddings:
             V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)

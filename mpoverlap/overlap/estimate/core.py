@@ -80,7 +80,8 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
     heaviest = max(stages, key=lambda st: sum(st.memory_bytes.values()))
     by_recompute = {mode: max(p["bytes"] for p in stage_activation_peak(cfg, lo, conv, t.micro_batch_size, mode))
                     for mode in ("none", "selective", "full")}
-    buffer, link = comm_views(comm_ops(cfg, lo, by_params, params, expert_params, conv.compute_bytes))
+    buffer, link = comm_views(comm_ops(cfg, lo, by_params, params, expert_params, conv.compute_bytes,
+                                       conv.residual_bytes))
     return RankEstimate(
         params=params, memory_bytes=dict(heaviest.memory_bytes), comm_bytes_per_step=buffer,
         comm_link_bytes_per_step=link, stages=stages,
@@ -108,11 +109,13 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
     how = ("Korthikanti et al. 2022 conventions: 16-bit, dropout, no flash" if conv.dropout
            else f"{dtype} compute, {'flash' if conv.flash else 'math'} attention")
     heaviest = max(est.stages, key=lambda st: sum(st.memory_bytes.values()))
-    lines = [f"  memory per rank ({how}); heaviest stage {heaviest.stage}: ~{_mib(sum(heaviest.memory_bytes.values()))}",
+    total = _mib(sum(heaviest.memory_bytes.values()))
+    lines = [f"  memory per rank ({how}); heaviest stage {heaviest.stage}: ~{total}",
              "    stage | parameters | params+grads+optim | activations (layers in flight) | total"]
     for st in est.stages:
         mem = st.memory_bytes
-        lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {_mib(mem['params'] + mem['grads'] + mem['optimizer']):>17} |"
+        state = _mib(mem["params"] + mem["grads"] + mem["optimizer"])
+        lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {state:>17} |"
                      f" {_mib(mem['activations']):>14} ({st.layers_in_flight:>3}) | {_mib(sum(mem.values()))}")
     lines.append(f"    activations of one layer, one microbatch: {_mib(est.layer_activation_bytes)}")
     if est.activations_by_recompute:
