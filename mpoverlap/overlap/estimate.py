@@ -112,7 +112,9 @@ def estimate(cfg: Any, world_size: int | None = None) -> RankEstimate:
     if replicas > 1:
         # reduce-scatter + all-gather, or all-reduce; expert weights only over edp = replicas / ep
         reduced = params - (expert_params if replicas == lo.ep else 0)
-        comm["dp"] = reduced * BYTES * (2 if zero else 1)
+        # Gradients travel in train.grad_reduce_dtype; ZeRO-1's parameter gather stays fp32.
+        grad_bytes = 2 if t.grad_reduce_dtype == "bf16" else BYTES
+        comm["dp"] = reduced * (grad_bytes + (BYTES if zero else 0))
     if lo.tp > 1:
         # Full-sequence activation-sized collectives per microbatch. Without SP: each layer's two
         # forward all-reduces and two backward input-gradient all-reduces, plus the embedding's
