@@ -37,7 +37,9 @@ def make_norm(cfg) -> nn.Module:
 
 def rope_cos_sin(position_ids_S: torch.Tensor, head_dim: int, base: float):
     """cos_SD, sin_SD (fp32) for rotary embeddings at the given positions (rotate-half form)."""
-    inv_freq_D2 = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    # On the positions' device: a device-less arange would sit on the CPU beside CUDA positions.
+    dims_D2 = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids_S.device)
+    inv_freq_D2 = 1.0 / (base ** (dims_D2 / head_dim))
     angles_SD2 = position_ids_S.to(torch.float32)[:, None] * inv_freq_D2[None, :]
     angles_SD = torch.cat([angles_SD2, angles_SD2], dim=-1)
     return angles_SD.cos(), angles_SD.sin()

@@ -98,6 +98,13 @@ class TrainConfig:
     eval_iters: int = 4
     device: str = "auto"  # auto | cpu | cuda
     distributed_optimizer: bool = False
+    # fp32 | bf16: bf16 runs the forward under autocast (CPU and CUDA alike) with fp32 master
+    # weights, fp32 gradient accumulation and fp32 optimizer state. The default is fp32 on
+    # every device, CUDA included: GPU runs ask for train.precision=bf16 explicitly.
+    precision: str = "fp32"
+    # fp32 | bf16: the dtype data-parallel gradient buckets are reduced in (bf16 halves the dp
+    # bytes; gradients are still accumulated and applied in fp32).
+    grad_reduce_dtype: str = "fp32"
     comm_timeout_s: float = 300.0
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/Inf gradient does (before the update)
     progress: bool = True

@@ -355,3 +355,79 @@ def test_multirun_gives_each_job_its_run_dir(tmp_path):
     assert losses(tmp_path / "mr" / jobs[0]) == losses(tmp_path / "mr" / jobs[1])
     bad = train(tmp_path / "mr2", "-m", "parallel.dp=1,0", steps=2, expect=2)
     assert "no job was started" in bad.stderr and not (tmp_path / "mr2").exists()
+
+
+# ---- bf16 (train.precision=bf16): the GPU's precision path, run on CPU autocast -------------
+# 4 layers (so pp2 x vpp2 fits), 2 microbatches per step, 20 steps; every layout against the
+# single-process bf16 run, which is checked against fp32.
+BF16 = ["model.num_layers=4", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_iters=1"]
+BF16_LAYOUTS = {
+    "fp32": ["train.precision=fp32"],
+    "bf16": ["train.precision=bf16"],
+    "dp2_on": ["train.precision=bf16", "parallel.dp=2", "train.grad_reduce_dtype=bf16", "overlap.dp=true"],
+    "dp2_off": ["train.precision=bf16", "parallel.dp=2", "train.grad_reduce_dtype=bf16", "overlap=none"],
+    "tp2_sp_off": ["train.precision=bf16", "parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=false"],
+    "tp2_sp_pp2_vpp2_on": ["train.precision=bf16", "parallel.tp=2", "parallel.sequence_parallel=true",
+                           "parallel.pp=2", "parallel.vpp=2", "overlap.tp=true", "overlap.pp=true"],
+    # ZeRO-1 over the dp x cp group of two.
+    "cp2_ring_zero": ["train.precision=bf16", "parallel.cp=2", "overlap.cp=true", "train.distributed_optimizer=true"],
+    "cp2_a2a": ["train.precision=bf16", "parallel.cp=2", "parallel.cp_comm=a2a"],
+}
+# fp32 twins of bf16 layouts, 1 step: only their bytes per step are compared.
+BF16_TWINS = {"dp2_on": "fp32_dp2_on", "tp2_sp_pp2_vpp2_on": "fp32_tp2_sp_pp2_vpp2_on",
+              "cp2_ring_zero": "fp32_cp2_ring_zero"}
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bf16")
+    for name, ov in BF16_LAYOUTS.items():
+        train(root / name, *BF16, *ov, steps=20)
+    for name, twin in BF16_TWINS.items():
+        fp32 = [o for o in BF16_LAYOUTS[name] if not o.startswith(("train.precision", "train.grad_reduce"))]
+        fp32.append("train.precision=fp32")
+        train(root / twin, *BF16, *fp32, steps=1)
+    return root
+
+
+def test_bf16_single_process_tracks_fp32(bf16_runs):
+    fp32, bf16 = losses(bf16_runs / "fp32"), losses(bf16_runs / "bf16")
+    assert len(bf16) == 20 and bf16 != fp32  # autocast really ran
+    assert_close(bf16, fp32, rel=5e-2)
+    assert bf16[-1] < bf16[0]
+
+
+def test_bf16_layouts_reproduce_single_process_bf16_curve(bf16_runs):
+    ref = losses(bf16_runs / "bf16")
+    for name in BF16_LAYOUTS:
+        if name not in ("fp32", "bf16"):
+            assert_close(losses(bf16_runs / name), ref, rel=2e-2)
+
+
+def test_bf16_overlap_on_off_identical(bf16_runs):
+    """Overlap changes when handles are waited, not the arithmetic: dp with a bf16 gradient
+    reduction, on vs off. (tp on/off differ: collective matmul changes the reduction order.)"""
+    on, off = rows(bf16_runs / "dp2_on"), rows(bf16_runs / "dp2_off")
+    assert [r["loss"] for r in on] == [r["loss"] for r in off]
+    assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
+
+
+def test_bf16_halves_activation_and_gradient_bytes(bf16_runs):
+    """tp, pp and cp move activations (and their gradients) in bf16: half the fp32 bytes, but
+    for the small reductions that stay fp32 (the loss statistics, the SP norm gradients, the
+    tied embedding's gradient). dp halves with train.grad_reduce_dtype=bf16."""
+    comm = {name: (rows(bf16_runs / name)[-1]["comm"], rows(bf16_runs / twin)[-1]["comm"])
+            for name, twin in BF16_TWINS.items()}
+    bf16, fp32 = comm["tp2_sp_pp2_vpp2_on"]
+    for mode in ("tp", "pp"):
+        assert 0.5 <= bf16[mode]["bytes"] / fp32[mode]["bytes"] <= 0.56, (mode, bf16[mode], fp32[mode])
+    bf16, fp32 = comm["cp2_ring_zero"]
+    assert bf16["cp"]["bytes"] * 2 == fp32["cp"]["bytes"]
+    bf16, fp32 = comm["dp2_on"]
+    assert bf16["dp"]["bytes"] * 2 == fp32["dp"]["bytes"]
+    # mpoverlap-check's dp estimate follows train.grad_reduce_dtype.
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
+    est = estimate(compose([*SMALL, *BF16, *BF16_LAYOUTS["dp2_on"]]), 2).comm_bytes_per_step["dp"]
+    assert abs(bf16["dp"]["bytes"] - est) <= 0.03 * est, (bf16["dp"]["bytes"], est)

@@ -16,6 +16,13 @@ cp exchanges every accumulator is back home, complete. dQ accumulates locally.
 
 Overlap changes only when handles are waited, never the arithmetic: on and off are bitwise
 identical.
+
+Mixed precision: q, k, v arrive in the compute dtype (bf16 under autocast) and K/V travel the
+ring in it; the block math runs with autocast OFF, in fp32 (attention_math upcasts). Left on,
+autocast would run the forward's score GEMMs in bf16 while the backward (where autocast is off)
+recomputes them in fp32 against an lse of the bf16 scores: the gradient would not be the
+gradient of the forward. Each rank's dK/dV share accumulates in fp32 and travels in the
+inputs' dtype.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from mpoverlap.context_parallel.attention_math import (SKIP, acc_dtype, block_ba
 from mpoverlap.context_parallel.ring_comm import CPRing
 from mpoverlap.context_parallel.split import cp_chunks_of_rank
 from mpoverlap.context_parallel.stats import CPStats, NullStats
+from mpoverlap.precision import no_autocast
 
 
 def _pairs(ring: CPRing, src: int):
@@ -135,8 +143,10 @@ def ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS, ring: CP
                 stats.event("bwd", "wait_dkv", step)
             dkv_2BNSD.add_(dkv_recv_2BNSD)
         if ring.cp_size > 1:
-            dkv_recv_2BNSD = torch.empty_like(dkv_2BNSD)
-            dkv_handle = ring.exchange(dkv_2BNSD, dkv_recv_2BNSD)
+            # Sent in the inputs' dtype (bf16 under autocast: half the bytes; fp32 unchanged).
+            dkv_send_2BNSD = dkv_2BNSD.to(k_BNSD.dtype)
+            dkv_recv_2BNSD = torch.empty_like(dkv_send_2BNSD)
+            dkv_handle = ring.exchange(dkv_send_2BNSD, dkv_recv_2BNSD)
             stats.event("bwd", "issue_dkv", step + 1)
             if not ring.overlap:
                 dkv_handle.wait()
@@ -158,7 +168,8 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_BNSD, k_BNSD, v_BNSD, ring: CPRing, scale: float, stats: CPStats):
-        out_BNSD, lse_BNS = ring_forward(q_BNSD, k_BNSD, v_BNSD, ring, scale, stats)
+        with no_autocast(q_BNSD):  # fp32 block math: see the module docstring
+            out_BNSD, lse_BNS = ring_forward(q_BNSD, k_BNSD, v_BNSD, ring, scale, stats)
         ctx.save_for_backward(q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS)
         ctx.ring, ctx.scale, ctx.stats = ring, scale, stats
         return out_BNSD
@@ -166,8 +177,9 @@ class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_BNSD):
         q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS,
-                                   ctx.ring, ctx.scale, ctx.stats)
+        with no_autocast(q_BNSD):
+            dq, dk, dv = ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS,
+                                       ctx.ring, ctx.scale, ctx.stats)
         return dq, dk, dv, None, None, None
 
 

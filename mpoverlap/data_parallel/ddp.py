@@ -18,6 +18,11 @@ instead of dp x cp. Each expert's local gradient already sums the contributions 
 expert-parallel peer's tokens (the dispatch backward brought them), so the sum over edp
 covers all dp x cp ranks and is divided by the dp x cp size, like a dense bucket.
 
+Reduction dtype (`train.grad_reduce_dtype`): gradients always accumulate in the fp32 buffer.
+With `reduce_dtype=torch.bfloat16` a bucket is averaged in fp32, copied into a bf16 scratch of
+its own, reduced in bf16 (half the bytes on the wire) and copied back into the fp32 buffer
+when its handle completes; the optimizer still sees fp32 gradients.
+
 Averaging: every bucket is divided by the dp x cp size right before the SUM collective
 (gloo has no AVG). Buckets are issued strictly in bucket order, so the sequence of
 collectives is identical on every rank even if a bucket is held back by a parameter that got
@@ -65,7 +70,8 @@ class DataParallel:
 
     def __init__(self, module: nn.Module, state: ParallelState, *, group_kind: str = "dp_cp",
                  expert_group_kind: str = "edp", overlap: bool, bucket_mb: float,
-                 distributed_optimizer: bool, ledger: Optional[CommLedger]) -> None:
+                 distributed_optimizer: bool, ledger: Optional[CommLedger],
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.reduce_groups = {"dense": self._reduce_group(state, group_kind),
                               "expert": self._reduce_group(state, expert_group_kind)}
         self.module = module
@@ -80,12 +86,19 @@ class DataParallel:
         self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(), bucket_mb=bucket_mb,
                                                        pad_to=pad_to, key_of=expert_key)
         nb = len(self.buffer.buckets)
+        self.reduce_dtype = reduce_dtype or self.buffer.grad_data.dtype
+        communicates = [self.bucket_group(b.index).group is not None for b in self.buffer.buckets]
+        # A lower reduction dtype: each bucket's scratch copy that is sent (None: the buffer's
+        # own slice is reduced in place, as in fp32).
+        self._send = [torch.empty(b.numel, dtype=self.reduce_dtype, device=b.grad_data.device)
+                      if c and self.reduce_dtype != b.grad_data.dtype else None
+                      for b, c in zip(self.buffer.buckets, communicates)]
         # Reduce-scatter output lands in a scratch shard, then is copied into the gradient
         # buffer: gloo gives no guarantee for an output that aliases its own input.
-        self._rs_out = [torch.empty(b.numel // self.bucket_group(b.index).size, dtype=b.grad_data.dtype,
+        self._rs_out = [torch.empty(b.numel // self.bucket_group(b.index).size, dtype=self.reduce_dtype,
                                     device=b.grad_data.device)
-                        if self.distributed_optimizer and self.bucket_group(b.index).group is not None else None
-                        for b in self.buffer.buckets]
+                        if self.distributed_optimizer and c else None
+                        for b, c in zip(self.buffer.buckets, communicates)]
         self._is_last = True
         self._ready: List[Set[nn.Parameter]] = [set() for _ in range(nb)]
         self._issued = [False] * nb
@@ -231,11 +244,14 @@ class DataParallel:
         rg = self.bucket_group(b)
         if rg.group is None:
             return  # a group of one: nothing to add up
+        send = bucket.grad_data
+        if self._send[b] is not None:
+            send = self._send[b]
+            send.copy_(bucket.grad_data)  # averaged in fp32 first, then rounded once
         if self.distributed_optimizer:
-            handle = reduce_scatter(self._rs_out[b], bucket.grad_data, rg.group, mode="dp",
-                                    ledger=self.ledger)
+            handle = reduce_scatter(self._rs_out[b], send, rg.group, mode="dp", ledger=self.ledger)
         else:
-            handle = all_reduce(bucket.grad_data, rg.group, mode="dp", ledger=self.ledger)
+            handle = all_reduce(send, rg.group, mode="dp", ledger=self.ledger)
         self._handles[b] = handle
         if not self.overlap:
             self._complete(b)
@@ -248,6 +264,8 @@ class DataParallel:
         if self.distributed_optimizer:
             lo, hi = self.shard_range(b)
             self.buffer.grad_data[lo:hi].copy_(self._rs_out[b])
+        elif self._send[b] is not None:
+            self.buffer.buckets[b].grad_data.copy_(self._send[b])
 
     def _wait_all(self) -> None:
         for b in sorted(self._handles):

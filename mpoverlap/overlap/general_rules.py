@@ -110,6 +110,8 @@ _CHOICES = {
     "checkpoint.resume": ("auto", "none"),
     "parallel.cp_comm": ("p2p", "a2a"),
     "train.on_nonfinite": ("stop", "skip"),
+    "train.precision": ("fp32", "bf16"),
+    "train.grad_reduce_dtype": ("fp32", "bf16"),
 }
 
 

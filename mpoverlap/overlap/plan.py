@@ -39,6 +39,8 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
         f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; distributed optimizer "
         f"{'on' if t.distributed_optimizer else 'off'}",
+        f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
+        f"dp gradients reduced in {t.grad_reduce_dtype}",
     ]
     try:
         lines.append(render_estimate(estimate(cfg, world_size, conventions=conventions), lo.world))

@@ -14,6 +14,12 @@ ring_reduce_scatter (GEMM reduce-scatter): at step k rank r computes its partial
 Numerics vs the plain collectives: per-chunk GEMMs and ring-order sums give the same values
 up to fp32 rounding (not bitwise): the weight gradient sums chunk GEMMs, and the reduction
 order differs from the backend's reduce-scatter.
+
+Mixed precision (see mpoverlap/precision.py): autocast does not reach into these Functions, so
+forward casts to the compute dtype itself (the chunks that travel the ring and the gathered
+output are bf16 under autocast) and backward recasts W and the incoming gradient. Weight
+gradient terms of the chunks are bf16 GEMMs summed in an fp32 accumulator (an in-place
+`addmm_` would need every operand in one dtype).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch.nn.functional as F
 
 from mpoverlap.comm.collectives import send_recv
 from mpoverlap.comm.handle import CommHandle
+from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
 from mpoverlap.tensor_parallel.comm_spec import TPComm
 from mpoverlap.tensor_parallel.mappings import MODE, seq_chunk
 
@@ -77,6 +84,18 @@ def ring_reduce_scatter(partial_fn: Callable[[int], torch.Tensor], comm: TPComm,
     return part
 
 
+def _accumulate(acc_oH: Optional[torch.Tensor], g_2d: torch.Tensor, x_2d: torch.Tensor) -> torch.Tensor:
+    """acc + g^T x, one chunk's weight-gradient term. fp32 operands: the in-place addmm_ as
+    before (bitwise unchanged). bf16: the term is a bf16 GEMM, added into an fp32 accumulator
+    (the chunks' sum, like the gradient buffer it ends in, is fp32)."""
+    if g_2d.dtype == acc_dtype(g_2d.dtype):
+        return g_2d.t().matmul(x_2d) if acc_oH is None else acc_oH.addmm_(g_2d.t(), x_2d)
+    term = g_2d.t().matmul(x_2d)
+    if acc_oH is None:
+        return term.to(acc_dtype(term.dtype))
+    return acc_oH.add_(term)
+
+
 class ColumnParallelRingFn(torch.autograd.Function):
     """x_BsH -> y_BSo. Backward: one ring that passes the x chunks (for the weight gradient)
     and the dgrad partial sums (reduce-scatter) together; each step's transfer runs under the
@@ -85,19 +104,29 @@ class ColumnParallelRingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BsH, weight_oH, bias_o, comm: TPComm):
         ctx.comm, ctx.has_bias = comm, bias_o is not None
+        ctx.dtype = dtype = compute_dtype(x_BsH)
+        x_BsH = x_BsH.to(dtype)  # the chunks travel the ring in the compute dtype
         ctx.save_for_backward(x_BsH, weight_oH)
         B, s = x_BsH.shape[0], x_BsH.shape[1]
         y_BSo = x_BsH.new_empty(B, s * comm.size, weight_oH.shape[0])
+        w_oH, b_o = weight_oH.to(dtype), cast(bias_o, dtype)
 
         def gemm(c, x_c):
-            seq_chunk(y_BSo, c, s).copy_(F.linear(x_c, weight_oH, bias_o))
+            seq_chunk(y_BSo, c, s).copy_(F.linear(x_c, w_oH, b_o))
 
-        ring_all_gather_apply(x_BsH, comm, gemm, "column.fwd")
+        with no_autocast(x_BsH):
+            ring_all_gather_apply(x_BsH, comm, gemm, "column.fwd")
         return y_BSo
 
     @staticmethod
     def backward(ctx, grad_y_BSo):
         x_BsH, weight_oH = ctx.saved_tensors
+        with no_autocast(x_BsH):
+            return ColumnParallelRingFn._backward(ctx, x_BsH, weight_oH.to(ctx.dtype),
+                                                  grad_y_BSo.to(ctx.dtype))
+
+    @staticmethod
+    def _backward(ctx, x_BsH, weight_oH, grad_y_BSo):
         comm, s = ctx.comm, x_BsH.shape[1]
         need_dgrad = ctx.needs_input_grad[0]
         held, handle, incoming = x_BsH.contiguous(), None, None
@@ -121,10 +150,10 @@ class ColumnParallelRingFn(torch.autograd.Function):
             comm.mark(label, k, "gemm_start")
             g_c = seq_chunk(grad_y_BSo, (comm.rank - k) % comm.size, s)
             g_2d, x_2d = g_c.reshape(-1, g_c.shape[-1]), held.reshape(-1, held.shape[-1])
-            grad_w_oH = (g_2d.t().matmul(x_2d) if grad_w_oH is None
-                         else grad_w_oH.addmm_(g_2d.t(), x_2d))
+            grad_w_oH = _accumulate(grad_w_oH, g_2d, x_2d)
             comm.mark(label, k, "gemm_end")
-        grad_b_o = grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0) if ctx.has_bias else None
+        grad_b_o = (grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
+                    if ctx.has_bias else None)
         return part if need_dgrad else None, grad_w_oH, grad_b_o, None
 
 
@@ -135,17 +164,27 @@ class RowParallelRingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BSi, weight_Oi, comm: TPComm):
         ctx.comm = comm
+        ctx.dtype = dtype = compute_dtype(x_BSi)
+        x_BSi = x_BSi.to(dtype)  # the partial sums travel the ring in the compute dtype
         ctx.save_for_backward(x_BSi, weight_Oi)
         S = x_BSi.shape[1]
         if S % comm.size:
             raise ValueError(f"sequence length {S} is not divisible by tp_size={comm.size}")
         s = S // comm.size
-        return ring_reduce_scatter(lambda c: F.linear(seq_chunk(x_BSi, c, s), weight_Oi),
-                                   comm, "row.fwd")
+        w_Oi = weight_Oi.to(dtype)
+        with no_autocast(x_BSi):
+            return ring_reduce_scatter(lambda c: F.linear(seq_chunk(x_BSi, c, s), w_Oi),
+                                       comm, "row.fwd")
 
     @staticmethod
     def backward(ctx, grad_y_BsO):
         x_BSi, weight_Oi = ctx.saved_tensors
+        with no_autocast(x_BSi):
+            return RowParallelRingFn._backward(ctx, x_BSi, weight_Oi.to(ctx.dtype),
+                                               grad_y_BsO.to(ctx.dtype))
+
+    @staticmethod
+    def _backward(ctx, x_BSi, weight_Oi, grad_y_BsO):
         comm, s = ctx.comm, grad_y_BsO.shape[1]
         need_dgrad = ctx.needs_input_grad[0]
         grad_x_BSi = x_BSi.new_empty(x_BSi.shape) if need_dgrad else None
@@ -156,7 +195,7 @@ class RowParallelRingFn(torch.autograd.Function):
                 seq_chunk(grad_x_BSi, c, s).copy_(g_c.matmul(weight_Oi))
             x_c = seq_chunk(x_BSi, c, s)
             g_2d, x_2d = g_c.reshape(-1, g_c.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
-            acc[0] = g_2d.t().matmul(x_2d) if acc[0] is None else acc[0].addmm_(g_2d.t(), x_2d)
+            acc[0] = _accumulate(acc[0], g_2d, x_2d)
 
         ring_all_gather_apply(grad_y_BsO, comm, gemms, "row.bwd")
         return grad_x_BSi, acc[0], None

@@ -15,6 +15,12 @@ With overlap=False each handle is waited right after it is issued. The arithmeti
 same either way, so overlap on/off is bitwise identical on this path.
 
 With overlap=True, SP and tp >= 2 the functions in collective_matmul.py are used instead.
+
+Mixed precision: autocast does not reach inside a custom Function, so forward casts x, W and b
+to the compute dtype (`mpoverlap.precision.compute_dtype`: bf16 under autocast) itself, before
+the SP all-gather (activations travel in the compute dtype), and backward recasts W and the
+incoming gradient to the same dtype. The weight gradient comes out of a bf16 GEMM; autograd
+casts it to the fp32 parameter's dtype and accumulates it in fp32 (the master gradient).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
 from mpoverlap.tensor_parallel.comm_spec import TPComm
 from mpoverlap.tensor_parallel.mappings import (
     all_reduce_async, reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel,
@@ -38,13 +45,24 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_oH, bias_o, comm: TPComm):
         ctx.comm, ctx.has_bias = comm, bias_o is not None
-        ctx.save_for_backward(x, weight_oH)  # SP: the local chunk only; re-gathered in backward
+        ctx.dtype = dtype = compute_dtype(x)
+        x = x.to(dtype)  # before the all-gather: bf16 under autocast moves half the bytes
+        # SP: the local chunk only, re-gathered in backward; W is recast there (not saved as a
+        # bf16 copy: one more weight-sized tensor per microbatch in flight).
+        ctx.save_for_backward(x, weight_oH)
         total_x_BSH = seq_all_gather_async(x, comm).wait() if comm.sequence_parallel else x
-        return F.linear(total_x_BSH, weight_oH, bias_o)
+        with no_autocast(x):
+            return F.linear(total_x_BSH, weight_oH.to(dtype), cast(bias_o, dtype))
 
     @staticmethod
     def backward(ctx, grad_y_BSo):
         x, weight_oH = ctx.saved_tensors
+        with no_autocast(x):
+            return ColumnParallelLinearFn._backward(ctx, x, weight_oH.to(ctx.dtype),
+                                                    grad_y_BSo.to(ctx.dtype))
+
+    @staticmethod
+    def _backward(ctx, x, weight_oH, grad_y_BSo):
         comm = ctx.comm
         need_dgrad = ctx.needs_input_grad[0]
         grad_y_BSo = grad_y_BSo.contiguous()
@@ -72,7 +90,8 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         comm.mark(_BWD, 1, "gemm_start")
         grad_w_oH = wgrad(grad_y_BSo, total_x_BSH)  # runs under the dgrad reduction
         comm.mark(_BWD, 1, "gemm_end")
-        grad_b_o = grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0) if ctx.has_bias else None
+        grad_b_o = (grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
+                    if ctx.has_bias else None)
         grad_x = None
         if reduce is not None:
             if comm.overlap:
@@ -106,7 +125,7 @@ def row_parallel_linear(x_BSi: torch.Tensor, weight_Oi: torch.Tensor,
         from mpoverlap.tensor_parallel.collective_matmul import RowParallelRingFn
         y = RowParallelRingFn.apply(x_BSi, weight_Oi, comm)
     else:
-        partial = F.linear(x_BSi, weight_Oi)
+        partial = F.linear(x_BSi, weight_Oi)  # a plain op: autocast casts it
         y = (reduce_scatter_to_sequence_parallel(partial, comm) if comm.sequence_parallel
              else reduce_from_tensor_parallel_region(partial, comm))
     return y if bias_O is None else y + bias_O

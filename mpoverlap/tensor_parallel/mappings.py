@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from mpoverlap.comm.collectives import all_gather, all_reduce, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
+from mpoverlap.precision import compute_dtype
 from mpoverlap.tensor_parallel.comm_spec import TPComm
 
 MODE = "tp"
@@ -151,12 +152,23 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
         return seq_all_gather_async(grad, ctx.comm).wait(), None
 
 
+def _in_compute_dtype(fn, x, *args):
+    """fn(x) with x cast to the compute dtype (bf16 under autocast) for the collective and the
+    result cast back to x's dtype: activations travel in the compute dtype (half the bytes)
+    while, e.g., the fp32 embedding output stays fp32 around it. The casts are autograd ops,
+    so the backward collective also moves the gradient in the compute dtype."""
+    dtype = compute_dtype(x)
+    if dtype == x.dtype:
+        return fn(x, *args)
+    return fn(x.to(dtype), *args).to(x.dtype)
+
+
 def copy_to_tensor_parallel_region(x, comm: TPComm):
     return CopyToTensorParallelRegion.apply(x, comm)
 
 
 def reduce_from_tensor_parallel_region(x, comm: TPComm):
-    return ReduceFromTensorParallelRegion.apply(x, comm)
+    return _in_compute_dtype(ReduceFromTensorParallelRegion.apply, x, comm)
 
 
 def scatter_to_sequence_parallel(x_BSH, comm: TPComm):
@@ -166,12 +178,12 @@ def scatter_to_sequence_parallel(x_BSH, comm: TPComm):
 
 def gather_from_sequence_parallel(x_BsH, comm: TPComm, grad_is_partial: bool = True):
     """x_BsH -> x_BSH."""
-    return GatherFromSequenceParallel.apply(x_BsH, comm, grad_is_partial)
+    return _in_compute_dtype(GatherFromSequenceParallel.apply, x_BsH, comm, grad_is_partial)
 
 
 def reduce_scatter_to_sequence_parallel(x_BSH, comm: TPComm):
     """partial x_BSH -> summed x_BsH."""
-    return ReduceScatterToSequenceParallel.apply(x_BSH, comm)
+    return _in_compute_dtype(ReduceScatterToSequenceParallel.apply, x_BSH, comm)
 
 
 def allreduce_sequence_parallel_grads(params, tp_group, ledger=None, overlap: bool = False

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -21,6 +20,7 @@ from mpoverlap.moe import moe_kwargs
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
+from mpoverlap.precision import DTYPES, autocast_context
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
 from mpoverlap.tensor_parallel.checkpoint import reshard_named, unshard_named
 from mpoverlap.training.checkpoint import Checkpointer, CheckpointError
@@ -81,7 +81,7 @@ class Trainer:
         self.ddp = DataParallel(
             self.model, state, group_kind="dp_cp", overlap=self.overlap.dp.enabled,
             bucket_mb=self.overlap.dp_bucket_mb, distributed_optimizer=t.distributed_optimizer,
-            ledger=self.ledger)
+            ledger=self.ledger, reduce_dtype=DTYPES[t.grad_reduce_dtype])
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
@@ -100,15 +100,15 @@ class Trainer:
             layer.aux_loss_scale = 1.0 / num_micro
         ck_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
         self.checkpointer = Checkpointer(ck_dir, keep=cfg.checkpoint.keep)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if state.device.type == "cuda"
-                         else nullcontext())
+        # train.precision: the same autocast on CPU and CUDA (parameters stay fp32).
+        self.autocast = autocast_context(t.precision, state.device)
         self.step = 0
         self.faults = FaultInjector(state.rank)
         self.pipeline = None
         if self.pp > 1:
             m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
             self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
-                                           self.ddp, self._split, self.autocast)
+                                           self.ddp, self._split, self.autocast, DTYPES[t.precision])
 
     # ---- checkpoint state -------------------------------------------------------------
     def _meta(self) -> Dict[str, Any]:

@@ -61,10 +61,14 @@ class PipelineRunner:
     executor, and evaluation forward-only. `split(mb)` gives (tokens, targets, positions)."""
 
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
-                 ledger: Any, ddp: Any, split: Callable, autocast: Any) -> None:
+                 ledger: Any, ddp: Any, split: Callable, autocast: Any,
+                 comm_dtype: torch.dtype = torch.float32) -> None:
         from mpoverlap.pipeline import PipelineExecutor, build_schedule, schedule_kind
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
+        # Activations and their gradients cross stages in the compute dtype (bf16 under
+        # train.precision=bf16: half the bytes); the residual stream stays fp32 inside a chunk.
+        self.comm_dtype = comm_dtype
         pp, vpp = state.grid.pp, len(chunks)
         self.stage = state.coords.pp
         m, p = cfg.model, cfg.parallel
@@ -77,7 +81,7 @@ class PipelineRunner:
         self.inputs: List[tuple] = []
         self.executor = PipelineExecutor(
             tables[self.stage], stage=self.stage, pp_ranks=list(state.ranks("pp")), group=state.group("pp"),
-            overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=torch.float32,
+            overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=comm_dtype,
             device=state.device, forward_step=self._forward_step,
             # A chunk's gradients are reduced over dp during its last backward of the step.
             backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last))
@@ -85,11 +89,14 @@ class PipelineRunner:
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
         tokens, targets, positions = self.inputs[mb]
+        if hidden is not None:
+            # The received bf16 leaf is upcast here, so its gradient (sent back) is bf16 too.
+            hidden = hidden.float()
         with self.autocast:
             out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions)
         if chunk.post_process:
             return chunk.loss(out.float(), targets) / self.num_microbatches
-        return out.float()
+        return out.to(self.comm_dtype)
 
     def train_microbatches(self, micro: List[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch; returns this stage's summed loss (the
@@ -110,7 +117,7 @@ class PipelineRunner:
             return self._forward_step(vchunk, mb, hidden) * self.num_microbatches / n
 
         losses = forward_only(self.chunks, self.stage, list(self.state.ranks("pp")), n, run_chunk,
-                              self.hidden_shape, torch.float32, self.state.device)
+                              self.hidden_shape, self.comm_dtype, self.state.device)
         total = torch.zeros((), device=self.state.device)
         for loss in losses:
             total += loss

@@ -59,11 +59,12 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # ZeRO-1: reduce-scatter the gradients, all-gather the parameters; else all-reduce.
         # Dense weights over dp x cp; expert weights over edp = dp x cp / ep (none when 1).
         edp = replicas // lo.ep
-        for n, nbytes in ((replicas, (params - expert_params) * PARAM_BYTES),
-                          (edp, expert_params * PARAM_BYTES if edp > 1 else 0)):
-            if nbytes:
-                ops += ([("dp", "reduce_scatter", nbytes, n), ("dp", "all_gather", nbytes, n)] if zero
-                        else [("dp", "all_reduce", nbytes, n)])
+        # Gradients travel in train.grad_reduce_dtype; ZeRO-1's parameter gather stays fp32.
+        grad_bytes = 2 if getattr(t, "grad_reduce_dtype", "fp32") == "bf16" else PARAM_BYTES
+        for n, count in ((replicas, params - expert_params), (edp, expert_params if edp > 1 else 0)):
+            if count:
+                ops += ([("dp", "reduce_scatter", count * grad_bytes, n), ("dp", "all_gather", count * PARAM_BYTES, n)]
+                        if zero else [("dp", "all_reduce", count * grad_bytes, n)])
     if lo.tp > 1:
         # Full-sequence activation-sized collectives per microbatch. Without SP: each layer's two
         # forward all-reduces and two backward input-gradient all-reduces, plus the embedding's
