@@ -1,0 +1,52 @@
+"""The CUDA path's host-side behaviour, exercised on CPU (issue 15): host reads per step,
+device choice against the visible GPUs, CUDA_DEVICE_MAX_CONNECTIONS, handles releasing
+buffers at wait, parameter gathers waited before first use."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import run_distributed  # noqa: E402
+
+from mpoverlap.training.host_sync import count_host_reads  # noqa: E402
+
+SMALL = ["model=gpt_tiny", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+         "model.ffn_hidden_size=64", "model.seq_length=16", "train.global_batch_size=8",
+         "train.micro_batch_size=2", "data.max_bytes=200000", "train.device=cpu", "train.progress=false"]
+
+
+def _trainer(overrides, run_dir):
+    from mpoverlap.config import compose
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    cfg = compose(overrides + [f"run.dir={run_dir}"])
+    return Trainer(cfg, init_distributed(cfg), run_dir)
+
+
+def _step_reads(rank, world, overrides, run_dir):
+    from pathlib import Path
+
+    trainer = _trainer(overrides, Path(run_dir))
+    trainer.train_step()  # the first step builds lazy state (AdamW moments): not a hot-path step
+    out = []
+    for _ in range(3):
+        with count_host_reads() as reads:
+            trainer.train_step()
+        out.append(reads.summary())
+    return [(s, int(s.split()[0])) for s in out]
+
+
+def test_hot_step_reads_the_host_at_most_once():
+    """dp2 + ZeRO-1 + clipping, outside log steps: one host read per step (the non-finite
+    decision on the gradient norm), none in the forward, backward or gradient reduction."""
+    overrides = SMALL + ["parallel.dp=2", "train.distributed_optimizer=true", "train.grad_clip=1.0",
+                         "overlap.dp=true", "train.log_interval=100"]
+    with tempfile.TemporaryDirectory() as run_dir:
+        results = run_distributed(_step_reads, 2, overrides, run_dir)
+    for rank_steps in results:
+        for summary, count in rank_steps:
+            assert count <= 1, summary
