@@ -50,3 +50,69 @@ def test_hot_step_reads_the_host_at_most_once():
     for rank_steps in results:
         for summary, count in rank_steps:
             assert count <= 1, summary
+
+
+# ---- finding 5: a CUDA handle releases its buffers at wait, keeps only its events ----------
+class _FakeEvent:
+    clock = [0.0]
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        _FakeEvent.clock[0] += 1.0
+        self.t = _FakeEvent.clock[0]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):  # milliseconds, like torch.cuda.Event
+        return (other.t - self.t) * 1e3
+
+
+class _FakeWork:
+    def __init__(self, log):
+        self.log = log
+
+    def wait(self):
+        self.log.append("waited")
+        return True
+
+
+def test_cuda_handle_releases_buffers_at_wait(monkeypatch):
+    import gc
+    import weakref
+
+    from mpoverlap.comm.handle import CommHandle
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: None)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: None)
+    recorded = []
+
+    class Ledger:
+        def record(self, handle):
+            recorded.append(handle)
+
+    buf = torch.ones(1024)
+    alive = weakref.ref(buf)
+    log = []
+    work = _FakeWork(log)
+    work_alive = weakref.ref(work)
+    start = _FakeEvent()
+    start.record()
+    h = CommHandle("tp", "all_gather", buf.numel() * 4, [work], Ledger(), keepalive=[buf], cuda_start=start)
+    del buf, work
+    gc.collect()
+    assert alive() is not None, "the buffer must live while the collective is in flight"
+    h.wait()
+    gc.collect()
+    assert log == ["waited"]
+    # Waited: the compute stream is ordered after the collective, the buffers can go...
+    assert alive() is None, "the handle still holds its buffers after wait()"
+    assert work_alive() is None, "the handle still holds its works after wait()"
+    # ...and the timing still resolves from the events, at the ledger's next summary.
+    assert recorded == [h] and h.uses_cuda_events
+    h.resolve_timing()
+    assert h.blocked_s == pytest.approx(1.0) and h.in_flight_s == pytest.approx(2.0)
+    assert not h.uses_cuda_events
