@@ -135,3 +135,51 @@ def test_a2a_layout_builds_its_indices_once(monkeypatch):
     assert torch.equal(back, y)  # the two moves are inverse: the cached indices are the right ones
     assert built == [], f"index tensors rebuilt from Python lists on every call: {len(built)}"
     assert reads.count == 0, reads.summary()
+
+
+# ---- finding 14: groups the trainer never uses are not created; eval p2p on the pp group ----
+def _created_groups(rank, world):
+    import torch.distributed as dist
+
+    from mpoverlap.parallel import ParallelState, RankGrid
+    from mpoverlap.training.setup import TRAINER_UNUSED_GROUPS
+
+    calls = []
+    real = dist.new_group
+    dist.new_group = lambda *a, **k: calls.append(k.get("ranks")) or real(*a, **k)
+    try:
+        state = ParallelState.create(RankGrid(tp=2, dp=2), torch.device("cpu"), skip=TRAINER_UNUSED_GROUPS)
+    finally:
+        dist.new_group = real
+    try:
+        state.group("mp")
+        raised = None
+    except KeyError as err:
+        raised = str(err)
+    return calls, sorted(state.groups), raised, state.group("dp_cp") is not None
+
+
+def test_unused_group_kinds_are_not_created():
+    results = run_distributed(_created_groups, 4)
+    calls = results[0][0]
+    assert all(r[0] == calls for r in results)  # the same new_group calls, in the same order
+    kinds = results[0][1]
+    assert "dp" not in kinds and "mp" not in kinds and {"tp", "dp_cp", "edp", "pp", "ep"} <= set(kinds)
+    # tp2 x dp2: tp (2 groups), dp_cp (2), edp (2); the 2 dp and 2 mp groups are not created.
+    assert len(calls) == 6, calls
+    assert "not created" in results[0][2] and results[0][3]
+
+
+def test_eval_pipeline_p2p_uses_the_pp_group(monkeypatch):
+    import torch.distributed as dist
+
+    from mpoverlap.training.pipeline_glue import forward_only
+
+    seen = []
+    monkeypatch.setattr(dist, "send", lambda t, dst, group=None, **k: seen.append(("send", dst, group)))
+    monkeypatch.setattr(dist, "recv", lambda t, src, group=None, **k: seen.append(("recv", src, group)))
+    pp_group = object()
+    # stage 0 of 2 (global ranks 4 and 6), two chunks per stage: send, recv, send.
+    forward_only([None, None], 0, [4, 6], 1, lambda v, mb, h: torch.zeros(2), (2,), torch.float32,
+                 torch.device("cpu"), pp_group=pp_group)
+    assert seen == [("send", 6, pp_group), ("recv", 6, pp_group), ("send", 6, pp_group)]

@@ -12,6 +12,9 @@ import torch.distributed as dist
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.parallel import ParallelState, RankGrid
 
+# Group kinds the training loop never uses (checked with grep: only tests build DDP over "dp").
+TRAINER_UNUSED_GROUPS = ("dp", "mp")
+
 
 def resolve_device(requested: str) -> Tuple[torch.device, str]:
     """train.device -> (device, backend). auto: cuda+nccl when a GPU is visible, else cpu+gloo."""
@@ -31,7 +34,9 @@ def init_distributed(cfg: Any) -> ParallelState:
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     lo = build_layout(cfg, dist.get_world_size())
     grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
-    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s))
+    # The trainer reduces dense gradients over dp x cp ("dp_cp") and never talks over "dp"
+    # alone or the model-parallel "mp" group: creating them would only cost communicators.
+    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s), skip=TRAINER_UNUSED_GROUPS)
 
 
 def shared_run_dir(cfg: Any) -> Path:
