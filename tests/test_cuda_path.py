@@ -183,3 +183,105 @@ def test_eval_pipeline_p2p_uses_the_pp_group(monkeypatch):
     forward_only([None, None], 0, [4, 6], 1, lambda v, mb, h: torch.zeros(2), (2,), torch.float32,
                  torch.device("cpu"), pp_group=pp_group)
     assert seen == [("send", 6, pp_group), ("recv", 6, pp_group), ("send", 6, pp_group)]
+
+
+# ---- finding 4: ranks per node against the visible GPUs -------------------------------------
+def _fake_gpus(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_auto_device_needs_a_gpu_per_rank(monkeypatch):
+    from mpoverlap.overlap.cuda_env import device_choice
+    from mpoverlap.training.setup import resolve_device
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    _fake_gpus(monkeypatch, 4)
+    choice, why = device_choice("auto", 8)  # self-launch of 8 ranks on a 4-GPU machine
+    assert choice == "cpu" and "8 ranks" in why and "4 visible GPU" in why
+    assert device_choice("auto", 4)[0] == "cuda"
+    # The worker's own choice agrees (old code: cuda whenever one GPU exists -> invalid ordinal).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert resolve_device("auto", 8) == (torch.device("cpu"), "gloo")
+    # torchrun over 2 nodes, 4 ranks each: LOCAL_WORLD_SIZE, not the world, is what must fit.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert device_choice("auto", 8)[0] == "cuda"
+    _fake_gpus(monkeypatch, 0)
+    assert device_choice("auto", 1)[0] == "cpu"
+
+
+def test_explicit_cuda_with_too_few_gpus_is_refused(monkeypatch):
+    from mpoverlap.config import compose
+    from mpoverlap.overlap import validate
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    _fake_gpus(monkeypatch, 4)
+    overrides = ["train.device=cuda", "parallel.dp=8"]
+    found = [p for p in validate(compose(overrides)) if p.rule == "train.device_available"]
+    assert found, "train.device=cuda with 8 ranks and 4 GPUs must be refused"
+    text = found[0].render()
+    assert "train.device=cuda" in text and "ranks on this machine=8" in text and "visible GPUs=4" in text
+    assert not [p for p in validate(compose(overrides + found[0].fix)) if p.rule == "train.device_available"]
+    assert not [p for p in validate(compose(["train.device=cuda", "parallel.dp=4"]))
+                if p.rule == "train.device_available"]
+
+
+def test_self_launch_refuses_cuda_with_too_few_gpus_exit_2(monkeypatch, capsys):
+    from mpoverlap import train
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    _fake_gpus(monkeypatch, 1)
+    assert train.main(["train.device=cuda", "parallel.dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "train.device_available" in err and "visible GPUs=1" in err and "fix: train.device=cpu" in err
+
+
+# ---- finding 13: CUDA_DEVICE_MAX_CONNECTIONS set only for TP/CP overlap, never over the user's --
+def test_launcher_sets_max_connections_only_for_tp_cp_overlap(monkeypatch, tmp_path):
+    import torch.distributed.launcher.api as launcher_api
+
+    from mpoverlap import train
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    _fake_gpus(monkeypatch, 8)
+    seen = {}
+
+    def fake_launch(config, entry):
+        return lambda args: seen.update(env=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")) or {0: None}
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", fake_launch)
+    cases = [([], None, None),  # dense dp: nothing to set
+             (["parallel.tp=2", "parallel.sequence_parallel=true"], None, "1"),  # TP overlap on
+             (["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=false"], None, None),
+             (["parallel.tp=2", "parallel.sequence_parallel=true"], "4", "4"),  # the user's value is kept
+             (["parallel.tp=2", "parallel.sequence_parallel=true", "train.device=cpu"], None, None)]
+    for extra, user, expected in cases:
+        if user is None:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", user)
+        cfg = __import__("mpoverlap.config", fromlist=["compose"]).compose(
+            ["parallel.dp=2"] + extra + [f"run.dir={tmp_path}"])
+        try:
+            assert train._launch(cfg, ["parallel.dp=2"] + extra) == 0
+        finally:
+            got = os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        assert seen["env"] == expected == got, (extra, user, seen)
+
+
+def test_torchrun_worker_sets_max_connections_itself(monkeypatch):
+    from mpoverlap import train
+    from mpoverlap.config import compose
+
+    _fake_gpus(monkeypatch, 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for extra, expected in ((["parallel.tp=2", "parallel.sequence_parallel=true"], "1"), (["parallel.dp=2"], None)):
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        try:
+            train._worker_max_connections(compose(extra), 2)
+        finally:
+            got = os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        assert got == expected, extra
