@@ -285,3 +285,80 @@ def test_torchrun_worker_sets_max_connections_itself(monkeypatch):
         finally:
             got = os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
         assert got == expected, extra
+
+
+# ---- finding 6: every parameter's gather is waited before its first read --------------------
+def _gather_order(rank, world, overrides, run_dir):
+    """Record, during the step after a distributed-optimizer step, the first read of every
+    parameter and the wait of every pending parameter all-gather, in program order.
+
+    A TorchFunctionMode sees every torch call with its tensor arguments, whatever module or
+    function makes it (a forward pre-hook records only module calls: exactly the blind spot
+    of the bug, an ExpertMLP that reads its Linear's weight without calling the Linear)."""
+    from pathlib import Path
+
+    from torch.overrides import TorchFunctionMode
+
+    trainer = _trainer(overrides, Path(run_dir))
+    opt = trainer.optimizer
+    buf = trainer.ddp.buffer
+    bucket_of = {id(p): buf.index[p][2] for p in buf.params}
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    trainer.train_step()
+    pending = set(opt.pending_param_gathers)
+    assert pending, "parameter-gather overlap is off: nothing to check"
+    log = []
+
+    class Logged:
+        def __init__(self, b, handle):
+            self.b, self.handle = b, handle
+
+        def wait(self):
+            log.append(("wait", self.b))
+            return self.handle.wait()
+
+    for b in list(opt._pending):
+        opt._pending[b] = Logged(b, opt._pending[b])
+    seen = set()
+
+    def visit(obj):
+        if isinstance(obj, torch.nn.Parameter) and id(obj) in bucket_of and id(obj) not in seen:
+            seen.add(id(obj))
+            log.append(("read", names.get(id(obj), "?"), bucket_of[id(obj)]))
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                visit(o)
+
+    class FirstRead(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            visit(args)
+            visit(tuple((kwargs or {}).values()))
+            return func(*args, **(kwargs or {}))
+
+    with FirstRead():
+        trainer.train_step()
+    waited, late = set(), []
+    for entry in log:
+        if entry[0] == "wait":
+            waited.add(entry[1])
+        elif entry[2] in pending and entry[2] not in waited:
+            late.append(entry[1])
+    read = {e[1] for e in log if e[0] == "read"}
+    return {"late": late, "read": len(read), "params": len(names), "pending": sorted(pending)}
+
+
+@pytest.mark.parametrize("model", [["model=gpt_tiny"], ["model=moe_tiny", "model.shared_expert=true"],
+                                   ["model=moe_tiny", "model.shared_expert=true", "parallel.ep=2"]],
+                         ids=["gpt_tiny", "moe_tiny+shared", "moe_tiny+shared+ep2"])
+def test_param_gathers_waited_before_first_read(model):
+    overrides = SMALL + model + ["parallel.dp=2", "train.distributed_optimizer=true", "overlap.dp=true",
+                                 "overlap.dp_param_gather=true", "overlap.dp_bucket_mb=0.01",
+                                 "model.num_experts=4", "model.moe_ffn_hidden_size=32"]
+    if model[0] == "model=gpt_tiny":
+        overrides = [o for o in overrides if not o.startswith(("model.num_experts", "model.moe_ffn"))]
+    with tempfile.TemporaryDirectory() as run_dir:
+        results = run_distributed(_gather_order, 2, overrides, run_dir)
+    for r in results:
+        assert len(r["pending"]) > 1  # several buckets in flight: the order matters
+        assert r["read"] == r["params"], r  # every parameter was seen (the mode sees them all)
+        assert not r["late"], f"read before their bucket's gather was waited: {r['late']}"
