@@ -40,11 +40,13 @@ def _step_reads(rank, world, overrides, run_dir):
     return [(s, int(s.split()[0])) for s in out]
 
 
-def test_hot_step_reads_the_host_at_most_once():
-    """dp2 + ZeRO-1 + clipping, outside log steps: one host read per step (the non-finite
-    decision on the gradient norm), none in the forward, backward or gradient reduction."""
-    overrides = SMALL + ["parallel.dp=2", "train.distributed_optimizer=true", "train.grad_clip=1.0",
-                         "overlap.dp=true", "train.log_interval=100"]
+@pytest.mark.parametrize("layout", [["parallel.dp=2", "train.distributed_optimizer=true", "overlap.dp=true"],
+                                    ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1"]],
+                         ids=["dp2-zero1", "tp2-sp"])
+def test_hot_step_reads_the_host_at_most_once(layout):
+    """Outside log steps, with clipping: one host read per step (the non-finite decision on
+    the gradient norm), none in the forward, backward, gradient reduction or optimizer."""
+    overrides = SMALL + layout + ["train.grad_clip=1.0", "train.log_interval=100"]
     with tempfile.TemporaryDirectory() as run_dir:
         results = run_distributed(_step_reads, 2, overrides, run_dir)
     for rank_steps in results:
