@@ -110,8 +110,8 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
     run_dir = str(Path(cfg.run.dir).resolve())
     worker_overrides = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}",
                                                                                f"parallel.dp={lo.dp}"]
-    device, why = device_choice(cfg.train.device, world)
-    if device == "cuda":
+    # auto with fewer GPUs than ranks runs on CPU: the rank-0 worker prints why (setup.py).
+    if device_choice(cfg.train.device, world)[0] == "cuda":
         # TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA starts in the workers
         # (they inherit it); only then, and never over the user's own value (a value other
         # than 1 turned an `auto` mode off, or was refused for `true`, by the rule engine).
