@@ -18,6 +18,7 @@ from typing import Any, List, Optional
 
 from mpoverlap.config import ConfigError, compose, world_size_from_env
 from mpoverlap.multirun import expand_sweeps, job_dir, split_multirun
+from mpoverlap.overlap.cuda_env import ENV_MAX_CONNECTIONS, apply_max_connections, device_choice
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.plan import render_problems
 from mpoverlap.overlap.rules import validate
@@ -63,6 +64,8 @@ def worker_entry(overrides: List[str]) -> Any:
     cfg, code = _compose_and_validate(overrides, world)
     if code is not None:
         raise SystemExit(code)
+    if device_choice(cfg.train.device, world)[0] == "cuda":
+        _worker_max_connections(cfg, world)
     from mpoverlap.training.loop import run_worker
 
     rank = os.environ.get("RANK", "?")
@@ -78,6 +81,23 @@ def worker_entry(overrides: List[str]) -> Any:
         raise
 
 
+def _worker_max_connections(cfg: Any, world: Optional[int]) -> None:
+    """Under torchrun nobody set CUDA_DEVICE_MAX_CONNECTIONS for us (the self-launcher's workers
+    inherit it): set it here, before this process creates its CUDA context."""
+    import torch
+
+    from mpoverlap.overlap.config import CommOverlapConfig
+
+    overlap = CommOverlapConfig.from_config(cfg, world)
+    if not (overlap.tp.enabled or overlap.cp.enabled) or ENV_MAX_CONNECTIONS in os.environ:
+        return
+    if torch.cuda.is_initialized():  # too late to take effect (an embedding program started CUDA)
+        print(f"mpoverlap: warning: CUDA started before {ENV_MAX_CONNECTIONS}=1 could be set; TP/CP overlap "
+              f"may not overlap: export {ENV_MAX_CONNECTIONS}=1 before the run", file=sys.stderr, flush=True)
+        return
+    apply_max_connections(overlap)
+
+
 def _launch(cfg: Any, overrides: List[str]) -> int:
     """Start world-size workers on this machine with torch's elastic launcher."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -90,9 +110,14 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
     run_dir = str(Path(cfg.run.dir).resolve())
     worker_overrides = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}",
                                                                                f"parallel.dp={lo.dp}"]
-    if cfg.train.device != "cpu" and _wants_cuda(cfg):
-        # TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS set before CUDA starts in the workers.
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # auto with fewer GPUs than ranks runs on CPU: the rank-0 worker prints why (setup.py).
+    if device_choice(cfg.train.device, world)[0] == "cuda":
+        # TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA starts in the workers
+        # (they inherit it); only then, and never over the user's own value (a value other
+        # than 1 turned an `auto` mode off, or was refused for `true`, by the rule engine).
+        from mpoverlap.overlap.config import CommOverlapConfig
+
+        apply_max_connections(CommOverlapConfig.from_config(cfg, world))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"mpoverlap-{uuid.uuid4().hex[:8]}",
@@ -129,17 +154,6 @@ def _failure_reason(failure: Any) -> str:
     if not message or message[0] == "N/A" or message[0].startswith("To enable traceback"):
         return ""
     return f" ({message[0]})"
-
-
-def _wants_cuda(cfg: Any) -> bool:
-    if cfg.train.device == "cuda":
-        return True
-    try:
-        import torch
-
-        return cfg.train.device == "auto" and torch.cuda.is_available()
-    except Exception:
-        return False
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -92,17 +92,36 @@ def test_every_rule_has_a_failing_case():
 
 
 def test_cuda_max_connections_rule(monkeypatch):
+    """On a (faked) GPU: unset is fine (mpoverlap sets 1 itself), a user's other value turns an
+    `auto` TP overlap off with the reason and refuses a required one, naming the variable."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     overrides = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-    problems = [p for p in validate(compose(overrides), world_size=2) if p.rule == "cuda.max_connections"]
-    assert problems and "CUDA_DEVICE_MAX_CONNECTIONS" in problems[0].render()
-    fixed = overrides + problems[0].fix
-    assert not [p for p in validate(compose(fixed), world_size=2) if p.rule == "cuda.max_connections"]
+
+    def problems(ov, world=2):
+        return [p for p in validate(compose(ov), world_size=world) if p.rule == "cuda.max_connections"]
+
+    assert not problems(overrides) and not problems(overrides + ["overlap.tp=true"])
+    assert CommOverlapConfig.from_config(compose(overrides), 2).tp.enabled
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    for world in (2, None):  # torchrun and the self-launcher alike
+        assert not problems(overrides, world)  # auto: the mode turns off, the run goes on
+        tp = CommOverlapConfig.from_config(compose(overrides), world).tp
+        assert not tp.enabled and "CUDA_DEVICE_MAX_CONNECTIONS=8" in tp.reason
+        required = overrides + ["overlap.tp=true"]
+        found = problems(required, world)
+        assert found and "CUDA_DEVICE_MAX_CONNECTIONS=8" in found[0].render()
+        assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in found[0].render()
+        assert not problems(required + found[0].fix, world)
+    # Pure DP and CPU runs do not care about the variable.
+    assert not problems(["parallel.dp=2", "overlap.dp=true"])
+    assert not problems(overrides + ["overlap.tp=true", "train.device=cpu"])
+    assert CommOverlapConfig.from_config(compose(overrides + ["train.device=cpu"]), 2).tp.enabled
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    assert not [p for p in validate(compose(overrides), world_size=2) if p.rule == "cuda.max_connections"]
+    assert not problems(overrides + ["overlap.tp=true"])
 
 
 def test_default_config_is_valid():

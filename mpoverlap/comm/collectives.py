@@ -39,14 +39,16 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommLedger],
-               op=dist.ReduceOp.SUM) -> CommHandle:
-    """In-place all-reduce of `tensor` over `group`."""
+               op=dist.ReduceOp.SUM, on_done=None) -> CommHandle:
+    """In-place all-reduce of `tensor` over `group`; `on_done()` runs when the handle is
+    waited (e.g. to copy a flat buffer's sums back to the tensors it was packed from)."""
     clock = _clock(tensor, group)
     work = None
     if group is not None:
         with named_range("comm", mode, "all_reduce", cuda=tensor.is_cuda):
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return CommHandle(mode, "all_reduce", _nbytes(tensor), [work], ledger, keepalive=tensor, **clock)
+    return CommHandle(mode, "all_reduce", _nbytes(tensor), [work], ledger, keepalive=tensor, on_done=on_done,
+                      **clock)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,

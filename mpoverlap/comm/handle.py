@@ -188,8 +188,14 @@ class CommHandle:
             after.record()
         self._cuda_events[1:] = [before, after]
         self._waited = True
-        # The tensors must outlive the transfer, which may still run on the GPU: keep them
-        # until the timing is resolved (after the `after` event completed).
+        # The buffers are released now, not when the ledger resolves the timing (up to
+        # log_interval steps later, holding every TP/PP/CP/EP buffer of those steps): after
+        # `work.wait()` the compute stream is ordered after the collective, so the caching
+        # allocator cannot hand the memory to later work before the transfer ends, and the
+        # NCCL process group keeps its own references to the tensors until the work is done.
+        # Only the events are kept, for resolve_timing().
+        self._keepalive = None
+        self._works = []
         self._finish()
 
     def _finish(self) -> None:
@@ -211,7 +217,6 @@ class CommHandle:
         self.wait_ended_at = self.completed_at
         self.wait_began_at = self.completed_at - self.blocked_s
         self._cuda_events = None
-        self._keepalive = None
 
     @property
     def uses_cuda_events(self) -> bool:

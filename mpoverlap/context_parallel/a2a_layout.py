@@ -10,19 +10,32 @@ a2a buffers        [cp, T, B, Ng, S_local, D]        dim 0 = destination (send) 
 """
 from __future__ import annotations
 
+from typing import Dict, Tuple
+
 import torch
 
 from mpoverlap.context_parallel.split import cp_chunk_order
 
 
+# (cp_size, device) -> (order, inverse). Built once per layout and device: torch.tensor(list)
+# on a GPU is a host-to-device copy that waits for the stream, and the layout moves run
+# for every head group of every attention layer.
+_ORDERS: Dict[Tuple[int, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _orders(cp_size: int, device) -> tuple:
     """(order, inverse) index tensors: order[p] = global chunk at position p of the rank-ordered
-    concatenation of shards; inverse[t] = position of global chunk t in that concatenation."""
-    order = cp_chunk_order(cp_size)
-    inverse = [0] * len(order)
-    for p, chunk in enumerate(order):
-        inverse[chunk] = p
-    return (torch.tensor(order, device=device), torch.tensor(inverse, device=device))
+    concatenation of shards; inverse[t] = position of global chunk t in that concatenation.
+    Cached per (cp, device): the indices depend on nothing else (not on the sequence shape)."""
+    key = (cp_size, torch.device(device))
+    cached = _ORDERS.get(key)
+    if cached is None:
+        order = cp_chunk_order(cp_size)
+        inverse = [0] * len(order)
+        for p, chunk in enumerate(order):
+            inverse[chunk] = p
+        cached = _ORDERS[key] = (torch.tensor(order, device=device), torch.tensor(inverse, device=device))
+    return cached
 
 
 def pack_seq_to_head(x_TBNSD: torch.Tensor, cp_size: int, groups: int, g: int) -> torch.Tensor:

@@ -53,6 +53,15 @@ class _Piece:
     expert: bool = False
 
 
+def _square_sum(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of all elements, as a float64 0-dim tensor on `device`: per-tensor norms
+    in one foreach call, accumulated in fp64 (an fp32 norm over a whole bucket would round
+    differently per bucket layout)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).pow(2).sum()
+
+
 class DataParallelAdamW:
     """AdamW over `ddp`'s buffers: weight decay on tensors with ndim >= 2 only.
 
@@ -180,8 +189,7 @@ class DataParallelAdamW:
         self.ddp.finish_grad_sync()
         regions = self._grad_regions()
         if self.tp_group is None and self.pp_group is None and self.ep_group is None:
-            # fp64 accumulation: an fp32 norm over a whole bucket rounds differently per bucket layout.
-            sq = torch.stack([torch.linalg.vector_norm(r, dtype=torch.float64) for r in regions]).pow(2).sum()
+            sq = _square_sum(regions, self.ddp.buffer.grad_data.device)
             if self.ddp.distributed_optimizer and self.ddp.group is not None:
                 # Each rank holds disjoint shards (expert buckets too: without expert
                 # parallelism their group has the dense group's ranks): the squares add up.
@@ -201,11 +209,13 @@ class DataParallelAdamW:
         the groups that split it: ZeRO-1 shards (dense over dp x cp, experts over edp), TP
         shards, expert-parallel ranks (other experts), then pipeline stages (other layers).
         Copies of a replicated parameter count once."""
-        sq3 = torch.zeros(3, dtype=torch.float64, device=self.ddp.buffer.grad_data.device)
+        device = self.ddp.buffer.grad_data.device
+        by_cat: List[List[torch.Tensor]] = [[], [], []]
         for pc in self.pieces:
             if not pc.pipeline_duplicate:
-                cat = 2 if pc.expert else int(pc.tp_sharded)
-                sq3[cat] += torch.linalg.vector_norm(pc.main.grad, dtype=torch.float64).pow(2)
+                by_cat[2 if pc.expert else int(pc.tp_sharded)].append(pc.main.grad)
+        # One foreach norm per category (a few kernels), not one norm and one add per piece.
+        sq3 = torch.stack([_square_sum(grads, device) for grads in by_cat])
         if self.ddp.distributed_optimizer:
             for sl, key in ((slice(0, 2), "dense"), (slice(2, 3), "expert")):
                 group = self.ddp.reduce_groups[key].group

@@ -54,13 +54,17 @@ class ExpertMLP(nn.Module):
         return self.down.weight
 
     def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
-        h = x_NH @ self.w_in.t()
+        # Call the Linear modules rather than reading their weights: the distributed
+        # optimizer waits a parameter's all-gather in a forward pre-hook of the module that
+        # owns it, so a weight read without calling its module would race the gather on a GPU.
+        # (F.linear without bias is the same matmul as x @ W.t().)
+        h = (self.gate_up if self.activation == "swiglu" else self.up)(x_NH)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
-        return h @ self.w_out.t()
+        return self.down(h)
 
 
 class Experts(nn.Module):

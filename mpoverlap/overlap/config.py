@@ -34,7 +34,13 @@ class CommOverlapConfig:
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: Optional[int] = None) -> "CommOverlapConfig":
+        from mpoverlap.overlap.cuda_env import max_connections_conflict, max_connections_reason
+
         lo = build_layout(cfg, world_size)
+        # On CUDA, TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1: a user's other value turns
+        # an `auto` mode off (a `true` one is refused by the rule cuda.max_connections).
+        conflict = max_connections_conflict(cfg, lo.world) if lo.degrees_ok else None
+        blocked = max_connections_reason(conflict) if conflict is not None else None
         return cls(
             dp=_resolve(lo, "dp", lo.dp_cp > 1,
                         "gradient all-reduce/reduce-scatter per bucket, issued from backward hooks on "
@@ -44,10 +50,11 @@ class CommOverlapConfig:
                         "collective matmul: the SP all-gather / reduce-scatter in ring steps under GEMM "
                         "chunks; backward all-gather under the dgrad GEMM, dgrad reduction under wgrad",
                         f"parallel.tp={lo.tp}: no tensor-parallel communication" if lo.tp == 1 else
-                        "parallel.sequence_parallel=false: TP collectives waited at once (overlap needs SP)"),
+                        "parallel.sequence_parallel=false: TP collectives waited at once (overlap needs SP)",
+                        blocked),
             pp=_resolve(lo, "pp", lo.pp > 1, "pipeline send/receive posted ahead",
                         f"parallel.pp={lo.pp}: no pipeline communication"),
-            cp=_resolve_cp(lo),
+            cp=_resolve_cp(lo, blocked),
             ep=_resolve(lo, "ep", lo.ep > 1 and cfg.model.num_experts > 0, "token dispatch under experts",
                         f"parallel.ep={lo.ep}, model.num_experts={cfg.model.num_experts}: no expert dispatch"),
             dp_param_gather=_resolve_param_gather(lo),
@@ -55,19 +62,23 @@ class CommOverlapConfig:
         )
 
 
-def _resolve(lo: Layout, mode: str, applies: bool, what: str, why_not: str) -> ModeState:
+def _resolve(lo: Layout, mode: str, applies: bool, what: str, why_not: str,
+             blocked: Optional[str] = None) -> ModeState:
+    """`blocked`: why a mode that applies cannot overlap on this machine (auto turns it off)."""
     requested = lo.mode(mode)
     if requested == "false":
         if applies:
             return ModeState(requested, False, "off as requested: the same collectives, each waited at once")
         return ModeState(requested, False, f"off as requested ({why_not})")
+    if applies and blocked is not None and requested == "auto":
+        return ModeState(requested, False, blocked)
     if applies:
         return ModeState(requested, True, what)
     # `true` that cannot apply never reaches here: the rule engine rejects it first.
     return ModeState(requested, False, why_not)
 
 
-def _resolve_cp(lo: Layout) -> ModeState:
+def _resolve_cp(lo: Layout, blocked: Optional[str] = None) -> ModeState:
     from mpoverlap.overlap.cp_rules import a2a_head_groups
 
     if lo.cfg.parallel.cp_comm == "a2a":
@@ -76,10 +87,10 @@ def _resolve_cp(lo: Layout) -> ModeState:
                         "all-to-all of one head group in flight under attention of another",
                         f"parallel.cp={lo.cp}: no context-parallel communication" if lo.cp == 1 else
                         "parallel.cp_comm=a2a with an odd number of local heads: one head group, nothing "
-                        "to overlap (use parallel.cp_comm=p2p to overlap the ring)")
+                        "to overlap (use parallel.cp_comm=p2p to overlap the ring)", blocked)
     return _resolve(lo, "cp", lo.cp > 1, "next K/V block (and dK/dV in backward) in flight around the ring "
                     "while attention runs on the block already here",
-                    f"parallel.cp={lo.cp}: no context-parallel communication")
+                    f"parallel.cp={lo.cp}: no context-parallel communication", blocked)
 
 
 def _resolve_param_gather(lo: Layout) -> ModeState:

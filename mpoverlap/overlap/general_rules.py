@@ -182,14 +182,26 @@ def _indexed(lo: Layout):
                       ["data.name=stdlib"])
 
 
-@rule("train.device_available", "general", ("train.device",), "train.device=cuda needs a visible GPU")
+@rule("train.device_available", "general", ("train.device",),
+      "train.device=cuda needs a visible GPU for every rank on this machine")
 def _device(lo: Layout):
-    if lo.cfg.train.device == "cuda":
-        import torch
+    if lo.cfg.train.device != "cuda":
+        return
+    from mpoverlap.overlap.cuda_env import ranks_per_node, visible_gpus
 
-        if not torch.cuda.is_available():
-            yield Problem("train.device_available", {"train.device": "cuda"},
-                          "no CUDA device is visible to this process", ["train.device=auto"])
+    gpus = visible_gpus()
+    if gpus == 0:
+        yield Problem("train.device_available", {"train.device": "cuda"},
+                      "no CUDA device is visible to this process", ["train.device=auto"])
+        return
+    ranks = ranks_per_node(lo.world)
+    if ranks is not None and ranks > gpus:
+        yield Problem("train.device_available", {"train.device": "cuda", "ranks on this machine": ranks,
+                                                 "visible GPUs": gpus},
+                      f"each rank needs a GPU of its own (local rank i uses cuda:i) and {ranks} ranks would "
+                      f"start here with {gpus} GPU(s) visible (check CUDA_VISIBLE_DEVICES); run at most "
+                      f"{gpus} ranks per node (fewer dp/tp/pp/cp, or torchrun across nodes with "
+                      f"--nproc-per-node={gpus}), or run on CPU", ["train.device=cpu"])
 
 
 @rule("train.profile_window", "general", ("train.profile", "train.profile_start_step", "train.profile_steps",

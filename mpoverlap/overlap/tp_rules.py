@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 from mpoverlap.models.init import padded_vocab_size
 from mpoverlap.overlap.layout import Layout
@@ -103,23 +102,22 @@ def _te(lo: Layout):
 
 
 @rule("cuda.max_connections", "tp", ("overlap.tp", "overlap.cp", "train.device"),
-      "on CUDA, TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 set before CUDA starts")
+      "on CUDA, a required TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 (or unset: mpoverlap sets it)")
 def _max_connections(lo: Layout):
     from mpoverlap.overlap.config import CommOverlapConfig
+    from mpoverlap.overlap.cuda_env import ENV_MAX_CONNECTIONS, max_connections_conflict
 
-    if lo.world_env is None or lo.cfg.train.device == "cpu" or not lo.degrees_ok:
-        return  # self-launch sets it for its workers; only torchrun runs can have it wrong
-    import torch
-
-    if lo.cfg.train.device == "auto" and not torch.cuda.is_available():
+    if not lo.degrees_ok:
         return
+    value = max_connections_conflict(lo.cfg, lo.world)
+    if value is None:
+        return  # unset (mpoverlap sets 1 when TP/CP overlap is on), 1, or not a CUDA run
     ov = CommOverlapConfig.from_config(lo.cfg, lo.world_env)
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if (ov.tp.enabled or ov.cp.enabled) and value != "1":
-        yield Problem("cuda.max_connections",
-                      {"CUDA_DEVICE_MAX_CONNECTIONS": value, "overlap.tp": ov.tp.requested,
-                       "overlap.cp": ov.cp.requested},
-                      "with more than one hardware queue the GPU may run a GEMM issued after a collective "
-                      "ahead of it and the overlap is lost; export CUDA_DEVICE_MAX_CONNECTIONS=1 before "
-                      "torchrun (mpoverlap-train's own launcher sets it), or turn the overlap off",
-                      ["overlap.tp=false", "overlap.cp=false"])
+    for mode, state in (("tp", ov.tp), ("cp", ov.cp)):
+        if state.requested == "true" and state.enabled:
+            yield Problem("cuda.max_connections", {ENV_MAX_CONNECTIONS: value, f"overlap.{mode}": "true"},
+                          f"{ENV_MAX_CONNECTIONS}={value} is set in the environment, and with more than one "
+                          "hardware queue the GPU may run a GEMM issued after a collective ahead of it, so the "
+                          f"required overlap would be lost; unset it or export {ENV_MAX_CONNECTIONS}=1 before "
+                          f"launching, or turn the overlap off (overlap.{mode}=auto turns it off with this "
+                          "reason)", [f"overlap.{mode}=false"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,10 @@ class ParallelState:
         return len(self.grid.group_of(kind, self.rank))
 
     def group(self, kind: str) -> Optional[Any]:
+        if kind not in self.groups:
+            raise KeyError(f"group kind {kind!r} was not created for this ParallelState (created: "
+                           f"{sorted(self.groups)}); pass it to ParallelState.create(..., skip=...) "
+                           "by leaving it out of `skip`")
         return self.groups[kind]
 
     def ranks(self, kind: str) -> list:
@@ -57,9 +61,13 @@ class ParallelState:
                    groups={kind: None for kind in GROUP_KINDS})
 
     @classmethod
-    def create(cls, grid: RankGrid, device: torch.device, timeout_s: float = 300.0) -> "ParallelState":
-        """Build every group of the grid. Collective: every rank must call it, in any order of
-        arrival, because `new_group` is itself collective over the world."""
+    def create(cls, grid: RankGrid, device: torch.device, timeout_s: float = 300.0,
+               skip: Sequence[str] = ()) -> "ParallelState":
+        """Build every group of the grid except the kinds in `skip` (kinds the caller never
+        uses: each NCCL group is a communicator with its own memory and set-up time).
+        Collective: every rank must call it with the same `skip`, because `new_group` is
+        itself collective over the world and must be called in the same order everywhere;
+        the order is GROUP_KINDS' order, decided here and not by first use."""
         if not dist.is_initialized():
             raise RuntimeError("ParallelState.create needs torch.distributed to be initialised")
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -68,7 +76,12 @@ class ParallelState:
         backend = dist.get_backend()
         groups: Dict[str, Optional[Any]] = {}
         timeout = timedelta(seconds=timeout_s)
+        unknown = set(skip) - set(GROUP_KINDS)
+        if unknown:
+            raise ValueError(f"unknown group kind(s) {sorted(unknown)} in skip; one of {GROUP_KINDS}")
         for kind in GROUP_KINDS:
+            if kind in skip:
+                continue
             groups[kind] = None
             for ranks in grid.groups(kind):
                 if len(ranks) < 2:

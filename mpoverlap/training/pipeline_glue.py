@@ -32,11 +32,13 @@ def build_chunks(cfg: Any, pp: int, vpp: int, stage: int, seed: int, **gpt_kwarg
 @torch.no_grad()
 def forward_only(chunks: List[GPT], stage: int, pp_ranks: List[int], num_microbatches: int,
                  run_chunk: Callable[[int, int, Optional[torch.Tensor]], torch.Tensor],
-                 hidden_shape: tuple, dtype: torch.dtype, device: torch.device) -> List[torch.Tensor]:
+                 hidden_shape: tuple, dtype: torch.dtype, device: torch.device,
+                 pp_group: Any = None) -> List[torch.Tensor]:
     """Evaluation through the pipeline, one microbatch at a time, model chunk by model chunk
     (blocking p2p in a chain: no schedule needed, no overlap wanted). `run_chunk(vchunk, mb,
     hidden_or_None)` returns the chunk's output (the loss on the last chunk). Returns the
-    losses on the last stage, [] elsewhere."""
+    losses on the last stage, [] elsewhere. The p2p runs on `pp_group` (ranks are global):
+    on NCCL a send/recv on the default group would set up extra communicators."""
     pp = len(pp_ranks)
     total = pp * len(chunks)
     losses = []
@@ -47,10 +49,10 @@ def forward_only(chunks: List[GPT], stage: int, pp_ranks: List[int], num_microba
             hidden = None
             if k > 0:
                 hidden = torch.empty(hidden_shape, dtype=dtype, device=device)
-                dist.recv(hidden, src=pp_ranks[(k - 1) % pp])
+                dist.recv(hidden, src=pp_ranks[(k - 1) % pp], group=pp_group)
             out = run_chunk(k // pp, mb, hidden)
             if k < total - 1:
-                dist.send(out.contiguous(), dst=pp_ranks[(k + 1) % pp])
+                dist.send(out.contiguous(), dst=pp_ranks[(k + 1) % pp], group=pp_group)
             else:
                 losses.append(out)
     return losses
@@ -117,7 +119,7 @@ class PipelineRunner:
             return self._forward_step(vchunk, mb, hidden) * self.num_microbatches / n
 
         losses = forward_only(self.chunks, self.stage, list(self.state.ranks("pp")), n, run_chunk,
-                              self.hidden_shape, self.comm_dtype, self.state.device)
+                              self.hidden_shape, self.comm_dtype, self.state.device, pp_group=self.state.group("pp"))
         total = torch.zeros((), device=self.state.device)
         for loss in losses:
             total += loss

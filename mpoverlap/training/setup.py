@@ -4,18 +4,26 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from mpoverlap.config import world_size_from_env
+from mpoverlap.overlap.cuda_env import device_choice, visible_gpus
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.parallel import ParallelState, RankGrid
 
+# Group kinds the training loop never uses (checked with grep: only tests build DDP over "dp").
+TRAINER_UNUSED_GROUPS = ("dp", "mp")
 
-def resolve_device(requested: str) -> Tuple[torch.device, str]:
-    """train.device -> (device, backend). auto: cuda+nccl when a GPU is visible, else cpu+gloo."""
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+
+def resolve_device(requested: str, world: Optional[int] = None) -> Tuple[torch.device, str]:
+    """train.device -> (device, backend). auto: cuda+nccl when every rank on this machine gets
+    a GPU of its own, else cpu+gloo (see overlap/cuda_env.py; the rule engine refused an
+    explicit cuda without enough GPUs before this runs)."""
+    choice, _ = device_choice(requested, world)
+    if choice == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
@@ -24,14 +32,20 @@ def resolve_device(requested: str) -> Tuple[torch.device, str]:
 
 def init_distributed(cfg: Any) -> ParallelState:
     """Join the process group the launcher set up (env://) and build every parallel group."""
-    device, backend = resolve_device(cfg.train.device)
+    world = world_size_from_env()
+    choice, why = device_choice(cfg.train.device, world)
+    if cfg.train.device == "auto" and choice == "cpu" and visible_gpus() > 0 and os.environ.get("RANK", "0") == "0":
+        print(f"mpoverlap: {why}", flush=True)  # a GPU machine running on CPU: say why, once
+    device, backend = resolve_device(cfg.train.device, world)
     timeout = timedelta(seconds=float(cfg.train.comm_timeout_s))
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     lo = build_layout(cfg, dist.get_world_size())
     grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
-    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s))
+    # The trainer reduces dense gradients over dp x cp ("dp_cp") and never talks over "dp"
+    # alone or the model-parallel "mp" group: creating them would only cost communicators.
+    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s), skip=TRAINER_UNUSED_GROUPS)
 
 
 def shared_run_dir(cfg: Any) -> Path:
