@@ -141,3 +141,30 @@ def test_pipeline_chunks_compose_to_the_full_model():
     x = torch.randint(0, 256, (2, 16))
     pos = torch.arange(16)
     torch.testing.assert_close(last(first(x, position_ids=pos), position_ids=pos), full(x), rtol=0, atol=0)
+
+
+FAMILIES = {
+    "gpt (gelu, layernorm, tied)": dict(activation="gelu", norm="layernorm"),
+    "llama-style (swiglu, rmsnorm, untied)": dict(activation="swiglu", norm="rmsnorm", tie_embeddings=False),
+    "moe (shared expert, all-to-all)": dict(num_experts=4, moe_top_k=2, shared_expert=True),
+    "moe (all-gather, capacity, every other layer)": dict(num_experts=4, moe_top_k=2, moe_dispatcher="allgather",
+                                                          moe_capacity_factor=1.0, moe_layer_freq=2),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("bf16", [False, True])
+def test_every_tensor_is_made_on_its_inputs_device(family, bf16):
+    """Issue 15's device check for every model family, forward and backward, fp32 and bf16
+    autocast: with the default device switched to meta while the model runs on the CPU, a
+    tensor created without `device=` (which on CUDA would land on the CPU) shows up."""
+    from mpoverlap.training.device_check import stray_device_tensors
+
+    model = GPT(tiny(**FAMILIES[family]))
+    x = tokens()
+    with stray_device_tensors() as strays:
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            logits = model(x)
+        model.loss(logits, x).backward()
+    assert not strays.events, strays.summary()
+    assert all(p.grad is not None for p in model.parameters())
