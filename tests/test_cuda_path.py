@@ -144,13 +144,13 @@ def _created_groups(rank, world):
     import torch.distributed as dist
 
     from mpoverlap.parallel import ParallelState, RankGrid
-    from mpoverlap.training.setup import TRAINER_UNUSED_GROUPS
+    from mpoverlap.training.setup import unused_group_kinds
 
     calls = []
     real = dist.new_group
     dist.new_group = lambda *a, **k: calls.append(k.get("ranks")) or real(*a, **k)
     try:
-        state = ParallelState.create(RankGrid(tp=2, dp=2), torch.device("cpu"), skip=TRAINER_UNUSED_GROUPS)
+        state = ParallelState.create(RankGrid(tp=2, dp=2), torch.device("cpu"), skip=unused_group_kinds(False))
     finally:
         dist.new_group = real
     try:

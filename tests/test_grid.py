@@ -29,7 +29,7 @@ def test_partitions_and_coords(grid):
     for rank in range(W):
         c = grid.coords(rank)
         assert grid.rank(c.tp, c.cp, c.dp, c.pp) == rank
-    sizes = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp, "dp_cp": grid.dp * grid.cp, "pp": grid.pp,
+    sizes = {"tp": grid.tp, "cp": grid.cp, "tp_cp": grid.tp * grid.cp, "dp": grid.dp, "dp_cp": grid.dp * grid.cp, "pp": grid.pp,
              "ep": grid.ep, "edp": grid.edp, "mp": grid.tp * grid.pp}
     for kind in GROUP_KINDS:
         groups = grid.groups(kind)
@@ -50,6 +50,11 @@ def test_partitions_and_coords(grid):
             assert len({tuple(getattr(c, f) for f in fixed) for c in cs}) == 1, kind
             values = [getattr(c, coord) for c in cs]
             assert (values if kind == "pp" else sorted(values)) == list(range(getattr(grid, coord))), kind
+    # tp_cp: the tp x cp ranks of one (dp, pp), i.e. one replica's sequence holders.
+    for g in grid.groups("tp_cp"):
+        cs = [grid.coords(r) for r in g]
+        assert len({(c.dp, c.pp) for c in cs}) == 1
+        assert sorted((c.tp, c.cp) for c in cs) == [(t, c) for t in range(grid.tp) for c in range(grid.cp)]
     # ep x edp tiles exactly the dp x cp ranks of one (tp, pp) slice.
     for g in grid.groups("dp_cp"):
         eps = {r: frozenset(grid.group_of("ep", r)) for r in g}

@@ -23,6 +23,7 @@ Backward reuses the autograd graph of each group's SDPA built in forward (no rec
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
@@ -33,6 +34,7 @@ from mpoverlap.context_parallel.a2a_layout import (pack_head_to_seq, pack_seq_to
                                                     unpack_head_to_seq, unpack_seq_to_head)
 from mpoverlap.context_parallel.ring_comm import CPRing
 from mpoverlap.context_parallel.stats import CPStats, NullStats
+from mpoverlap.recompute import in_recompute_region
 
 
 def default_head_chunks(num_heads: int, cp_size: int) -> int:
@@ -95,10 +97,12 @@ class A2AAttentionFunction(torch.autograd.Function):
 
         def attend(g, qkv_3BnSD):
             leaves = [t.detach().requires_grad_() for t in qkv_3BnSD.unbind(0)]
-            # Identity saved-tensor hooks: this inner graph keeps its own tensors even inside an
-            # activation-recomputation region, whose hooks would otherwise drop them and replay
-            # the whole block once per torch.autograd.grad call in backward (a graph task each).
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            # Inside an activation-recomputation region this inner graph keeps its own tensors
+            # (identity hooks): the region's hooks would drop them and replay the whole block
+            # once per torch.autograd.grad call in backward (each is a graph task of its own).
+            keep = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+                    if in_recompute_region() else nullcontext())
+            with torch.enable_grad(), keep:
                 y_BnSD = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale)
             graphs.append((leaves, y_BnSD))
             B, Ng, S, D = y_BnSD.shape

@@ -22,6 +22,7 @@ checkpoint restores the RNG state (the model has no random op today; dropout wou
 """
 from __future__ import annotations
 
+import contextvars
 from contextlib import nullcontext
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -29,6 +30,25 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+
+# True while a recomputed region runs (first forward and replay). Code that builds an inner
+# autograd graph of its own and differentiates it with torch.autograd.grad (all-to-all CP)
+# reads it: under the region's saved-tensor hooks every such call would replay the region.
+_IN_REGION = contextvars.ContextVar("mpoverlap_recompute_region", default=False)
+
+
+def in_recompute_region() -> bool:
+    return _IN_REGION.get()
+
+
+def _in_region(fn: Callable) -> Callable:
+    def run(*args):
+        token = _IN_REGION.set(True)
+        try:
+            return fn(*args)
+        finally:
+            _IN_REGION.reset(token)
+    return run
 
 
 class _Recomputing:
@@ -55,7 +75,7 @@ def recomputed(fn: Callable, *args, replaying: Iterable[torch.nn.Module] = ()):
     if not torch.is_grad_enabled():
         return fn(*args)
     modules = [m for m in replaying if hasattr(m, "recomputing")]
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+    return checkpoint(_in_region(fn), *args, use_reentrant=False, preserve_rng_state=True,
                       context_fn=lambda: (nullcontext(), _Recomputing(modules)))
 
 

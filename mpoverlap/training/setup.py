@@ -18,6 +18,12 @@ from mpoverlap.parallel import ParallelState, RankGrid
 TRAINER_UNUSED_GROUPS = ("dp", "mp")
 
 
+def unused_group_kinds(router_spans_tp_and_cp: bool) -> tuple:
+    """The kinds the trainer does not create: TRAINER_UNUSED_GROUPS, and "tp_cp" unless the
+    MoE router's statistics need it (SP and CP both split the sequences)."""
+    return TRAINER_UNUSED_GROUPS + (() if router_spans_tp_and_cp else ("tp_cp",))
+
+
 def resolve_device(requested: str, world: Optional[int] = None) -> Tuple[torch.device, str]:
     """train.device -> (device, backend). auto: cuda+nccl when every rank on this machine gets
     a GPU of its own, else cpu+gloo (see overlap/cuda_env.py; the rule engine refused an
@@ -45,7 +51,10 @@ def init_distributed(cfg: Any) -> ParallelState:
     grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
     # The trainer reduces dense gradients over dp x cp ("dp_cp") and never talks over "dp"
     # alone or the model-parallel "mp" group: creating them would only cost communicators.
-    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s), skip=TRAINER_UNUSED_GROUPS)
+    # "tp_cp" carries only the MoE router's statistics when SP and CP both split sequences.
+    skip = unused_group_kinds(cfg.model.num_experts > 0 and lo.tp > 1 and lo.cp > 1
+                              and bool(cfg.parallel.sequence_parallel))
+    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s), skip=skip)
 
 
 def shared_run_dir(cfg: Any) -> Path:

@@ -8,7 +8,6 @@ f = residual-stream bytes, 4: the residual stays fp32 under autocast; c = comput
     the two block inputs x, x + attn (the norms' inputs)        2H f
     RMSNorm keeps x * rsqrt(mean x^2) too (the weight's grad)    2H f   (LayerNorm: mean, rstd only)
     the two norm outputs (the next GEMM's input)                 2H c
-      (under TP the column-parallel function keeps the fp32 norm output it is handed: 2H f)
   TP region (each rank holds 1/tp of the heads and of F, all S/cp positions):
     qkv output (v is a view of it, so SDPA keeps it all)         3H c
     q, k after RoPE, attention output (flash: log-sum-exp only)  3H c + N f
@@ -80,10 +79,9 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
     tokens_tp = micro_batch * s_local  # TP region: every position, 1/tp of heads and F
     tokens_res = tokens_tp // lo.tp if sp else tokens_tp  # residual region: S/tp with SP
     norm_extra = 2 * H * f if m.norm == "rmsnorm" else 2 * 2 * f
-    # A norm's output is kept by the GEMM it feeds: nn.Linear keeps autocast's c copy, but a
-    # tensor-parallel linear's autograd function keeps the input it was handed (the norm's
-    # fp32 output under autocast). The router of an MoE MLP is a plain linear.
-    norm_out = f if lo.tp > 1 else c
+    # A norm's output is kept by the GEMM it feeds, as autocast's compute-dtype copy: nn.Linear
+    # and the tensor-parallel functions (which cast their input themselves) alike.
+    norm_out = c
     residual = (2 * H * f + norm_extra + H * norm_out + H * (c if is_moe_layer(m, i) else norm_out)
                 + (2 * H if conv.dropout else 0))
     if lo.cp > 1:
