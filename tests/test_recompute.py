@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpoverlap.config import ModelConfig
+from mpoverlap.config import ModelConfig, compose
 from mpoverlap.models.gpt import GPT
+from mpoverlap.overlap.estimate import estimate
+from mpoverlap.overlap.layout import build_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_cli import rows, train  # noqa: E402
+from test_train_cli import SMALL, rows, train  # noqa: E402
 
 MODES = [("none", None), ("selective", None), ("full", None), ("full", 2)]
 FAMILIES = {"dense": dict(), "moe": dict(num_experts=4, moe_top_k=2, shared_expert=True)}
@@ -104,3 +106,11 @@ def test_recompute_reproduces_none_bitwise_at_every_layout(tmp_path):
             got[mode] = [(r["loss"], r["grad_norm"]) for r in rows(run)]
         assert len(got["none"]) == 6
         assert got["selective"] == got["none"] and got["full"] == got["none"], (name, got)
+        # The replayed communication is counted, and mpoverlap-check's estimate includes it
+        # (tp leaves out the small loss and norm reductions, as without recomputation).
+        for mode in ("selective", "full"):
+            overrides_all = [*SMALL, *overrides, *SMALL6, f"model.recompute={mode}"]
+            cfg = compose(overrides_all)
+            est = estimate(cfg, build_layout(cfg).world).comm_bytes_per_step
+            for kind, c in rows(tmp_path / f"{name}_{mode}")[-1]["comm"].items():
+                assert abs(c["bytes"] - est[kind]) <= 0.03 * est[kind], (name, mode, kind, c["bytes"], est[kind])

@@ -372,6 +372,9 @@ BF16_LAYOUTS = {
     # ZeRO-1 over the dp x cp group of two.
     "cp2_ring_zero": ["train.precision=bf16", "parallel.cp=2", "overlap.cp=true", "train.distributed_optimizer=true"],
     "cp2_a2a": ["train.precision=bf16", "parallel.cp=2", "parallel.cp_comm=a2a"],
+    # MoE: the single-process bf16 run is the reference of the expert-parallel one.
+    "moe_bf16": [*MOE, "train.precision=bf16"],
+    "moe_dp2_ep2_bf16": [*MOE, "train.precision=bf16", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true"],
 }
 # fp32 twins of bf16 layouts, 1 step: only their bytes per step are compared.
 BF16_TWINS = {"dp2_on": "fp32_dp2_on", "tp2_sp_pp2_vpp2_on": "fp32_tp2_sp_pp2_vpp2_on",
@@ -400,8 +403,11 @@ def test_bf16_single_process_tracks_fp32(bf16_runs):
 def test_bf16_layouts_reproduce_single_process_bf16_curve(bf16_runs):
     ref = losses(bf16_runs / "bf16")
     for name in BF16_LAYOUTS:
-        if name not in ("fp32", "bf16"):
+        if name not in ("fp32", "bf16") and not name.startswith("moe"):
             assert_close(losses(bf16_runs / name), ref, rel=2e-2)
+    moe_ref = losses(bf16_runs / "moe_bf16")
+    assert len(moe_ref) == 20 and moe_ref[-1] < moe_ref[0]
+    assert_close(losses(bf16_runs / "moe_dp2_ep2_bf16"), moe_ref, rel=2e-2)
 
 
 def test_bf16_overlap_on_off_identical(bf16_runs):
