@@ -138,14 +138,16 @@ def render(results: Dict[str, Any]) -> str:
              "one layer per pipeline chunk). Estimate = params + grads + optimizer + activations "
              "(`mpoverlap.overlap.estimate`).", "",
              "| layout | RSS (MiB) | baseline RSS (MiB) | RSS - baseline (MiB) | estimate (MiB) | "
-             "estimate - est. baseline (MiB) | params / grads / optimizer / activations (MiB) | measured / estimate |",
-             "|---|---:|---:|---:|---:|---:|---|---:|"]
+             "estimate - est. baseline (MiB) | params / grads / optimizer / activations (MiB) | measured / estimate | "
+             "median step (s) |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for name, r in mem["layouts"].items():
         rss, base = max(r["rss_bytes"]), max(r["baseline_rss_bytes"])
         est, est_base = sum(r["estimate_bytes"].values()), sum(r["baseline_estimate_bytes"].values())
         parts = " / ".join(_mib(v) for v in r["estimate_bytes"].values())
         lines.append(f"| `{' '.join(r['overrides'][:-1])}` | {_mib(rss)} | {_mib(base)} | {_mib(rss - base)} | "
-                     f"{_mib(est)} | {_mib(est - est_base)} | {parts} | {(rss - base) / max(est - est_base, 1):.2f} |")
+                     f"{_mib(est)} | {_mib(est - est_base)} | {parts} | {(rss - base) / max(est - est_base, 1):.2f} | "
+                     f"{r.get('step_time_s', float('nan')):.3f} |")
     lines += ["", "Activations per rank (RSS - baseline - the estimate's weights, gradients and optimizer state; "
               "estimate: that rank's pipeline stage, in-flight chunks from the schedule):", "",
               "| layout | rank (stage) | measured (MiB) | estimate (MiB) | measured / estimate |",
