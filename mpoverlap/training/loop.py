@@ -332,7 +332,7 @@ class Trainer:
         if self.step >= t.steps:
             self.log(f"nothing to do: the checkpoint is at step {self.step} >= train.steps={t.steps}")
             return {"steps": self.step, "losses": []}
-        writer = MetricsWriter(self.run_dir, enabled=self.is_rank0)
+        writer = MetricsWriter(self.run_dir, enabled=self.is_rank0, tensorboard=bool(t.tensorboard))
         progress = Progress(total=t.steps, initial=self.step, enabled=self.is_rank0 and t.progress)
         losses = []
         wall0 = time.perf_counter()
