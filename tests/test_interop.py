@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,14 @@ def test_export_logits_equal_single_process(trained, kind):
     assert rel <= 1e-4
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _import_and_save(hf: Path, run: Path, model_overrides) -> Path:
     """A one-process trainer imports `hf` through the trainer's own path (maybe_resume) and
     saves that state as step 0, untrained."""
@@ -93,7 +102,7 @@ def _import_and_save(hf: Path, run: Path, model_overrides) -> Path:
         "(run_dir / 'config.yaml').write_text(OmegaConf.to_yaml(cfg))\n"
         "t = Trainer(cfg, state, run_dir)\nt.maybe_resume()\nassert t.step == 0\nt.save()\n")
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(29500 + os.getpid() % 1000), OMP_NUM_THREADS="1")
+               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
     args = [sys.executable, "-c", script, *model_overrides, f"checkpoint.init_from={hf}", f"run.dir={run}"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,13 +125,13 @@ def test_import_then_export_is_bitwise_identical(trained, kind, tmp_path):
 
 
 def test_import_at_a_layout_starts_from_the_exported_weights(trained, tmp_path):
-    """Imported at tp2 x pp2 (dp2): the first step's loss, computed before any update, equals
+    """Imported at tp2 x pp2: the first step's loss, computed before any update, equals
     the single-process model's loss on the same batch; a checkpoint in checkpoint.dir then
     takes precedence over init_from."""
     from mpoverlap.training.data import build_datasets, global_batch
 
     run, hf = trained["dense"]
-    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "checkpoint.interval=1"]
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "checkpoint.interval=1"]
     proc = train(tmp_path / "imp", *LLAMA, *layout, f"checkpoint.init_from={hf}", steps=1)
     assert "initialised from" in proc.stdout
     cfg = compose(SMALL + LLAMA)
@@ -154,7 +163,9 @@ def _fake_checkpoint(root: Path, overrides) -> Path:
     cfg = compose(SMALL + list(overrides))
     step = root / "checkpoints" / "step_00000000"
     meta = {"step": 0, "model": {k: cfg.model[k] for k in _SHAPE_KEYS}}
-    dcp.save({"model": GPT(cfg.model).state_dict(), "meta": meta}, checkpoint_id=str(step), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": GPT(cfg.model).state_dict(), "meta": meta}, checkpoint_id=str(step), no_dist=True)
     (step / "COMPLETE").write_text("{}")
     (root / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return root

@@ -11,7 +11,6 @@ the same weights twice gives identical bytes.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -112,6 +111,3 @@ def tensor_getter(directory: str | Path) -> Callable[[str], Optional[torch.Tenso
 
     return get
 
-
-def list_files(directory: str | Path) -> List[str]:
-    return sorted(os.listdir(directory))

@@ -170,8 +170,15 @@ def describe_mismatches(directory: str, found: List[Tuple[str, Any, Any]], model
                          f"model.vocab_size={ours} with model.make_vocab_size_divisible_by="
                          f"{model['make_vocab_size_divisible_by']} to {padded_vocab(model)}")
         else:
-            parts.append(f"model.{key}: HF {theirs}, ours {ours}")
+            parts.append(f"model.{key}: HF {_show(theirs)}, ours {_show(ours)}")
     return f"checkpoint.init_from={directory} holds a different model (" + "; ".join(parts) + ")"
+
+
+def _show(value: Any) -> str:
+    """A value as an override spells it (true/false/null)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
 
 
 def fix_overrides(found: List[Tuple[str, Any, Any]]) -> List[str]:
@@ -180,7 +187,7 @@ def fix_overrides(found: List[Tuple[str, Any, Any]]) -> List[str]:
         if key == "vocab_size":
             fix += [f"model.vocab_size={theirs}", "model.make_vocab_size_divisible_by=1"]
         else:
-            fix.append(f"model.{key}={str(theirs).lower() if isinstance(theirs, bool) else theirs}")
+            fix.append(f"model.{key}={_show(theirs)}")
     return fix
 
 
