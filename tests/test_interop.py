@@ -182,3 +182,18 @@ def test_inexact_models_are_refused(tmp_path, capsys, overrides, named):
     err = capsys.readouterr().err
     assert all(n in err for n in named), err
     assert not (tmp_path / "hf").exists()
+
+
+def test_tied_embeddings_padded_vocab_and_rope_base_export_exactly(tmp_path):
+    """Tied head (no lm_head written), vocab 200 padded to 256, a non-default RoPE base."""
+    overrides = ["model.tie_embeddings=true", "model.vocab_size=200", "model.rope_base=500000"]
+    ckpt = _fake_checkpoint(tmp_path / "run", overrides)
+    assert export_main([str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["tie_word_embeddings"] and config["vocab_size"] == 256 and config["rope_theta"] == 500000
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    tokens = fixed_batch(vocab=200)
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    ours = reference_logits(tmp_path / "run", tokens)
+    assert ((theirs - ours).abs().max() / ours.abs().max()).item() <= 1e-4
