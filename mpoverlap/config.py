@@ -115,6 +115,8 @@ class TrainConfig:
     profile: bool = False
     profile_start_step: int = 2
     profile_steps: int = 3
+    # Scalars to <run.dir>/tensorboard/ (rank 0); needs the optional `tensorboard` package.
+    tensorboard: bool = False
 
 
 @dataclass
@@ -123,12 +125,18 @@ class CheckpointConfig:
     interval: int = 0  # steps between saves; 0 = never (a final save still happens if > 0)
     resume: str = "auto"  # auto | none
     keep: int = 2
+    # A Hugging Face Llama/Mixtral directory to start from (when checkpoint.dir holds no
+    # checkpoint to resume, which takes precedence).
+    init_from: Optional[str] = None
 
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"  # stdlib | indexed
-    path: Optional[str] = None  # indexed: prefix of <path>.bin / <path>.idx
+    name: str = "stdlib"  # stdlib | indexed | megatron
+    path: Optional[str] = None  # indexed / megatron: prefix of <path>.bin / <path>.idx
+    # [w1, prefix1, w2, prefix2, ...]: mix several datasets (of format data.name) by weight,
+    # instead of data.path.
+    blend: Optional[List[Any]] = None
     max_bytes: int = 8_000_000  # stdlib: bytes of standard-library source to read
     val_fraction: float = 0.02
 

@@ -213,10 +213,15 @@ def _multirun(overrides: List[str]) -> int:
 
 
 def _preflight_data(cfg: Any) -> Optional[int]:
-    """Open the dataset once before any worker starts: a missing or corrupt file is reported
-    here, as a configuration problem, instead of by every rank."""
+    """Open the dataset once before any worker starts: a missing or corrupt file (or a
+    vocabulary larger than model.vocab_size, or a missing optional package) is reported here,
+    as a configuration problem, instead of by every rank."""
     from mpoverlap.training.data import DataError, build_datasets
+    from mpoverlap.training.tensorboard import tensorboard_missing
 
+    if cfg.train.tensorboard and tensorboard_missing():
+        print(f"mpoverlap: the configuration cannot run: {tensorboard_missing()}", file=sys.stderr)
+        return EXIT_INVALID
     try:
         build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
     except DataError as err:

@@ -111,7 +111,7 @@ def test_indexed_errors(tmp_path):
         build_datasets(DataConfig(name="indexed"), 8, 256)
     with pytest.raises(DataError, match="nothere.idx"):
         build_datasets(DataConfig(name="indexed", path=str(tmp_path / "nothere")), 8, 256)
-    with pytest.raises(DataError, match=r"c\.bin.*model\.vocab_size=200"):
+    with pytest.raises(DataError, match=r"c\.idx.*vocabulary of 256.*model\.vocab_size=200"):
         build_datasets(DataConfig(name="indexed", path=prefix), 8, 200)  # 'é' bytes >= 200
 
     raw_bin = open(prefix + ".bin", "rb").read()

@@ -106,7 +106,7 @@ _CHOICES = {
     "model.activation": ("swiglu", "gelu"),
     "model.transformer_impl": ("local", "te"),
     "train.device": ("auto", "cpu", "cuda"),
-    "data.name": ("stdlib", "indexed"),
+    "data.name": ("stdlib", "indexed", "megatron"),
     "checkpoint.resume": ("auto", "none"),
     "parallel.cp_comm": ("p2p", "a2a"),
     "train.on_nonfinite": ("stop", "skip"),
@@ -175,10 +175,11 @@ def _head_dim_even(lo: Layout):
 @rule("data.indexed_path", "general", ("data.name", "data.path"), "indexed data names its files")
 def _indexed(lo: Layout):
     d = lo.cfg.data
-    if d.name == "indexed" and not d.path:
+    if d.name in ("indexed", "megatron") and not d.path and not d.blend:
         yield Problem("data.indexed_path", {"data.name": d.name, "data.path": d.path},
-                      "data=indexed reads <data.path>.bin/.idx made by mpoverlap-preprocess; "
-                      "set data.path=<prefix>, or train on the built-in corpus",
+                      f"data={d.name} reads <data.path>.bin/.idx (made by mpoverlap-preprocess, or by "
+                      "Megatron-LM's preprocess_data.py for data=megatron); set data.path=<prefix> or "
+                      "data.blend=[w1,prefix1,...], or train on the built-in corpus",
                       ["data.name=stdlib"])
 
 

@@ -67,7 +67,7 @@ def rule(id: str, mode: str, keys: tuple, summary: str):
 
 def all_rules() -> List[Rule]:
     # Importing registers; the modules are listed here so the registry is always complete.
-    from mpoverlap.overlap import general_rules, dp_rules, tp_rules, pp_rules, cp_rules, ep_rules, mode_rules, recompute_rules  # noqa: F401,I001
+    from mpoverlap.overlap import general_rules, dp_rules, tp_rules, pp_rules, cp_rules, ep_rules, mode_rules, recompute_rules, interop_rules  # noqa: F401,I001,E501
 
     return list(_REGISTRY.values())
 

@@ -107,28 +107,56 @@ def build_datasets(data_cfg, seq_length: int, vocab_size: int) -> Tuple[TokenWin
                             f"model.vocab_size={vocab_size}; set model.vocab_size=256.")
         tokens = load_stdlib_tokens(int(data_cfg.max_bytes))
         return _split(tokens, seq_length, data_cfg.val_fraction, "data=stdlib")
-    if name == "indexed":
-        from mpoverlap.training.preprocess import read_index
+    if name in ("indexed", "megatron"):
+        blend = getattr(data_cfg, "blend", None)
+        if blend:
+            from mpoverlap.training.blend import BlendedWindows, ConcatWindows, parse_blend
 
+            weights, prefixes = parse_blend(blend)
+            splits = [_split(load_token_file(name, p, vocab_size), seq_length, data_cfg.val_fraction, f"{p}.bin")
+                      for p in prefixes]
+            return (BlendedWindows([t for t, _ in splits], weights, prefixes),
+                    ConcatWindows([v for _, v in splits]))
         path = data_cfg.path
         if not path:
-            raise DataError("data=indexed needs data.path, the prefix of the <prefix>.bin / "
-                            "<prefix>.idx files written by mpoverlap-preprocess; set "
-                            "data.path=<prefix>.")
+            raise DataError(f"data={name} needs data.path, the prefix of the <prefix>.bin / "
+                            "<prefix>.idx files (mpoverlap-preprocess's, or Megatron-LM's for "
+                            "data=megatron); set data.path=<prefix>.")
         path = os.fspath(path)
+        return _split(load_token_file(name, path, vocab_size), seq_length, data_cfg.val_fraction, f"{path}.bin")
+    raise DataError(f"data.name={name!r} is not a known dataset; use data=stdlib, "
+                    f"data=indexed data.path=<prefix> or data=megatron data.path=<prefix>.")
+
+
+def load_token_file(name: str, path: str, vocab_size: int) -> np.ndarray:
+    """The token stream of one data=indexed|megatron pair, checked against model.vocab_size:
+    by the vocabulary recorded in the index when there is one (before any worker starts),
+    else by the largest id in the file."""
+    path = os.fspath(path)
+    vocab = None
+    if name == "indexed":
+        from mpoverlap.training.preprocess import read_header, read_index
+
         tokens, _ = read_index(path)
-        if len(tokens):
-            max_id = int(tokens.max())
-            if max_id >= vocab_size:
-                raise DataError(f"{path}.bin contains token id {max_id} but "
-                                f"model.vocab_size={vocab_size}; set model.vocab_size="
-                                f"{max_id + 1} or larger, or re-tokenise the corpus.")
-        return _split(tokens, seq_length, data_cfg.val_fraction, f"{path}.bin")
-    raise DataError(f"data.name={name!r} is not a known dataset; use data=stdlib or "
-                    f"data=indexed data.path=<prefix>.")
+        vocab = read_header(path)["vocab_size"]
+        if vocab is not None and vocab > vocab_size:
+            raise DataError(f"{path}.idx was tokenised with a vocabulary of {vocab} ids but "
+                            f"model.vocab_size={vocab_size} is smaller; set model.vocab_size={vocab} "
+                            "(or larger), or re-tokenise the corpus.")
+    else:
+        from mpoverlap.training.megatron_data import read_megatron
+
+        tokens = read_megatron(path).tokens
+    if vocab is None and len(tokens):
+        max_id = int(tokens.max())
+        if max_id >= vocab_size:
+            raise DataError(f"{path}.bin contains token id {max_id} but "
+                            f"model.vocab_size={vocab_size}; set model.vocab_size="
+                            f"{max_id + 1} or larger, or re-tokenise the corpus.")
+    return tokens
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)  # a blend keeps one per dataset in use
 def _epoch_permutation(seed: int, num_samples: int, epoch: int) -> np.ndarray:
     perm = np.random.default_rng([seed, epoch]).permutation(num_samples)
     perm.flags.writeable = False
@@ -147,7 +175,10 @@ def global_batch(dataset, step: int, global_batch_size: int, seed: int) -> torch
     """LongTensor[G, S+1] of global samples [step*G, (step+1)*G), same on every rank."""
     n = len(dataset)
     first = int(step) * int(global_batch_size)
-    rows = [dataset[sample_index(g, n, seed)] for g in range(first, first + global_batch_size)]
+    if hasattr(dataset, "sample"):  # a blend (blend.py) orders its own samples
+        rows = [dataset.sample(g, seed) for g in range(first, first + global_batch_size)]
+    else:
+        rows = [dataset[sample_index(g, n, seed)] for g in range(first, first + global_batch_size)]
     return torch.stack(rows)
 
 

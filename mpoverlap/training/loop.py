@@ -155,12 +155,29 @@ class Trainer:
         path = self.checkpointer.save(self.step, self._app_state())
         self.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
 
+    @torch.no_grad()
+    def _init_from_hf(self, directory: str) -> None:
+        """checkpoint.init_from: a Hugging Face directory's full tensors, resharded like a resume."""
+        from mpoverlap.interop.hf_import import read_full_state
+
+        t0 = time.perf_counter()
+        full = read_full_state(directory, self.cfg.model, set(self.params_by_name))
+        for name, value in reshard_named(full, self.params_by_name, self.state.coords.tp, self.state.grid.tp).items():
+            if value.shape != self.params_by_name[name].shape:
+                raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape {tuple(value.shape)} "
+                                      f"here, {tuple(self.params_by_name[name].shape)} expected")
+            self.params_by_name[name].copy_(value)
+        self.log(f"initialised from {directory} ({time.perf_counter() - t0:.2f}s)")
+
     def maybe_resume(self) -> None:
-        if self.cfg.checkpoint.resume != "auto":
-            return
-        path = self.checkpointer.latest()
+        init_from = self.cfg.checkpoint.init_from
+        path = self.checkpointer.latest() if self.cfg.checkpoint.resume == "auto" else None
         if path is None:
+            if init_from:
+                self._init_from_hf(init_from)
             return
+        if init_from:
+            self.log(f"checkpoint.init_from={init_from} not used: resuming from {path} takes precedence")
         meta = self.checkpointer.load(path, {"meta": self._meta()})["meta"]
         ours = self._meta()
         if dict(meta["model"]) != ours["model"]:
@@ -318,7 +335,7 @@ class Trainer:
         if self.step >= t.steps:
             self.log(f"nothing to do: the checkpoint is at step {self.step} >= train.steps={t.steps}")
             return {"steps": self.step, "losses": []}
-        writer = MetricsWriter(self.run_dir, enabled=self.is_rank0)
+        writer = MetricsWriter(self.run_dir, enabled=self.is_rank0, tensorboard=bool(t.tensorboard))
         progress = Progress(total=t.steps, initial=self.step, enabled=self.is_rank0 and t.progress)
         losses = []
         wall0 = time.perf_counter()

@@ -54,23 +54,33 @@ def throughput(flops_per_token: float, tokens: int, step_time_s: float, world: i
 class MetricsWriter:
     """Appends one JSON object per logged step to `<run.dir>/metrics.jsonl`."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool) -> None:
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = False) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
+        self._tb = None  # train.tensorboard: the same rows as scalars (tensorboard.py)
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
+            if tensorboard:
+                from mpoverlap.training.tensorboard import TensorBoardWriter
+
+                self._tb = TensorBoardWriter(run_dir)
 
     def write(self, row: Dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
+        if self._tb is not None:
+            self._tb.write(row)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
 
 def format_comm(comm: Dict[str, Dict[str, float]]) -> str:

@@ -1,0 +1,106 @@
+"""Read an mpoverlap checkpoint of any layout in ONE process, without a process group.
+
+Checkpoints hold FULL tensors keyed by layout-free parameter names (`Trainer._app_state`:
+tensor-parallel shards are gathered before saving, pipeline stages and expert-parallel ranks
+each write their own names), so reading is a plain load; nothing is re-assembled here.
+
+API choice: `FileSystemReader(dir).read_metadata()` lists every entry with its shape and
+dtype, and `torch.distributed.checkpoint.load(template, no_dist=True)` fills a template built
+from it. Both are public, documented APIs (kept stable across torch releases), whereas
+`_load_state_dict_from_keys` and `_EmptyStateDictLoadPlanner` are private; `dcp_to_torch_save`
+is public but would load the optimizer moments too (3x the model) and round-trip a file. Only
+`model.*` and `meta.*` are read.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+import torch
+
+from mpoverlap.interop.hf_mapping import ConversionError
+
+# Keys the checkpoint's meta does not hold but an exact export needs, read from the run's
+# config.yaml (they change the numerics: RoPE base, norm epsilon; or the HF config).
+CONFIG_ONLY_KEYS = ("rope_base", "norm_eps", "seq_length", "init_std", "moe_capacity_factor",
+                    "moe_aux_loss_coeff", "name")
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """A step directory, a checkpoint.dir (its newest complete step) or a run.dir."""
+    from mpoverlap.training.checkpoint import Checkpointer
+
+    p = Path(path)
+    if (p / ".metadata").is_file():
+        return p
+    for candidate in (p, p / "checkpoints"):
+        latest = Checkpointer(candidate).latest()
+        if latest is not None:
+            return latest
+    raise ConversionError(f"{p} is not a checkpoint: no step_<n>/ with a COMPLETE marker and .metadata in "
+                          f"it or in {p / 'checkpoints'}; pass a step directory, a checkpoint.dir or a run.dir")
+
+
+def read_checkpoint(step_dir: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """(full model tensors by our names, meta dict) of one complete checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        md = FileSystemReader(str(step_dir)).read_metadata()
+    except Exception as err:
+        raise ConversionError(f"{step_dir}/.metadata could not be read ({type(err).__name__}: {err})") from None
+    template: Dict[str, Any] = {"model": {}, "meta": {}}
+    for key, item in md.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
+            template["model"][key[len("model."):]] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        elif key.startswith("meta."):
+            # meta is a nested dict of plain values; DCP flattened it with dots.
+            node = template["meta"]
+            *parents, leaf = key[len("meta."):].split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = None
+    if not template["model"] or "model" not in template["meta"]:
+        raise ConversionError(f"{step_dir} holds no model.* tensors or no meta.model keys: not a checkpoint "
+                              "written by mpoverlap-train")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(template, checkpoint_id=str(step_dir), no_dist=True)
+    return template["model"], template["meta"]
+
+
+def find_run_config(step_dir: Path):
+    """The config.yaml of the run that wrote the checkpoint: checkpoint.dir defaults to
+    <run.dir>/checkpoints, so it is two levels up; None when not found."""
+    for parent in (step_dir.parent.parent, step_dir.parent, step_dir):
+        if (parent / "config.yaml").is_file():
+            return parent / "config.yaml"
+    return None
+
+
+def model_keys(step_dir: Path, meta: Dict[str, Any], config_path: str | Path | None = None) -> Dict[str, Any]:
+    """The model.* keys for the export: shape keys from the checkpoint's meta (authoritative),
+    the rest from the run's config.yaml, which must agree with the meta on every shape key."""
+    from omegaconf import OmegaConf
+
+    path = Path(config_path) if config_path else find_run_config(step_dir)
+    if path is None or not path.is_file():
+        raise ConversionError(f"the run's config.yaml was not found next to {step_dir} (looked in "
+                              f"{step_dir.parent.parent}); the checkpoint's meta lacks model."
+                              f"{', model.'.join(CONFIG_ONLY_KEYS[:2])}, which change the numerics: pass "
+                              "--config <run.dir>/config.yaml")
+    cfg = OmegaConf.load(path)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    keys = dict(meta["model"])
+    differ = {k: (keys[k], model.get(k)) for k in keys if model.get(k) != keys[k]}
+    if differ:
+        raise ConversionError(
+            f"{path} describes a different model than checkpoint {step_dir} ("
+            + "; ".join(f"model.{k}: checkpoint {a}, config {b}" for k, (a, b) in differ.items())
+            + "): it belongs to another run; pass --config with the config.yaml of the run that saved it")
+    for k in CONFIG_ONLY_KEYS:
+        keys[k] = model.get(k)
+    return keys
