@@ -2,8 +2,8 @@
 
 Single process: losses and every gradient equal with none / selective / full for dense and MoE
 models, the router statistics are recorded once, and the bytes autograd keeps fall. End to end
-(CLI runs): 6 steps at one rank, tp2 + SP, pp2 x vpp2, cp2 and MoE ep2 give bitwise the losses
-and gradient norms of recompute=none at the same layout."""
+(Trainers built inside one spawn per world size): 6 steps at one rank, tp2 + SP, pp2 x vpp2, cp2
+and MoE ep2 give bitwise the losses and gradient norms of recompute=none at the same layout."""
 import sys
 from pathlib import Path
 
@@ -13,10 +13,10 @@ import torch
 from mpoverlap.config import ModelConfig, compose
 from mpoverlap.models.gpt import GPT
 from mpoverlap.overlap.estimate import estimate
-from mpoverlap.overlap.layout import build_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_cli import SMALL, rows, train  # noqa: E402
+from dist_harness import run_distributed  # noqa: E402
+from test_train_cli import SMALL  # noqa: E402
 
 MODES = [("none", None), ("selective", None), ("full", None), ("full", 2)]
 FAMILIES = {"dense": dict(), "moe": dict(num_experts=4, moe_top_k=2, shared_expert=True)}
@@ -86,31 +86,61 @@ def test_evaluation_needs_no_recompute():
         assert torch.equal(model(tokens()), GPT(tiny(), seed=3)(tokens()))
 
 
-SMALL6 = ["model.num_layers=4", "model.seq_length=64", "train.global_batch_size=8"]
+SMALL6 = ["model.num_layers=4", "model.seq_length=64", "train.global_batch_size=8", "train.log_interval=100"]
+# name -> (world, overrides); every layout runs none, selective and full in one spawn per world.
 LAYOUTS = {
-    "one_rank": [],
-    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=true"],
-    "pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2", "overlap.pp=true"],
-    "cp2": ["parallel.cp=2", "overlap.cp=true"],
-    "moe_ep2": ["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true"],
+    "one_rank": (1, []),
+    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=true"]),
+    "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "overlap.pp=true"]),
+    "cp2": (2, ["parallel.cp=2", "overlap.cp=true"]),
+    "moe_ep2": (2, ["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
+                    "overlap.ep=true"]),
 }
+MODES_E2E = ("none", "selective", "full")
+
+
+def _train_layouts(rank, world, names, root):
+    """Each layout x mode: 6 training steps of a Trainer built in this process (one spawn runs
+    them all). Per step: the replicas' mean loss, the grad norm and this rank's comm summary."""
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    out = {}
+    for name in names:
+        for mode in MODES_E2E:
+            run_dir = Path(root) / f"{name}_{mode}"
+            cfg = compose([*SMALL, *LAYOUTS[name][1], *SMALL6, f"model.recompute={mode}", f"run.dir={run_dir}",
+                           "train.device=cpu"])
+            trainer = Trainer(cfg, init_distributed(cfg), run_dir)
+            steps = []
+            for _ in range(6):
+                res = trainer.train_step()
+                steps.append((trainer._mean_over_replicas(res["loss_local"]), res["grad_norm"],
+                              trainer.ledger.reset()))
+            out[(name, mode)] = steps
+    return out
 
 
 @pytest.mark.slow
 def test_recompute_reproduces_none_bitwise_at_every_layout(tmp_path):
-    for name, overrides in LAYOUTS.items():
-        got = {}
-        for mode in ("none", "selective", "full"):
-            run = tmp_path / f"{name}_{mode}"
-            train(run, *overrides, *SMALL6, f"model.recompute={mode}", steps=6)
-            got[mode] = [(r["loss"], r["grad_norm"]) for r in rows(run)]
-        assert len(got["none"]) == 6
-        assert got["selective"] == got["none"] and got["full"] == got["none"], (name, got)
-        # The replayed communication is counted, and mpoverlap-check's estimate includes it
-        # (tp leaves out the small loss and norm reductions, as without recomputation).
+    """6 steps at one rank, tp2 + SP, pp2 x vpp2, cp2 and MoE ep2: selective and full give
+    bitwise the losses and grad norms of none; the replayed communication is counted and
+    mpoverlap-check's estimate includes it (tp leaves out the small loss and norm reductions)."""
+    from mpoverlap.comm.ledger import mean_over_ranks
+
+    results = {}
+    for world in (1, 2):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        per_rank = run_distributed(_train_layouts, world, names, str(tmp_path), timeout_s=600)
+        for key in per_rank[0]:
+            results[key] = [(loss, norm, mean_over_ranks([r[key][i][2] for r in per_rank]))
+                            for i, (loss, norm, _) in enumerate(per_rank[0][key])]
+    for name, (world, overrides) in LAYOUTS.items():
+        ref = [(loss, norm) for loss, norm, _ in results[(name, "none")]]
+        assert len(ref) == 6 and ref[-1][0] < ref[0][0]
         for mode in ("selective", "full"):
-            overrides_all = [*SMALL, *overrides, *SMALL6, f"model.recompute={mode}"]
-            cfg = compose(overrides_all)
-            est = estimate(cfg, build_layout(cfg).world).comm_bytes_per_step
-            for kind, c in rows(tmp_path / f"{name}_{mode}")[-1]["comm"].items():
+            assert [(loss, norm) for loss, norm, _ in results[(name, mode)]] == ref, (name, mode)
+            cfg = compose([*SMALL, *overrides, *SMALL6, f"model.recompute={mode}"])
+            est = estimate(cfg, world).comm_bytes_per_step
+            for kind, c in results[(name, mode)][-1][2].items():
                 assert abs(c["bytes"] - est[kind]) <= 0.03 * est[kind], (name, mode, kind, c["bytes"], est[kind])
