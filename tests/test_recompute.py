@@ -15,7 +15,7 @@ from mpoverlap.models.gpt import GPT
 from mpoverlap.overlap.estimate import estimate
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_harness import run_distributed  # noqa: E402
+from inproc_train import train_layouts  # noqa: E402
 from test_train_cli import SMALL  # noqa: E402
 
 MODES = [("none", None), ("selective", None), ("full", None), ("full", 2)]
@@ -99,42 +99,16 @@ LAYOUTS = {
 MODES_E2E = ("none", "selective", "full")
 
 
-def _train_layouts(rank, world, names, root):
-    """Each layout x mode: 6 training steps of a Trainer built in this process (one spawn runs
-    them all). Per step: the replicas' mean loss, the grad norm and this rank's comm summary."""
-    from mpoverlap.training.loop import Trainer
-    from mpoverlap.training.setup import init_distributed
-
-    out = {}
-    for name in names:
-        for mode in MODES_E2E:
-            run_dir = Path(root) / f"{name}_{mode}"
-            cfg = compose([*SMALL, *LAYOUTS[name][1], *SMALL6, f"model.recompute={mode}", f"run.dir={run_dir}",
-                           "train.device=cpu"])
-            trainer = Trainer(cfg, init_distributed(cfg), run_dir)
-            steps = []
-            for _ in range(6):
-                res = trainer.train_step()
-                steps.append((trainer._mean_over_replicas(res["loss_local"]), res["grad_norm"],
-                              trainer.ledger.reset()))
-            out[(name, mode)] = steps
-    return out
-
-
 @pytest.mark.slow
 def test_recompute_reproduces_none_bitwise_at_every_layout(tmp_path):
     """6 steps at one rank, tp2 + SP, pp2 x vpp2, cp2 and MoE ep2: selective and full give
     bitwise the losses and grad norms of none; the replayed communication is counted and
     mpoverlap-check's estimate includes it (tp leaves out the small loss and norm reductions)."""
-    from mpoverlap.comm.ledger import mean_over_ranks
-
-    results = {}
-    for world in (1, 2):
-        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-        per_rank = run_distributed(_train_layouts, world, names, str(tmp_path), timeout_s=600)
-        for key in per_rank[0]:
-            results[key] = [(loss, norm, mean_over_ranks([r[key][i][2] for r in per_rank]))
-                            for i, (loss, norm, _) in enumerate(per_rank[0][key])]
+    specs = {f"{name}_{mode}": (world, [*SMALL, *overrides, *SMALL6, f"model.recompute={mode}"], 6)
+             for name, (world, overrides) in LAYOUTS.items() for mode in MODES_E2E}
+    runs = train_layouts(specs, tmp_path)
+    results = {(name, mode): [(r["loss"], r["grad_norm"], r["comm"]) for r in runs[f"{name}_{mode}"]]
+               for name in LAYOUTS for mode in MODES_E2E}
     for name, (world, overrides) in LAYOUTS.items():
         ref = [(loss, norm) for loss, norm, _ in results[(name, "none")]]
         assert len(ref) == 6 and ref[-1][0] < ref[0][0]

@@ -194,13 +194,15 @@ def test_moe_metrics_and_ep_overlap_on_off_identical(runs):
     assert "ep" not in rows(runs / "moe_dp4")[0]["comm"]  # ep=1: nothing dispatched over a group
 
 
-def test_no_row_of_any_run_exposes_more_than_in_flight(runs, moe_sequence_runs):
+def test_no_row_of_any_run_exposes_more_than_in_flight(runs, moe_sequence_runs, bf16_runs):
     """The metrics contract, as an invariant: 0 <= exposed_s <= time_s for every mode and row."""
-    for root in (runs, moe_sequence_runs):
-        for run in root.iterdir():
-            for row in rows(run):
-                for mode, c in row["comm"].items():
-                    assert 0 <= c["exposed_s"] <= c["time_s"], (run.name, row["step"], mode, c)
+    every = {run.name: rows(run) for run in runs.iterdir()}
+    every.update({f"moe_seq/{name}": r for name, r in moe_sequence_runs.items()})
+    every.update({f"bf16/{name}": r for name, r in bf16_runs.items()})
+    for name, run_rows in every.items():
+        for i, row in enumerate(run_rows):
+            for mode, c in row["comm"].items():
+                assert 0 <= c["exposed_s"] <= c["time_s"], (name, i, mode, c)
 
 
 # Issue 14's model and batch: MoE whose tokens are split over ranks (SP, CP) keeps the dp-only
@@ -220,26 +222,31 @@ MOE_SEQ_LAYOUTS = {
 }
 
 
+MOE_SEQ_WORLD = {"ref_dp2": 2, "tp2": 4, "cp2": 4, "tp2_sp": 4, "cp2_tp2_sp": 8, "ep2_tp2_sp_allgather": 4,
+                 "ep2_tp2_pp2_sp_all": 8}
+
+
 @pytest.fixture(scope="module")
 def moe_sequence_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_seq")
-    for name, ov in MOE_SEQ_LAYOUTS.items():
-        train(root / name, *MOE_SEQ, *ov, steps=6)
-    return root
+    """{name: rows}, every layout trained inside one spawn per world size (tests/inproc_train.py)."""
+    from inproc_train import train_layouts
+
+    specs = {name: (MOE_SEQ_WORLD[name], [*SMALL, *MOE_SEQ, *ov], 6) for name, ov in MOE_SEQ_LAYOUTS.items()}
+    return train_layouts(specs, tmp_path_factory.mktemp("moe_seq"))
 
 
 def test_moe_with_split_sequences_reproduces_the_dp_reference(moe_sequence_runs):
-    ref = rows(moe_sequence_runs / "ref_dp2")
+    ref = moe_sequence_runs["ref_dp2"]
     assert len(ref) == 6
     for name in MOE_SEQ_LAYOUTS:
-        got = rows(moe_sequence_runs / name)
+        got = moe_sequence_runs[name]
         assert_close([r["loss"] for r in got], [r["loss"] for r in ref])
         assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
         # The reported router figures are the whole sequence's too.
         assert_close([r["moe"]["aux_loss"] for r in got], [r["moe"]["aux_loss"] for r in ref])
         assert_close([r["moe"]["z_loss"] for r in got], [r["moe"]["z_loss"] for r in ref])
     # The statistics' all-reduce is counted (tp under SP, cp under CP).
-    assert rows(moe_sequence_runs / "cp2")[-1]["comm"]["cp"]["ops"] > 0
+    assert moe_sequence_runs["cp2"][-1]["comm"]["cp"]["ops"] > 0
 
 
 def test_check_estimates_match_measured_comm(runs):
@@ -383,37 +390,42 @@ BF16_TWINS = {"dp2_on": "fp32_dp2_on", "tp2_sp_pp2_vpp2_on": "fp32_tp2_sp_pp2_vp
 
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bf16")
-    for name, ov in BF16_LAYOUTS.items():
-        train(root / name, *BF16, *ov, steps=20)
+    """{name: rows}: every layout trained inside one spawn per world size (tests/inproc_train.py)."""
+    from inproc_train import train_layouts
+
+    def world(ov):
+        get = {k: int(v) for k, v in (o.split("=", 1) for o in ov if o.startswith("parallel.")
+                                      and o.split("=", 1)[1].isdigit())}
+        return get.get("parallel.dp", 1) * get.get("parallel.tp", 1) * get.get("parallel.pp", 1) * get.get("parallel.cp", 1)
+
+    specs = {name: (world(ov), [*SMALL, *BF16, *ov], 20) for name, ov in BF16_LAYOUTS.items()}
     for name, twin in BF16_TWINS.items():
         fp32 = [o for o in BF16_LAYOUTS[name] if not o.startswith(("train.precision", "train.grad_reduce"))]
-        fp32.append("train.precision=fp32")
-        train(root / twin, *BF16, *fp32, steps=1)
-    return root
+        specs[twin] = (world(fp32), [*SMALL, *BF16, *fp32, "train.precision=fp32"], 1)
+    return train_layouts(specs, tmp_path_factory.mktemp("bf16"))
 
 
 def test_bf16_single_process_tracks_fp32(bf16_runs):
-    fp32, bf16 = losses(bf16_runs / "fp32"), losses(bf16_runs / "bf16")
+    fp32, bf16 = [r["loss"] for r in bf16_runs["fp32"]], [r["loss"] for r in bf16_runs["bf16"]]
     assert len(bf16) == 20 and bf16 != fp32  # autocast really ran
     assert_close(bf16, fp32, rel=5e-2)
     assert bf16[-1] < bf16[0]
 
 
 def test_bf16_layouts_reproduce_single_process_bf16_curve(bf16_runs):
-    ref = losses(bf16_runs / "bf16")
+    ref = [r["loss"] for r in bf16_runs["bf16"]]
     for name in BF16_LAYOUTS:
         if name not in ("fp32", "bf16") and not name.startswith("moe"):
-            assert_close(losses(bf16_runs / name), ref, rel=2e-2)
-    moe_ref = losses(bf16_runs / "moe_bf16")
+            assert_close([r["loss"] for r in bf16_runs[name]], ref, rel=2e-2)
+    moe_ref = [r["loss"] for r in bf16_runs["moe_bf16"]]
     assert len(moe_ref) == 20 and moe_ref[-1] < moe_ref[0]
-    assert_close(losses(bf16_runs / "moe_dp2_ep2_bf16"), moe_ref, rel=2e-2)
+    assert_close([r["loss"] for r in bf16_runs["moe_dp2_ep2_bf16"]], moe_ref, rel=2e-2)
 
 
 def test_bf16_overlap_on_off_identical(bf16_runs):
     """Overlap changes when handles are waited, not the arithmetic: dp with a bf16 gradient
     reduction, on vs off. (tp on/off differ: collective matmul changes the reduction order.)"""
-    on, off = rows(bf16_runs / "dp2_on"), rows(bf16_runs / "dp2_off")
+    on, off = bf16_runs["dp2_on"], bf16_runs["dp2_off"]
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
     assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
 
@@ -422,7 +434,7 @@ def test_bf16_halves_activation_and_gradient_bytes(bf16_runs):
     """tp, pp and cp move activations (and their gradients) in bf16: half the fp32 bytes, but
     for the small reductions that stay fp32 (the loss statistics, the SP norm gradients, the
     tied embedding's gradient). dp halves with train.grad_reduce_dtype=bf16."""
-    comm = {name: (rows(bf16_runs / name)[-1]["comm"], rows(bf16_runs / twin)[-1]["comm"])
+    comm = {name: (bf16_runs[name][-1]["comm"], bf16_runs[twin][-1]["comm"])
             for name, twin in BF16_TWINS.items()}
     bf16, fp32 = comm["tp2_sp_pp2_vpp2_on"]
     for mode in ("tp", "pp"):
