@@ -24,7 +24,7 @@ run: setup
 	$(VENV)/bin/mpoverlap-train $(RUN_ARGS)
 
 test: setup
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q --durations=15 tests
 
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
