@@ -42,6 +42,14 @@ def _train(rank, world, specs: Dict[str, Spec], root: str):
     return out
 
 
+def world_of(overrides: Sequence[str]) -> int:
+    """The world size a self-launched `mpoverlap-train <overrides>` would start."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.layout import build_layout
+
+    return build_layout(compose(list(overrides)), world_size=None).world
+
+
 def train_layouts(specs: Dict[str, Spec], root, timeout_s: float = 900) -> Dict[str, List[dict]]:
     from mpoverlap.comm.ledger import mean_over_ranks
     from mpoverlap.training.metrics import moe_summary

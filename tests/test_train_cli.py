@@ -36,7 +36,11 @@ def rows(run_dir):
 
 
 def losses(run_dir):
-    return [r["loss"] for r in rows(run_dir)]
+    return loss_of(rows(run_dir))
+
+
+def loss_of(run_rows):
+    return [r["loss"] for r in run_rows]
 
 
 def assert_close(a, b, rel=1e-5):
@@ -94,16 +98,29 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    for name, ov in LAYOUTS.items():
-        train(root / name, *ov)
-    return root
+    """{name: rows} for every layout of LAYOUTS, trained 4 steps inside one spawn per world size
+    (tests/inproc_train.py: the same Trainer the console script builds, without a launch each)."""
+    from inproc_train import train_layouts, world_of
+
+    specs = {name: (world_of([*SMALL, *ov]), [*SMALL, *ov], 4) for name, ov in LAYOUTS.items()}
+    return train_layouts(specs, tmp_path_factory.mktemp("runs"))
 
 
-def test_loss_falls_and_metrics_contract(runs):
-    r = rows(runs / "dp2_on")
+@pytest.fixture(scope="module")
+def cli_dp2(tmp_path_factory):
+    """The one layout launched through the console script: its metrics.jsonl is the contract."""
+    run = tmp_path_factory.mktemp("cli") / "dp2_on"
+    train(run, *LAYOUTS["dp2_on"])
+    return run
+
+
+def test_loss_falls_and_metrics_contract(cli_dp2, runs):
+    r = rows(cli_dp2)
     assert [x["step"] for x in r] == [1, 2, 3, 4]
     assert r[-1]["loss"] < r[0]["loss"]
+    # The in-process Trainers the other tests read train what the console script trains.
+    assert_close([x["loss"] for x in r], [x["loss"] for x in runs["dp2_on"]])
+    assert_close([x["grad_norm"] for x in r], [x["grad_norm"] for x in runs["dp2_on"]])
     for row in r:
         for key in ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm", "model_tflops_per_s"):
             assert key in row
@@ -113,57 +130,57 @@ def test_loss_falls_and_metrics_contract(runs):
         dp = row["comm"]["dp"]
         assert dp["ops"] > 1 and dp["bytes"] > 0
         assert 0 <= dp["exposed_s"] <= dp["time_s"]
-    assert rows(runs / "dp1")[0]["comm"] == {}  # one replica: nothing communicated
-    val = [json.loads(x) for x in (runs / "dp2_on" / "metrics.jsonl").read_text().splitlines()]
+    assert runs["dp1"][0]["comm"] == {}  # one replica: nothing communicated
+    val = [json.loads(x) for x in (cli_dp2 / "metrics.jsonl").read_text().splitlines()]
     assert any("val_loss" in x for x in val)
 
 
 def test_dp_layouts_reproduce_single_process_curve(runs):
-    ref = losses(runs / "dp1")
+    ref = loss_of(runs["dp1"])
     for name in ("dp2_on", "dp2_off", "dp4_zero_on", "dp2_zero_off"):
-        assert_close(losses(runs / name), ref)
+        assert_close(loss_of(runs[name]), ref)
 
 
 def test_cp_layouts_reproduce_single_process_curve(runs):
-    ref = losses(runs / "dp1")
+    ref = loss_of(runs["dp1"])
     for name in ("cp2_ring_on", "cp4_ring_off", "cp2_a2a_on", "cp2_dp2"):
-        assert_close(losses(runs / name), ref)
-        cp = rows(runs / name)[-1]["comm"]["cp"]
+        assert_close(loss_of(runs[name]), ref)
+        cp = runs[name][-1]["comm"]["cp"]
         assert cp["ops"] > 0 and cp["bytes"] > 0 and 0 <= cp["exposed_s"] <= cp["time_s"]
     # The ring moves cp-1 K/V blocks forward and 2cp-1 transfers backward per layer and microbatch.
-    cp2 = rows(runs / "cp2_ring_on")[-1]["comm"]["cp"]
+    cp2 = runs["cp2_ring_on"][-1]["comm"]["cp"]
     microbatches, layers = 8, 2
     assert cp2["ops"] == microbatches * layers * (1 + 3)
 
 
 def test_tp_layouts_reproduce_single_process_curve(runs):
-    ref = rows(runs / "dp1")
+    ref = runs["dp1"]
     for name in ("tp2", "tp2_sp_off", "tp2_sp_on", "tp4_sp_on", "tp2_cp2_sp_zero"):
-        got = rows(runs / name)
+        got = runs[name]
         assert_close([r["loss"] for r in got], [r["loss"] for r in ref])
         assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
         tp = got[-1]["comm"]["tp"]
         assert tp["ops"] > 0 and tp["bytes"] > 0
     # Collective matmul replaces each SP all-gather / reduce-scatter by tp-1 ring steps.
-    assert rows(runs / "tp2_sp_on")[-1]["comm"]["tp"]["ops"] != rows(runs / "tp2_sp_off")[-1]["comm"]["tp"]["ops"]
+    assert runs["tp2_sp_on"][-1]["comm"]["tp"]["ops"] != runs["tp2_sp_off"][-1]["comm"]["tp"]["ops"]
 
 
 def test_pp_layouts_reproduce_single_process_curve(runs):
-    ref = rows(runs / "dp1")
-    ref4 = rows(runs / "dp1_4layers")
+    ref = runs["dp1"]
+    ref4 = runs["dp1_4layers"]
     for name, expected in (("pp2_on", ref), ("pp2_off", ref), ("pp2_vpp2_on", ref4), ("pp4_on", ref4)):
-        got = rows(runs / name)
+        got = runs[name]
         assert_close([r["loss"] for r in got], [r["loss"] for r in expected])
         assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in expected])
         assert got[-1]["comm"]["pp"]["ops"] > 0
-    assert losses(runs / "pp2_on") == losses(runs / "pp2_off")
-    assert_close(losses(runs / "pp4_vpp1_untied_zero"), losses(runs / "dp1_4layers_untied"))
+    assert loss_of(runs["pp2_on"]) == loss_of(runs["pp2_off"])
+    assert_close(loss_of(runs["pp4_vpp1_untied_zero"]), loss_of(runs["dp1_4layers_untied"]))
 
 
 def test_compositions_reproduce_single_process_curve(runs):
-    assert_close(losses(runs / "dp2_tp2_pp2_sp_all"), losses(runs / "dp1"))
-    assert_close(losses(runs / "tp2_cp2_pp2_vpp2"), losses(runs / "dp1_4layers"))
-    comm = rows(runs / "dp2_tp2_pp2_sp_all")[-1]["comm"]
+    assert_close(loss_of(runs["dp2_tp2_pp2_sp_all"]), loss_of(runs["dp1"]))
+    assert_close(loss_of(runs["tp2_cp2_pp2_vpp2"]), loss_of(runs["dp1_4layers"]))
+    comm = runs["dp2_tp2_pp2_sp_all"][-1]["comm"]
     assert {"dp", "tp", "pp"} <= set(comm)
 
 
@@ -171,17 +188,17 @@ def test_moe_ep_layouts_reproduce_ep1_curve(runs):
     """Dropless MoE: expert parallelism (2 and 4, overlap on and off, ZeRO-1, the all-gather
     dispatcher with a shared expert, and composed with dp2 x tp2 x pp2 + SP) reproduces the
     dp-only run of the same dp."""
-    ref = losses(runs / "moe_dp4")
+    ref = loss_of(runs["moe_dp4"])
     for name in ("moe_dp4_ep2_on", "moe_dp4_ep4_on", "moe_dp4_ep4_off", "moe_dp4_ep2_zero"):
-        assert_close(losses(runs / name), ref)
-    assert_close(losses(runs / "moe_shared_dp2_ep2_allgather"), losses(runs / "moe_shared_dp2"))
-    assert_close(losses(runs / "moe_dp2_ep2_tp2_pp2_all"), losses(runs / "moe_dp2"))
-    assert {"dp", "tp", "pp", "ep"} <= set(rows(runs / "moe_dp2_ep2_tp2_pp2_all")[-1]["comm"])
+        assert_close(loss_of(runs[name]), ref)
+    assert_close(loss_of(runs["moe_shared_dp2_ep2_allgather"]), loss_of(runs["moe_shared_dp2"]))
+    assert_close(loss_of(runs["moe_dp2_ep2_tp2_pp2_all"]), loss_of(runs["moe_dp2"]))
+    assert {"dp", "tp", "pp", "ep"} <= set(runs["moe_dp2_ep2_tp2_pp2_all"][-1]["comm"])
     assert ref[-1] < ref[0]
 
 
 def test_moe_metrics_and_ep_overlap_on_off_identical(runs):
-    on, off = rows(runs / "moe_dp4_ep4_on"), rows(runs / "moe_dp4_ep4_off")
+    on, off = runs["moe_dp4_ep4_on"], runs["moe_dp4_ep4_off"]
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
     assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
     for row in on + off:
@@ -191,12 +208,12 @@ def test_moe_metrics_and_ep_overlap_on_off_identical(runs):
         assert 0.5 < row["moe"]["aux_loss"] < 8 and row["moe"]["z_loss"] > 0
         assert row["moe"]["dropped_fraction"] == 0
     assert [r["comm"]["ep"]["bytes"] for r in on] == [r["comm"]["ep"]["bytes"] for r in off]
-    assert "ep" not in rows(runs / "moe_dp4")[0]["comm"]  # ep=1: nothing dispatched over a group
+    assert "ep" not in runs["moe_dp4"][0]["comm"]  # ep=1: nothing dispatched over a group
 
 
 def test_no_row_of_any_run_exposes_more_than_in_flight(runs, moe_sequence_runs, bf16_runs):
     """The metrics contract, as an invariant: 0 <= exposed_s <= time_s for every mode and row."""
-    every = {run.name: rows(run) for run in runs.iterdir()}
+    every = dict(runs)
     every.update({f"moe_seq/{name}": r for name, r in moe_sequence_runs.items()})
     every.update({f"bf16/{name}": r for name, r in bf16_runs.items()})
     for name, run_rows in every.items():
@@ -260,7 +277,7 @@ def test_check_estimates_match_measured_comm(runs):
                  "moe_shared_dp2_ep2_allgather"):
         cfg = compose([*SMALL, *LAYOUTS[name]])
         est = estimate(cfg, build_layout(cfg).world).comm_bytes_per_step
-        measured = rows(runs / name)[-1]["comm"]
+        measured = runs[name][-1]["comm"]
         for mode, got in measured.items():
             # Exact for dp, pp and cp; tp leaves out the small loss and norm reductions;
             # ZeRO-1 pads its buckets to a multiple of dp.
@@ -268,8 +285,8 @@ def test_check_estimates_match_measured_comm(runs):
 
 
 def test_overlap_on_off_identical(runs):
-    assert losses(runs / "dp2_on") == losses(runs / "dp2_off")
-    on, off = rows(runs / "dp2_on"), rows(runs / "dp2_off")
+    assert loss_of(runs["dp2_on"]) == loss_of(runs["dp2_off"])
+    on, off = runs["dp2_on"], runs["dp2_off"]
     assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
     # Same collectives either way: the same number of DP ops and bytes.
     assert [r["comm"]["dp"]["bytes"] for r in on] == [r["comm"]["dp"]["bytes"] for r in off]
@@ -328,11 +345,11 @@ def test_checkpoint_reshards_tp_pp_chain_and_ep(tmp_path):
         assert_close(losses(tmp_path / name), losses(tmp_path / "moe_ref"))
 
 
-def test_torchrun_joins(tmp_path, runs):
+def test_torchrun_joins(tmp_path, cli_dp2):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "mpoverlap.train"]
     train(tmp_path / "tr", "parallel.dp=auto", "overlap.dp=true", launcher=launcher)
-    assert losses(tmp_path / "tr") == losses(runs / "dp2_on")
+    assert losses(tmp_path / "tr") == losses(cli_dp2)
 
 
 def test_invalid_config_exits_2_before_any_worker(tmp_path):
@@ -391,17 +408,12 @@ BF16_TWINS = {"dp2_on": "fp32_dp2_on", "tp2_sp_pp2_vpp2_on": "fp32_tp2_sp_pp2_vp
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory):
     """{name: rows}: every layout trained inside one spawn per world size (tests/inproc_train.py)."""
-    from inproc_train import train_layouts
+    from inproc_train import train_layouts, world_of
 
-    def world(ov):
-        get = {k: int(v) for k, v in (o.split("=", 1) for o in ov if o.startswith("parallel.")
-                                      and o.split("=", 1)[1].isdigit())}
-        return get.get("parallel.dp", 1) * get.get("parallel.tp", 1) * get.get("parallel.pp", 1) * get.get("parallel.cp", 1)
-
-    specs = {name: (world(ov), [*SMALL, *BF16, *ov], 20) for name, ov in BF16_LAYOUTS.items()}
+    specs = {name: (world_of([*SMALL, *BF16, *ov]), [*SMALL, *BF16, *ov], 20) for name, ov in BF16_LAYOUTS.items()}
     for name, twin in BF16_TWINS.items():
         fp32 = [o for o in BF16_LAYOUTS[name] if not o.startswith(("train.precision", "train.grad_reduce"))]
-        specs[twin] = (world(fp32), [*SMALL, *BF16, *fp32, "train.precision=fp32"], 1)
+        specs[twin] = (world_of([*SMALL, *BF16, *fp32]), [*SMALL, *BF16, *fp32, "train.precision=fp32"], 1)
     return train_layouts(specs, tmp_path_factory.mktemp("bf16"))
 
 
