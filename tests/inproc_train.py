@@ -63,3 +63,33 @@ def train_layouts(specs: Dict[str, Spec], root, timeout_s: float = 900) -> Dict[
                                   moe=moe_summary([r[name][i]["moe"] for r in per_rank]) if row["moe"] else None)
                              for i, row in enumerate(per_rank[0][name])]
     return results
+
+
+Segment = Tuple[int, Sequence[str], int]
+
+
+def _run_segments(rank, world, jobs, root: str):
+    from mpoverlap.config import compose
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    for name, overrides, steps in jobs:
+        run_dir = Path(root) / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = compose([*overrides, f"train.steps={steps}", f"run.dir={run_dir}", "train.device=cpu"])
+        Trainer(cfg, init_distributed(cfg), run_dir).run()
+
+
+def run_chains(chains: Dict[str, Sequence[Segment]], root, timeout_s: float = 900) -> None:
+    """Each chain is a list of segments (world, overrides, steps) that run one after another in
+    `root/<name>`, each a full `Trainer.run()` (what a console-script launch runs: resume from the
+    newest checkpoint, train to `steps`, save, write metrics.jsonl). The k-th segments of all
+    chains run in one spawn per world size, after every (k-1)-th segment finished."""
+    for k in range(max(len(segments) for segments in chains.values())):
+        by_world: Dict[int, list] = {}
+        for name, segments in chains.items():
+            if k < len(segments):
+                world, overrides, steps = segments[k]
+                by_world.setdefault(world, []).append((name, list(overrides), steps))
+        for world, jobs in sorted(by_world.items()):
+            run_distributed(_run_segments, world, jobs, str(root), timeout_s=timeout_s)

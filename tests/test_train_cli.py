@@ -292,57 +292,69 @@ def test_overlap_on_off_identical(runs):
     assert [r["comm"]["dp"]["bytes"] for r in on] == [r["comm"]["dp"]["bytes"] for r in off]
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path):
-    common = ["parallel.dp=2", "train.distributed_optimizer=true", "train.lr_decay_steps=6",
-              "checkpoint.interval=3"]
-    train(tmp_path / "full", *common, steps=6)
-    part = tmp_path / "part"
-    train(part, *common, steps=3)
-    assert (part / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
-    proc = train(part, *common, steps=6)
-    assert "resumed from" in proc.stdout
-    full = rows(tmp_path / "full")
-    resumed = rows(part)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+RESUME = ["parallel.dp=2", "train.distributed_optimizer=true", "train.lr_decay_steps=6", "checkpoint.interval=3"]
+RESHARD = ["train.lr_decay_steps=6", "checkpoint.interval=3"]
+CHAIN = ["train.lr_decay_steps=6", "checkpoint.interval=2"]
+MOE_RESHARD = [*MOE, "parallel.dp=2", "train.lr_decay_steps=6", "checkpoint.interval=3"]
+SAVED_TP2_SP_ZERO = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.distributed_optimizer=true"]
 
 
-def test_checkpoint_reshards_across_layouts(tmp_path):
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Runs that save, stop, and are resumed (at the same or another layout) by the next
+    segment, each segment a full Trainer.run() (tests/inproc_train.py run_chains); the root
+    holds one run directory per chain."""
+    from inproc_train import run_chains, world_of
+
+    def seg(overrides, steps):
+        full = [*SMALL, *overrides]
+        return world_of(full), full, steps
+
+    chains = {
+        "full": [seg(RESUME, 6)], "part": [seg(RESUME, 3), seg(RESUME, 6)],
+        "ref": [seg(RESHARD, 6)],
+        "to_dp2": [seg([*RESHARD, *SAVED_TP2_SP_ZERO], 3), seg([*RESHARD, "parallel.dp=2"], 6)],
+        "to_cp2": [seg([*RESHARD, *SAVED_TP2_SP_ZERO], 3), seg([*RESHARD, "parallel.cp=2"], 6)],
+        "pp2_to_tp2": [seg([*RESHARD, "parallel.pp=2"], 3), seg([*RESHARD, "parallel.tp=2"], 6)],
+        "chain_ref": [seg(CHAIN, 6)],
+        "chain": [seg([*CHAIN, "parallel.tp=2", "parallel.pp=2"], 2), seg([*CHAIN, "parallel.tp=1"], 4),
+                  seg([*CHAIN, "parallel.tp=4"], 6)],
+        "moe_ref": [seg(MOE_RESHARD, 6)],
+        # Saved with ZeRO-1 at ep1 (expert optimizer state sharded over edp = 2), loaded at ep2.
+        "ep1_zero_to_ep2": [seg([*MOE_RESHARD, "train.distributed_optimizer=true"], 3),
+                            seg([*MOE_RESHARD, "parallel.ep=2"], 6)],
+        "ep2_to_ep1": [seg([*MOE_RESHARD, "parallel.ep=2"], 3), seg(MOE_RESHARD, 6)],
+    }
+    root = tmp_path_factory.mktemp("resumed")
+    run_chains(chains, root)
+    return root
+
+
+def test_resume_reproduces_uninterrupted_run(resumed):
+    assert (resumed / "part" / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
+    part = rows(resumed / "part")
+    # Steps 1-3 from the first segment, 4-6 from the resumed one: nothing retrained.
+    assert [r["step"] for r in part] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in part] == [r["loss"] for r in rows(resumed / "full")]
+
+
+def test_checkpoint_reshards_across_layouts(resumed):
     """Saved at tp2 x SP with ZeRO-1 (resumed at dp2 and at cp2) and at pp2 (resumed at tp2):
     the same curve."""
-    common = ["train.lr_decay_steps=6", "checkpoint.interval=3"]
-    train(tmp_path / "ref", *common, steps=6)
-    ref = [r["loss"] for r in rows(tmp_path / "ref")]
-    saved_at = {"to_dp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.distributed_optimizer=true"],
-                "to_cp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.distributed_optimizer=true"],
-                "pp2_to_tp2": ["parallel.pp=2"]}
-    for name, later in (("to_dp2", ["parallel.dp=2"]), ("to_cp2", ["parallel.cp=2"]),
-                        ("pp2_to_tp2", ["parallel.tp=2"])):
-        run = tmp_path / name
-        train(run, *common, *saved_at[name], steps=3)
-        proc = train(run, *common, *later, steps=6)
-        assert "resumed from" in proc.stdout
-        assert_close([r["loss"] for r in rows(run)], ref)
+    ref = losses(resumed / "ref")
+    for name in ("to_dp2", "to_cp2", "pp2_to_tp2"):
+        assert [r["step"] for r in rows(resumed / name)] == [1, 2, 3, 4, 5, 6]
+        assert_close(losses(resumed / name), ref)
 
 
-def test_checkpoint_reshards_tp_pp_chain_and_ep(tmp_path):
+def test_checkpoint_reshards_tp_pp_chain_and_ep(resumed):
     """tp2 x pp2 -> tp1 x pp1 -> tp4 on one curve; an MoE checkpoint moves from ep1 (ZeRO-1) to
     ep2 and from ep2 to ep1 (experts are saved under their global index)."""
-    common = ["train.lr_decay_steps=6", "checkpoint.interval=2"]
-    train(tmp_path / "ref", *common, steps=6)
-    run = tmp_path / "chain"
-    train(run, *common, "parallel.tp=2", "parallel.pp=2", steps=2)
-    for later, steps in ((["parallel.tp=1"], 4), (["parallel.tp=4"], 6)):
-        assert "resumed from" in train(run, *common, *later, steps=steps).stdout
-    assert_close(losses(run), losses(tmp_path / "ref"))
-    moe = [*MOE, "parallel.dp=2", "train.lr_decay_steps=6", "checkpoint.interval=3"]
-    train(tmp_path / "moe_ref", *moe, steps=6)
-    # Saved with ZeRO-1 at ep1 (expert optimizer state sharded over edp = 2), loaded at ep2.
-    for name, first, then in (("ep1_zero_to_ep2", ["train.distributed_optimizer=true"], ["parallel.ep=2"]),
-                              ("ep2_to_ep1", ["parallel.ep=2"], [])):
-        train(tmp_path / name, *moe, *first, steps=3)
-        assert "resumed from" in train(tmp_path / name, *moe, *then, steps=6).stdout
-        assert_close(losses(tmp_path / name), losses(tmp_path / "moe_ref"))
+    assert [r["step"] for r in rows(resumed / "chain")] == [1, 2, 3, 4, 5, 6]
+    assert_close(losses(resumed / "chain"), losses(resumed / "chain_ref"))
+    for name in ("ep1_zero_to_ep2", "ep2_to_ep1"):
+        assert [r["step"] for r in rows(resumed / name)] == [1, 2, 3, 4, 5, 6]
+        assert_close(losses(resumed / name), losses(resumed / "moe_ref"))
 
 
 def test_torchrun_joins(tmp_path, cli_dp2):
