@@ -36,11 +36,16 @@ SHAPE = [o for o in SMALL if o.startswith("model.")]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """{kind: (run dir, export dir)}: 2 steps at dp2 x tp2 x pp2, exported (MoE in shards)."""
+    """{kind: (run dir, export dir)}: 2 steps at dp2 x tp2 x pp2 (both kinds in one spawn of 8
+    ranks, each a full Trainer.run()), exported (MoE in shards)."""
+    from inproc_train import run_chains
+
+    root = tmp_path_factory.mktemp("trained")
+    run_chains({kind: [(8, [*SMALL, *model, *LAYOUT, "checkpoint.interval=2"], 2)] for kind, model in MODELS.items()},
+               root)
     out = {}
-    for kind, model in MODELS.items():
-        run = tmp_path_factory.mktemp(kind)
-        train(run, *model, *LAYOUT, "checkpoint.interval=2", steps=2)
+    for kind in MODELS:
+        run = root / kind
         hf = run / "hf"
         shard = ["--max-shard-size", "200KB"] if kind == "moe" else []
         assert export_main([str(run), "--out", str(hf), *shard]) == 0
