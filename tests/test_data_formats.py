@@ -9,7 +9,7 @@ from mpoverlap.config import compose
 from mpoverlap.training.data import DataError, build_datasets, load_stdlib_tokens
 from mpoverlap.training.megatron_data import read_megatron
 from mpoverlap.training.preprocess import main as preprocess, read_header, read_index
-from test_train_cli import rows, train
+from test_train_cli import SMALL, rows, train
 
 
 def stdlib_docs(n=40, size=3000):
@@ -156,11 +156,13 @@ def test_blended_run_resumes_its_exact_curve(tmp_path):
     write_megatron(tmp_path / "b", byte_docs(10, size=1500))
     common = ["data=megatron", f"data.blend=[0.3,{tmp_path / 'a'},0.7,{tmp_path / 'b'}]",
               "train.lr_decay_steps=4", "checkpoint.interval=2"]
-    train(tmp_path / "full", *common, steps=4)
-    train(tmp_path / "part", *common, steps=2)
-    proc = train(tmp_path / "part", *common, steps=4)
-    assert "resumed from" in proc.stdout
-    assert [r["loss"] for r in rows(tmp_path / "part")] == [r["loss"] for r in rows(tmp_path / "full")]
+    from inproc_train import run_chains
+
+    run_chains({"full": [(1, [*SMALL, *common], 4)], "part": [(1, [*SMALL, *common], 2), (1, [*SMALL, *common], 4)]},
+               tmp_path)
+    part = rows(tmp_path / "part")
+    assert [r["step"] for r in part] == [1, 2, 3, 4]  # steps 3-4 from the resumed segment
+    assert [r["loss"] for r in part] == [r["loss"] for r in rows(tmp_path / "full")]
 
 
 @pytest.mark.slow
