@@ -25,6 +25,7 @@ from mpoverlap.simulate.collectives import collective_time, group_links
 from mpoverlap.simulate.costs import MODES, ChunkCost, chunk_costs, step_ops
 from mpoverlap.simulate.engine import last_backward_spans, run_pipeline
 from mpoverlap.simulate.hardware import Hardware
+from mpoverlap.simulate.plain import plain
 from mpoverlap.simulate.overlap import bucket_finish, buckets_over, gather_exposed
 
 
@@ -51,6 +52,7 @@ class SimResult:
 def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
     from mpoverlap.models.gpt import flops_per_token
 
+    cfg = plain(cfg)
     lo = build_layout(cfg, world_size)
     ov = CommOverlapConfig.from_config(cfg, world_size)
     enabled = {m: ov.modes()[m].enabled for m in MODES}
@@ -72,10 +74,10 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     # DP per stage: gradient buckets under the last backward, parameter gather under the first forward.
     dp = [_dp_stage(cfg, lo, hw, links, s, c) for s in range(lo.pp)]
     first_fwd = [sum(costs[v * lo.pp + s].duration("F") for v in range(lo.vpp)) for s in range(lo.pp)]
-    probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True)
-    starts = [probe.times[s][0][0] for s in range(lo.pp)]
     gather_wait = [0.0] * lo.pp
     if ov.dp_param_gather.enabled:
+        probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True)
+        starts = [probe.times[s][0][0] for s in range(lo.pp)]
         gather_wait = [max(0.0, gather_exposed(dp[s]["gather"], first_fwd[s], dp[s]["buckets"]) - starts[s])
                        for s in range(lo.pp)]
     free = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, gather_wait)

@@ -37,6 +37,19 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
     orders = compute_orders(schedule_kind(vpp), pp, vpp, microbatches)
     num_chunks = pp * vpp
     dur = {(k, c): duration(k, c) for k in (FORWARD, BACKWARD) for c in range(num_chunks)}
+    hops = {(a, b): hop_time(a, b) for a in range(pp) for b in range(pp) if a != b}
+    # Per stage: (duration key, consumed message key, produced message key, peer stage); a
+    # message key is (kind, microbatch, source chunk) as `input_message`/`output_message` say.
+    plans = []
+    for stage, order in enumerate(orders):
+        plan = []
+        for kind, mb, vchunk in order:
+            chunk = chunk_index(stage, vchunk, pp)
+            need, out = input_message(kind, mb, chunk, num_chunks), output_message(kind, mb, chunk, num_chunks)
+            plan.append(((kind, chunk), None if need is None else (need.kind, mb, need.src_chunk),
+                         None if out is None else (out.kind, mb, out.src_chunk),
+                         None if out is None else out.dst_chunk % pp))
+        plans.append(plan)
     arrival: Dict[Tuple, float] = {}
     link_free: Dict[Tuple[int, int], float] = {}
     times: List[List[Tuple[float, float]]] = [[] for _ in range(pp)]
@@ -46,24 +59,21 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
-        for stage, order in enumerate(orders):
-            while len(times[stage]) < len(order):
-                kind, mb, vchunk = order[len(times[stage])]
-                chunk = chunk_index(stage, vchunk, pp)
-                need = input_message(kind, mb, chunk, num_chunks)
+        for stage, plan in enumerate(plans):
+            done = times[stage]
+            while len(done) < len(plan):
+                key, need, out, dst = plan[len(done)]
                 if need is not None and need not in arrival:
                     break
                 start = max(free[stage], arrival[need] if need is not None else 0.0)
-                took = dur[(kind, chunk)] + (first_extra[stage] if not times[stage] and first_extra else 0.0)
+                took = dur[key] + (first_extra[stage] if not done and first_extra else 0.0)
                 end = start + took
                 busy[stage] += took
-                times[stage].append((start, end))
+                done.append((start, end))
                 free[stage] = end
-                out = output_message(kind, mb, chunk, num_chunks)
                 if out is not None:
-                    dst = out.dst_chunk % pp
                     leave = max(end, link_free.get((stage, dst), 0.0))
-                    hop = hop_time(stage, dst)
+                    hop = hops[(stage, dst)]
                     arrival[out] = leave + hop
                     link_free[(stage, dst)] = leave + hop
                     in_flight[stage] += hop
