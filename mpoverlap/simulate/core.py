@@ -41,6 +41,8 @@ class SimResult:
     critical_stage: int
     enabled: Dict[str, bool]
     links: Dict[str, str] = field(default_factory=dict)
+    # pp as metrics.jsonl counts it (engine.PipelineRun.ledger_*), per rank averaged over stages
+    ledger_pp: Dict[str, float] = field(default_factory=dict)
     avg_compute_s: float = 0.0  # compute per step averaged over the stages
     useful_share: float = 1.0  # model FLOPs / FLOPs run (recomputation, head, attention's causal half)
 
@@ -133,7 +135,9 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
                        tokens_per_s=tokens / step, mfu=model_flops / (step * world * hw.peak_flops),
                        critical_stage=crit, enabled=enabled,
                        links={k: v.name for k, v in links.items() if k in ("tp", "cp", "dp", "ep", "pp")},
-                       avg_compute_s=avg_compute, useful_share=model_flops / run_flops if run_flops else 1.0)
+                       avg_compute_s=avg_compute,
+                       ledger_pp={"in_flight_s": sum(real.ledger_in_flight) / lo.pp,
+                                  "exposed_s": sum(real.ledger_exposed) / lo.pp} if lo.pp > 1 else {}, useful_share=model_flops / run_flops if run_flops else 1.0)
     return result
 
 

@@ -22,6 +22,11 @@ class PipelineRun:
     orders: List[List[Tuple[str, int, int]]]  # per stage, (kind, microbatch, vchunk)
     busy: List[float]  # per stage, seconds computing
     p2p_in_flight: List[float]  # per stage, seconds its sends and receives were on a link
+    # As the ledger counts p2p handles: in flight from post to completion (a receive posted
+    # ahead counts while its producer still computes), exposed = blocked in a wait (also while
+    # the producer computes: pipeline idle shows up here).
+    ledger_in_flight: List[float] = None
+    ledger_exposed: List[float] = None
 
     @property
     def ends(self) -> List[float]:
@@ -56,6 +61,8 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
     free = [0.0] * pp
     busy = [0.0] * pp
     in_flight = [0.0] * pp
+    led_in, led_exp = [0.0] * pp, [0.0] * pp
+    prev_start = [0.0] * pp
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -66,6 +73,11 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
                 if need is not None and need not in arrival:
                     break
                 start = max(free[stage], arrival[need] if need is not None else 0.0)
+                if need is not None:
+                    posted = prev_start[stage] if overlap else free[stage]
+                    led_in[stage] += max(arrival[need], posted) - posted
+                    led_exp[stage] += start - free[stage]
+                prev_start[stage] = start
                 took = dur[key] + (first_extra[stage] if not done and first_extra else 0.0)
                 end = start + took
                 busy[stage] += took
@@ -78,13 +90,16 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
                     link_free[(stage, dst)] = leave + hop
                     in_flight[stage] += hop
                     in_flight[dst] += hop
+                    led_in[stage] += leave + hop - end
                     if not overlap:
                         free[stage] = leave + hop
+                        led_exp[stage] += leave + hop - end
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise ScheduleError("simulated pipeline deadlocked (no stage can proceed)")
-    return PipelineRun(times=times, orders=orders, busy=busy, p2p_in_flight=in_flight)
+    return PipelineRun(times=times, orders=orders, busy=busy, p2p_in_flight=in_flight, ledger_in_flight=led_in,
+                       ledger_exposed=led_exp)
 
 
 def last_backward_spans(run: PipelineRun, stage: int, pp: int) -> Dict[int, Tuple[float, float]]:

@@ -58,22 +58,27 @@ def from_config(cfg: Any) -> Hardware:
 
 
 def measured(hw: Hardware, cfg: Any) -> Hardware:
-    """`hw` with this machine's one-thread matmul rate (at the model's GEMM shape and the
-    config's precision) as its peak (efficiency 1) and, inside a tc-limited namespace, the
-    loopback's rate as every link's bandwidth."""
+    """`hw` measured on this machine for `cfg`:
+    - peak_flops: one thread's matmul rate at the model's MLP shape (each benchmark worker runs
+      one thread), gemm_efficiency: the rate one thread runs this model's forward + backward at
+      (its FLOPs as `flops_per_token` counts them, over the best time), over that peak;
+    - bandwidth: the loopback's tbf rate in this namespace (`tc qdisc show dev lo`; else the
+      preset's inter_bw), divided by the world size: the loopback is one queue that every
+      rank's sends pass through, and the symmetric collectives send from every rank at once."""
     m, t = cfg.model, cfg.train
-    rate = matmul_rate(t.micro_batch_size * m.seq_length, m.hidden_size, m.ffn_hidden_size,
-                       bf16=str(t.precision) == "bf16")
-    hw = replace(hw, peak_flops=rate, gemm_efficiency=1.0)
-    link_rate = tc_rate()
-    if link_rate:
-        hw = replace(hw, intra=replace(hw.intra, bandwidth=link_rate), inter=replace(hw.inter, bandwidth=link_rate))
-    return hw
+    bf16 = str(t.precision) == "bf16"
+    peak = matmul_rate(t.micro_batch_size * m.seq_length, m.hidden_size, m.ffn_hidden_size, bf16=bf16)
+    rate = model_rate(cfg)
+    from mpoverlap.overlap.layout import build_layout
+
+    world = build_layout(cfg).world or 1
+    link = (tc_rate() or hw.inter.bandwidth) / world
+    return replace(hw, peak_flops=peak, gemm_efficiency=min(1.0, rate / peak),
+                   intra=replace(hw.intra, bandwidth=link), inter=replace(hw.inter, bandwidth=link))
 
 
-def matmul_rate(rows: int, hidden: int, ffn: int, bf16: bool = False, repeats: int = 5) -> float:
-    """FLOP/s of one thread on an (rows x hidden) @ (hidden x ffn) matmul, best of `repeats`
-    (each worker of the benchmarks runs one thread)."""
+def matmul_rate(rows: int, hidden: int, ffn: int, bf16: bool = False, repeats: int = 10) -> float:
+    """FLOP/s of one thread on an (rows x hidden) @ (hidden x ffn) matmul, best of `repeats`."""
     import torch
 
     threads = torch.get_num_threads()
@@ -90,6 +95,33 @@ def matmul_rate(rows: int, hidden: int, ffn: int, bf16: bool = False, repeats: i
     finally:
         torch.set_num_threads(threads)
     return 2.0 * rows * hidden * ffn / best
+
+
+def model_rate(cfg: Any, repeats: int = 3) -> float:
+    """FLOP/s of one thread running forward + backward of the whole model (one process, one
+    microbatch of random tokens), best of `repeats` after a warm-up."""
+    import torch
+
+    from mpoverlap.models.gpt import GPT, flops_per_token
+
+    m, t = cfg.model, cfg.train
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = GPT(m, seed=0)
+        tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1))
+        autocast = torch.autocast("cpu", torch.bfloat16, enabled=str(t.precision) == "bf16")
+        best = float("inf")
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            with autocast:
+                loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            if i:
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return flops_per_token(m) * t.micro_batch_size * m.seq_length / best
 
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

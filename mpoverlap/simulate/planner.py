@@ -9,9 +9,11 @@ Each candidate goes through, in order:
   2. memory: the estimate's heaviest stage under the lightest recomputation that fits
      (none, then selective, then full) within 90% of HBM; heavier recomputation is only
      slower, so it is not simulated ("dominated"),
-  3. the simulator, with the overlap settings given (default auto: every mode on where it
+  3. with TP overlap on, a tp > 1 layout without sequence parallelism is dominated by the same
+     one with it (its all-reduces are exposed, its activations larger),
+  4. the simulator, with the overlap settings given (default auto: every mode on where it
      applies). overlap=none is never faster in the model (exposed <= in flight), so it is not
-     enumerated.
+     enumerated; the output gives the best layout's step with overlap=none beside it.
 """
 from __future__ import annotations
 
@@ -97,7 +99,14 @@ def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchRe
     ranked: List[Candidate] = []
     cands = candidates(base, world, hw, fixed)
     recomputes = [base.model.recompute] if "model.recompute" in fixed else ["none", "selective", "full"]
+    tp_overlap = str(base.overlap.tp).lower() != "false"
     for values in cands:
+        if (tp_overlap and values["parallel.tp"] > 1 and not values["parallel.sequence_parallel"]
+                and "parallel.sequence_parallel" not in fixed):
+            # Without SP, TP's all-reduces are waited at once and every rank holds the whole
+            # sequence's activations: never faster nor smaller than with SP while TP overlap is on.
+            dropped["dominated: parallel.sequence_parallel=false (TP overlap needs SP; SP holds less)"] += 1
+            continue
         c = with_values(base, {**values, "model.recompute": "none", "parallel.world_size": world})
         problems = validate(c)
         if problems:
@@ -155,6 +164,10 @@ def render_search(cfg: Any, hw: Hardware, res: SearchResult, world: int, top: in
         c = with_values(plain(cfg), {**best.values, "parallel.world_size": world})
         lines.extend("  " + line for line in render(c, hw, best.result).splitlines())
         lines.append("  as overrides: " + " ".join(f"{k}={_show(v)}" for k, v in best.values.items()))
+        off = with_values(c, {f"overlap.{k}": False for k in ("dp", "tp", "pp", "cp", "ep", "dp_param_gather")})
+        r_off = simulate(off, hw)
+        lines.append(f"  the same layout with overlap=none: step {r_off.step_s * 1e3:,.1f} ms "
+                     f"({r_off.step_s / best.result.step_s - 1:+.1%}), MFU {100 * r_off.mfu:.1f}%")
     return "\n".join(lines)
 
 
