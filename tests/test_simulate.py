@@ -167,11 +167,53 @@ def test_search_70b_on_1024_h100s(capsys):
     cpu = time.process_time() - t0
     out = capsys.readouterr().out
     assert rc == 0 and cpu < 60, cpu
-    best = out.split("as overrides: ")[1].split()
+    best = out.split("as overrides: ")[1].splitlines()[0].split()
     values = dict(kv.split("=") for kv in best)
     assert int(values["parallel.tp"]) <= 8  # tensor parallelism stays inside a node of 8
     row = [line for line in out.splitlines() if line.strip().startswith("1 |")][0]
     mfu = float(row.split("|")[5].strip().rstrip("%"))
     assert 30.0 <= mfu <= 60.0
     assert "why: MFU = GEMM fraction" in out
-    assert "dropped" in out and "memory: does not fit" in out
+    assert "dropped" in out and "memory: does not fit" in out and "rule " in out
+    assert "with overlap=none" in out
+
+
+@pytest.mark.parametrize("preset", ["h100_sxm", "a100_80gb", "h200_sxm"])
+def test_hardware_presets_compose(preset):
+    from mpoverlap.config import compose
+    from mpoverlap.simulate import from_config
+
+    hw = from_config(compose([f"hardware={preset}"]))
+    assert hw.name == preset and hw.gpus_per_node == 8 and 0 < hw.gemm_efficiency <= 1
+    assert hw.intra.bandwidth > hw.inter.bandwidth > 0 and hw.hbm_bytes >= 80e9
+
+
+def test_simulate_cli_reports_invalid_layouts(capsys):
+    from mpoverlap.check import main
+
+    assert main(["--simulate", "parallel.world_size=8", "parallel.tp=3"]) == 2
+    assert "parallel.tp" in capsys.readouterr().err
+    assert main(["--search", "model=gpt_tiny"]) == 2  # no world size to plan for
+
+
+def test_search_small_world_counts_rules_and_memory():
+    from mpoverlap.config import compose
+    from mpoverlap.simulate import from_config
+    from mpoverlap.simulate.planner import search
+
+    overrides = ["model=gpt_125m", "parallel.world_size=16", "train.global_batch_size=32", "hardware.hbm_gb=0.6"]
+    cfg = compose(overrides)
+    res = search(cfg, from_config(cfg), overrides, 16)
+    assert res.ranked, res.dropped
+    assert any(k.startswith("rule ") for k in res.dropped)
+    assert res.dropped["memory: does not fit in HBM under any model.recompute"] > 0
+    steps = [c.result.step_s for c in res.ranked]
+    assert steps == sorted(steps)
+    assert all(c.memory_gb <= 0.9 * 0.6 + 1e-9 for c in res.ranked)
+    # keys given on the command line stay fixed
+    fixed = ["model=gpt_125m", "parallel.world_size=16", "train.global_batch_size=32", "parallel.tp=2",
+             "parallel.cp=1", "train.micro_batch_size=2"]
+    cfg = compose(fixed)
+    ranked = search(cfg, from_config(cfg), fixed, 16).ranked
+    assert {(c.values["parallel.tp"], c.values["parallel.cp"], c.values["train.micro_batch_size"]) for c in ranked} \
+        == {(2, 1, 2)}
