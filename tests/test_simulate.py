@@ -217,3 +217,42 @@ def test_search_small_world_counts_rules_and_memory():
     ranked = search(cfg, from_config(cfg), fixed, 16).ranked
     assert {(c.values["parallel.tp"], c.values["parallel.cp"], c.values["train.micro_batch_size"]) for c in ranked} \
         == {(2, 1, 2)}
+
+
+def test_bench_predict_covers_every_scenario(monkeypatch):
+    """bench/predict.py reads both result shapes (dp_overlap, modes) and predicts every mpoverlap
+    variant, overlap on and off (the machine's rates fixed here instead of measured)."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
+    from bench import predict
+    from mpoverlap.simulate import hardware
+
+    monkeypatch.setattr(hardware, "measured", lambda hw, cfg: dataclasses.replace(hw, peak_flops=5e10))
+    rows = predict.predict(predict.quiet_results(), "2gbit")
+    assert {(r["scenario"], r["overlap"]) for r in rows} == {(s, o) for s in ("dp", "tp", "cp", "pp", "ep")
+                                                          for o in (True, False)}
+    assert len(rows) == 13 and all(r["predicted_step_s"] > 0 and 0 <= r["predicted_share"] <= 1 for r in rows)
+    assert all(r["link_mb_s"] == pytest.approx(250.0) for r in rows)  # --rate as given (measured() patched out)
+    assert "Step within 25%" in predict.render(rows)
+
+
+def test_in_flight_is_the_estimates_link_bytes_over_bandwidth():
+    """With zero latency, each mode's in-flight time per step is the estimate's link bytes
+    (mpoverlap-check's "link" view) over the group's bandwidth: the simulator moves the
+    estimate's volumes, no more, no less."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+    from mpoverlap.simulate import from_config, simulate
+
+    cfg = compose(["model=gpt_125m", "parallel.world_size=16", "parallel.tp=4", "parallel.cp=2",
+                   "parallel.sequence_parallel=true", "train.precision=bf16", "train.global_batch_size=8",
+                   "train.micro_batch_size=2", "train.distributed_optimizer=true", "hardware.intra_latency=0",
+                   "hardware.inter_latency=0", "hardware.gpus_per_node=16"])
+    hw = from_config(cfg)
+    r, est = simulate(cfg, hw), estimate(cfg)
+    for mode in ("dp", "tp", "cp"):
+        assert r.in_flight_s[mode] == pytest.approx(est.comm_link_bytes_per_step[mode] / hw.intra.bandwidth,
+                                                    rel=1e-6), mode
