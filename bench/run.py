@@ -20,6 +20,9 @@ and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
 Scaling (bench/scaling.py), memory (bench/memory.py) and timelines (bench/timelines.py) run
 `mpoverlap-train` itself, one run per world size / layout / scenario; scaling and timelines
 inside bench/netns.sh (probed once; the bare loopback otherwise, and the output says so).
+
+At the end, bench/predict.py puts the step-time simulator's prediction (`hardware=measured`)
+beside every DP and modes measurement of the run (step time and exposed share).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench import memory, scaling, timelines
+from bench import memory, predict, scaling, timelines
 from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
 
 
@@ -410,6 +413,9 @@ def main() -> None:
         results["memory"] = memory.run(layouts, args.memory_steps, out)
     if not args.skip_timelines:
         results["timelines"] = timelines.run(scenarios, args.bucket_mb, out, prefix, link)
+    if not args.no_netns and (results.get("dp") or results.get("modes")):
+        # The simulator beside the measurements (issue 20), with this machine measured now.
+        results["predicted"] = predict.predict(results, args.rate)
     results["wall_s"] = time.perf_counter() - t0
     # Machine-wide busy time minus our subprocesses' (and this process's small share).
     results["others_cpu_s"] = max(0.0, (machine_busy_s() - busy0) - (own_children_cpu_s() - own0)
@@ -418,7 +424,8 @@ def main() -> None:
     table = render(results)
     if results.get("modes"):
         table += "\n" + render_modes(results)
-    for section in (scaling.render(results), memory.render(results), timelines.render(results)):
+    for section in (scaling.render(results), memory.render(results), timelines.render(results),
+                    predict.render(results.get("predicted") or [])):
         if section:
             table += "\n" + section
     (out / "results.md").write_text(table + "\n")

@@ -38,10 +38,14 @@ def write_readme_rules(path: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print("usage: mpoverlap-check [--rules [--write-readme README.md]] [--korthikanti] [hydra overrides ...]\n"
+        print("usage: mpoverlap-check [--rules [--write-readme README.md]] [--korthikanti] [--simulate | --search "
+              "[--top N]] [hydra overrides ...]\n"
               "  validates the configuration and prints the plan; exit 0 valid, 2 invalid\n"
               "  --korthikanti: count activations as Korthikanti et al. 2022 Table 2 does (16-bit, dropout\n"
-              "    masks, no flash attention) instead of as this code saves them (compute dtype, flash, no dropout)")
+              "    masks, no flash attention) instead of as this code saves them (compute dtype, flash, no dropout)\n"
+              "  --simulate: predict the step time, bubble, each mode's in-flight and exposed time, tokens/s and\n"
+              "    MFU on hardware=<preset> (h100_sxm, a100_80gb, h200_sxm, measured)\n"
+              "  --search: rank the layouts of parallel.world_size=N by predicted throughput on hardware=<preset>")
         return 0
     if "--rules" in args:
         if "--write-readme" in args:
@@ -55,6 +59,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         args.remove("--korthikanti")
         conventions = Conventions.korthikanti()
+    mode = next((a for a in ("--simulate", "--search") if a in args), None)
+    if mode:
+        args.remove(mode)
+        from mpoverlap.simulate.cli import run
+
+        return run(mode, args)
     try:
         cfg = compose(args)
     except ConfigError as err:

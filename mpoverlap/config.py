@@ -142,6 +142,24 @@ class DataConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """What `mpoverlap-check --simulate` and `--search` predict for (conf/hardware/*.yaml; each
+    preset gives its sources). Rates per GPU; bandwidths in bytes/s each way, latencies in s."""
+    name: str = "h100_sxm"
+    gpus_per_node: int = 8
+    peak_flops: float = 989e12  # dense bf16 tensor-core FLOP/s
+    gemm_efficiency: float = 0.55  # fraction of peak the model's GEMMs (and flash attention) reach
+    hbm_gb: float = 80.0
+    intra_bw: float = 450e9  # within a node
+    intra_latency: float = 5e-6  # per collective step
+    inter_bw: float = 50e9  # across nodes
+    inter_latency: float = 10e-6
+    # measured: time this machine's matmul and read the link rate of the namespace it runs in
+    # (`tc qdisc show dev lo`), instead of the numbers above.
+    measure: bool = False
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/${model.name}-${now:%Y%m%d-%H%M%S}"
 
@@ -155,6 +173,7 @@ class MPOverlapConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
 
 class ConfigError(Exception):

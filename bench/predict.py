@@ -1,0 +1,167 @@
+"""The simulator against the benchmarks: every DP and bench.modes scenario (overlap on and
+off) predicted with `hardware=measured` (this machine's one-thread matmul and model rate, the
+namespace's tbf rate shared by the 2 ranks) and printed beside the measured median step and
+exposed share (quiet blocks where there are any, as the tables above use).
+
+    python -m bench.predict bench/results/<stamp>/results.json [--rate 2gbit]
+    python -m bench.predict --quiet-2026-11-22      # the quiet medians docs/benchmarks.md publishes
+
+`make bench` (bench/run.py) runs it on its own results at the end. Goals (issue 20): step
+within 25% of the measured median, exposed share within 0.15 (absolute).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+STEP_TOLERANCE, SHARE_TOLERANCE = 0.25, 0.15
+
+
+def _scenarios(results: Dict[str, Any]):
+    """(scenario, mode, base overrides, {variant: (overrides, measured row)}) per benchmark."""
+    dp = results.get("dp")
+    if dp:
+        rows = {**dp["variants"], **dp.get("variants_quiet", {})}
+        variants = {n: (r.get("overrides") or dp["variants"][n].get("overrides"), r) for n, r in rows.items()
+                    if n.startswith("mpo_") and (dp["variants"][n].get("overrides"))}
+        yield "dp", "dp", dp["setup"]["base_overrides"], variants
+    for scenario, res in (results.get("modes") or {}).items():
+        if scenario == "bubble" or "base_overrides" not in res:
+            continue
+        rows = {**res["variants"], **res.get("variants_quiet", {})}
+        variants = {n: (res["variant_overrides"][n], r) for n, r in rows.items()
+                    if res["variant_overrides"].get(n) is not None}
+        yield scenario, scenario, res["base_overrides"], variants
+
+
+def _measured_share(mode: str, row: Dict[str, Any]) -> Optional[float]:
+    if mode == "dp":
+        return (row.get("dp_comm") or {}).get("exposed_share")
+    c = (row.get("comm") or {}).get(mode)
+    return c["exposed_share"] if c else None
+
+
+def predict(results: Dict[str, Any], rate: str) -> List[Dict[str, Any]]:
+    from mpoverlap.config import compose
+    from mpoverlap.simulate.core import simulate
+    from mpoverlap.simulate.hardware import from_config, parse_rate
+
+    link = parse_rate(f"rate {rate}")
+    rows, machines = [], {}
+    for scenario, mode, base, variants in _scenarios(results):
+        for name, (extra, measured) in variants.items():
+            cfg = compose(list(base) + list(extra) + ["hardware=measured", "parallel.world_size=2",
+                                                      f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"])
+            key = json.dumps([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision)])
+            if key not in machines:
+                machines[key] = from_config(cfg)
+            hw = machines[key]
+            r = simulate(cfg, hw)
+            if mode == "pp":
+                share = r.ledger_pp["exposed_s"] / r.ledger_pp["in_flight_s"] if r.ledger_pp.get("in_flight_s") else 0.0
+            else:
+                share = r.exposed_share.get(mode, 0.0)
+            rows.append({"scenario": scenario, "variant": name, "overlap": r.enabled[mode],
+                         "measured_step_s": measured["step"]["median_s"], "predicted_step_s": r.step_s,
+                         "measured_share": _measured_share(mode, measured), "predicted_share": share,
+                         "peak_gflops": hw.peak_flops / 1e9, "efficiency": hw.gemm_efficiency,
+                         "link_mb_s": hw.inter.bandwidth / 1e6})
+    return rows
+
+
+def render(rows: List[Dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    lines = ["## Simulator vs measurement (`hardware=measured`, bench/predict.py)", "",
+             "| scenario | variant | overlap | measured step (ms) | predicted (ms) | error | measured exposed share "
+             "| predicted | difference | matmul GFLOP/s x model fraction | link per rank (MB/s) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ok_step = ok_share = 0
+    for r in rows:
+        err = r["predicted_step_s"] / r["measured_step_s"] - 1
+        ms = r["measured_share"]
+        diff = None if ms is None else r["predicted_share"] - ms
+        ok_step += abs(err) <= STEP_TOLERANCE
+        ok_share += diff is not None and abs(diff) <= SHARE_TOLERANCE
+        lines.append(f"| {r['scenario']} | {r['variant']} | {'on' if r['overlap'] else 'off'} | "
+                     f"{r['measured_step_s'] * 1e3:.1f} | {r['predicted_step_s'] * 1e3:.1f} | {err:+.0%} | "
+                     f"{'-' if ms is None else f'{ms:.2f}'} | {r['predicted_share']:.2f} | "
+                     f"{'-' if diff is None else f'{diff:+.2f}'} | {r['peak_gflops']:.1f} x {r['efficiency']:.2f} | "
+                     f"{r['link_mb_s']:.0f} |")
+    lines += ["", f"Step within {STEP_TOLERANCE:.0%}: {ok_step}/{len(rows)}; exposed share within "
+                  f"{SHARE_TOLERANCE}: {ok_share}/{len(rows)}."]
+    return "\n".join(lines)
+
+
+# The quiet medians and exposed shares published in docs/benchmarks.md (runs 20261122-181734 for
+# DP and EP, 20261122-162715 and its reruns for TP, CP, PP): scenario -> (base overrides,
+# {variant: (overrides, median step ms, exposed share)}).
+_RUN = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
+        "data.max_bytes=2000000"]
+QUIET_2026_11_22 = {
+    "dp": ("parallel.dp=2 model.num_layers=8 overlap.dp_bucket_mb=0.5 train.micro_batch_size=8 "
+           "train.global_batch_size=32",
+           {"mpo_overlap": ("overlap.dp=true train.distributed_optimizer=false", 361.2, .11),
+            "mpo_no_overlap": ("overlap.dp=false train.distributed_optimizer=false", 387.3, .95),
+            "mpo_zero1": ("overlap.dp=true train.distributed_optimizer=true overlap.dp_param_gather=true", 378.4, .13)}),
+    "tp": ("overlap.dp=false parallel.tp=2 parallel.sequence_parallel=true model.hidden_size=256 "
+           "model.ffn_hidden_size=1024 model.seq_length=256 model.num_layers=4 model.num_attention_heads=8 "
+           "train.micro_batch_size=4 train.global_batch_size=4",
+           {"mpo_tp_overlap": ("overlap.tp=true", 322.6, .58), "mpo_tp_off": ("overlap.tp=false", 488.6, .97)}),
+    "cp": ("overlap.dp=false parallel.cp=2 model.hidden_size=128 model.ffn_hidden_size=512 model.seq_length=2048 "
+           "model.num_layers=2 model.num_attention_heads=4 train.micro_batch_size=1 train.global_batch_size=1",
+           {"mpo_cp_overlap": ("overlap.cp=true", 305.1, .31), "mpo_cp_off": ("overlap.cp=false", 356.9, .93)}),
+    "pp": ("overlap.dp=false parallel.pp=2 parallel.vpp=2 model.tie_embeddings=false model.hidden_size=128 "
+           "model.ffn_hidden_size=512 model.seq_length=128 model.num_layers=8 model.num_attention_heads=4 "
+           "train.micro_batch_size=2 train.global_batch_size=16",
+           {"mpo_pp_overlap": ("overlap.pp=true", 274.2, .12), "mpo_pp_off": ("overlap.pp=false", 354.3, .79)}),
+    "ep": ("overlap.dp=false model=moe_tiny parallel.ep=2 model.moe_ffn_hidden_size=128 train.global_batch_size=8 "
+           "model.hidden_size=512 model.seq_length=256 model.num_layers=2 model.num_attention_heads=8 "
+           "train.micro_batch_size=4",
+           {"mpo_ep_overlap": ("overlap.ep=true model.shared_expert=false", 461.5, .54),
+            "mpo_ep_off": ("overlap.ep=false model.shared_expert=false", 528.7, .97),
+            "mpo_ep_overlap_shared": ("overlap.ep=true model.shared_expert=true", 499.4, .40),
+            "mpo_ep_off_shared": ("overlap.ep=false model.shared_expert=true", 553.1, .97)}),
+}
+
+
+def quiet_results() -> Dict[str, Any]:
+    """QUIET_2026_11_22 in the shape of a bench.run results.json (for `predict`)."""
+    def row(mode: str, ms: float, share: float) -> Dict[str, Any]:
+        comm = {"dp_comm": {"exposed_share": share}} if mode == "dp" else {"comm": {mode: {"exposed_share": share}}}
+        return {"step": {"median_s": ms / 1e3}, **comm}
+
+    out: Dict[str, Any] = {"modes": {}}
+    for scenario, (base, variants) in QUIET_2026_11_22.items():
+        rows = {n: row(scenario, ms, sh) for n, (_, ms, sh) in variants.items()}
+        if scenario == "dp":
+            for n, (extra, _, _) in variants.items():
+                rows[n]["overrides"] = extra.split()
+            out["dp"] = {"setup": {"base_overrides": base.split() + _RUN}, "variants": rows}
+        else:
+            out["modes"][scenario] = {"base_overrides": _RUN + base.split(), "variants": rows,
+                                      "variant_overrides": {n: v[0].split() for n, v in variants.items()}}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="?", help="results.json of a bench.run")
+    p.add_argument("--quiet-2026-11-22", action="store_true",
+                   help="predict the quiet medians published in docs/benchmarks.md instead")
+    p.add_argument("--rate", default=None, help="tc tbf rate of the run (default: the run's --rate)")
+    args = p.parse_args()
+    if args.quiet_2026_11_22:
+        results = quiet_results()
+    elif args.results:
+        results = json.loads(Path(args.results).read_text())
+    else:
+        p.error("give a results.json or --quiet-2026-11-22")
+    rate = args.rate or results.get("args", {}).get("rate", "2gbit")
+    print(render(predict(results, rate)))
+
+
+if __name__ == "__main__":
+    main()

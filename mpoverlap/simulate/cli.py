@@ -1,0 +1,39 @@
+"""`mpoverlap-check --simulate` and `--search` (check.py hands the arguments over)."""
+from __future__ import annotations
+
+import sys
+from typing import List
+
+EXIT_INVALID = 2
+
+
+def run(mode: str, args: List[str]) -> int:
+    from mpoverlap.config import ConfigError, compose
+    from mpoverlap.overlap.plan import render_problems
+    from mpoverlap.overlap.rules import validate
+    from mpoverlap.simulate.core import render, simulate
+    from mpoverlap.simulate.hardware import from_config
+    from mpoverlap.simulate.planner import parse_top, render_search, search
+
+    top, args = parse_top(args)
+    try:
+        cfg = compose(args)
+    except ConfigError as err:
+        print(f"mpoverlap: invalid override or key: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    hw = from_config(cfg)
+    if mode == "--search":
+        from mpoverlap.overlap.layout import as_positive_int
+
+        world = as_positive_int(cfg.parallel.world_size)
+        if world is None:
+            print("mpoverlap: --search needs parallel.world_size=N (the number of GPUs to plan for)", file=sys.stderr)
+            return EXIT_INVALID
+        print(render_search(cfg, hw, search(cfg, hw, args, world), world, top))
+        return 0
+    problems = validate(cfg)
+    if problems:
+        print(render_problems(problems), file=sys.stderr)
+        return EXIT_INVALID
+    print(render(cfg, hw, simulate(cfg, hw)))
+    return 0

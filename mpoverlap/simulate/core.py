@@ -1,0 +1,209 @@
+"""Step time of one layout on one machine: the pieces put together.
+
+Ranks with the same role compute the same thing: every tp, cp, dp (and ep) rank of a pipeline
+stage runs the same actions on equal shares, so each stage is simulated once, whatever the
+world size. Per stage: chunk costs (costs.py) -> discrete-event pipeline (engine.py), once
+with the real p2p and once with free p2p (the bubble) -> the DP tail after the last backward
+(buckets, overlap.py) and the other once-per-step collectives.
+
+Decomposition of the step on the stage that ends last:
+  step = compute + exposed TP/CP/EP (inside the actions) + DP parameter-gather wait
+         + bubble (idle with free p2p) + exposed PP (what real p2p adds) + DP tail.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from mpoverlap.overlap.config import CommOverlapConfig
+from mpoverlap.overlap.estimate.comm import comm_ops
+from mpoverlap.overlap.estimate.core import compute_bytes
+from mpoverlap.overlap.estimate.params import stage_params
+from mpoverlap.overlap.layout import Layout, build_layout
+from mpoverlap.simulate.collectives import collective_time, group_links
+from mpoverlap.simulate.costs import MODES, ChunkCost, chunk_costs, step_ops
+from mpoverlap.simulate.engine import last_backward_spans, run_pipeline
+from mpoverlap.simulate.hardware import Hardware
+from mpoverlap.simulate.plain import plain
+from mpoverlap.simulate.overlap import bucket_finish, buckets_over, gather_exposed
+
+
+@dataclass
+class SimResult:
+    step_s: float
+    compute_s: float  # the critical stage's compute
+    bubble_s: float
+    in_flight_s: Dict[str, float]  # per mode, the critical stage's communication time per step
+    exposed_s: Dict[str, float]  # per mode, what of it the step waited for
+    tokens_per_s: float
+    mfu: float
+    critical_stage: int
+    enabled: Dict[str, bool]
+    links: Dict[str, str] = field(default_factory=dict)
+    # pp as metrics.jsonl counts it (engine.PipelineRun.ledger_*), per rank averaged over stages
+    ledger_pp: Dict[str, float] = field(default_factory=dict)
+    avg_compute_s: float = 0.0  # compute per step averaged over the stages
+    useful_share: float = 1.0  # model FLOPs / FLOPs run (recomputation, head, attention's causal half)
+
+    @property
+    def exposed_share(self) -> Dict[str, float]:
+        return {m: (self.exposed_s.get(m, 0.0) / t if t > 0 else 0.0) for m, t in self.in_flight_s.items()}
+
+
+def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
+    from mpoverlap.models.gpt import flops_per_token
+
+    cfg = plain(cfg)
+    lo = build_layout(cfg, world_size)
+    ov = CommOverlapConfig.from_config(cfg, world_size)
+    enabled = {m: ov.modes()[m].enabled for m in MODES}
+    c = compute_bytes(cfg)
+    links = group_links(lo, hw)
+    micro = lo.num_microbatches or 1
+    costs = chunk_costs(cfg, lo, hw, links, enabled, c)
+    K = lo.pp * lo.vpp
+    pp_msg = _pp_message_bytes(cfg, lo, c)
+    T = lo.tp * lo.cp * lo.dp
+
+    def hop(src: int, dst: int) -> float:
+        a, b = sorted((src, dst))
+        return collective_time("send_recv", 2 * pp_msg, 2, hw.group_link((b - a) * T, 2, first=a * T))
+
+    def duration(kind: str, chunk: int) -> float:
+        return costs[chunk].duration(kind)
+
+    # DP per stage: gradient buckets under the last backward, parameter gather under the first forward.
+    dp = [_dp_stage(cfg, lo, hw, links, s, c) for s in range(lo.pp)]
+    first_fwd = [sum(costs[v * lo.pp + s].duration("F") for v in range(lo.vpp)) for s in range(lo.pp)]
+    gather_wait = [0.0] * lo.pp
+    if ov.dp_param_gather.enabled:
+        probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True)
+        starts = [probe.times[s][0][0] for s in range(lo.pp)]
+        gather_wait = [max(0.0, gather_exposed(dp[s]["gather"], first_fwd[s], dp[s]["buckets"]) - starts[s])
+                       for s in range(lo.pp)]
+    free = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, gather_wait)
+    real = run_pipeline(lo.pp, lo.vpp, micro, duration, hop, ov.pp.enabled, gather_wait) if lo.pp > 1 else free
+    ends = []
+    tails = []
+    for s in range(lo.pp):
+        end = real.ends[s]
+        grads = dp[s]["grads"]
+        if ov.dp.enabled and grads > 0:
+            spans = last_backward_spans(real, s, lo.pp)
+            share = grads / len(spans)
+            per = max(1, math.ceil(dp[s]["buckets"] / len(spans)))
+            pieces = [p for (a, b) in spans.values() for p in buckets_over(a, b, share, per)]
+            finish = max(end, bucket_finish(pieces))
+        else:
+            finish = end + grads
+        tail_other = dp[s]["other"] + (0.0 if ov.dp_param_gather.enabled else dp[s]["gather"])
+        tails.append((finish - end, tail_other))
+        ends.append(finish + tail_other)
+    crit = max(range(lo.pp), key=lambda s: ends[s])
+    step = ends[crit]
+    pipe_real, pipe_free = max(real.ends), max(free.ends)
+    fcrit = max(range(lo.pp), key=lambda s: free.ends[s])
+    bubble = pipe_free - free.busy[fcrit]
+
+    in_flight = {m: 0.0 for m in MODES}
+    exposed = {m: 0.0 for m in MODES}
+    compute = 0.0
+    for v in range(lo.vpp):
+        cost: ChunkCost = costs[v * lo.pp + crit]
+        for kind in ("F", "B"):
+            compute += micro * cost.compute[kind]
+            for m, t in cost.in_flight[kind].items():
+                in_flight[m] += micro * t
+            for m, t in cost.exposed[kind].items():
+                exposed[m] += micro * t
+    in_flight["pp"] = real.p2p_in_flight[crit] + dp[crit]["pp_other"]
+    exposed["pp"] = max(0.0, pipe_real - pipe_free) + dp[crit]["pp_other"]
+    in_flight["tp"] += dp[crit]["tp_other"]
+    exposed["tp"] += dp[crit]["tp_other"]
+    in_flight["dp"] = dp[crit]["grads"] + dp[crit]["gather"]
+    exposed["dp"] = tails[crit][0] + gather_wait[crit] + (0.0 if ov.dp_param_gather.enabled else dp[crit]["gather"])
+    m, t = cfg.model, cfg.train
+    tokens = t.global_batch_size * m.seq_length
+    model_flops = flops_per_token(m) * tokens
+    world = lo.world
+    per_stage = [micro * sum(costs[v * lo.pp + s].compute[k] for v in range(lo.vpp) for k in ("F", "B"))
+                 for s in range(lo.pp)]
+    avg_compute = sum(per_stage) / lo.pp
+    run_flops = avg_compute * hw.flops * world
+    result = SimResult(step_s=step, compute_s=compute, bubble_s=bubble, in_flight_s=in_flight, exposed_s=exposed,
+                       tokens_per_s=tokens / step, mfu=model_flops / (step * world * hw.peak_flops),
+                       critical_stage=crit, enabled=enabled,
+                       links={k: v.name for k, v in links.items() if k in ("tp", "cp", "dp", "ep", "pp")},
+                       avg_compute_s=avg_compute,
+                       ledger_pp={"in_flight_s": sum(real.ledger_in_flight) / lo.pp,
+                                  "exposed_s": sum(real.ledger_exposed) / lo.pp} if lo.pp > 1 else {}, useful_share=model_flops / run_flops if run_flops else 1.0)
+    return result
+
+
+def _pp_message_bytes(cfg: Any, lo: Layout, c: int) -> float:
+    """One activation (or its gradient) between stages, per microbatch: the estimate's pp
+    send_recv volume over its count (4 per boundary and microbatch, both ends)."""
+    if lo.pp <= 1:
+        return 0.0
+    micro = lo.num_microbatches or 1
+    ops = comm_ops(cfg, lo, 0, stage_params(cfg, lo, 0), stage_params(cfg, lo, 0, expert_only=True), c)
+    total = sum(o[2] for o in ops if o[0] == "pp" and o[1] == "send_recv")
+    return total / (4 * micro * (lo.pp * lo.vpp - 1) / lo.pp)
+
+
+def _dp_stage(cfg: Any, lo: Layout, hw: Hardware, links, stage: int, c: int) -> Dict[str, float]:
+    """Seconds of the once-per-step collectives of `stage`: DP gradients (all-reduce or
+    reduce-scatter), ZeRO-1's parameter gather, and the rest (tied embedding sum, SP's
+    unsplit-gradient sum), with the number of gradient buckets."""
+    out = {"grads": 0.0, "gather": 0.0, "other": 0.0, "pp_other": 0.0, "tp_other": 0.0, "buckets": 1}
+    bucket = float(cfg.overlap.dp_bucket_mb) * 2 ** 20
+    grad_bytes = 0.0
+    for mode, op, nbytes, n in step_ops(cfg, lo, stage, c):
+        if mode == "dp":
+            link = links["dp"] if n == lo.dp * lo.cp else links["edp"]
+            if op == "all_gather":
+                out["gather"] += collective_time(op, nbytes, n, link, max(1, math.ceil(nbytes / bucket)))
+            else:
+                calls = max(1, math.ceil(nbytes / bucket))
+                out["grads"] += collective_time(op, nbytes, n, link, calls)
+                grad_bytes += nbytes
+        elif mode == "pp":
+            t = collective_time(op, nbytes * lo.pp / min(2, lo.pp), n, links["pp"])
+            if stage in (0, lo.pp - 1):
+                out["pp_other"] += t
+                out["other"] += t
+        else:
+            t = collective_time(op, nbytes, n, links["tp"])
+            out["tp_other"] += t
+            out["other"] += t
+    out["buckets"] = max(1, math.ceil(grad_bytes / bucket))
+    return out
+
+
+def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = None) -> str:
+    from mpoverlap.simulate.hardware import describe
+
+    lo = build_layout(cfg, world_size)
+    exposed = sum(r.exposed_s.values())
+    lines = [f"mpoverlap simulate: world {lo.world} = tp {lo.tp} x cp {lo.cp} x dp {lo.dp} x pp {lo.pp} "
+             f"(ep {lo.ep}, vpp {lo.vpp}), {lo.num_microbatches} microbatch(es) of {cfg.train.micro_batch_size}",
+             f"  hardware {describe(hw)}",
+             f"  step {r.step_s * 1e3:,.2f} ms on stage {r.critical_stage}: compute {r.compute_s * 1e3:,.2f} ms, "
+             f"pipeline idle {r.bubble_s * 1e3:,.2f} ms (bubble and stage imbalance), exposed communication "
+             f"{exposed * 1e3:,.2f} ms",
+             f"  {r.tokens_per_s:,.0f} tokens/s, MFU {100 * r.mfu:.1f}% of {hw.peak_flops / 1e12:,.4g} TFLOP/s peak",
+             f"  why: MFU = GEMM fraction {hw.gemm_efficiency:.2f} x useful share {r.useful_share:.2f} (model FLOPs "
+             f"over FLOPs run: recomputation and the head counted as run) x busy share "
+             f"{r.avg_compute_s / r.step_s:.2f} (mean stage compute over the step; the rest is pipeline idle "
+             f"{r.bubble_s / r.step_s:.0%} and exposed communication {exposed / r.step_s:.0%} on the slowest stage)",
+             "  mode | overlap | link  | in flight (ms/step) | exposed (ms/step) | exposed share | of step",
+             "  ---- | ------- | ----- | ------------------- | ----------------- | ------------- | -------"]
+    for m in MODES:
+        t = r.in_flight_s.get(m, 0.0)
+        if t <= 0:
+            continue
+        e = r.exposed_s.get(m, 0.0)
+        lines.append(f"  {m:<4} | {'ON' if r.enabled[m] else 'off':<7} | {r.links.get(m, '-'):<5} | {t * 1e3:>19,.3f} | "
+                     f"{e * 1e3:>17,.3f} | {e / t:>13.2f} | {e / r.step_s:>6.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""Per model chunk and microbatch: forward and backward compute seconds from FLOPs, and each
+mode's communication in flight and exposed inside them (TP, CP, EP); per step: the DP and
+PP volumes. Volumes come from the estimate (`estimate.comm_ops`, checked against the ledger),
+spread evenly over a stage's layers and microbatches; FLOPs are counted here per layer.
+
+FLOPs per rank, layer and microbatch forward (t tokens = b s / cp on this rank, s the whole
+sequence, tp the tensor-parallel degree; backward is twice the forward):
+  attention GEMMs  2 t (H (H + 2 H g/N) + H^2) / tp     (qkv with g query groups of N heads, proj)
+  attention core   4 t s H / tp                          (scores and values, the causal half not
+                                                          discounted, as `flops_per_token` counts)
+  dense MLP        2 t m H F / tp                        (m = 3 SwiGLU, 2 GeLU)
+  MoE MLP          2 t' (k + shared) m H F_e + 2 t' H E  (t' = t / tp with SP, else t)
+  output head      2 t H V / tp on the last chunk
+Recomputation adds to backward the forward of what it replays: `full` whole blocks (the first
+model.recompute_num_layers of each chunk), `selective` the attention core.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
+from mpoverlap.overlap.estimate.comm import comm_ops, replayed_ops
+from mpoverlap.overlap.estimate.params import (chunk_layers, expert_ffn, is_moe_layer, mlp_mult, stage_layers,
+                                               stage_params)
+from mpoverlap.overlap.layout import Layout
+from mpoverlap.simulate.collectives import collective_time
+from mpoverlap.simulate.hardware import Hardware, Link
+from mpoverlap.simulate.overlap import cp_ring_exposed, ep_chunks_exposed, ring_exposed
+
+MODES = ("dp", "tp", "pp", "cp", "ep")
+
+
+@dataclass
+class ChunkCost:
+    """One microbatch through one model chunk on its stage: seconds of compute and, per mode,
+    of communication in flight and exposed, for the forward ("F") and the backward ("B")."""
+    compute: Dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
+    in_flight: Dict[str, Dict[str, float]] = field(default_factory=lambda: {"F": {}, "B": {}})
+    exposed: Dict[str, Dict[str, float]] = field(default_factory=lambda: {"F": {}, "B": {}})
+
+    def duration(self, kind: str) -> float:
+        return self.compute[kind] + sum(self.exposed[kind].values())
+
+    def add(self, kind: str, mode: str, in_flight: float, exposed: float) -> None:
+        self.in_flight[kind][mode] = self.in_flight[kind].get(mode, 0.0) + in_flight
+        self.exposed[kind][mode] = self.exposed[kind].get(mode, 0.0) + exposed
+
+
+def layer_flops(cfg: Any, lo: Layout, i: int) -> Dict[str, float]:
+    """Forward FLOPs of layer i per rank and microbatch: attention GEMMs, attention core, MLP
+    (dense or experts), the shared expert (under the first dispatch with EP overlap)."""
+    m, p = cfg.model, cfg.parallel
+    H, s, tp = m.hidden_size, m.seq_length, lo.tp
+    t = cfg.train.micro_batch_size * s / lo.cp
+    groups = getattr(m, "num_query_groups", None) or m.num_attention_heads
+    kv = H * groups / m.num_attention_heads
+    out = {"attn_gemm": 2 * t * (H * (H + 2 * kv) + H * H) / tp, "core": 4 * t * s * H / tp, "shared": 0.0}
+    if is_moe_layer(m, i):
+        t_moe = t / tp if (p.sequence_parallel and tp > 1) else t
+        fe = expert_ffn(m)
+        out["mlp"] = 2 * t_moe * m.moe_top_k * mlp_mult(m) * H * fe + 2 * t_moe * H * m.num_experts
+        out["shared"] = 2 * t_moe * mlp_mult(m) * H * fe if m.shared_expert else 0.0
+    else:
+        out["mlp"] = 2 * t * mlp_mult(m) * H * m.ffn_hidden_size / tp
+    return out
+
+
+def head_flops(cfg: Any, lo: Layout) -> float:
+    m = cfg.model
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    return 2 * cfg.train.micro_batch_size * m.seq_length / lo.cp * m.hidden_size * V / lo.tp
+
+
+def _mode_ops(ops: List, mode: str) -> List:
+    return [o for o in ops if o[0] == mode]
+
+
+def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enabled: Dict[str, bool],
+                c: int) -> List[ChunkCost]:
+    """ChunkCost of every model chunk (index = vchunk * pp + stage); `enabled[mode]` says
+    whether the mode's overlap is on; `c` bytes of the compute dtype."""
+    m, p = cfg.model, cfg.parallel
+    micro = lo.num_microbatches or 1
+    sp = bool(p.sequence_parallel) and lo.tp > 1
+    recompute = getattr(m, "recompute", "none")
+    rate = hw.flops
+    costs: List[ChunkCost] = []
+    per_stage = {}
+    for stage in range(lo.pp):
+        params = stage_params(cfg, lo, stage)
+        expert = stage_params(cfg, lo, stage, expert_only=True)
+        every = comm_ops(cfg, lo, stage, params, expert, c)
+        replay = replayed_ops(cfg, lo, stage, c)
+        base = list(every[:len(every) - len(replay)]) if replay else list(every)
+        per_stage[stage] = (base, replay, len(stage_layers(cfg, lo, stage)),
+                            sum(is_moe_layer(m, i) for i in stage_layers(cfg, lo, stage)))
+    for chunk in range(lo.pp * lo.vpp):
+        stage = chunk % lo.pp
+        base, replay, n_layers, n_moe = per_stage[stage]
+        cost = ChunkCost()
+        replayed = set(recomputed_in_chunk(cfg, lo, chunk)) if recompute == "full" else set()
+        for i in chunk_layers(cfg, lo, chunk):
+            fl = layer_flops(cfg, lo, i)
+            fwd = sum(fl.values())
+            extra = fwd if i in replayed else (fl["core"] if recompute == "selective" else 0.0)
+            cost.compute["F"] += fwd / rate
+            cost.compute["B"] += (2 * fwd + extra) / rate
+            share = micro * max(1, n_layers)
+            _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate, share, i in replayed)
+            _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
+            if is_moe_layer(m, i):
+                _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks, fl, rate,
+                    micro * max(1, n_moe))
+        if chunk == lo.pp * lo.vpp - 1:
+            cost.compute["F"] += head_flops(cfg, lo) / rate
+            cost.compute["B"] += 2 * head_flops(cfg, lo) / rate
+        costs.append(cost)
+    return costs
+
+
+def _tp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, sp: bool, fl, rate: float, share: int,
+        replayed: bool) -> None:
+    """TP per layer: SP's 4 forward and 6 backward gathers/scatters (collective matmul under the
+    GEMMs when on), or without SP 2 + 2 all-reduces, each waited at once."""
+    if lo.tp <= 1:
+        return
+    kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+    main = sum(o[2] for o in _mode_ops(base, "tp") if o[1] in kinds) / share
+    fwd_calls, bwd_calls = (4, 6) if sp else (2, 2)
+    fwd_bytes = main * fwd_calls / (fwd_calls + bwd_calls)
+    bwd_bytes = main - fwd_bytes
+    if replayed:  # full recompute replays the forward's collectives in backward
+        bwd_bytes += sum(o[2] for o in _mode_ops(replay, "tp")) / share
+    op = "all_gather" if sp else "all_reduce"  # SP's gathers and scatters cost the same per byte
+    gemm = (fl["attn_gemm"] + fl["mlp"]) / rate
+    for kind, nbytes, calls, under in (("F", fwd_bytes, fwd_calls, gemm), ("B", bwd_bytes, bwd_calls, 2 * gemm)):
+        t = collective_time(op, nbytes, lo.tp, link, calls)
+        exposed = ring_exposed(t, under, calls * (lo.tp - 1), calls * lo.tp) if (on and sp) else t
+        cost.add(kind, "tp", t, exposed)
+
+
+def _cp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, cp_comm: str, fl, rate: float,
+        share: int) -> None:
+    if lo.cp <= 1:
+        return
+    op = "all_to_all" if cp_comm == "a2a" else "send_recv"
+    main = sum(o[2] for o in _mode_ops(base, "cp") if o[1] == op) / share
+    main_b = main + sum(o[2] for o in _mode_ops(replay, "cp") if o[1] == op) / share
+    core = fl["core"] / rate
+    if op == "send_recv":
+        hops_f, hops_b = lo.cp - 1, 2 * lo.cp - 1
+        fwd = collective_time(op, main * hops_f / (hops_f + hops_b), 2, link, hops_f)
+        bwd = collective_time(op, main_b - main * hops_f / (hops_f + hops_b), 2, link, hops_b)
+        ef, eb = cp_ring_exposed(fwd, bwd, core, 2 * core, lo.cp) if on else (fwd, bwd)
+    else:
+        fwd = collective_time(op, main / 2, lo.cp, link, 4)
+        bwd = collective_time(op, main_b - main / 2, lo.cp, link, 4)
+        # two head groups: one group's exchange under the other's attention
+        ef = fwd / 2 + ring_exposed(fwd / 2, core / 2, 1, 1) if on else fwd
+        eb = bwd / 2 + ring_exposed(bwd / 2, core, 1, 1) if on else bwd
+    cost.add("F", "cp", fwd, ef)
+    cost.add("B", "cp", bwd, eb)
+
+
+def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks: int, fl, rate: float,
+        share: int) -> None:
+    if lo.ep <= 1:
+        return
+    ops = [o for o in _mode_ops(base, "ep")]
+    if not ops:
+        return
+    op = ops[0][1]
+    main = sum(o[2] for o in ops) / share
+    again = sum(o[2] for o in _mode_ops(replay, "ep")) / share
+    experts, shared = fl["mlp"] / rate, fl["shared"] / rate
+    for kind, nbytes, under, sh in (("F", main / 2, experts, shared), ("B", main / 2 + again, 2 * experts, 2 * shared)):
+        t = collective_time(op, nbytes, lo.ep, link, 2 * chunks)
+        exposed = ep_chunks_exposed(t / 2, t / 2, under, chunks, sh) if on else t
+        cost.add(kind, "ep", t, exposed)
+
+
+def step_ops(cfg: Any, lo: Layout, stage: int, c: int) -> List:
+    """The once-per-step operations of `stage` (DP gradients and parameters, the tied
+    embedding's sum, SP's unsplit-gradient sum, router statistics)."""
+    params, expert = stage_params(cfg, lo, stage), stage_params(cfg, lo, stage, expert_only=True)
+    ops = comm_ops(cfg, lo, stage, params, expert, c)
+    out = [o for o in ops if o[0] == "dp" or (o[0] == "pp" and o[1] == "all_reduce")]
+    if bool(cfg.parallel.sequence_parallel) and lo.tp > 1:
+        out += [o for o in ops if o[0] == "tp" and o[1] == "all_reduce"]
+    return out

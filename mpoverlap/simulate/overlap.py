@@ -1,0 +1,77 @@
+"""What each overlap mode hides under what: the exposed time of a mode's communication given
+the compute it runs under. Pure functions of durations (seconds), one per rule the code
+implements (DESIGN.md section 4); overlap off exposes every second of communication.
+
+- DP: gradient buckets become ready in order while the last microbatch's backward runs and go
+  out one after another on the DP stream (`bucket_finish`); what ends after the backward is
+  exposed. ZeRO-1's parameter gather runs bucket by bucket under the next forward
+  (`gather_exposed`): a bucket exposes what it is late for the first layer that needs it.
+- TP: collective matmul splits each SP all-gather / reduce-scatter into tp-1 ring steps under
+  tp GEMM chunks (`ring_exposed`).
+- CP: the ring passes K/V blocks (backward: K/V and dK/dV) while attention runs on the block
+  already here (`cp_ring_exposed`).
+- EP: each microbatch's tokens go in chunks; a chunk's dispatch and the previous chunk's
+  combine are in flight while the experts compute (`ep_chunks_exposed`); the shared expert
+  runs under the first dispatch.
+- PP: sends and receives are posted ahead and run while the stage computes another
+  microbatch: the discrete-event engine (engine.py) gives their cost.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+
+def ring_exposed(comm: float, compute: float, steps: int, chunks: int) -> float:
+    """A ring-decomposed collective of `steps` equal hops, each in flight under one of `chunks`
+    equal compute pieces (collective matmul: tp-1 hops, tp GEMM chunks): every hop longer than
+    its compute piece exposes the difference."""
+    if steps <= 0 or comm <= 0:
+        return 0.0
+    return steps * max(0.0, comm / steps - compute / chunks)
+
+
+def cp_ring_exposed(comm_fwd: float, comm_bwd: float, attn_fwd: float, attn_bwd: float, cp: int) -> Tuple[float, float]:
+    """(forward, backward) exposed seconds of one layer's ring attention. Forward: cp-1 K/V hops
+    under cp-1 of the cp blocks. Backward: 2cp-1 hops (cp-1 K/V, cp dK/dV); each of the cp-1
+    blocks with a successor hides its K/V and dK/dV hops, the last dK/dV hop has nothing under it."""
+    if cp <= 1:
+        return 0.0, 0.0
+    fwd = ring_exposed(comm_fwd, attn_fwd * (cp - 1) / cp, cp - 1, cp - 1)
+    hop = comm_bwd / (2 * cp - 1)
+    bwd = (cp - 1) * max(0.0, 2 * hop - attn_bwd / cp) + hop
+    return fwd, bwd
+
+
+def ep_chunks_exposed(dispatch: float, combine: float, experts: float, chunks: int, shared: float = 0.0) -> float:
+    """One layer pass of chunked expert dispatch: `chunks` chunks, each a dispatch, its experts
+    and a combine (the totals split evenly). The first dispatch runs under the shared expert
+    only; in steady state the next chunk's dispatch and the previous one's combine run under
+    one chunk's experts; the last combine has nothing under it."""
+    k = max(1, chunks)
+    d, c, e = dispatch / k, combine / k, experts / k
+    return max(0.0, d - shared) + (k - 1) * max(0.0, d + c - e) + c
+
+
+def bucket_finish(pieces: Iterable[Tuple[float, float]]) -> float:
+    """When a serial communication stream finishes `pieces` of (ready time, duration), each sent
+    as soon as it is ready and the stream is free (DP gradient buckets)."""
+    end = 0.0
+    for ready, duration in sorted(pieces):
+        end = max(end, ready) + duration
+    return end
+
+
+def buckets_over(start: float, end: float, total: float, count: int) -> list:
+    """`count` buckets of `total` seconds whose gradients become ready evenly over [start, end]
+    (the last at `end`)."""
+    count = max(1, count)
+    span = end - start
+    return [(start + span * (i + 1) / count, total / count) for i in range(count)]
+
+
+def gather_exposed(gather: float, forward: float, buckets: int) -> float:
+    """ZeRO-1 parameter all-gather per bucket, issued in order at the start of the forward it
+    feeds: bucket i (0-based) is needed when the forward is i/K done, arrives (i+1)/K of the way
+    through the gather; the forward waits for the latest of them."""
+    k = max(1, buckets)
+    return max((i + 1) * gather / k - i * forward / k for i in range(k)) if gather > 0 else 0.0

@@ -1,0 +1,184 @@
+"""`mpoverlap-check --search`: the layouts of one model on one world size and machine, ranked
+by predicted throughput.
+
+Candidates: tp (powers of two up to 2 nodes), pp (divisors of the layer count), vpp 1/2/4,
+cp 1/2, ep (MoE: powers of two dividing the experts), micro batch 1/2/4, sequence parallel,
+distributed optimizer; dp = world / (tp pp cp). A key given on the command line is kept fixed.
+Each candidate goes through, in order:
+  1. the validator (every rule; each rejection is counted under its rule id),
+  2. memory: the estimate's heaviest stage under the lightest recomputation that fits
+     (none, then selective, then full) within 90% of HBM; heavier recomputation is only
+     slower, so it is not simulated ("dominated"),
+  3. with TP overlap on, a tp > 1 layout without sequence parallelism is dominated by the same
+     one with it (its all-reduces are exposed, its activations larger),
+  4. the simulator, with the overlap settings given (default auto: every mode on where it
+     applies). overlap=none is never faster in the model (exposed <= in flight), so it is not
+     enumerated; the output gives the best layout's step with overlap=none beside it.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+from mpoverlap.overlap.estimate.core import estimate
+from mpoverlap.overlap.rules import validate
+from mpoverlap.simulate.core import SimResult, simulate
+from mpoverlap.simulate.hardware import Hardware
+from mpoverlap.simulate.plain import plain, with_values
+
+HBM_USABLE = 0.9  # the CUDA context, NCCL buffers and fragmentation take the rest
+SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "train.micro_batch_size",
+            "parallel.sequence_parallel", "train.distributed_optimizer", "model.recompute")
+
+
+@dataclass
+class Candidate:
+    values: Dict[str, Any]
+    result: SimResult
+    memory_gb: float
+
+
+@dataclass
+class SearchResult:
+    ranked: List[Candidate]
+    dropped: Counter
+    considered: int
+    seconds: float
+
+
+def fixed_keys(overrides: List[str]) -> set:
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+
+
+def _pow2(limit: int) -> List[int]:
+    return [2 ** i for i in range(int(math.log2(max(1, limit))) + 1)]
+
+
+def candidates(cfg: Any, world: int, hw: Hardware, fixed: set) -> List[Dict[str, Any]]:
+    m = cfg.model
+    choices = {
+        "parallel.tp": [t for t in _pow2(2 * hw.gpus_per_node) if world % t == 0],
+        "parallel.pp": [p for p in range(1, m.num_layers + 1) if m.num_layers % p == 0 and world % p == 0],
+        "parallel.vpp": [1, 2, 4],
+        "parallel.cp": [1, 2],
+        "parallel.ep": [e for e in _pow2(m.num_experts) if m.num_experts % e == 0] if m.num_experts else [1],
+        "train.micro_batch_size": [1, 2, 4],
+        "parallel.sequence_parallel": [True, False],
+        "train.distributed_optimizer": [False, True],
+    }
+    for key in fixed & set(choices):
+        group, name = key.split(".", 1)
+        choices[key] = [getattr(getattr(cfg, group), name)]
+    keys = list(choices)
+    out = []
+    for combo in itertools.product(*(choices[k] for k in keys)):
+        v = dict(zip(keys, combo))
+        tp, pp, cp = v["parallel.tp"], v["parallel.pp"], v["parallel.cp"]
+        if world % (tp * pp * cp):
+            continue
+        if v["parallel.sequence_parallel"] and tp == 1:
+            continue  # the same layout as without SP
+        if pp == 1 and v["parallel.vpp"] > 1:
+            continue
+        if m.num_layers % (pp * v["parallel.vpp"]):
+            continue
+        v["parallel.dp"] = world // (tp * pp * cp)
+        out.append(v)
+    return out
+
+
+def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchResult:
+    t0 = time.perf_counter()
+    base = plain(cfg)
+    fixed = fixed_keys(overrides)
+    dropped: Counter = Counter()
+    ranked: List[Candidate] = []
+    cands = candidates(base, world, hw, fixed)
+    recomputes = [base.model.recompute] if "model.recompute" in fixed else ["none", "selective", "full"]
+    tp_overlap = str(base.overlap.tp).lower() != "false"
+    for values in cands:
+        if (tp_overlap and values["parallel.tp"] > 1 and not values["parallel.sequence_parallel"]
+                and "parallel.sequence_parallel" not in fixed):
+            # Without SP, TP's all-reduces are waited at once and every rank holds the whole
+            # sequence's activations: never faster nor smaller than with SP while TP overlap is on.
+            dropped["dominated: parallel.sequence_parallel=false (TP overlap needs SP; SP holds less)"] += 1
+            continue
+        c = with_values(base, {**values, "model.recompute": "none", "parallel.world_size": world})
+        problems = validate(c)
+        if problems:
+            for rule in sorted({p.rule for p in problems}):
+                dropped[f"rule {rule}"] += 1
+            continue
+        est = estimate(c)
+        state = sum(est.memory_bytes[k] for k in ("params", "grads", "optimizer"))
+        fits = [r for r in recomputes if state + est.activations_by_recompute[r] <= HBM_USABLE * hw.hbm_bytes]
+        if not fits:
+            dropped["memory: does not fit in HBM under any model.recompute"] += 1
+            continue
+        dropped["dominated: more recomputation than needed to fit"] += len(recomputes) - recomputes.index(fits[0]) - 1
+        chosen = {**values, "model.recompute": fits[0]}
+        c = with_values(c, {"model.recompute": fits[0]})
+        if fits[0] != "none" and validate(c):
+            dropped[f"rule {validate(c)[0].rule}"] += 1
+            continue
+        result = simulate(c, hw)
+        ranked.append(Candidate(chosen, result, (state + est.activations_by_recompute[fits[0]]) / 1e9))
+    ranked.sort(key=lambda cand: -cand.result.tokens_per_s)
+    return SearchResult(ranked, dropped, len(cands), time.perf_counter() - t0)
+
+
+def _layout(v: Dict[str, Any]) -> str:
+    return (f"tp{v['parallel.tp']} pp{v['parallel.pp']} vpp{v['parallel.vpp']} cp{v['parallel.cp']} "
+            f"ep{v['parallel.ep']} dp{v['parallel.dp']} mbs{v['train.micro_batch_size']}"
+            f"{' sp' if v['parallel.sequence_parallel'] else ''}{' zero1' if v['train.distributed_optimizer'] else ''}"
+            f" rc={v['model.recompute']}")
+
+
+def render_search(cfg: Any, hw: Hardware, res: SearchResult, world: int, top: int = 10) -> str:
+    from mpoverlap.simulate.core import render
+    from mpoverlap.simulate.hardware import describe
+
+    m, t = cfg.model, cfg.train
+    lines = [f"mpoverlap search: {m.name} ({m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}) on "
+             f"{world} ranks, global batch {t.global_batch_size}",
+             f"  hardware {describe(hw)}",
+             f"  {res.considered} layouts considered, {len(res.ranked)} simulated, in {res.seconds:.1f} s",
+             "  rank | layout | step (ms) | tokens/s | MFU | mem (GB) | exposed ms: dp tp pp cp ep | pipeline idle (ms)",
+             "  ---- | ------ | --------- | -------- | --- | -------- | -------------------------- | ------------------"]
+    for i, cand in enumerate(res.ranked[:top], 1):
+        r = cand.result
+        exp = " ".join(f"{r.exposed_s.get(k, 0.0) * 1e3:.1f}" for k in ("dp", "tp", "pp", "cp", "ep"))
+        lines.append(f"  {i:>4} | {_layout(cand.values)} | {r.step_s * 1e3:,.1f} | {r.tokens_per_s:,.0f} | "
+                     f"{100 * r.mfu:.1f}% | {cand.memory_gb:.1f} | {exp} | {r.bubble_s * 1e3:,.1f}")
+    lines.append("  dropped (counts per reason; a layout broken by several rules counts under each):")
+    for reason, n in sorted(res.dropped.items(), key=lambda kv: -kv[1]):
+        if n:
+            lines.append(f"    {n:>6}  {reason}")
+    if res.ranked:
+        best = res.ranked[0]
+        lines.append("  best layout in detail:")
+        c = with_values(plain(cfg), {**best.values, "parallel.world_size": world})
+        lines.extend("  " + line for line in render(c, hw, best.result).splitlines())
+        lines.append("  as overrides: " + " ".join(f"{k}={_show(v)}" for k, v in best.values.items()))
+        off = with_values(c, {f"overlap.{k}": False for k in ("dp", "tp", "pp", "cp", "ep", "dp_param_gather")})
+        r_off = simulate(off, hw)
+        lines.append(f"  the same layout with overlap=none: step {r_off.step_s * 1e3:,.1f} ms "
+                     f"({r_off.step_s / best.result.step_s - 1:+.1%}), MFU {100 * r_off.mfu:.1f}%")
+    return "\n".join(lines)
+
+
+def _show(v: Any) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+
+def parse_top(args: List[str]) -> Tuple[int, List[str]]:
+    """`--top N` out of the argument list."""
+    if "--top" in args:
+        i = args.index("--top")
+        return int(args[i + 1]), args[:i] + args[i + 2:]
+    return 10, args
+

@@ -1,0 +1,258 @@
+"""The step-time simulator and planner (mpoverlap/simulate): each overlap rule on a case with a
+hand-computed answer, the pipeline engine on a hand-run schedule, the collective cost model,
+rank placement, Narayanan et al. 2021 Table 1 within 25%, and the CLI (--simulate on 16,384
+ranks, --search for a 70B model on 1,024 H100s)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mpoverlap.simulate.collectives import collective_time, group_links
+from mpoverlap.simulate.engine import run_pipeline
+from mpoverlap.simulate.hardware import Hardware, Link, parse_rate
+from mpoverlap.simulate.overlap import (bucket_finish, buckets_over, cp_ring_exposed, ep_chunks_exposed,
+                                        gather_exposed, ring_exposed)
+
+# ---- each mode's rule, by hand --------------------------------------------------------------
+
+
+def test_dp_buckets_under_backward():
+    # backward 10 ms, 4 ms of gradient reduction in 4 buckets ready at 2.5, 5, 7.5, 10 ms:
+    # the stream ends at 11 ms, 1 ms after the backward.
+    assert bucket_finish(buckets_over(0.0, 10.0, 4.0, 4)) - 10.0 == pytest.approx(1.0)
+    # one bucket: nothing ready before the end, all 4 ms exposed
+    assert bucket_finish(buckets_over(0.0, 10.0, 4.0, 1)) - 10.0 == pytest.approx(4.0)
+    # communication slower than compute: 20 ms in 4 buckets -> 5 ms each from 2.5 ms: ends at 22.5
+    assert bucket_finish(buckets_over(0.0, 10.0, 20.0, 4)) - 10.0 == pytest.approx(12.5)
+
+
+def test_dp_param_gather_under_forward():
+    # gather 4 ms in 4 buckets under a 10 ms forward: bucket 0 is needed at once (1 ms late),
+    # the others arrive before the forward reaches them.
+    assert gather_exposed(4.0, 10.0, 4) == pytest.approx(1.0)
+    # gather 12 ms in 4 buckets under 8 ms: the last is needed at 6, arrives at 12 -> 6 ms
+    assert gather_exposed(12.0, 8.0, 4) == pytest.approx(6.0)
+
+
+def test_tp_ring_steps_under_gemm_chunks():
+    # tp=4: 3 ring hops under 4 GEMM chunks of 2 ms. 6 ms of communication = 2 ms hops: hidden.
+    assert ring_exposed(6.0, 8.0, 3, 4) == pytest.approx(0.0)
+    # 12 ms = 4 ms hops, 2 ms under each: 3 x 2 = 6 ms exposed
+    assert ring_exposed(12.0, 8.0, 3, 4) == pytest.approx(6.0)
+
+
+def test_cp_ring_under_block_attention():
+    # cp=4, forward 3 K/V hops of 1 ms under blocks of 2 ms: hidden. Backward 7 hops of 1 ms,
+    # blocks of 2 ms hide K/V + dK/dV (2 ms) each; the last dK/dV hop (1 ms) is exposed.
+    fwd, bwd = cp_ring_exposed(3.0, 7.0, 8.0, 8.0, 4)
+    assert fwd == pytest.approx(0.0) and bwd == pytest.approx(1.0)
+    # hops of 3 ms forward under 2 ms blocks: 3 x 1 ms exposed
+    assert cp_ring_exposed(9.0, 7.0, 8.0, 8.0, 4)[0] == pytest.approx(3.0)
+
+
+def test_ep_chunks_under_experts():
+    # 4 chunks, dispatch and combine 1 ms each per chunk, experts 3 ms per chunk: the first
+    # dispatch and the last combine are exposed (2 ms of 8)
+    assert ep_chunks_exposed(4.0, 4.0, 12.0, 4) == pytest.approx(2.0)
+    # a 1 ms shared expert hides the first dispatch
+    assert ep_chunks_exposed(4.0, 4.0, 12.0, 4, shared=1.0) == pytest.approx(1.0)
+    # experts 1 ms per chunk: steady state exposes (1 + 1 - 1) per later chunk
+    assert ep_chunks_exposed(4.0, 4.0, 4.0, 4) == pytest.approx(1 + 3 + 1)
+
+
+def test_pp_engine_by_hand():
+    """pp=2, 2 microbatches of 1F1B, forward 1, backward 2, a message 0.5 (worked out in
+    the comments): free p2p 9, posted ahead 10, blocking 10.5."""
+    dur = {"F": 1.0, "B": 2.0}
+    def run(hop, overlap):
+        return max(run_pipeline(2, 1, 2, lambda k, c: dur[k], lambda a, b: hop, overlap).ends)
+    # stage 0: F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]; stage 1: F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]
+    assert run(0.0, True) == pytest.approx(9.0)
+    # posted ahead: act0 at 1.5, act1 at 2.5; s1 F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5];
+    # grads at 5.0 and 8.0: s0 B0 [5,7] B1 [8,10]
+    assert run(0.5, True) == pytest.approx(10.0)
+    # blocking: s0 waits each send (F1 [1.5,2.5], act1 at 3.0); s1 B0 [2.5,4.5] then waits its
+    # send to 5.0, F1 [5,6], B1 [6,8], grad1 at 8.5: s0 B0 [5,7], B1 [8.5,10.5]
+    assert run(0.5, False) == pytest.approx(10.5)
+
+
+# ---- cost model and placement -----------------------------------------------------------------
+
+def _hw(g=8):
+    return Hardware("t", g, 1e15, 0.5, 80e9, Link(100e9, 1e-6, "intra"), Link(10e9, 1e-5, "inter"))
+
+
+def test_alpha_beta_collectives():
+    link = Link(1e9, 1e-6)
+    # ring all-reduce over 4: 6 steps of latency, 2*3/4 of the buffer on the wire
+    assert collective_time("all_reduce", 1e9, 4, link) == pytest.approx(6e-6 + 1.5)
+    assert collective_time("all_gather", 1e9, 4, link) == pytest.approx(3e-6 + 0.75)
+    assert collective_time("all_to_all", 1e9, 4, link) == pytest.approx(3e-6 + 0.75)
+    # a send/receive pair counts both buffers; the sent half crosses the link once
+    assert collective_time("send_recv", 2e9, 2, link) == pytest.approx(1e-6 + 1.0)
+    assert collective_time("all_reduce", 1e9, 1, link) == 0.0
+
+
+def test_groups_run_on_the_slowest_link_they_span():
+    from types import SimpleNamespace
+
+    def lo(tp, cp, dp, pp, ep=1):
+        return SimpleNamespace(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+    links = group_links(lo(8, 1, 4, 2), _hw())
+    assert links["tp"].name == "intra" and links["dp"].name == "inter" and links["pp"].name == "inter"
+    links = group_links(lo(2, 2, 2, 4), _hw())  # tp, cp, dp all inside a node of 8
+    assert (links["tp"].name, links["cp"].name, links["dp"].name, links["pp"].name) == ("intra",) * 3 + ("inter",)
+    assert group_links(lo(16, 1, 1, 1), _hw())["tp"].name == "inter"
+
+
+def test_tc_rate_parsing():
+    text = "qdisc tbf 8001: root refcnt 2 rate 2Gbit burst 256Kb lat 100ms"
+    assert parse_rate(text) == pytest.approx(2e9 / 8)
+    assert parse_rate("qdisc noqueue 0: root") is None
+
+
+# ---- published figures --------------------------------------------------------------------------
+
+def test_narayanan_2021_table1_within_25_percent():
+    from mpoverlap.simulate.published import NARAYANAN_2021_TABLE1, predict
+
+    errors = {row.billions: predict(row) / row.tflops - 1 for row in NARAYANAN_2021_TABLE1}
+    assert len(errors) == 10
+    assert all(abs(e) <= 0.25 for e in errors.values()), errors
+
+
+# ---- the simulator end to end ---------------------------------------------------------------------
+
+def test_overlap_never_slower_and_exposed_within_in_flight():
+    from mpoverlap.config import compose
+    from mpoverlap.simulate import from_config, simulate
+
+    common = ["model=gpt_125m", "parallel.world_size=64", "parallel.tp=4", "parallel.pp=2", "parallel.vpp=2",
+              "parallel.cp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+              "train.global_batch_size=64", "train.micro_batch_size=1", "train.distributed_optimizer=true",
+              "model.tie_embeddings=false"]
+    on = compose(common + ["overlap=auto"])
+    off = compose(common + ["overlap=none"])
+    r_on, r_off = simulate(on, from_config(on)), simulate(off, from_config(off))
+    assert r_on.step_s < r_off.step_s
+    for r in (r_on, r_off):
+        for mode, t in r.in_flight_s.items():
+            assert 0.0 <= r.exposed_s[mode] <= t + 1e-12, (mode, r.exposed_s[mode], t)
+    # off: every second in flight is exposed, except p2p (the engine's difference to free p2p)
+    for mode in ("tp", "cp", "dp"):
+        assert r_off.exposed_s[mode] == pytest.approx(r_off.in_flight_s[mode])
+
+
+def test_simulate_cli_16384_ranks_in_seconds(capsys):
+    from mpoverlap.check import main
+
+    t0 = time.process_time()
+    rc = main(["--simulate", "hardware=h100_sxm", "model=dense_70b", "parallel.world_size=16384", "parallel.tp=8",
+               "parallel.pp=8", "parallel.vpp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+               "train.global_batch_size=4096", "train.micro_batch_size=1", "train.distributed_optimizer=false"])
+    out = capsys.readouterr().out
+    assert rc == 0 and time.process_time() - t0 < 20
+    assert "world 16384" in out and "tokens/s" in out and "MFU" in out
+    for mode in ("dp", "tp", "pp"):
+        assert f"  {mode} " in out
+
+
+def test_search_70b_on_1024_h100s(capsys):
+    from mpoverlap.check import main
+
+    t0 = time.process_time()
+    rc = main(["--search", "hardware=h100_sxm", "parallel.world_size=1024", "model=dense_70b",
+               "train.precision=bf16", "train.global_batch_size=1024", "--top", "5"])
+    cpu = time.process_time() - t0
+    out = capsys.readouterr().out
+    assert rc == 0 and cpu < 60, cpu
+    best = out.split("as overrides: ")[1].splitlines()[0].split()
+    values = dict(kv.split("=") for kv in best)
+    assert int(values["parallel.tp"]) <= 8  # tensor parallelism stays inside a node of 8
+    row = [line for line in out.splitlines() if line.strip().startswith("1 |")][0]
+    mfu = float(row.split("|")[5].strip().rstrip("%"))
+    assert 30.0 <= mfu <= 60.0
+    assert "why: MFU = GEMM fraction" in out
+    assert "dropped" in out and "memory: does not fit" in out and "rule " in out
+    assert "with overlap=none" in out
+
+
+@pytest.mark.parametrize("preset", ["h100_sxm", "a100_80gb", "h200_sxm"])
+def test_hardware_presets_compose(preset):
+    from mpoverlap.config import compose
+    from mpoverlap.simulate import from_config
+
+    hw = from_config(compose([f"hardware={preset}"]))
+    assert hw.name == preset and hw.gpus_per_node == 8 and 0 < hw.gemm_efficiency <= 1
+    assert hw.intra.bandwidth > hw.inter.bandwidth > 0 and hw.hbm_bytes >= 80e9
+
+
+def test_simulate_cli_reports_invalid_layouts(capsys):
+    from mpoverlap.check import main
+
+    assert main(["--simulate", "parallel.world_size=8", "parallel.tp=3"]) == 2
+    assert "parallel.tp" in capsys.readouterr().err
+    assert main(["--search", "model=gpt_tiny"]) == 2  # no world size to plan for
+
+
+def test_search_small_world_counts_rules_and_memory():
+    from mpoverlap.config import compose
+    from mpoverlap.simulate import from_config
+    from mpoverlap.simulate.planner import search
+
+    overrides = ["model=gpt_125m", "parallel.world_size=16", "train.global_batch_size=32", "hardware.hbm_gb=0.6"]
+    cfg = compose(overrides)
+    res = search(cfg, from_config(cfg), overrides, 16)
+    assert res.ranked, res.dropped
+    assert any(k.startswith("rule ") for k in res.dropped)
+    assert res.dropped["memory: does not fit in HBM under any model.recompute"] > 0
+    steps = [c.result.step_s for c in res.ranked]
+    assert steps == sorted(steps)
+    assert all(c.memory_gb <= 0.9 * 0.6 + 1e-9 for c in res.ranked)
+    # keys given on the command line stay fixed
+    fixed = ["model=gpt_125m", "parallel.world_size=16", "train.global_batch_size=32", "parallel.tp=2",
+             "parallel.cp=1", "train.micro_batch_size=2"]
+    cfg = compose(fixed)
+    ranked = search(cfg, from_config(cfg), fixed, 16).ranked
+    assert {(c.values["parallel.tp"], c.values["parallel.cp"], c.values["train.micro_batch_size"]) for c in ranked} \
+        == {(2, 1, 2)}
+
+
+def test_bench_predict_covers_every_scenario(monkeypatch):
+    """bench/predict.py reads both result shapes (dp_overlap, modes) and predicts every mpoverlap
+    variant, overlap on and off (the machine's rates fixed here instead of measured)."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
+    from bench import predict
+    from mpoverlap.simulate import hardware
+
+    monkeypatch.setattr(hardware, "measured", lambda hw, cfg: dataclasses.replace(hw, peak_flops=5e10))
+    rows = predict.predict(predict.quiet_results(), "2gbit")
+    assert {(r["scenario"], r["overlap"]) for r in rows} == {(s, o) for s in ("dp", "tp", "cp", "pp", "ep")
+                                                          for o in (True, False)}
+    assert len(rows) == 13 and all(r["predicted_step_s"] > 0 and 0 <= r["predicted_share"] <= 1 for r in rows)
+    assert all(r["link_mb_s"] == pytest.approx(250.0) for r in rows)  # --rate as given (measured() patched out)
+    assert "Step within 25%" in predict.render(rows)
+
+
+def test_in_flight_is_the_estimates_link_bytes_over_bandwidth():
+    """With zero latency, each mode's in-flight time per step is the estimate's link bytes
+    (mpoverlap-check's "link" view) over the group's bandwidth: the simulator moves the
+    estimate's volumes, no more, no less."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+    from mpoverlap.simulate import from_config, simulate
+
+    cfg = compose(["model=gpt_125m", "parallel.world_size=16", "parallel.tp=4", "parallel.cp=2",
+                   "parallel.sequence_parallel=true", "train.precision=bf16", "train.global_batch_size=8",
+                   "train.micro_batch_size=2", "train.distributed_optimizer=true", "hardware.intra_latency=0",
+                   "hardware.inter_latency=0", "hardware.gpus_per_node=16"])
+    hw = from_config(cfg)
+    r, est = simulate(cfg, hw), estimate(cfg)
+    for mode in ("dp", "tp", "cp"):
+        assert r.in_flight_s[mode] == pytest.approx(est.comm_link_bytes_per_step[mode] / hw.intra.bandwidth,
+                                                    rel=1e-6), mode
