@@ -62,7 +62,8 @@ class Trainer:
                                 overlap=self.overlap.tp.enabled, ledger=self.ledger)
         self.pp = state.grid.pp
         moe = (moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=cfg.overlap.ep_chunks,
-                          ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel))
+                          ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
+                          etp=state.grid.etp)
                if cfg.model.num_experts > 0 else None)
         self.chunks = [c.to(state.device) for c in build_chunks(
             cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, tp=self.tp, moe=moe, **attention)]
@@ -133,7 +134,15 @@ class Trainer:
                                        tp_group, tp_size)
         # Every rank starts from the same seed, so rank 0's generator state stands for all.
         return {"model": unshard_named({n: p.detach() for n, p in params.items()}, params, tp_group, tp_size),
-                "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()}}
+                "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()},
+                # The aux-loss-free expert biases (model.moe_router_bias_update_rate > 0): the
+                # same on every rank, keyed by the router's layout-free name.
+                "expert_bias": self._expert_biases()}
+
+    def _expert_biases(self) -> Dict[str, torch.Tensor]:
+        names = {id(b.mlp): n for c in self.chunks for n, b in c.layers.named_children()}
+        return {f"layers.{names[id(layer)]}.mlp.router.expert_bias": layer.router.expert_bias
+                for layer in self.moe_layers if layer.router.expert_bias is not None}
 
     @torch.no_grad()
     def _load_app_state(self, state: Dict[str, Any]) -> None:
@@ -146,6 +155,8 @@ class Trainer:
         for key in ("exp_avg", "exp_avg_sq"):
             optim[key] = {to_dp[n]: v for n, v in reshard_named(optim[key], params, tp_rank, tp_size).items()}
         self.optimizer.load_state_dict(optim)
+        for name, bias in self._expert_biases().items():
+            bias.copy_(state.get("expert_bias", {}).get(name, bias))
         torch.set_rng_state(state["rng"]["torch_cpu"])
         self.step = int(state["meta"]["step"])
 
@@ -244,10 +255,31 @@ class Trainer:
                                  "the weights or a checkpoint. train.on_nonfinite=skip skips such steps instead")
         if not skipped:
             self.optimizer.step(lr)
+        self._update_expert_bias(apply=not skipped)
         step_time = time.perf_counter() - t0
         self.step += 1
         return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
                 "skipped": skipped}
+
+    @torch.no_grad()
+    def _update_expert_bias(self, apply: bool) -> None:
+        """model.moe_router_bias_update_rate > 0: every MoE layer's aux-loss-free bias moves by
+        the step's GLOBAL loads. Each rank's loads are already summed over the ranks sharing its
+        sequences (tp under SP, cp); one all-reduce over dp x cp adds the replicas (and counts
+        each replica's loads cp times: divided back, exactly, as they are integers)."""
+        layers = [layer for layer in self.moe_layers if layer.router.expert_bias is not None]
+        if not layers:
+            return
+        loads = torch.stack([layer.pending_load() for layer in layers])  # [layers, E] fp32
+        group = self.state.group("dp_cp")
+        if group is not None:
+            all_reduce(loads, group, mode="dp", ledger=self.ledger).wait()
+            loads /= self.cp_size
+        for layer, load in zip(layers, loads):
+            if apply:
+                layer.update_expert_bias(load)
+            else:
+                layer.discard_load()
 
     def _train_microbatches(self, micro) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.state.device)
