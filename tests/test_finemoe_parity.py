@@ -93,3 +93,22 @@ def test_expert_tp_traffic_is_counted(runs):
     assert runs["etp2_sp"][-1]["comm"]["tp"]["ops"] > runs["tp2_sp"][-1]["comm"]["tp"]["ops"]
     assert runs["etp2_sp"][-1]["comm"]["tp"]["bytes"] > runs["tp2_sp"][-1]["comm"]["tp"]["bytes"]
     assert runs["etp2_sp_dp2_ep2"][-1]["comm"]["ep"]["ops"] > 0
+
+
+def _estimate(name):
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
+    world, ov = LAYOUTS[name]
+    return estimate(compose([*BASE, *_fill_dp(world, ov)]), world).comm_bytes_per_step
+
+
+def test_expert_tp_and_dispatch_bytes_match_the_estimate(runs):
+    """What etp adds to the tp traffic (gathers and reductions of the group's tokens, minus the
+    expert gradients SP no longer sums over tp) and the ep dispatch of the tp group's tokens:
+    the ledger's bytes equal mpoverlap-check's estimate."""
+    measured = runs["etp2_sp"][-1]["comm"]["tp"]["bytes"] - runs["tp2_sp"][-1]["comm"]["tp"]["bytes"]
+    est = _estimate("etp2_sp")["tp"] - _estimate("tp2_sp")["tp"]
+    assert measured == pytest.approx(est, rel=1e-3)
+    for name in ("etp2_sp_dp2_ep2", "dp2_ep2"):
+        assert runs[name][-1]["comm"]["ep"]["bytes"] == pytest.approx(_estimate(name)["ep"], rel=1e-3), name

@@ -116,6 +116,9 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # microbatch over the ranks sharing the sequences; counted under cp when cp > 1.
         ops.append(("cp" if lo.cp > 1 else "tp", "all_reduce", (2 * m.num_experts + 2) * 4 * moe_here * micro,
                     (lo.tp if sp_split else 1) * lo.cp))
+    if replicas > 1 and moe_here and getattr(m, "moe_router_bias_update_rate", 0.0) > 0:
+        # The aux-loss-free bias: every MoE layer's per-expert loads (fp32), one all-reduce per step.
+        ops.append(("dp", "all_reduce", moe_here * m.num_experts * 4, replicas))
     etp = etp_size(cfg)
     if etp > 1 and moe_here:
         # Expert tensor parallelism (moe/expert_tp.py), per MoE layer and microbatch over the
