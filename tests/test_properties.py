@@ -128,6 +128,14 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
           "model.num_layers": 1})
 @example({"model.hidden_size": 30, "model.num_attention_heads": 4})
 @example({"model.hidden_size": 9, "model.num_attention_heads": 3})
+# Issue 17's keys at once: an etp that is not tp, every layer dense, sigmoid with top-k-then-
+# softmax, a shared width without a shared expert, a negative bias rate.
+@example({"model.num_experts": 4, "model.moe_top_k": 2, "parallel.tp": 2, "parallel.etp": 3, "model.num_layers": 2,
+          "model.moe_first_dense_layers": 2, "model.moe_router_score": "sigmoid",
+          "model.moe_router_order": "topk_score", "model.moe_shared_expert_ffn_hidden_size": 12,
+          "model.shared_expert": False, "model.moe_router_bias_update_rate": -0.01})
+@example({"model.num_experts": 0, "parallel.etp": 2, "model.moe_first_dense_layers": 1,
+          "model.moe_router_bias_update_rate": 0.01})
 def test_every_fix_gives_an_accepted_config_whose_model_runs(assignment):
     """Fixes applied (all of them, round after round) end in a config the validator accepts,
     and its model builds and runs one forward and backward at this tiny size (an accepted

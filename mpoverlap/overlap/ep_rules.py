@@ -201,7 +201,7 @@ def _etp_needs_experts(lo: Layout):
 def _etp_divides(lo: Layout):
     m = lo.cfg.model
     etp = as_positive_int(lo.cfg.parallel.etp)
-    if etp is None or etp == 1 or m.num_experts == 0:
+    if etp is None or etp == 1 or etp != lo.tp or m.num_experts == 0:  # other etp: etp.value
         return
     ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
     if isinstance(ffn, int) and ffn >= 1 and ffn % etp:
