@@ -104,6 +104,7 @@ def _resume_worker(rank, world, root):
     from pathlib import Path
 
     from mpoverlap.config import compose
+    from mpoverlap.moe.balance import expert_biases
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
 
@@ -122,9 +123,9 @@ def _resume_worker(rank, world, root):
     for _ in range(2):
         first.train_step()
     first.save()
-    saved = {n: b.clone() for n, b in first._expert_biases().items()}
+    saved = {n: b.clone() for n, b in expert_biases(first.chunks).items()}
     second = trainer("second", 4, True)
-    restored = second._expert_biases()
+    restored = expert_biases(second.chunks)
     assert saved and all(torch.equal(saved[n], restored[n]) for n in saved)
     assert any(bool(b.abs().sum() > 0) for b in restored.values())
     rest = [second._mean_over_replicas(second.train_step()["loss_local"]) for _ in range(2)]

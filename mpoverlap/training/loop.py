@@ -17,6 +17,7 @@ from mpoverlap.context_parallel import ContextParallelAttention, positions_for_c
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.models.gpt import flops_per_token, num_parameters
 from mpoverlap.moe import moe_kwargs
+from mpoverlap.moe.balance import expert_biases, update_expert_biases
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
@@ -137,12 +138,7 @@ class Trainer:
                 "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()},
                 # The aux-loss-free expert biases (model.moe_router_bias_update_rate > 0): the
                 # same on every rank, keyed by the router's layout-free name.
-                "expert_bias": self._expert_biases()}
-
-    def _expert_biases(self) -> Dict[str, torch.Tensor]:
-        names = {id(b.mlp): n for c in self.chunks for n, b in c.layers.named_children()}
-        return {f"layers.{names[id(layer)]}.mlp.router.expert_bias": layer.router.expert_bias
-                for layer in self.moe_layers if layer.router.expert_bias is not None}
+                "expert_bias": expert_biases(self.chunks)}
 
     @torch.no_grad()
     def _load_app_state(self, state: Dict[str, Any]) -> None:
@@ -155,7 +151,7 @@ class Trainer:
         for key in ("exp_avg", "exp_avg_sq"):
             optim[key] = {to_dp[n]: v for n, v in reshard_named(optim[key], params, tp_rank, tp_size).items()}
         self.optimizer.load_state_dict(optim)
-        for name, bias in self._expert_biases().items():
+        for name, bias in expert_biases(self.chunks).items():
             bias.copy_(state.get("expert_bias", {}).get(name, bias))
         torch.set_rng_state(state["rng"]["torch_cpu"])
         self.step = int(state["meta"]["step"])
@@ -255,31 +251,11 @@ class Trainer:
                                  "the weights or a checkpoint. train.on_nonfinite=skip skips such steps instead")
         if not skipped:
             self.optimizer.step(lr)
-        self._update_expert_bias(apply=not skipped)
+        update_expert_biases(self.moe_layers, self.state, self.ledger, apply=not skipped)
         step_time = time.perf_counter() - t0
         self.step += 1
         return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
                 "skipped": skipped}
-
-    @torch.no_grad()
-    def _update_expert_bias(self, apply: bool) -> None:
-        """model.moe_router_bias_update_rate > 0: every MoE layer's aux-loss-free bias moves by
-        the step's GLOBAL loads. Each rank's loads are already summed over the ranks sharing its
-        sequences (tp under SP, cp); one all-reduce over dp x cp adds the replicas (and counts
-        each replica's loads cp times: divided back, exactly, as they are integers)."""
-        layers = [layer for layer in self.moe_layers if layer.router.expert_bias is not None]
-        if not layers:
-            return
-        loads = torch.stack([layer.pending_load() for layer in layers])  # [layers, E] fp32
-        group = self.state.group("dp_cp")
-        if group is not None:
-            all_reduce(loads, group, mode="dp", ledger=self.ledger).wait()
-            loads /= self.cp_size
-        for layer, load in zip(layers, loads):
-            if apply:
-                layer.update_expert_bias(load)
-            else:
-                layer.discard_load()
 
     def _train_microbatches(self, micro) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.state.device)
