@@ -118,9 +118,10 @@ class MLP(nn.Module):
 
 
 def is_moe_layer(cfg, layer_index: int) -> bool:
-    """Layer i's MLP is a mixture of experts when the model has experts and
-    i % model.moe_layer_freq == 0."""
-    return cfg.num_experts > 0 and layer_index % cfg.moe_layer_freq == 0
+    """Layer i's MLP is a mixture of experts when the model has experts, i is past the
+    model.moe_first_dense_layers leading dense layers and i % model.moe_layer_freq == 0."""
+    return (cfg.num_experts > 0 and layer_index >= getattr(cfg, "moe_first_dense_layers", 0)
+            and layer_index % cfg.moe_layer_freq == 0)
 
 
 class Block(nn.Module):
@@ -136,7 +137,7 @@ class Block(nn.Module):
         if is_moe_layer(cfg, layer_index):
             # Experts and router are not split over TP: under SP each TP rank routes its own
             # S/tp tokens (their gradients are then summed over TP like the norms').
-            shared = (MLP(cfg, f"{prefix}.mlp.shared_expert", seed, None, layers.moe_ffn(cfg))
+            shared = (MLP(cfg, f"{prefix}.mlp.shared_expert", seed, None, layers.shared_expert_ffn(cfg))
                       if cfg.shared_expert else None)
             self.mlp = layers.moe_mlp(f"{prefix}.mlp", cfg, seed, moe, shared)
         else:
@@ -254,14 +255,14 @@ def flops_per_token(cfg) -> float:
                                                   the output head; the embedding lookup is free)
       12 L H S: attention scores (QK^T) and values (AV), 2 * 2 S H per token and layer forward,
                 times 3; the causal mask is not discounted (as Megatron reports it).
-    MoE layers count the ACTIVE parameters: top_k experts (+ the shared expert) of width
-    moe_ffn and the router H * E, instead of the dense m H F.
+    MoE layers count the ACTIVE parameters: top_k experts of width moe_ffn (+ the shared
+    expert of its own width) and the router H * E, instead of the dense m H F.
     """
     H, L, S, Fh = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
     m = 3 if cfg.activation == "swiglu" else 2
     vpad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
     n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
-    active_experts = cfg.moe_top_k + (1 if cfg.shared_expert else 0)
-    moe_mlp = m * H * layers.moe_ffn(cfg) * active_experts + H * cfg.num_experts
+    shared = layers.shared_expert_ffn(cfg) if cfg.num_experts > 0 and cfg.shared_expert else 0
+    moe_mlp = m * H * (layers.moe_ffn(cfg) * cfg.moe_top_k + shared) + H * cfg.num_experts
     n_matmul = L * 4 * H * H + (L - n_moe) * m * H * Fh + n_moe * moe_mlp + H * vpad
     return float(6 * n_matmul + 12 * L * H * S)

@@ -71,6 +71,18 @@ def moe_ffn(cfg) -> int:
     return cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
 
 
+def shared_expert_ffn(cfg) -> int:
+    """The shared expert's hidden size: model.moe_shared_expert_ffn_hidden_size, default the
+    expert width (N shared experts of width F are one MLP of width N * F)."""
+    return getattr(cfg, "moe_shared_expert_ffn_hidden_size", None) or moe_ffn(cfg)
+
+
+def router_options(cfg) -> dict:
+    """The router's scoring keys (see mpoverlap.moe.router.TopKRouter)."""
+    return {"score": cfg.moe_router_score, "order": cfg.moe_router_order, "norm_topk": cfg.moe_router_norm_topk,
+            "bias_update_rate": cfg.moe_router_bias_update_rate}
+
+
 def moe_mlp(name: str, cfg, seed: int, moe: Optional[dict], shared_expert: Optional[nn.Module]) -> nn.Module:
     """x [B, S, H] -> (y [B, S, H], router output): a mixture of experts over the
     expert-parallel group of `moe` (one process when None). The layer's aux-loss gradient
@@ -81,6 +93,7 @@ def moe_mlp(name: str, cfg, seed: int, moe: Optional[dict], shared_expert: Optio
     layer = build_moe_layer(cfg.hidden_size, moe_ffn(cfg), cfg.num_experts, cfg.moe_top_k, name=name,
                             cfg=cfg, seed=seed, activation=cfg.activation, dispatcher=cfg.moe_dispatcher,
                             aux_loss_coeff=cfg.moe_aux_loss_coeff, z_loss_coeff=cfg.moe_z_loss_coeff,
-                            capacity_factor=cfg.moe_capacity_factor, shared_expert=shared_expert, **ctx)
+                            capacity_factor=cfg.moe_capacity_factor, shared_expert=shared_expert,
+                            router_options=router_options(cfg), **ctx)
     layer.aux_loss_scale = 1.0
     return layer

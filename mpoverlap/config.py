@@ -41,6 +41,17 @@ class ModelConfig:
     moe_z_loss_coeff: float = 1e-3  # router z-loss coefficient
     moe_capacity_factor: Optional[float] = None  # None = dropless; else drop beyond capacity
     moe_dispatcher: str = "alltoall"  # alltoall | allgather
+    # Fine-grained MoE (DeepSeek-MoE / Qwen-MoE class). The shared expert's hidden size (with
+    # shared_expert=true; null = the expert width). N shared experts of width F are one
+    # shared MLP of width N * F (their outputs add up), so a count is written as its width.
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    moe_first_dense_layers: int = 0  # layers 0 .. N-1 keep a dense MLP (DeepSeek-MoE: 1)
+    moe_router_score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    moe_router_order: str = "score_topk"  # score_topk (score all, pick k) | topk_score (softmax over the k)
+    moe_router_norm_topk: bool = True  # score_topk: renormalise the k weights to sum 1
+    # Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores for the
+    # top-k choice only, moved by rate * sign(mean load - load) after every step. 0 = off.
+    moe_router_bias_update_rate: float = 0.0
     transformer_impl: str = "local"  # local | te
     # Activation recomputation: none | selective (the attention core) | full (whole blocks).
     recompute: str = "none"
@@ -54,6 +65,9 @@ class ParallelConfig:
     vpp: int = 1
     cp: int = 1
     ep: int = 1
+    # Expert tensor parallelism: the experts' FFN split over a tensor-parallel group of
+    # etp ranks (1, or tp: the tp group), while attention keeps its tp.
+    etp: int = 1
     dp: Any = "auto"  # int, or auto = world / (tp x pp x cp)
     sequence_parallel: bool = False
     cp_comm: str = "p2p"  # p2p (ring attention) | a2a (Ulysses all-to-all)

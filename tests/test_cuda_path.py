@@ -50,6 +50,13 @@ HOT_STEP_BUDGETS = {
     "cp2-a2a": (["parallel.cp=2", "parallel.cp_comm=a2a", "overlap.cp=true"], 1),
     "moe-ep2": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
                  "overlap.ep=true"], 1 + 2 * 2),
+    # Issue 17: sigmoid router with the aux-loss-free bias (its update: no host read), and the
+    # experts split over tp (etp). moe_fine_tiny at 2 layers has 1 MoE layer (the first is dense).
+    "moe-fine-ep2-bias": (["model=moe_fine_tiny", "model.moe_router_score=sigmoid", "model.moe_router_norm_topk=true",
+                           "model.moe_router_bias_update_rate=0.01", "parallel.dp=2", "parallel.ep=2",
+                           "overlap.ep=true"], 1 + 1 * 2),
+    "moe-fine-etp2-sp": (["model=moe_fine_tiny", "model.moe_router_bias_update_rate=0.01", "parallel.tp=2",
+                          "parallel.etp=2", "parallel.sequence_parallel=true", "parallel.dp=1"], 1 + 1 * 4),
 }
 
 

@@ -180,6 +180,10 @@ def _fake_checkpoint(root: Path, overrides) -> Path:
     (["model.norm=layernorm", "model.activation=gelu"], ["model.norm=layernorm", "model.activation=gelu"]),
     (["model=moe_tiny", "model.shared_expert=true"], ["model.shared_expert=true"]),
     (["model=moe_tiny", "model.moe_layer_freq=2"], ["model.moe_layer_freq=2"]),
+    (["model=moe_fine_tiny", "model.shared_expert=false", "model.moe_shared_expert_ffn_hidden_size=null",
+      "model.moe_router_score=sigmoid", "model.moe_router_bias_update_rate=0.01"],
+     ["model.moe_first_dense_layers=1", "model.moe_router_score=sigmoid", "model.moe_router_norm_topk=false",
+      "model.moe_router_bias_update_rate=0.01"]),
 ])
 def test_inexact_models_are_refused(tmp_path, capsys, overrides, named):
     ckpt = _fake_checkpoint(tmp_path / "run", overrides)

@@ -145,7 +145,10 @@ def test_layer_ep1_matches_dense_reference(kw):
 
 
 MOE_CONFIGS = [dict(), dict(overlap=True, num_chunks=4, shared=True), dict(capacity_factor=0.75, num_chunks=4),
-               dict(dispatcher="allgather", overlap=True, num_chunks=4, shared=True)]
+               dict(dispatcher="allgather", overlap=True, num_chunks=4, shared=True),
+               # issue 17's router options: sigmoid scores with the aux-loss-free bias, top-k-then-softmax
+               dict(capacity_factor=0.75, num_chunks=4, router_options=dict(score="sigmoid", bias_update_rate=0.01)),
+               dict(overlap=True, num_chunks=4, shared=True, router_options=dict(order="topk_score", norm_topk=False))]
 
 
 @pytest.mark.parametrize("kw", MOE_CONFIGS)

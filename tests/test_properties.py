@@ -15,7 +15,8 @@ from mpoverlap.overlap.rules import validate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-ANY_VALUE = st.one_of(st.integers(-3, 9), st.sampled_from(["auto", "true", "false", "x", "p2p", "a2a", "0"]),
+ANY_VALUE = st.one_of(st.integers(-3, 9), st.sampled_from(["auto", "true", "false", "x", "p2p", "a2a", "0",
+                                                             "sigmoid", "topk_score", "1e-3"]),
                       st.booleans())
 KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.dp",
         "parallel.sequence_parallel", "parallel.cp_comm", "overlap.dp", "overlap.tp", "overlap.pp", "overlap.cp",
@@ -23,7 +24,11 @@ KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.e
         "train.global_batch_size", "train.micro_batch_size", "model.num_layers", "model.num_attention_heads",
         "model.seq_length", "model.num_experts", "model.tie_embeddings", "train.on_nonfinite",
         "model.moe_top_k", "model.moe_layer_freq", "model.moe_capacity_factor", "model.moe_dispatcher",
-        "model.shared_expert", "overlap.ep_chunks", "train.profile", "train.profile_steps"]
+        "model.shared_expert", "overlap.ep_chunks", "train.profile", "train.profile_steps",
+        # fine-grained MoE and expert tensor parallelism (issue 17)
+        "parallel.etp", "model.moe_shared_expert_ffn_hidden_size", "model.moe_first_dense_layers",
+        "model.moe_router_score", "model.moe_router_order", "model.moe_router_norm_topk",
+        "model.moe_router_bias_update_rate"]
 
 
 def _fmt(v):
@@ -113,6 +118,11 @@ FIXABLE = {
     "parallel.cp": st.integers(1, 3), "parallel.ep": st.integers(1, 2), "parallel.sequence_parallel": st.booleans(),
     "parallel.cp_comm": st.sampled_from(["p2p", "a2a"]), "train.global_batch_size": st.integers(1, 12),
     "train.micro_batch_size": st.integers(1, 4), "overlap.tp": st.sampled_from(["auto", "true"]),
+    "parallel.etp": st.integers(1, 4), "model.shared_expert": st.booleans(),
+    "model.moe_shared_expert_ffn_hidden_size": st.sampled_from(["null", 0, 12]),
+    "model.moe_first_dense_layers": st.integers(-1, 4), "model.moe_router_score": st.sampled_from(["softmax", "sigmoid"]),
+    "model.moe_router_order": st.sampled_from(["score_topk", "topk_score"]),
+    "model.moe_router_bias_update_rate": st.sampled_from([0, 0.01, -0.01]),
 }
 
 
@@ -143,6 +153,14 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
           "model.num_layers": 1})
 @example({"model.hidden_size": 30, "model.num_attention_heads": 4})
 @example({"model.hidden_size": 9, "model.num_attention_heads": 3})
+# Issue 17's keys at once: an etp that is not tp, every layer dense, sigmoid with top-k-then-
+# softmax, a shared width without a shared expert, a negative bias rate.
+@example({"model.num_experts": 4, "model.moe_top_k": 2, "parallel.tp": 2, "parallel.etp": 3, "model.num_layers": 2,
+          "model.moe_first_dense_layers": 2, "model.moe_router_score": "sigmoid",
+          "model.moe_router_order": "topk_score", "model.moe_shared_expert_ffn_hidden_size": 12,
+          "model.shared_expert": False, "model.moe_router_bias_update_rate": -0.01})
+@example({"model.num_experts": 0, "parallel.etp": 2, "model.moe_first_dense_layers": 1,
+          "model.moe_router_bias_update_rate": 0.01})
 def test_every_fix_gives_an_accepted_config_whose_model_runs(assignment):
     """Fixes applied (all of them, round after round) end in a config the validator accepts,
     and its model builds and runs one forward and backward at this tiny size (an accepted

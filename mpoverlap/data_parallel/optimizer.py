@@ -205,27 +205,28 @@ class DataParallelAdamW:
         return norm
 
     def _sharded_square_sum(self) -> torch.Tensor:
-        """Squares of [replicated dense, tp-sharded dense, expert] gradients, each reduced over
-        the groups that split it: ZeRO-1 shards (dense over dp x cp, experts over edp), TP
-        shards, expert-parallel ranks (other experts), then pipeline stages (other layers).
-        Copies of a replicated parameter count once."""
+        """Squares of [replicated dense, tp-sharded dense, tp-sharded expert (etp), expert]
+        gradients, each reduced over the groups that split it: ZeRO-1 shards (dense over
+        dp x cp, experts over edp), TP shards (the tp-sharded two), expert-parallel ranks
+        (other experts), then pipeline stages (other layers). Copies of a replicated parameter
+        count once."""
         device = self.ddp.buffer.grad_data.device
-        by_cat: List[List[torch.Tensor]] = [[], [], []]
+        by_cat: List[List[torch.Tensor]] = [[], [], [], []]
         for pc in self.pieces:
             if not pc.pipeline_duplicate:
-                by_cat[2 if pc.expert else int(pc.tp_sharded)].append(pc.main.grad)
+                by_cat[(3 - int(pc.tp_sharded)) if pc.expert else int(pc.tp_sharded)].append(pc.main.grad)
         # One foreach norm per category (a few kernels), not one norm and one add per piece.
-        sq3 = torch.stack([_square_sum(grads, device) for grads in by_cat])
+        sq4 = torch.stack([_square_sum(grads, device) for grads in by_cat])
         if self.ddp.distributed_optimizer:
-            for sl, key in ((slice(0, 2), "dense"), (slice(2, 3), "expert")):
+            for sl, key in ((slice(0, 2), "dense"), (slice(2, 4), "expert")):
                 group = self.ddp.reduce_groups[key].group
                 if group is not None:
-                    dist.all_reduce(sq3[sl], group=group)
+                    dist.all_reduce(sq4[sl], group=group)
         if self.tp_group is not None:
-            dist.all_reduce(sq3[1:2], group=self.tp_group)
+            dist.all_reduce(sq4[1:3], group=self.tp_group)
         if self.ep_group is not None:
-            dist.all_reduce(sq3[2:], group=self.ep_group)
-        sq = sq3.sum()
+            dist.all_reduce(sq4[2:], group=self.ep_group)
+        sq = sq4.sum()
         if self.pp_group is not None:  # each stage holds different layers: squares add up
             dist.all_reduce(sq, group=self.pp_group)
         return sq

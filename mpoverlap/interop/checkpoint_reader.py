@@ -24,7 +24,10 @@ from mpoverlap.interop.hf_mapping import ConversionError
 # Keys the checkpoint's meta does not hold but an exact export needs, read from the run's
 # config.yaml (they change the numerics: RoPE base, norm epsilon; or the HF config).
 CONFIG_ONLY_KEYS = ("rope_base", "norm_eps", "seq_length", "init_std", "moe_capacity_factor",
-                    "moe_aux_loss_coeff", "name")
+                    "moe_aux_loss_coeff", "name",
+                    # fine-grained MoE keys: the export refuses what Mixtral cannot reproduce
+                    "moe_first_dense_layers", "moe_shared_expert_ffn_hidden_size", "moe_router_score",
+                    "moe_router_order", "moe_router_norm_topk", "moe_router_bias_update_rate")
 
 
 def resolve_step_dir(path: str | Path) -> Path:

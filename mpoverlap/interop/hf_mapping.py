@@ -68,6 +68,14 @@ def architecture(m: Dict[str, Any]) -> str:
             bad.append("model.shared_expert=true (Mixtral has no shared expert)")
         if int(m.get("moe_layer_freq", 1)) != 1:
             bad.append(f"model.moe_layer_freq={m['moe_layer_freq']} (Mixtral makes every layer MoE)")
+        if int(m.get("moe_first_dense_layers") or 0) != 0:
+            bad.append(f"model.moe_first_dense_layers={m['moe_first_dense_layers']} (Mixtral makes every layer MoE)")
+        router = [(k, m.get(k), v) for k, v in (("moe_router_score", "softmax"), ("moe_router_norm_topk", True))
+                  if m.get(k, v) != v]
+        bad += [f"model.{k}={str(got).lower()} (Mixtral's router is softmax, top-k renormalised)" for k, got, _ in router]
+        if float(m.get("moe_router_bias_update_rate") or 0.0) != 0.0:
+            bad.append(f"model.moe_router_bias_update_rate={m['moe_router_bias_update_rate']} (Mixtral's router "
+                       "has no expert bias)")
         if m.get("moe_capacity_factor") is not None:
             bad.append(f"model.moe_capacity_factor={m['moe_capacity_factor']} (this model drops tokens "
                        "beyond capacity; Mixtral is dropless)")

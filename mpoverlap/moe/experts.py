@@ -5,6 +5,8 @@ its global name, so placement over ep never changes a weight:
     swiglu: f"{name_prefix}.experts.{g}.gate_up.weight" [2F, H], ".down.weight" [H, F]
     gelu:   f"{name_prefix}.experts.{g}.up.weight"      [F, H],  ".down.weight" [H, F]
 forward(x [N, H] grouped by local expert, counts [L]) -> [N, H] in the same order.
+With etp > 1 each rank holds F/etp of every local expert's hidden units and its output is a
+partial sum over the etp group (see expert_tp.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mpoverlap.models.init import init_tensor
+from mpoverlap.tensor_parallel.layers import shard_tensor
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -25,7 +28,7 @@ class ExpertMLP(nn.Module):
     their squares summed over the expert-parallel group in the gradient norm)."""
 
     def __init__(self, hidden: int, ffn: int, *, global_index: int, name_prefix: str, cfg, seed: int,
-                 activation: str) -> None:
+                 activation: str, etp_rank: int = 0, etp_size: int = 1) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}; one of {ACTIVATIONS}")
@@ -37,13 +40,24 @@ class ExpertMLP(nn.Module):
         self.name_out = f"{base}.down.weight"
         # Submodule names make the parameter paths equal the init names, so a model that
         # re-initialises every parameter by its path draws the same expert weights.
-        setattr(self, first, nn.Linear(hidden, width, bias=False))
-        self.down = nn.Linear(ffn, hidden, bias=False)
+        # Expert tensor parallelism (etp > 1): the full weights are drawn from the seed, then
+        # rank etp_rank keeps its rows of w_in (per block: [gate_r | up_r]) and its columns of
+        # w_out, as ColumnParallelLinear / RowParallelLinear slice theirs.
+        if ffn % etp_size:
+            raise ValueError(f"expert ffn={ffn} is not divisible by etp={etp_size}")
+        blocks = 2 if activation == "swiglu" else 1
+        setattr(self, first, nn.Linear(hidden, width // etp_size, bias=False))
+        self.down = nn.Linear(ffn // etp_size, hidden, bias=False)
         with torch.no_grad():
-            self.w_in.copy_(init_tensor(self.name_in, (width, hidden), cfg, seed))
-            self.w_out.copy_(init_tensor(self.name_out, (hidden, ffn), cfg, seed))
+            self.w_in.copy_(shard_tensor(init_tensor(self.name_in, (width, hidden), cfg, seed), 0, etp_rank,
+                                         etp_size, blocks))
+            self.w_out.copy_(shard_tensor(init_tensor(self.name_out, (hidden, ffn), cfg, seed), 1, etp_rank,
+                                          etp_size))
         for p in self.parameters():
             p.expert_parallel = True
+        if etp_size > 1:  # split over the tp group: checkpoints gather them like TP layers' weights
+            for p, dim, b in ((self.w_in, 0, blocks), (self.w_out, 1, 1)):
+                p.tensor_model_parallel, p.partition_dim, p.partition_blocks = True, dim, b
 
     @property
     def w_in(self) -> nn.Parameter:
@@ -72,14 +86,16 @@ class Experts(nn.Module):
     initialisation do not depend on the expert-parallel layout."""
 
     def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, first_expert_index: int,
-                 name_prefix: str, cfg, seed: int, activation: str = "swiglu") -> None:
+                 name_prefix: str, cfg, seed: int, activation: str = "swiglu", etp_rank: int = 0,
+                 etp_size: int = 1) -> None:
         super().__init__()
         self.first_expert_index = first_expert_index
         # Children named by global index: parameter paths `experts.<g>.<proj>.weight`.
         for l in range(num_local_experts):
             g = first_expert_index + l
             self.add_module(str(g), ExpertMLP(hidden, ffn, global_index=g, name_prefix=name_prefix,
-                                              cfg=cfg, seed=seed, activation=activation))
+                                              cfg=cfg, seed=seed, activation=activation,
+                                              etp_rank=etp_rank, etp_size=etp_size))
 
     @property
     def local(self):

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from mpoverlap.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mpoverlap.moe.experts import Experts
+from mpoverlap.moe.expert_tp import ExpertTP, expert_tp
 from mpoverlap.moe.router import TopKRouter
 from mpoverlap.moe.sequence_shards import SequenceShards, sequence_shards
 
@@ -70,12 +71,15 @@ class _BackwardMark(torch.autograd.Function):
         return grad, None, None
 
 
-STAT_KEYS = ("aux_loss", "z_loss", "dropped_slots", "routed_slots", "calls")
+# load_ratio / bias_updates: max load over mean load of each aux-loss-free bias update (see
+# update_expert_bias), summed, and the number of updates.
+STAT_KEYS = ("aux_loss", "z_loss", "dropped_slots", "routed_slots", "calls", "load_ratio", "bias_updates")
 
 
 class MoELayer(nn.Module):
     def __init__(self, router: TopKRouter, experts: Experts, dispatcher, *, overlap: bool,
-                 num_chunks: int = 2, shared_expert: Optional[nn.Module] = None) -> None:
+                 num_chunks: int = 2, shared_expert: Optional[nn.Module] = None,
+                 expert_tp: Optional[ExpertTP] = None) -> None:
         super().__init__()
         if num_chunks < 1:
             raise ValueError(f"num_chunks={num_chunks} must be >= 1")
@@ -84,6 +88,10 @@ class MoELayer(nn.Module):
             raise ValueError("experts and dispatcher disagree on this rank's expert range")
         self.router, self.experts, self.shared_expert = router, experts, shared_expert
         self.dispatcher, self.overlap, self.num_chunks = dispatcher, overlap, num_chunks
+        self.expert_tp = expert_tp
+        # Routed slots per expert (before drops) since the last bias update, summed over the
+        # ranks sharing this rank's sequences; only with the aux-loss-free bias.
+        self._load: Optional[torch.Tensor] = None
         self.aux_loss_scale: Optional[float] = None
         self._stats = dict.fromkeys(STAT_KEYS, 0.0)
         # Set while activation recomputation replays this layer's forward in backward: the
@@ -104,6 +112,28 @@ class MoELayer(nn.Module):
         st["dropped_slots"] = st["dropped_slots"] + r.stats["dropped"]
         st["routed_slots"] += r.expert_ids.shape[0] * k
         st["calls"] += 1
+        if self.router.expert_bias is not None:
+            load = r.stats["load"]
+            self._load = load if self._load is None else self._load + load
+
+    def pending_load(self) -> torch.Tensor:
+        """[E] slots routed to each expert since the last update (zeros when none), for the
+        trainer's one all-reduce of every layer's loads."""
+        if self._load is None:
+            return self.router.expert_bias.new_zeros(self.router.num_experts)
+        return self._load
+
+    def discard_load(self) -> None:
+        """Forget the loads of a step that was skipped (no update, no metric)."""
+        self._load = None
+
+    @torch.no_grad()
+    def update_expert_bias(self, global_load_E: torch.Tensor) -> None:
+        """Apply the aux-loss-free update from the step's GLOBAL loads and record the metric."""
+        ratio = self.router.update_bias(global_load_E)
+        self._load = None
+        self._stats["load_ratio"] = self._stats["load_ratio"] + ratio
+        self._stats["bias_updates"] += 1
 
     def forward(self, x: torch.Tensor, trace: Optional[List] = None):
         shape = x.shape
@@ -113,10 +143,13 @@ class MoELayer(nn.Module):
             # Tokens travel (dispatch, combine) and experts compute in the compute dtype; the
             # norm before the layer returns fp32 under autocast, which would double the bytes.
             xf = xf.to(torch.get_autocast_dtype(x.device.type))
+        x_own, ids, weights = xf, r.expert_ids, r.weights
+        if self.expert_tp is not None:  # experts split over tp: run them on the tp group's tokens
+            xf, ids, weights = self.expert_tp.gather(xf, ids, weights)
         T = xf.shape[0]
         n = max(1, min(self.num_chunks, T))
         bounds = [i * T // n for i in range(n + 1)]  # host arithmetic: no tensor read
-        parts = [(xf[a:b], r.expert_ids[a:b], r.weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+        parts = [(xf[a:b], ids[a:b], weights[a:b]) for a, b in zip(bounds, bounds[1:])]
         log = trace.append if trace is not None else (lambda _e: None)
         d = self.dispatcher
         d.backward_trace = trace
@@ -151,7 +184,7 @@ class MoELayer(nn.Module):
         if self.overlap:
             pending = [issue(0)]
             if self.shared_expert is not None:
-                shared = self.shared_expert(xf)
+                shared = self.shared_expert(x_own)
                 log(("shared", -1))
             combines = []
             for i in range(len(parts)):
@@ -161,12 +194,14 @@ class MoELayer(nn.Module):
             ys = [finish(i, c) for i, c in enumerate(combines)]
         else:
             if self.shared_expert is not None:
-                shared = self.shared_expert(xf)
+                shared = self.shared_expert(x_own)
                 log(("shared", -1))
             for i in range(len(parts)):
                 ys.append(finish(i, compute(i, issue(i))))
         y = torch.cat(ys, dim=0)
         d.backward_trace = None
+        if self.expert_tp is not None:  # partial sums over the expert-tp group -> own tokens
+            y = self.expert_tp.reduce(y)
         if shared is not None:
             y = y + shared
         if self.training and torch.is_grad_enabled() and not self.recomputing:  # training forwards, once
@@ -182,7 +217,8 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
                     aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                     capacity_factor: Optional[float] = None,
                     shared_expert: Optional[nn.Module] = None,
-                    shards: Optional[SequenceShards] = None) -> MoELayer:
+                    shards: Optional[SequenceShards] = None, router_options: Optional[dict] = None,
+                    expert_tp: Optional[ExpertTP] = None) -> MoELayer:
     """Router f"{name}.router.weight", experts f"{name}.experts.{g}.*", this rank's experts
     [ep_rank * E/ep, (ep_rank + 1) * E/ep). `shards`: the ranks holding the other parts of
     this rank's sequences (SP, CP), over which the router's statistics are summed."""
@@ -192,15 +228,18 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
     disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger)
     router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-                        capacity_factor=capacity_factor, shards=shards)
+                        capacity_factor=capacity_factor, shards=shards, **(router_options or {}))
     experts = Experts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
-                      name_prefix=name, cfg=cfg, seed=seed, activation=activation)
+                      name_prefix=name, cfg=cfg, seed=seed, activation=activation,
+                      etp_rank=expert_tp.rank if expert_tp else 0, etp_size=expert_tp.size if expert_tp else 1)
     return MoELayer(router, experts, disp, overlap=overlap, num_chunks=num_chunks,
-                    shared_expert=shared_expert)
+                    shared_expert=shared_expert, expert_tp=expert_tp)
 
 
-def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger, sequence_parallel: bool = False) -> dict:
+def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger, sequence_parallel: bool = False,
+               etp: int = 1) -> dict:
     """The expert-parallel context a model hands to its MoE layers (see models/layers.py)."""
     return {"ep_group": state.group("ep"), "ep_size": state.grid.ep, "ep_rank": state.coords.ep,
             "overlap": bool(overlap), "num_chunks": int(num_chunks), "ledger": ledger,
-            "shards": sequence_shards(state, sequence_parallel=sequence_parallel, ledger=ledger)}
+            "shards": sequence_shards(state, sequence_parallel=sequence_parallel, ledger=ledger),
+            "expert_tp": expert_tp(state, etp=etp, sequence_parallel=sequence_parallel, ledger=ledger)}

@@ -1,4 +1,5 @@
-"""Softmax top-k router with load-balancing and z-loss, optional capacity (token dropping).
+"""Top-k router (softmax or sigmoid scores, see TopKRouter) with load-balancing and z-loss,
+optional capacity (token dropping) and optional aux-loss-free expert bias.
 
 Shapes: T tokens, H hidden, E experts, k = top_k.
     logits [T, E] = x [T, H] @ W^T in fp32 (autocast off: routing decisions and the losses
@@ -56,10 +57,17 @@ def z_loss_terms(logits_TE: torch.Tensor) -> torch.Tensor:
 def apply_capacity(expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_experts: int,
                    capacity: int):
     """Drop slots beyond `capacity` per expert, in token order. Returns (ids, weights,
-    dropped: a 0-d long tensor, so that no host read happens here)."""
+    dropped: a 0-d long tensor, so that no host read happens here).
+
+    A slot's place in its expert's queue comes from one stable sort of the T*k slots and the
+    per-expert counts: O(T k log(T k)) work and O(T k + E) memory, never a [T*k, E] one-hot."""
     flat = expert_ids_Tk.reshape(-1)
-    onehot = torch.nn.functional.one_hot(flat, num_experts)  # [T*k, E]
-    position = (onehot.cumsum(dim=0) * onehot).sum(dim=1) - 1  # slot's place in its expert's queue
+    n = flat.numel()
+    order = torch.sort(flat, stable=True).indices  # slots grouped by expert, token order kept
+    counts = expert_counts(expert_ids_Tk, num_experts)
+    start = torch.cumsum(counts, 0) - counts  # [E] first sorted position of each expert
+    position = torch.empty_like(flat)
+    position[order] = torch.arange(n, device=flat.device) - start[flat[order]]
     keep = (position < capacity).view_as(expert_ids_Tk)
     ids = torch.where(keep, expert_ids_Tk, torch.full_like(expert_ids_Tk, -1))
     weights = weights_Tk * keep.to(weights_Tk.dtype)
@@ -67,30 +75,86 @@ def apply_capacity(expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_ex
 
 
 class TopKRouter(nn.Module):
+    """Scores, top-k choice and weights (see the module docstring for the losses).
+
+    score ("softmax" | "sigmoid") and order:
+      score_topk: scores = softmax(logits) or sigmoid(logits) over all E; pick the top k of
+                  scores (+ expert_bias); weights = the chosen scores, renormalised to sum 1
+                  when norm_topk (DeepSeek-MoE 16B: softmax, not renormalised; DeepSeek-V3:
+                  sigmoid, renormalised).
+      topk_score: pick the top k of logits (+ expert_bias); weights = softmax over those k
+                  logits (Mixtral's form; softmax only). With softmax it chooses the same
+                  experts as score_topk and its weights equal score_topk's renormalised ones
+                  up to rounding.
+    The load-balancing loss's P_e uses softmax(logits) (sigmoid: scores / their sum per token).
+    expert_bias (bias_update_rate > 0, DeepSeek-V3's aux-loss-free balancing): a [E] fp32
+    buffer added to the selection scores only (never to the weights), moved after each step
+    by `update_bias` from the globally summed loads.
+    """
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, name: str, cfg, seed: int,
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  capacity_factor: Optional[float] = None,
-                 shards: Optional[SequenceShards] = None) -> None:
+                 shards: Optional[SequenceShards] = None, score: str = "softmax",
+                 order: str = "score_topk", norm_topk: bool = True, bias_update_rate: float = 0.0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if score not in ("softmax", "sigmoid") or order not in ("score_topk", "topk_score") or \
+                (order == "topk_score" and score != "softmax"):
+            raise ValueError(f"router score={score!r} order={order!r}: the rule engine refuses this")
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor
+        self.score, self.order, self.norm_topk = score, order, bool(norm_topk)
+        self.bias_update_rate = float(bias_update_rate)
         self.shards = shards or SequenceShards()
         self.weight = nn.Parameter(init_tensor(f"{name}.weight", (num_experts, hidden), cfg, seed))
+        self.expert_bias: Optional[torch.Tensor]
+        if self.bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+        else:
+            self.expert_bias = None
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         if self.capacity_factor is None:
             return None
         return int(math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
 
+    def _choose(self, logits_TE: torch.Tensor):
+        """-> (expert_ids [T, k], weights [T, k] fp32, probs [T, E] for the balancing loss)."""
+        k = self.top_k
+        if self.score == "softmax":
+            probs = torch.softmax(logits_TE, dim=-1)
+            scores = probs
+        else:
+            scores = torch.sigmoid(logits_TE)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        pick_from = logits_TE if self.order == "topk_score" else scores
+        if self.expert_bias is not None:
+            pick_from = pick_from + self.expert_bias.to(pick_from.dtype)
+        _, ids = torch.topk(pick_from, k, dim=-1)  # sorted, ties to the lower index
+        if self.order == "topk_score":
+            weights = torch.softmax(logits_TE.gather(1, ids), dim=-1)
+        else:
+            weights = scores.gather(1, ids)
+            if self.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights, probs
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor) -> torch.Tensor:
+        """bias_e += rate * sign(mean load - load_e), from the step's GLOBAL routed-slot counts
+        per expert (summed over every rank that routed other tokens: the same on every rank,
+        whatever the layout). Returns max load / mean load (1.0 = balanced), a 0-d tensor."""
+        mean = load_E.sum() / self.num_experts
+        self.expert_bias.add_(self.bias_update_rate * torch.sign(mean - load_E))
+        return load_E.max() / mean.clamp_min(1e-12)
+
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
         with torch.autocast(x_TH.device.type, enabled=False):
             logits = x_TH.float() @ self.weight.float().t()  # [T, E] fp32
-        probs = torch.softmax(logits, dim=-1)
-        top_p, ids = torch.topk(probs, self.top_k, dim=-1)  # sorted, ties to the lower index
-        weights = top_p / top_p.sum(dim=-1, keepdim=True)
+        ids, weights, probs = self._choose(logits)
         T, E = x_TH.shape[0], self.num_experts
         z_TE = z_loss_terms(logits)
         probs_sum = probs.sum(dim=0)
@@ -113,5 +177,7 @@ class TopKRouter(nn.Module):
             ids, weights, dropped = apply_capacity(ids, weights, E, cap)
         stats = {"tokens_per_expert": expert_counts(ids, E, torch.long), "dropped": dropped,
                  "aux_loss": (E * (f * probs_sum_g).sum() / tokens_g).detach(),
-                 "z_loss": (z_sum_g / tokens_g).detach()}
+                 "z_loss": (z_sum_g / tokens_g).detach(),
+                 # Slots routed to each expert before drops, over the ranks sharing these sequences.
+                 "load": counts_g.detach()}
         return RouterOutput(ids, weights, self.aux_loss_coeff * aux_raw, self.z_loss_coeff * z_raw, stats)

@@ -9,7 +9,7 @@ all-to-all with another's compute across layers, which mpoverlap does not do).
 """
 from __future__ import annotations
 
-from mpoverlap.overlap.layout import Layout
+from mpoverlap.overlap.layout import Layout, as_positive_int
 from mpoverlap.overlap.rules import Problem, nearest_divisor, next_multiple, rule
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -89,3 +89,122 @@ def _overlap_needs_moe(lo: Layout):
         yield Problem("ep.overlap_needs_moe", {"overlap.ep": "true", "model.num_experts": 0},
                       "overlap.ep=true is required but a dense model dispatches no tokens",
                       ["overlap.ep=auto"])
+
+
+# ---- fine-grained MoE and expert tensor parallelism -------------------------------------
+ROUTER_SCORES = ("softmax", "sigmoid")
+ROUTER_ORDERS = ("score_topk", "topk_score")
+
+
+@rule("moe.fine_grained_values", "ep",
+      ("model.moe_shared_expert_ffn_hidden_size", "model.moe_first_dense_layers", "model.moe_router_score",
+       "model.moe_router_order", "model.moe_router_bias_update_rate", "model.num_layers"),
+      "fine-grained MoE settings hold usable values (and leave at least one MoE layer)")
+def _fine_values(lo: Layout):
+    m = lo.cfg.model
+    checks = [
+        ("model.moe_shared_expert_ffn_hidden_size", m.moe_shared_expert_ffn_hidden_size,
+         m.moe_shared_expert_ffn_hidden_size is None or m.moe_shared_expert_ffn_hidden_size >= 1,
+         "must be positive (or null: the expert width)", "null"),
+        ("model.moe_first_dense_layers", m.moe_first_dense_layers, m.moe_first_dense_layers >= 0,
+         "must be 0 or a positive count of leading dense layers", "0"),
+        ("model.moe_router_score", m.moe_router_score, m.moe_router_score in ROUTER_SCORES,
+         f"must be one of {'|'.join(ROUTER_SCORES)}", ROUTER_SCORES[0]),
+        ("model.moe_router_order", m.moe_router_order, m.moe_router_order in ROUTER_ORDERS,
+         f"must be one of {'|'.join(ROUTER_ORDERS)}", ROUTER_ORDERS[0]),
+        ("model.moe_router_bias_update_rate", m.moe_router_bias_update_rate, m.moe_router_bias_update_rate >= 0,
+         "must not be negative (0 = no aux-loss-free bias)", "0"),
+    ]
+    for key, value, ok, why, fix in checks:
+        if not ok:
+            yield Problem("moe.fine_grained_values", {key: value}, why, [f"{key}={fix}"])
+    if m.num_experts > 0 and m.num_layers >= 1 and m.moe_first_dense_layers >= m.num_layers:
+        yield Problem("moe.fine_grained_values",
+                      {"model.moe_first_dense_layers": m.moe_first_dense_layers, "model.num_layers": m.num_layers},
+                      "every layer would be dense: the experts would never be used",
+                      [f"model.moe_first_dense_layers={m.num_layers - 1}"])
+
+
+@rule("moe.fine_grained_needs_experts", "ep",
+      ("model.num_experts", "model.moe_shared_expert_ffn_hidden_size", "model.moe_first_dense_layers",
+       "model.moe_router_score", "model.moe_router_order", "model.moe_router_bias_update_rate"),
+      "fine-grained MoE keys are set only on a mixture-of-experts model (never silently ignored)")
+def _fine_needs_experts(lo: Layout):
+    m = lo.cfg.model
+    if m.num_experts != 0:
+        return
+    set_keys = {"model.moe_shared_expert_ffn_hidden_size": (m.moe_shared_expert_ffn_hidden_size, None),
+                "model.moe_first_dense_layers": (m.moe_first_dense_layers, 0),
+                "model.moe_router_score": (m.moe_router_score, "softmax"),
+                "model.moe_router_order": (m.moe_router_order, "score_topk"),
+                "model.moe_router_bias_update_rate": (m.moe_router_bias_update_rate, 0.0)}
+    for key, (value, default) in set_keys.items():
+        if value != default:
+            yield Problem("moe.fine_grained_needs_experts", {key: value, "model.num_experts": 0},
+                          "a dense model has no router or experts for this key to act on",
+                          [f"{key}={'null' if default is None else default}"])
+
+
+@rule("moe.topk_score_needs_softmax", "ep", ("model.moe_router_order", "model.moe_router_score"),
+      "top-k-then-softmax routing normalises with a softmax (sigmoid scores pick first, then normalise)")
+def _topk_score(lo: Layout):
+    m = lo.cfg.model
+    if m.moe_router_order == "topk_score" and m.moe_router_score == "sigmoid":
+        yield Problem("moe.topk_score_needs_softmax",
+                      {"model.moe_router_order": "topk_score", "model.moe_router_score": "sigmoid"},
+                      "topk_score applies a softmax over the k chosen logits; sigmoid scores are "
+                      "chosen first and then renormalised (DeepSeek-V3), which is score_topk",
+                      ["model.moe_router_order=score_topk"])
+
+
+@rule("moe.shared_width_needs_shared_expert", "ep",
+      ("model.moe_shared_expert_ffn_hidden_size", "model.shared_expert"),
+      "a shared-expert width is given only with model.shared_expert=true")
+def _shared_width(lo: Layout):
+    m = lo.cfg.model
+    if m.moe_shared_expert_ffn_hidden_size is not None and not m.shared_expert and m.num_experts > 0:
+        yield Problem("moe.shared_width_needs_shared_expert",
+                      {"model.moe_shared_expert_ffn_hidden_size": m.moe_shared_expert_ffn_hidden_size,
+                       "model.shared_expert": False},
+                      "the width of a shared expert the model does not have would be ignored",
+                      ["model.shared_expert=true"])
+
+
+@rule("etp.value", "ep", ("parallel.etp", "parallel.tp", "parallel.ep", "parallel.cp", "parallel.dp"),
+      "parallel.etp is 1 or tp: experts split over the tp group; world = tp x cp x dp x pp = "
+      "etp x ep x edp x pp (x tp/etp) with edp = dp x cp / ep")
+def _etp_value(lo: Layout):
+    etp = as_positive_int(lo.cfg.parallel.etp)
+    if etp is None:
+        yield Problem("etp.value", {"parallel.etp": lo.cfg.parallel.etp},
+                      "the expert tensor-parallel degree must be a positive integer", ["parallel.etp=1"])
+        return
+    if lo.tp is None or etp in (1, lo.tp):
+        return
+    yield Problem("etp.value", {"parallel.etp": etp, "parallel.tp": lo.tp},
+                  f"experts are split over the tensor-parallel group (etp = tp = {lo.tp}) or not at all "
+                  f"(etp = 1); a group of {etp} of the {lo.tp} tp ranks would not tile the tp x ep x edp "
+                  "grid with the attention's tp", ["parallel.etp=1"])
+
+
+@rule("etp.needs_experts", "ep", ("parallel.etp", "model.num_experts"),
+      "expert tensor parallelism needs a mixture-of-experts model")
+def _etp_needs_experts(lo: Layout):
+    etp = as_positive_int(lo.cfg.parallel.etp)
+    if etp is not None and etp > 1 and lo.cfg.model.num_experts == 0:
+        yield Problem("etp.needs_experts", {"parallel.etp": etp, "model.num_experts": 0},
+                      "a dense model has no experts to split", ["parallel.etp=1"])
+
+
+@rule("etp.divides_expert_ffn", "ep", ("parallel.etp", "model.moe_ffn_hidden_size"),
+      "etp divides each expert's hidden size")
+def _etp_divides(lo: Layout):
+    m = lo.cfg.model
+    etp = as_positive_int(lo.cfg.parallel.etp)
+    if etp is None or etp == 1 or etp != lo.tp or m.num_experts == 0:  # other etp: etp.value
+        return
+    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    if isinstance(ffn, int) and ffn >= 1 and ffn % etp:
+        yield Problem("etp.divides_expert_ffn", {"parallel.etp": etp, "model.moe_ffn_hidden_size": ffn},
+                      f"each of the etp={etp} ranks holds ffn / etp columns of every expert",
+                      [f"model.moe_ffn_hidden_size={next_multiple(ffn, etp)}"])

@@ -5,12 +5,13 @@ from typing import Any, List, Optional
 
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.estimate import estimate, render_estimate
+from mpoverlap.overlap.estimate.params import etp_size, model_params, shared_expert_ffn
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.rules import Problem
 from mpoverlap.parallel.grid import RankGrid
 from mpoverlap.pipeline.actions import ScheduleError
 
-_PLAN_KINDS = ("tp", "cp", "dp", "pp", "ep", "edp")
+_PLAN_KINDS = ("tp", "cp", "dp", "pp", "ep", "edp", "etp")
 
 
 def _abbrev(groups: List[List[int]], limit: int = 4) -> str:
@@ -36,6 +37,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f" (ep {lo.ep}, vpp {lo.vpp})" + (f" on {device}" if device else ""),
         f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
         f"seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
+        _param_line(cfg),
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
         f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; distributed optimizer "
         f"{'on' if t.distributed_optimizer else 'off'}",
@@ -53,11 +55,23 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     if ov.dp.enabled or ov.dp.requested == "false":
         lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
     lines.extend(f"  note: {n}" for n in layout_notes(cfg, lo))
-    grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
+    grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=etp_size(cfg))
     lines.append("  rank groups:")
     for kind in _PLAN_KINDS:
         lines.append(f"    {kind:<4} {_abbrev(grid.groups(kind))}")
     return "\n".join(lines)
+
+
+def _param_line(cfg: Any) -> str:
+    """The whole model's parameter count (exact, as built), and for MoE the active per token."""
+    total, active = model_params(cfg)
+    m = cfg.model
+    if m.num_experts == 0:
+        return f"  parameters: {total:,} ({total / 1e9:.3f}B)"
+    shared = shared_expert_ffn(m)
+    return (f"  parameters: {total:,} total ({total / 1e9:.3f}B), {active:,} active per token "
+            f"({active / 1e9:.3f}B: top-{m.moe_top_k} of {m.num_experts} experts"
+            + (f" + a shared expert of width {shared}" if shared else "") + ")")
 
 
 def layout_notes(cfg: Any, lo) -> List[str]:

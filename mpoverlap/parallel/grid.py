@@ -8,6 +8,12 @@ Expert layers re-divide the dp x cp ranks of one (tp, pp) slice into ep x edp: w
 c = cp_rank + cp * dp_rank, the expert-parallel rank is c % ep and the expert-data-parallel
 rank c // ep, so expert-parallel peers are neighbours (the cheapest link) and expert weights
 are replicated over edp = dp * cp / ep ranks.
+
+Expert tensor parallelism (etp = 1 or tp): with etp = tp the experts' FFN is split over the
+tp group itself (kind `etp` lists those groups; one-rank groups when etp = 1), so the ep and
+edp groups, which never mix tp ranks, stay as above: world = etp x ep x edp x pp x (tp / etp),
+and an expert weight's gradient is reduced over edp = world / (ep * tp * pp) ranks holding the
+same slice of the same experts. No process group of its own: the layers use the tp group.
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 GROUP_KINDS = ("tp", "cp", "tp_cp", "dp", "dp_cp", "pp", "ep", "edp", "mp", "embedding")
+# Kinds the grid describes whose communicators are another kind's (etp: the tp group).
+ALIAS_KINDS = ("etp",)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class RankGrid:
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1
 
     def __post_init__(self) -> None:
         # Internal invariant: user-facing checks with fixes live in the rule engine, which runs
@@ -45,6 +54,8 @@ class RankGrid:
                 raise ValueError(f"RankGrid.{name} must be >= 1, got {getattr(self, name)}")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}")
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"etp={self.etp} must be 1 or tp={self.tp}")
 
     @property
     def world(self) -> int:
@@ -75,10 +86,12 @@ class RankGrid:
     def groups(self, kind: str) -> List[List[int]]:
         """Every group of `kind`, each a sorted list of global ranks; together they partition
         the world (except `embedding`, which covers the first and last pipeline stage only)."""
-        if kind not in GROUP_KINDS:
-            raise ValueError(f"unknown group kind {kind!r}; one of {GROUP_KINDS}")
+        if kind not in GROUP_KINDS + ALIAS_KINDS:
+            raise ValueError(f"unknown group kind {kind!r}; one of {GROUP_KINDS + ALIAS_KINDS}")
         T, C, D, P, E = self.tp, self.cp, self.dp, self.pp, self.ep
         out: List[List[int]] = []
+        if kind == "etp":
+            return self.groups("tp") if self.etp > 1 else [[r] for r in range(self.world)]
         if kind == "tp":
             out = [[self.rank(t, c, d, p) for t in range(T)] for p in range(P) for d in range(D) for c in range(C)]
         elif kind == "cp":
@@ -118,4 +131,4 @@ class RankGrid:
         return []
 
     def describe(self) -> Dict[str, List[List[int]]]:
-        return {kind: self.groups(kind) for kind in GROUP_KINDS}
+        return {kind: self.groups(kind) for kind in GROUP_KINDS + ALIAS_KINDS}

@@ -17,6 +17,7 @@ from mpoverlap.context_parallel import ContextParallelAttention, positions_for_c
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.models.gpt import flops_per_token, num_parameters
 from mpoverlap.moe import moe_kwargs
+from mpoverlap.moe.balance import expert_biases, update_expert_biases
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
@@ -62,7 +63,8 @@ class Trainer:
                                 overlap=self.overlap.tp.enabled, ledger=self.ledger)
         self.pp = state.grid.pp
         moe = (moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=cfg.overlap.ep_chunks,
-                          ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel))
+                          ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
+                          etp=state.grid.etp)
                if cfg.model.num_experts > 0 else None)
         self.chunks = [c.to(state.device) for c in build_chunks(
             cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, tp=self.tp, moe=moe, **attention)]
@@ -133,7 +135,10 @@ class Trainer:
                                        tp_group, tp_size)
         # Every rank starts from the same seed, so rank 0's generator state stands for all.
         return {"model": unshard_named({n: p.detach() for n, p in params.items()}, params, tp_group, tp_size),
-                "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()}}
+                "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()},
+                # The aux-loss-free expert biases (model.moe_router_bias_update_rate > 0): the
+                # same on every rank, keyed by the router's layout-free name.
+                "expert_bias": expert_biases(self.chunks)}
 
     @torch.no_grad()
     def _load_app_state(self, state: Dict[str, Any]) -> None:
@@ -146,6 +151,8 @@ class Trainer:
         for key in ("exp_avg", "exp_avg_sq"):
             optim[key] = {to_dp[n]: v for n, v in reshard_named(optim[key], params, tp_rank, tp_size).items()}
         self.optimizer.load_state_dict(optim)
+        for name, bias in expert_biases(self.chunks).items():
+            bias.copy_(state.get("expert_bias", {}).get(name, bias))
         torch.set_rng_state(state["rng"]["torch_cpu"])
         self.step = int(state["meta"]["step"])
 
@@ -244,6 +251,7 @@ class Trainer:
                                  "the weights or a checkpoint. train.on_nonfinite=skip skips such steps instead")
         if not skipped:
             self.optimizer.step(lr)
+        update_expert_biases(self.moe_layers, self.state, self.ledger, apply=not skipped)
         step_time = time.perf_counter() - t0
         self.step += 1
         return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,

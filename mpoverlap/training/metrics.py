@@ -135,5 +135,10 @@ def moe_summary(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
     routed (token, expert) slots dropped by the capacity factor (0 when dropless)."""
     total = {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
     calls = max(total["calls"], 1.0)
-    return {"aux_loss": total["aux_loss"] / calls, "z_loss": total["z_loss"] / calls,
-            "dropped_fraction": total["dropped_slots"] / max(total["routed_slots"], 1.0)}
+    out = {"aux_loss": total["aux_loss"] / calls, "z_loss": total["z_loss"] / calls,
+           "dropped_fraction": total["dropped_slots"] / max(total["routed_slots"], 1.0)}
+    if total.get("bias_updates", 0.0) > 0:
+        # Aux-loss-free balancing: max over mean of each layer's global per-expert load at
+        # each bias update (1.0 = balanced), averaged over layers and steps.
+        out["expert_load_max_over_mean"] = total["load_ratio"] / total["bias_updates"]
+    return out

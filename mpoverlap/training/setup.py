@@ -48,7 +48,7 @@ def init_distributed(cfg: Any) -> ParallelState:
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     lo = build_layout(cfg, dist.get_world_size())
-    grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep)
+    grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=int(cfg.parallel.etp))
     # The trainer reduces dense gradients over dp x cp ("dp_cp") and never talks over "dp"
     # alone or the model-parallel "mp" group: creating them would only cost communicators.
     # "tp_cp" carries only the MoE router's statistics when SP and CP both split sequences.

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from mpoverlap.models.init import padded_vocab_size
-from mpoverlap.overlap.estimate.params import chunk_layers, expert_ffn, is_moe_layer
+from mpoverlap.overlap.estimate.params import chunk_layers, etp_size, expert_ffn, is_moe_layer, shared_expert_ffn
 from mpoverlap.overlap.layout import Layout
 
 
@@ -98,12 +98,12 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
     total = tokens_res * residual + tokens_tp * attn_tp // lo.tp
     mult = 4 if m.activation == "swiglu" else 2
     if is_moe_layer(m, i):
-        tokens = tokens_res  # experts are not split over TP: each TP rank routes its S/tp (SP) or all S
-        k, E, fe = m.moe_top_k, m.num_experts, expert_ffn(m)
-        per_token = 2 * E * 4 + 12 * k + 40 + 3 * k * H * c + k * mult * fe * c
-        if m.shared_expert:
-            per_token += mult * fe * c
-        total += tokens * per_token
+        tokens = tokens_res  # each TP rank routes its S/tp (SP) or all S
+        k, E, fe, etp = m.moe_top_k, m.num_experts, expert_ffn(m), etp_size(cfg)
+        # With etp the experts run on the tp group's tokens (every position), F/etp wide.
+        expert_tokens = tokens_tp if etp > 1 else tokens
+        total += tokens * (2 * E * 4 + 12 * k + 40 + mult * shared_expert_ffn(m) * c)
+        total += expert_tokens * (3 * k * H * c + k * mult * (fe // etp) * c)
     else:
         total += tokens_tp * mult * m.ffn_hidden_size * c // lo.tp
     return total

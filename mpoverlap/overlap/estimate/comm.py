@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from mpoverlap.models.init import padded_vocab_size
-from mpoverlap.overlap.estimate.params import (chunk_layers, is_moe_layer, layer_params, moe_dense_unsplit,
-                                               norm_params, stage_layers)
+from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer, layer_params,
+                                               moe_dense_unsplit, norm_params, stage_layers)
 from mpoverlap.overlap.layout import Layout
 
 PARAM_BYTES = 4  # gradients are reduced in fp32
@@ -81,8 +81,10 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             ops += [("tp", "all_gather", nbytes / 2, lo.tp), ("tp", "reduce_scatter", nbytes / 2, lo.tp)]
             # Parameters not split over TP saw only S/tp positions: their gradients are summed
             # over TP once per step (norms, and the MoE layers' routers and experts).
-            unsplit = sum(2 * norm_params(m) + (layer_params(cfg, lo, i)[1] + moe_dense_unsplit(m)
-                                                if is_moe_layer(m, i) else 0) for i in here)
+            # Experts split over etp are not among them.
+            unsplit = sum(2 * norm_params(m) + ((layer_params(cfg, lo, i)[1] if etp_size(cfg) == 1 else 0)
+                                                + moe_dense_unsplit(m) if is_moe_layer(m, i) else 0)
+                          for i in here)
             ops.append(("tp", "all_reduce", unsplit * PARAM_BYTES, lo.tp))
         else:
             ops.append(("tp", "all_reduce", nbytes, lo.tp))
@@ -114,8 +116,25 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # microbatch over the ranks sharing the sequences; counted under cp when cp > 1.
         ops.append(("cp" if lo.cp > 1 else "tp", "all_reduce", (2 * m.num_experts + 2) * 4 * moe_here * micro,
                     (lo.tp if sp_split else 1) * lo.cp))
+    if replicas > 1 and moe_here and getattr(m, "moe_router_bias_update_rate", 0.0) > 0:
+        # The aux-loss-free bias: every MoE layer's per-expert loads (fp32), one all-reduce per step.
+        ops.append(("dp", "all_reduce", moe_here * m.num_experts * 4, replicas))
+    etp = etp_size(cfg)
+    if etp > 1 and moe_here:
+        # Expert tensor parallelism (moe/expert_tp.py), per MoE layer and microbatch over the
+        # tp group's T = b * s_cp tokens. SP: forward all-gathers of tokens, weights (fp32)
+        # and ids (int64) and a reduce-scatter of the outputs; backward reduce-scatters of the
+        # token and weight gradients and an all-gather of the output gradient. No SP: the
+        # outputs' all-reduce forward, the token and weight gradients' backward.
+        group_tokens, k = b * s_cp, m.moe_top_k
+        if p.sequence_parallel:
+            ops += [("tp", "all_gather", group_tokens * (2 * H * c + 12 * k) * moe_here * micro, etp),
+                    ("tp", "reduce_scatter", group_tokens * (2 * H * c + 4 * k) * moe_here * micro, etp)]
+        else:
+            ops.append(("tp", "all_reduce", group_tokens * (2 * H * c + 4 * k) * moe_here * micro, etp))
     if lo.ep > 1 and moe_here:
-        tokens = b * s_hidden
+        # Each rank dispatches the tokens it runs its experts on: with etp, the tp group's.
+        tokens = b * (s_cp if etp > 1 else s_hidden)
         if m.moe_dispatcher == "allgather":
             # Per MoE layer and microbatch, summed over chunks: forward all-gathers of the
             # tokens, router weights (fp32) and expert ids (int64) and the combine's

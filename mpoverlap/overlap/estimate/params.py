@@ -24,7 +24,8 @@ def chunk_layers(cfg: Any, lo: Layout, chunk: int) -> list:
 
 
 def is_moe_layer(m: Any, i: int) -> bool:
-    return m.num_experts > 0 and i % m.moe_layer_freq == 0
+    return (m.num_experts > 0 and i >= getattr(m, "moe_first_dense_layers", 0)
+            and i % m.moe_layer_freq == 0)
 
 
 def mlp_mult(m: Any) -> int:
@@ -36,21 +37,56 @@ def expert_ffn(m: Any) -> int:
     return m.moe_ffn_hidden_size or m.ffn_hidden_size
 
 
+def shared_expert_ffn(m: Any) -> int:
+    """The shared expert's width (0 without one): its own key, default the expert width."""
+    if m.num_experts == 0 or not m.shared_expert:
+        return 0
+    return getattr(m, "moe_shared_expert_ffn_hidden_size", None) or expert_ffn(m)
+
+
+def etp_size(cfg: Any) -> int:
+    """parallel.etp as an int (1 where the key is missing or unusable: the rule reports it)."""
+    etp = getattr(cfg.parallel, "etp", 1)
+    return etp if isinstance(etp, int) and etp >= 1 else 1
+
+
+def model_params(cfg: Any) -> tuple:
+    """(total, active per token) parameters of the whole model, exactly as built: embedding
+    (padded vocab), the head unless tied, norms, attention, dense MLPs; an MoE layer's router,
+    all its experts (active: top_k of them) and its shared expert."""
+    m = cfg.model
+    H = m.hidden_size
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    total = active = V * H * (1 if m.tie_embeddings else 2) + norm_params(m)
+    for i in range(m.num_layers):
+        common = 4 * H * H + 2 * norm_params(m)
+        if not is_moe_layer(m, i):
+            dense = common + mlp_mult(m) * H * m.ffn_hidden_size
+            total, active = total + dense, active + dense
+            continue
+        one = mlp_mult(m) * H * expert_ffn(m)
+        base = common + moe_dense_unsplit(m)
+        total += base + m.num_experts * one
+        active += base + m.moe_top_k * one
+    return total, active
+
+
 def layer_params(cfg: Any, lo: Layout, i: int) -> tuple:
     """(dense, expert) parameters of layer i on one rank: attention and dense MLP split over
-    tp; an MoE MLP holds the router, num_experts / ep experts and the shared expert, not split
-    over tp (experts are the `expert` part)."""
+    tp; an MoE MLP holds the router and the shared expert, not split over tp, and num_experts
+    / ep experts, split over etp (experts are the `expert` part)."""
     m = cfg.model
     H, tp = m.hidden_size, lo.tp
     dense = 4 * H * H // tp + 2 * norm_params(m)
     if not is_moe_layer(m, i):
         return dense + mlp_mult(m) * H * m.ffn_hidden_size // tp, 0
-    return dense + moe_dense_unsplit(m), m.num_experts // lo.ep * mlp_mult(m) * H * expert_ffn(m)
+    return (dense + moe_dense_unsplit(m),
+            m.num_experts // lo.ep * mlp_mult(m) * H * expert_ffn(m) // etp_size(cfg))
 
 
 def moe_dense_unsplit(m: Any) -> int:
     """Router and shared expert of one MoE layer (replicated over TP)."""
-    return m.hidden_size * m.num_experts + (mlp_mult(m) * m.hidden_size * expert_ffn(m) if m.shared_expert else 0)
+    return m.hidden_size * m.num_experts + mlp_mult(m) * m.hidden_size * shared_expert_ffn(m)
 
 
 def stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) -> int:
