@@ -27,12 +27,24 @@ Averaging: every bucket is divided by the dp x cp size right before the SUM coll
 (gloo has no AVG). Buckets are issued strictly in bucket order, so the sequence of
 collectives is identical on every rank even if a bucket is held back by a parameter that got
 no gradient (it is then issued, with everything after it, by `finish_grad_sync()`).
+
+Sharding levels (`levels.py`). `optim` is ZeRO-1 as above. With `optim_grads` (ZeRO-2) and
+`optim_grads_params` (ZeRO-3) only this rank's shard of each bucket's reduced gradient
+persists (`grad_shard(b)`): a bucket's full gradient is a storage of its own, allocated by the
+first gradient that reaches it (a pre-accumulate hook), reduce-scattered as soon as every
+parameter of the bucket has its gradient, in EVERY microbatch (the reduce-scatter is linear,
+so accumulating shards equals reducing the accumulated sum), added into the shard when its
+handle is waited, and freed. A bucket in flight is waited before the next gradient
+accumulates into it. Under ZeRO-3 the parameters are sharded too (`param_shard(b)`), and a
+`UnitGatherer` (fsdp.py) gathers them around each unit's use; the bucket's parameters are
+freed when its reduce-scatter is issued.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
@@ -41,7 +53,9 @@ import torch.nn as nn
 from mpoverlap.comm.collectives import all_reduce, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.comm.ledger import CommLedger
-from mpoverlap.data_parallel.buffer import ParamAndGradBuffer, build_buffer
+from mpoverlap.data_parallel.buffer import (ParamAndGradBuffer, alloc_storage, build_buffer, free_storage,
+                                            is_allocated)
+from mpoverlap.data_parallel.levels import resolve_level, shards_grads, shards_params
 from mpoverlap.parallel.state import ParallelState
 
 
@@ -70,8 +84,9 @@ class DataParallel:
 
     def __init__(self, module: nn.Module, state: ParallelState, *, group_kind: str = "dp_cp",
                  expert_group_kind: str = "edp", overlap: bool, bucket_mb: float,
-                 distributed_optimizer: bool, ledger: Optional[CommLedger],
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 distributed_optimizer: bool = False, ledger: Optional[CommLedger],
+                 reduce_dtype: Optional[torch.dtype] = None, sharding: Optional[str] = None,
+                 units: Optional[list] = None, prefetch: int = 1, reshard_after_forward: bool = True) -> None:
         self.reduce_groups = {"dense": self._reduce_group(state, group_kind),
                               "expert": self._reduce_group(state, expert_group_kind)}
         self.module = module
@@ -79,26 +94,37 @@ class DataParallel:
         dense = self.reduce_groups["dense"]
         self.group, self.group_size, self.group_rank = dense.group, dense.size, dense.rank
         self.overlap = bool(overlap)
-        self.distributed_optimizer = bool(distributed_optimizer)
+        self.sharding = resolve_level(sharding or "none", distributed_optimizer)
+        self.distributed_optimizer = self.sharding != "none"
+        self.shard_grads, self.shard_params = shards_grads(self.sharding), shards_params(self.sharding)
+        if self.shard_params and units is None:
+            raise ValueError("sharding='optim_grads_params' needs `units` (see fsdp.gpt_units)")
         self.ledger = ledger
         self.bucket_mb = bucket_mb
         pad_to = {k: (g.size if self.distributed_optimizer else 1) for k, g in self.reduce_groups.items()}
+        unit_of = None
+        if self.shard_grads and units is not None:
+            from mpoverlap.data_parallel.fsdp import unit_index
+            unit_of = unit_index(units)
         self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(), bucket_mb=bucket_mb,
-                                                       pad_to=pad_to, key_of=expert_key)
+                                                       pad_to=pad_to, key_of=expert_key, unit_of=unit_of,
+                                                       separate=self.shard_grads)
         nb = len(self.buffer.buckets)
-        self.reduce_dtype = reduce_dtype or self.buffer.grad_data.dtype
+        self.reduce_dtype = reduce_dtype or self.buffer.buckets[0].grad_data.dtype
         communicates = [self.bucket_group(b.index).group is not None for b in self.buffer.buckets]
+        self._communicates = communicates
         # A lower reduction dtype: each bucket's scratch copy that is sent (None: the buffer's
-        # own slice is reduced in place, as in fp32).
+        # own slice is reduced in place, as in fp32). ZeRO-2/3 allocate theirs per issue.
         self._send = [torch.empty(b.numel, dtype=self.reduce_dtype, device=b.grad_data.device)
-                      if c and self.reduce_dtype != b.grad_data.dtype else None
+                      if c and self.reduce_dtype != b.grad_data.dtype and not self.shard_grads else None
                       for b, c in zip(self.buffer.buckets, communicates)]
         # Reduce-scatter output lands in a scratch shard, then is copied into the gradient
         # buffer: gloo gives no guarantee for an output that aliases its own input.
         self._rs_out = [torch.empty(b.numel // self.bucket_group(b.index).size, dtype=self.reduce_dtype,
                                     device=b.grad_data.device)
-                        if self.distributed_optimizer and c else None
+                        if self.distributed_optimizer and c and not self.shard_grads else None
                         for b, c in zip(self.buffer.buckets, communicates)]
+        self._init_shards()
         self._is_last = True
         self._ready: List[Set[nn.Parameter]] = [set() for _ in range(nb)]
         self._issued = [False] * nb
@@ -108,6 +134,95 @@ class DataParallel:
         self._warned_unused = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.buffer.params]
+        self._rs_pending: Dict[int, torch.Tensor] = {}
+        if self.shard_grads:
+            self._hooks += [p.register_hook(partial(self._before_accumulate, self.buffer.index[p][2]))
+                            for p in self.buffer.params if communicates[self.buffer.index[p][2]]]
+        self.gatherer = None
+        if self.shard_params:
+            from mpoverlap.data_parallel.fsdp import UnitGatherer
+            self.gatherer = UnitGatherer(self, units, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                                         overlap=self.overlap)
+
+    def _init_shards(self) -> None:
+        """ZeRO-2/3: the persistent shards (one flat buffer each, bucket b's shard at
+        `_shard_at[b]`) and the full gradient buckets freed until their first gradient; a
+        bucket reduced over a group of one is its own shard."""
+        buckets = self.buffer.buckets
+        self._shard_at: List[Optional[int]] = [None] * len(buckets)
+        self._grad_shards = self._param_shards = None
+        if not self.shard_grads:
+            return
+        total = 0
+        for b in buckets:
+            if self._communicates[b.index]:
+                self._shard_at[b.index] = total
+                total += b.numel // self.bucket_group(b.index).size
+        ref = buckets[0].grad_data
+        self._grad_shards = torch.zeros(total, dtype=ref.dtype, device=ref.device)
+        if self.shard_params:
+            self._param_shards = torch.empty(total, dtype=ref.dtype, device=ref.device)
+        for b in buckets:
+            if self._shard_at[b.index] is None:
+                continue
+            free_storage(b.grad_data)
+            if self.shard_params:
+                lo, hi = self.shard_range(b.index)
+                self.param_shard(b.index).copy_(b.param_data[lo - b.offset:hi - b.offset])
+
+    def param_shard(self, b: int) -> torch.Tensor:
+        """The 1-D parameters of this rank's range of bucket `b` (its shard when sharded, else
+        the whole bucket): what the optimizer updates. Persistent at every level."""
+        bucket = self.buffer.buckets[b]
+        at = self._shard_at[b]
+        if self.shard_params and at is not None:
+            return self._param_shards[at:at + bucket.numel // self.bucket_group(b).size]
+        lo, hi = self.shard_range(b)
+        return bucket.param_data[lo - bucket.offset:hi - bucket.offset]
+
+    def grad_shard(self, b: int) -> torch.Tensor:
+        """The 1-D reduced gradient of this rank's range of bucket `b` (valid after
+        `finish_grad_sync`); the optimizer's `.grad`. Persistent at every level."""
+        bucket = self.buffer.buckets[b]
+        at = self._shard_at[b]
+        if at is not None:
+            return self._grad_shards[at:at + bucket.numel // self.bucket_group(b).size]
+        lo, hi = self.shard_range(b)
+        return bucket.grad_data[lo - bucket.offset:hi - bucket.offset]
+
+    def reduced_grads(self, params) -> List[torch.Tensor]:
+        """After `finish_grad_sync`: the reduced gradient this rank keeps of each of `params`:
+        the whole `.grad`, or under ZeRO-2/3 the flattened part of it inside this rank's shard
+        (possibly empty). Ranks with the same bucket layout and shard rank get the same parts."""
+        if not self.shard_grads:
+            return [p.grad for p in params]
+        out = []
+        for p in params:
+            start, end, b = self.buffer.index[p]
+            lo, hi = self.shard_range(b)
+            a, z = max(start, lo), min(end, hi)
+            out.append(self.grad_shard(b)[a - lo:max(a, z) - lo])
+        return out
+
+    @contextlib.contextmanager
+    def full_params(self, write_back: bool = False):
+        """Every parameter gathered inside (ZeRO-3; a no-op otherwise): for checkpoints and
+        loads. `write_back=True`: what was written into the parameters becomes the shards."""
+        if self.gatherer is None:
+            yield
+            return
+        self.gatherer.gather_all()
+        try:
+            yield
+            if write_back:
+                self.gatherer.write_back()
+        finally:
+            self.gatherer.reshard_all()
+
+    def reshard(self) -> None:
+        """Free every gathered unit (after the optimizer step, after evaluation)."""
+        if self.gatherer is not None:
+            self.gatherer.reshard_all()
 
     @staticmethod
     def _reduce_group(state: ParallelState, kind: str) -> ReduceGroup:
@@ -171,6 +286,11 @@ class DataParallel:
         microbatch. Any reduction still in flight is waited first (it writes the buffer)."""
         self._wait_all()
         self.buffer.zero_grad()
+        if self.shard_grads:
+            self._grad_shards.zero_()
+            for b in self.buffer.buckets:
+                if self._communicates[b.index]:
+                    free_storage(b.grad_data)
         for ready in self._ready:
             ready.clear()
         self._issued = [False] * len(self._issued)
@@ -200,6 +320,10 @@ class DataParallel:
         optimizer: only this rank's shard of each bucket does). Idempotent within a step."""
         if self._synced:
             return
+        if self.shard_grads:
+            self._finish_sharded()
+            self._synced = True
+            return
         if self._next < len(self._issued):
             self._note_missing_grads()
         while self._next < len(self._issued):
@@ -222,6 +346,12 @@ class DataParallel:
             view.copy_(grad)
             param.grad = view
         b = self.buffer.index[param][2]
+        if self.shard_grads:
+            if self._communicates[b]:
+                self._ready[b].add(param)
+                if len(self._ready[b]) == len(self.buffer.buckets[b].params):
+                    self._issue_sharded(b)
+            return
         if self._issued[b]:
             raise RuntimeError(
                 f"gradient of {self.buffer.name_of[param]!r} arrived after its bucket {b} was "
@@ -256,20 +386,67 @@ class DataParallel:
         if not self.overlap:
             self._complete(b)
 
+    # ---- ZeRO-2/3 ------------------------------------------------------------------------
+    def _before_accumulate(self, b: int, _grad: torch.Tensor) -> None:
+        """Tensor hook of a parameter of bucket `b`, before its gradient accumulates: the
+        bucket's previous reduce-scatter (still reading it) is finished and its storage is
+        (re-)allocated and zeroed."""
+        if b in self._handles:
+            self._complete(b)
+        bucket = self.buffer.buckets[b]
+        if alloc_storage(bucket.grad_data):
+            bucket.grad_data.zero_()
+        return None
+
+    def _issue_sharded(self, b: int) -> None:
+        bucket = self.buffer.buckets[b]
+        self._ready[b].clear()
+        if self.group_size > 1:
+            bucket.grad_data.div_(self.group_size)
+        send = bucket.grad_data if self.reduce_dtype == bucket.grad_data.dtype else bucket.grad_data.to(self.reduce_dtype)
+        rg = self.bucket_group(b)
+        out = torch.empty(bucket.numel // rg.size, dtype=self.reduce_dtype, device=send.device)
+        self._rs_pending[b] = out
+        self._handles[b] = reduce_scatter(out, send, rg.group, mode="dp", ledger=self.ledger)
+        if self.gatherer is not None:
+            self.gatherer.after_reduce(b)
+        if not self.overlap:
+            self._complete(b)
+
+    def _finish_sharded(self) -> None:
+        """Reduce what is left: buckets whose gradients are partly in (a parameter got none),
+        in bucket order (the same on every rank); then wait everything. A bucket reduced over
+        a group of one is averaged in place."""
+        for bucket in self.buffer.buckets:
+            b = bucket.index
+            if not self._communicates[b]:
+                if self.group_size > 1:
+                    bucket.grad_data.div_(self.group_size)
+            elif is_allocated(bucket.grad_data) and b not in self._handles:
+                self._issue_sharded(b)
+        self._wait_all()
+
     def _complete(self, b: int) -> None:
         handle = self._handles[b]
+        if self.shard_grads:
+            del self._handles[b]
+            handle.wait()
+            self.grad_shard(b).add_(self._rs_pending.pop(b))
+            free_storage(self.buffer.buckets[b].grad_data)
+            return
         if handle.waited:
             return
         handle.wait()
         if self.distributed_optimizer:
             lo, hi = self.shard_range(b)
-            self.buffer.grad_data[lo:hi].copy_(self._rs_out[b])
+            self.buffer.grad_data[lo:hi].copy_(self._rs_out[b])  # ZeRO-1: one flat buffer
         elif self._send[b] is not None:
             self.buffer.buckets[b].grad_data.copy_(self._send[b])
 
     def _wait_all(self) -> None:
         for b in sorted(self._handles):
-            self._complete(b)
+            if b in self._handles:
+                self._complete(b)
 
     def _note_missing_grads(self) -> None:
         """Warn once when overlap was asked for but a bucket could not be issued in backward

@@ -94,13 +94,19 @@ def _resolve_cp(lo: Layout, blocked: Optional[str] = None) -> ModeState:
 
 
 def _resolve_param_gather(lo: Layout) -> ModeState:
+    from mpoverlap.overlap.dp_rules import sharding_level
+
     requested = lo.mode("dp_param_gather")
-    distopt = bool(lo.cfg.train.distributed_optimizer)
+    level = sharding_level(lo.cfg)
+    distopt = level != "none"
+    if level == "optim_grads_params":
+        return ModeState(requested, False, "ZeRO-3: no gather after the step; each unit is gathered before its "
+                                           "forward and backward, prefetched under overlap.dp")
     if requested == "false":
         return ModeState(requested, False, "off as requested: parameters gathered and waited right after "
                                            "the optimizer step" if distopt else "off as requested")
     if not distopt:
-        return ModeState(requested, False, "train.distributed_optimizer=false, every rank holds "
+        return ModeState(requested, False, "train.dp_sharding=none, every rank holds "
                                            "full parameters")
     if lo.dp_cp == 1:
         return ModeState(requested, False, "a single replica, nothing to gather")
