@@ -135,6 +135,8 @@ class DataParallel:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.buffer.params]
         self._rs_pending: Dict[int, torch.Tensor] = {}
+        self._grad_bucket_bytes = 0  # ZeRO-2/3: full gradient buckets allocated now, and the peak
+        self.peak_grad_bucket_bytes = 0
         if self.shard_grads:
             self._hooks += [p.register_hook(partial(self._before_accumulate, self.buffer.index[p][2]))
                             for p in self.buffer.params if communicates[self.buffer.index[p][2]]]
@@ -290,7 +292,7 @@ class DataParallel:
             self._grad_shards.zero_()
             for b in self.buffer.buckets:
                 if self._communicates[b.index]:
-                    free_storage(b.grad_data)
+                    self._free_grad_bucket(b.index)
         for ready in self._ready:
             ready.clear()
         self._issued = [False] * len(self._issued)
@@ -396,7 +398,14 @@ class DataParallel:
         bucket = self.buffer.buckets[b]
         if alloc_storage(bucket.grad_data):
             bucket.grad_data.zero_()
+            self._grad_bucket_bytes += bucket.grad_data.untyped_storage().nbytes()
+            self.peak_grad_bucket_bytes = max(self.peak_grad_bucket_bytes, self._grad_bucket_bytes)
         return None
+
+    def _free_grad_bucket(self, b: int) -> None:
+        data = self.buffer.buckets[b].grad_data
+        self._grad_bucket_bytes -= data.untyped_storage().nbytes()
+        free_storage(data)
 
     def _issue_sharded(self, b: int) -> None:
         bucket = self.buffer.buckets[b]
@@ -432,7 +441,7 @@ class DataParallel:
             del self._handles[b]
             handle.wait()
             self.grad_shard(b).add_(self._rs_pending.pop(b))
-            free_storage(self.buffer.buckets[b].grad_data)
+            self._free_grad_bucket(b)
             return
         if handle.waited:
             return

@@ -73,6 +73,9 @@ class UnitGatherer:
             ids = sorted({buf.index[p][2] for p in list(u.owned) + list(u.shared) if p in buf.index})
             self.buckets_of.append([b for b in ids if self.sharded[b]])
         self._pending: Dict[int, CommHandle] = {}
+        # Bytes of full buckets allocated now and at most since the last reset (the working set).
+        self.held_bytes = 0
+        self.peak_held_bytes = 0
         self._hooks = []
         for i, u in enumerate(self.units):
             self._hooks.append(u.start.register_forward_pre_hook(partial(self._pre_forward, i)))
@@ -86,6 +89,8 @@ class UnitGatherer:
         bucket = self.ddp.buffer.buckets[b]
         if not alloc_storage(bucket.param_data):
             return  # already gathered
+        self.held_bytes += bucket.param_data.untyped_storage().nbytes()
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         self._pending[b] = all_gather(bucket.param_data, self.ddp.param_shard(b), self.ddp.bucket_group(b).group,
                                       mode="dp", ledger=self.ddp.ledger)
 
@@ -98,7 +103,9 @@ class UnitGatherer:
         if not self.sharded[b]:
             return
         self._wait(b)  # a gather in flight writes the storage
-        free_storage(self.ddp.buffer.buckets[b].param_data)
+        data = self.ddp.buffer.buckets[b].param_data
+        self.held_bytes -= data.untyped_storage().nbytes()
+        free_storage(data)
 
     def after_reduce(self, b: int) -> None:
         """Every gradient of bucket `b` arrived in this backward: its parameters are done."""
@@ -144,6 +151,9 @@ class UnitGatherer:
         for b, sharded in enumerate(self.sharded):
             if sharded:
                 self.free(b)
+
+    def reset_peak(self) -> None:
+        self.peak_held_bytes = self.held_bytes
 
     def gather_all(self) -> None:
         for b, sharded in enumerate(self.sharded):

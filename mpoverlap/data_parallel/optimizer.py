@@ -238,6 +238,32 @@ class DataParallelAdamW:
             dist.all_reduce(sq, group=self.pp_group)
         return sq
 
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state, from the
+        buffers' sizes: persistent storages, plus under ZeRO-3 the peak of gathered units since
+        the last `reset_peak` (`gathered`, inside `params`) and under ZeRO-2/3 the peak of
+        full gradient buckets alive during backward (`grad_buckets`, not inside `grads`)."""
+        ddp = self.ddp
+        seen, persistent = set(), {"params": 0, "grads": 0}
+        for bucket in ddp.buffer.buckets:
+            for kind, t in (("params", bucket.param_data), ("grads", bucket.grad_data)):
+                key = t.untyped_storage().data_ptr()
+                transient = (ddp.shard_params if kind == "params" else ddp.shard_grads) and ddp.bucket_group(
+                    bucket.index).group is not None
+                if not transient and key not in seen:
+                    seen.add(key)
+                    persistent[kind] += t.untyped_storage().nbytes()
+        for kind, shards in (("params", ddp._param_shards), ("grads", ddp._grad_shards)):
+            if shards is not None:
+                persistent[kind] += shards.numel() * shards.element_size()
+        gathered = ddp.gatherer.peak_held_bytes if ddp.gatherer is not None else 0
+        optim = 0
+        if self.optimizer is not None:
+            optim = sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                        for k, v in st.items() if k in _STATE_KEYS)
+        return {"params": persistent["params"] + gathered, "gathered": gathered, "grads": persistent["grads"],
+                "grad_buckets": ddp.peak_grad_bucket_bytes, "optimizer": optim}
+
     def grad_norm(self) -> float:
         return self.clip_grad_norm(0.0)
 
