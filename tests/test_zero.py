@@ -154,7 +154,7 @@ def _checkpoints_and_memory(rank, world, root):
             trainer.ddp.gatherer.reset_peak()
         _steps(trainer, 1)  # the second step's peaks (the first one's AdamW state is lazy)
         out["memory"][level] = trainer.optimizer.memory_bytes()
-    for name, (first, then) in CHECKPOINTS.items():
+    for name, (first, then) in CHECKPOINTS.items():  # noqa: B007
         ck = f"checkpoint.dir={root}/ck_{name}"
         trainer = _trainer([*SMALL, *first, ck], f"{root}/{name}_a")
         losses = _steps(trainer, 3)
@@ -163,6 +163,8 @@ def _checkpoints_and_memory(rank, world, root):
         trainer.maybe_resume()
         assert trainer.step == 3
         out["curves"][name] = losses + _steps(trainer, 3)
+    if not CHECKPOINTS:
+        return out
     out["curves"]["zero3_uninterrupted"] = _steps(
         _trainer([*SMALL, "parallel.dp=4", "train.dp_sharding=optim_grads_params"], f"{root}/zero3_full"), 6)
     return out
@@ -178,8 +180,8 @@ def test_checkpoints_cross_levels_and_memory_falls_with_the_level(tmp_path):
     ref = [r["loss"] for r in train_layouts({"ref": (1, SMALL, 6)}, tmp_path / "ref")["ref"]]
     out = run_distributed(_checkpoints_and_memory, 4, str(tmp_path), timeout_s=900)[0]
     curves = out["curves"]
-    for name, losses in curves.items():
-        assert max(rel(a, b) for a, b in zip(losses, ref)) < 1e-5, (name, losses, ref)
+    bad = {name: losses for name, losses in curves.items() if max(rel(a, b) for a, b in zip(losses, ref)) >= 1e-5}
+    assert not bad, (bad, ref)
     assert curves["zero3_to_zero3"] == curves["zero3_uninterrupted"]
 
     mem = out["memory"]
@@ -194,6 +196,8 @@ def test_checkpoints_cross_levels_and_memory_falls_with_the_level(tmp_path):
             model_bytes = 4 * est.params
             assert got["params"] - got["gathered"] <= model_bytes / 4 * 1.02  # shards (+ padding)
             assert got["params"] < model_bytes / 2
+    # ZeRO-2/3: the full gradient buckets alive at once during backward are a few, not the model.
+    assert mem["optim_grads"]["grad_buckets"] < 4 * est.params / 4
     # Falls with the level: optimizer from optim on, gradients from optim_grads, parameters last.
     assert mem["optim"]["optimizer"] < mem["none"]["optimizer"] / 3
     assert mem["optim_grads"]["grads"] < mem["optim"]["grads"] / 3

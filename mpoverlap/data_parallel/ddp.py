@@ -407,9 +407,16 @@ class DataParallel:
         self._grad_bucket_bytes -= data.untyped_storage().nbytes()
         free_storage(data)
 
+    # ZeRO-2/3 keep at most this many reduce-scatters in flight: issuing one more first waits
+    # the oldest (it had a bucket's worth of backward to hide under), so the full gradient
+    # buckets alive at once stay a few, not the whole model (FSDP2 keeps one).
+    MAX_SHARDED_INFLIGHT = 2
+
     def _issue_sharded(self, b: int) -> None:
         bucket = self.buffer.buckets[b]
         self._ready[b].clear()
+        while len(self._handles) >= self.MAX_SHARDED_INFLIGHT:
+            self._complete(next(iter(self._handles)))  # the oldest (dicts keep issue order)
         if self.group_size > 1:
             bucket.grad_data.div_(self.group_size)
         send = bucket.grad_data if self.reduce_dtype == bucket.grad_data.dtype else bucket.grad_data.to(self.reduce_dtype)

@@ -80,7 +80,8 @@ class UnitGatherer:
         for i, u in enumerate(self.units):
             self._hooks.append(u.start.register_forward_pre_hook(partial(self._pre_forward, i)))
             self._hooks.append(u.end.register_forward_hook(partial(self._post_forward, i)))
-        self.reshard_all()
+        self.reshard_all()  # the full buckets build_buffer filled: from now on only shards persist
+        self.held_bytes = self.peak_held_bytes = 0
 
     # ---- per bucket ----------------------------------------------------------------------
     def _gather(self, b: int) -> None:

@@ -286,7 +286,7 @@ class DataParallelAdamW:
                     if st and k in st:
                         full[k][pc.lo:pc.hi].copy_(st[k])
         for bucket in buf.buckets:
-            if self._bucket_gathers(bucket.index):
+            if ddp.distributed_optimizer and ddp.bucket_group(bucket.index).group is not None:  # sharded state
                 lo, hi = ddp.shard_range(bucket.index)
                 for k in _STATE_KEYS:
                     _all_gather_tensor(full[k][bucket.offset:bucket.offset + bucket.numel],
