@@ -60,4 +60,4 @@ def _tied(lo: Layout):
                       "over the embedding group; under ZeRO-1 each stage keeps a different slice of the "
                       "reduced gradient (ZeRO-2/3 give the embedding a bucket of its own, split alike on both "
                       "stages)",
-                      ["train.dp_sharding=optim_grads", "train.distributed_optimizer=false train.dp_sharding=none"])
+                      ["train.distributed_optimizer=false", "train.dp_sharding=optim_grads"])
