@@ -202,4 +202,4 @@ def test_checkpoints_cross_levels_and_memory_falls_with_the_level(tmp_path):
     # Falls with the level: optimizer from optim on, gradients from optim_grads, parameters last.
     assert mem["optim"]["optimizer"] < mem["none"]["optimizer"] / 3
     assert mem["optim_grads"]["grads"] < mem["optim"]["grads"] / 3
-    assert mem["optim_grads_params"]["params"] < mem["optim_grads"]["params"] / 2
+    assert mem["optim_grads_params"]["params"] < 0.6 * mem["optim_grads"]["params"]
