@@ -90,6 +90,8 @@ def test_every_level_reproduces_the_single_process_curve(tmp_path):
     runs = train_layouts({n: (w, [*base, *ov], 6) for n, (w, base, ov) in specs.items()}, tmp_path)
 
     def reference(name):
+        if name.startswith("ref"):
+            return name
         for comp, (_, _, ref) in COMPOSED.items():
             if name.startswith(comp):
                 return ref
@@ -111,7 +113,9 @@ def test_every_level_reproduces_the_single_process_curve(tmp_path):
     for level in SHARDED:
         on, off = runs[f"dp2_{level}"], runs[f"dp2_{level}_off"]
         assert [(r["loss"], r["grad_norm"]) for r in on] == [(r["loss"], r["grad_norm"]) for r in off]
-        assert [r["comm"]["dp"]["bytes"] for r in on] == [r["comm"]["dp"]["bytes"] for r in off]
+        # Same collectives; ZeRO-2's after-step gather is counted where it is waited (the next
+        # forward with overlap), so the first step's row has one gather less.
+        assert [r["comm"]["dp"]["bytes"] for r in on][1:] == [r["comm"]["dp"]["bytes"] for r in off][1:]
     # ZeRO-3 gathers the parameters twice per microbatch, ZeRO-2 once per step.
     assert runs["dp2_optim_grads_params"][-1]["comm"]["dp"]["bytes"] > runs["dp2_optim_grads"][-1]["comm"]["dp"]["bytes"]
 
