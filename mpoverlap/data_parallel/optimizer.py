@@ -7,15 +7,15 @@ its moments take 1/g of the memory under ZeRO-1.
 
 After a distributed step every bucket's updated shard is all-gathered back into the full
 parameter buffer, bucket by bucket in forward order (the bucket holding the first layers
-first).
+first). With `param_gather_overlap=True` those handles stay in flight and each is waited by a
+forward pre-hook of a module owning one of the bucket's parameters, i.e. under the next
+forward; `finish_param_sync()` waits whatever is left (call it before eval or checkpointing).
 
 The pieces are views of `ddp.param_shard(b)` / `ddp.grad_shard(b)`, which is the same memory
 at every sharding level (the flat buffers' slices for none/ZeRO-1, the persistent shard
 buffers under ZeRO-2/3). Under ZeRO-2 the parameters are full, so the step all-gathers them
 like ZeRO-1; under ZeRO-3 nothing is gathered after the step: each unit gathers its updated
-shards before its next forward (fsdp.py), and the step frees whatever was still gathered. With `param_gather_overlap=True` those handles stay in flight and each is waited by a
-forward pre-hook of a module owning one of the bucket's parameters, i.e. under the next
-forward; `finish_param_sync()` waits whatever is left (call it before eval or checkpointing).
+shards before its next forward (fsdp.py), and the step frees whatever was still gathered.
 """
 from __future__ import annotations
 

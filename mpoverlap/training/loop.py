@@ -136,8 +136,12 @@ class Trainer:
         for key in ("exp_avg", "exp_avg_sq"):
             optim[key] = unshard_named({self.dp_names[n]: v for n, v in optim[key].items()}, params,
                                        tp_group, tp_size)
-        with self.ddp.full_params():  # ZeRO-3: gathered for the save (a sharded save is later work)
-            model = unshard_named({n: p.detach().clone() for n, p in params.items()}, params, tp_group, tp_size)
+        # ZeRO-3: gathered for the save and copied out before they are freed (a sharded save is
+        # later work); the other levels hand over their parameters as they are.
+        copy = self.ddp.gatherer is not None
+        with self.ddp.full_params():
+            model = unshard_named({n: p.detach().clone() if copy else p.detach() for n, p in params.items()},
+                                  params, tp_group, tp_size)
         # Every rank starts from the same seed, so rank 0's generator state stands for all.
         return {"model": model,
                 "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()}}
