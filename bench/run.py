@@ -12,7 +12,7 @@ Writes bench/results/<timestamp>/results.json and results.md and prints the tabl
                         [--modes tp,cp,pp,ep,bubble] [--modes-repeats 5] [--modes-block 4] [--modes-budget 150]
                         [--skip-scaling] [--scaling-worlds 1,2,4,8] [--scaling-steps 12]
                         [--skip-memory] [--memory-layouts dp2,...] [--memory-steps 3]
-                        [--skip-timelines] [--timelines dp2,tp2,pp2,cp2,ep2]
+                        [--skip-timelines] [--timelines dp2,tp2,pp2,cp2,ep2] [--skip-zero]
 
 --modes runs bench/modes.py (TP/CP/PP overlap against DTensor and torch.distributed.pipelining,
 and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench import memory, predict, scaling, timelines
+from bench import memory, predict, scaling, timelines, zero
 from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
 
 
@@ -373,6 +373,8 @@ def main() -> None:
     p.add_argument("--modes-repeats", type=int, default=5, help="at least this many blocks per variant (default 5)")
     p.add_argument("--modes-block", type=int, default=4, help="steps per block in bench.modes (default 4)")
     p.add_argument("--modes-budget", type=float, default=150.0, help="seconds of measuring per scenario (default 150)")
+    p.add_argument("--skip-zero", action="store_true", help="skip bench/zero.py (ZeRO-3 prefetch vs torch FSDP2)")
+    p.add_argument("--zero-budget", type=float, default=150.0, help="seconds of ZeRO-3 measuring at most (default 150)")
     p.add_argument("--skip-scaling", action="store_true")
     p.add_argument("--scaling-worlds", default="1,2,4,8", help="world sizes of the DP scaling runs (default 1,2,4,8)")
     p.add_argument("--scaling-steps", type=int, default=12, help="steps per scaling run (default 12)")
@@ -405,8 +407,10 @@ def main() -> None:
     for scenario in [x.strip() for x in args.modes.split(",") if x.strip() and x.strip() != "none"]:
         results.setdefault("modes", {})[scenario] = run_modes(args, out, scenario)
     # One namespace probe for the scaling and timeline runs.
-    prefix, link = (([], "") if args.skip_scaling and args.skip_timelines
+    prefix, link = (([], "") if args.skip_scaling and args.skip_timelines and args.skip_zero
                     else netns_prefix(args.rate, args.no_netns))
+    if not args.skip_zero:
+        results["zero"] = zero.run_in_bench(prefix, link, out, args.zero_budget)
     if not args.skip_scaling:
         results["scaling"] = scaling.run(worlds, args.scaling_steps, args.bucket_mb, out, prefix, link)
     if not args.skip_memory:
@@ -424,7 +428,7 @@ def main() -> None:
     table = render(results)
     if results.get("modes"):
         table += "\n" + render_modes(results)
-    for section in (scaling.render(results), memory.render(results), timelines.render(results),
+    for section in (zero.render(results), scaling.render(results), memory.render(results), timelines.render(results),
                     predict.render(results.get("predicted") or [])):
         if section:
             table += "\n" + section

@@ -87,6 +87,9 @@ class OverlapConfig:
     # optimizer's parameter all-gather is overlapped with the next forward.
     dp_bucket_mb: float = 4.0
     dp_param_gather: Any = "auto"
+    # ZeRO-3 (train.dp_sharding=optim_grads_params): how many units ahead are gathered while
+    # the current one computes, in forward and in backward (under overlap.dp; 0 = none).
+    dp_prefetch: int = 1
     # EP detail: each microbatch's tokens are dispatched in this many chunks, so one chunk's
     # exchange is in flight while the experts compute another (on and off use the same chunks).
     ep_chunks: int = 4
@@ -113,7 +116,14 @@ class TrainConfig:
     eval_interval: int = 0  # 0 = only at the end
     eval_iters: int = 4
     device: str = "auto"  # auto | cpu | cuda
+    # Older spelling of train.dp_sharding=optim (ZeRO-1); not together with a higher level.
     distributed_optimizer: bool = False
+    # none | optim (ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3 / FSDP): what
+    # the data-parallel group (dp x cp; edp for expert weights) shards.
+    dp_sharding: str = "none"
+    # ZeRO-3: free a unit's gathered parameters after its forward (gathered again for its
+    # backward: 2 gathers per microbatch, least memory) or keep them until its backward.
+    reshard_after_forward: bool = True
     # fp32 | bf16: bf16 runs the forward under autocast (CPU and CUDA alike) with fp32 master
     # weights, fp32 gradient accumulation and fp32 optimizer state. The default is fp32 on
     # every device, CUDA included: GPU runs ask for train.precision=bf16 explicitly.

@@ -51,3 +51,26 @@ def test_memory_and_timelines_render():
                                              "summary": ["rank 0 dp: 1 handles"]}}}
     assert "![dp2](timelines/dp2.png)" in timelines.render({"timelines": tl})
     assert scaling.render({}) == memory.render({}) == timelines.render({}) == ""
+
+
+def test_zero_bench_configurations_validate_and_render():
+    """bench.zero: its mpoverlap sides validate at 2 ranks; summarize + render from the shape
+    its workers gather (two ranks' blocks and memory)."""
+    from types import SimpleNamespace
+
+    from bench import zero
+
+    args = SimpleNamespace(layers=8, micro_batch=8, global_batch=32, bucket_mb=4.0, data_bytes=2_000_000)
+    for extra in zero.MPO.values():
+        assert validate(compose(zero._base(args) + extra), 2) == []
+    mem = {"params": 2**20, "grads": 2**19, "optimizer": 2**20}
+    ledger = {"dp": {"time_s": 0.02, "exposed_s": 0.005, "bytes": 2**21},
+              "ops": {"all_gather": [0.012, 0.004], "reduce_scatter": [0.008, 0.001]}}
+    blocks = [{"name": name, "times": [0.1, 0.11], "extras": [ledger, ledger] if name in zero.MPO else [{}, {}]}
+              for name in zero.SIDES]
+    rank = {"blocks": blocks, "memory": {name: mem for name in zero.SIDES}}
+    res = zero.summarize([rank, rank], list(zero.SIDES), {})
+    assert abs(res["variants"]["zero3_prefetch"]["dp_comm"]["all_gather_hidden_share"] - 2 / 3) < 1e-9
+    assert res["zero3_prefetch_over_fsdp2_step"] == 1.0
+    text = zero.render({"zero": dict(res, link="test link")})
+    assert "torch_fsdp2" in text and "0.67" in text and "test link" in text

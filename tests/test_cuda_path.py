@@ -44,6 +44,8 @@ def _step_reads(rank, world, overrides, run_dir):
 # chunk's split sizes together): moe_tiny at SMALL's 2 layers (both MoE), 2 microbatches at dp2.
 HOT_STEP_BUDGETS = {
     "dp2-zero1": (["parallel.dp=2", "train.distributed_optimizer=true", "overlap.dp=true"], 1),
+    "dp2-zero2": (["parallel.dp=2", "train.dp_sharding=optim_grads", "overlap.dp=true"], 1),
+    "dp2-zero3": (["parallel.dp=2", "train.dp_sharding=optim_grads_params", "overlap.dp=true"], 1),
     "tp2-sp-collective-matmul": (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1",
                                   "overlap.tp=true"], 1),
     "cp2-ring": (["parallel.cp=2", "overlap.cp=true"], 1),

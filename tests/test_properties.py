@@ -21,6 +21,7 @@ ANY_VALUE = st.one_of(st.integers(-3, 9), st.sampled_from(["auto", "true", "fals
 KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.dp",
         "parallel.sequence_parallel", "parallel.cp_comm", "overlap.dp", "overlap.tp", "overlap.pp", "overlap.cp",
         "overlap.ep", "overlap.dp_param_gather", "overlap.dp_bucket_mb", "train.distributed_optimizer",
+        "train.dp_sharding", "overlap.dp_prefetch", "train.reshard_after_forward",
         "train.global_batch_size", "train.micro_batch_size", "model.num_layers", "model.num_attention_heads",
         "model.seq_length", "model.num_experts", "model.tie_embeddings", "train.on_nonfinite",
         "model.moe_top_k", "model.moe_layer_freq", "model.moe_capacity_factor", "model.moe_dispatcher",

@@ -14,6 +14,12 @@ group's size under the distributed optimizer) so it reduce-scatters into equal s
 
     bucket b: [offset_b, offset_b + numel_b),   numel_b % pad_to == 0
     shard r of bucket b: [offset_b + r * numel_b / pad_to, offset_b + (r + 1) * numel_b / pad_to)
+
+With `unit_of` a bucket also never spans two units (ZeRO-2/3: a unit is gathered, and its
+gradients reduce-scattered, as a whole), and with `separate=True` every bucket gets storages
+of its own instead of a slice of one flat buffer, so each can be freed and re-allocated on its
+own (`free_storage` / `alloc_storage`); the offsets stay those of the flat layout, and
+`param_data` / `grad_data` of the buffer are then None.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ class Bucket:
     param_data: torch.Tensor
     grad_data: torch.Tensor
     key: Hashable = None  # which reduction group the bucket belongs to (see build_buffer)
+    unit: Hashable = None  # the unit (ZeRO-3 gather granule) it belongs to, if any
 
     def shard_range(self, rank: int, world: int) -> Tuple[int, int]:
         """Global buffer range [lo, hi) of shard `rank` when the bucket is split `world` ways."""
@@ -58,8 +65,8 @@ class ParamAndGradBuffer:
     `index[param] -> (start, end, bucket_index)` in buffer elements, `name_of[param]`.
     """
 
-    param_data: torch.Tensor
-    grad_data: torch.Tensor
+    param_data: Optional[torch.Tensor]
+    grad_data: Optional[torch.Tensor]
     buckets: List[Bucket]
     index: Dict[nn.Parameter, Tuple[int, int, int]] = field(default_factory=dict)
     name_of: Dict[nn.Parameter, str] = field(default_factory=dict)
@@ -69,16 +76,49 @@ class ParamAndGradBuffer:
         """Parameters in buffer order."""
         return [p for b in self.buckets for p in b.params]
 
+    @property
+    def numel(self) -> int:
+        """Elements of the flat layout (padding included)."""
+        last = self.buckets[-1]
+        return last.offset + last.numel
+
     def grad_view(self, param: nn.Parameter) -> torch.Tensor:
-        start, end, _ = self.index[param]
-        return self.grad_data[start:end].view(param.shape)
+        start, end, b = self.index[param]
+        off = self.buckets[b].offset
+        return self.buckets[b].grad_data[start - off:end - off].view(param.shape)
 
     def param_view(self, param: nn.Parameter) -> torch.Tensor:
-        start, end, _ = self.index[param]
-        return self.param_data[start:end].view(param.shape)
+        start, end, b = self.index[param]
+        off = self.buckets[b].offset
+        return self.buckets[b].param_data[start - off:end - off].view(param.shape)
 
     def zero_grad(self) -> None:
-        self.grad_data.zero_()
+        if self.grad_data is not None:
+            self.grad_data.zero_()
+            return
+        for b in self.buckets:
+            if is_allocated(b.grad_data):
+                b.grad_data.zero_()
+
+
+def is_allocated(t: torch.Tensor) -> bool:
+    """False once `free_storage(t)` released its memory (and until `alloc_storage(t)`)."""
+    return t.untyped_storage().nbytes() > 0
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release the memory of `t` (a tensor owning its whole storage); views of it keep their
+    shapes and see the new memory after `alloc_storage` (FSDP's resharding trick)."""
+    if is_allocated(t):
+        t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> bool:
+    """Give a freed `t` its memory back (uninitialised); True when it had to."""
+    if is_allocated(t):
+        return False
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+    return True
 
 
 def _plan_buckets(sizes: List[int], bucket_elems: int, keys: Optional[List[Hashable]] = None) -> List[List[int]]:
@@ -104,7 +144,9 @@ def _plan_buckets(sizes: List[int], bucket_elems: int, keys: Optional[List[Hasha
 
 def build_buffer(named_params: Iterable[Tuple[str, nn.Parameter]], *, bucket_mb: float,
                  pad_to: Union[int, Dict[Hashable, int]] = 1,
-                 key_of: Optional[Callable[[nn.Parameter], Hashable]] = None) -> ParamAndGradBuffer:
+                 key_of: Optional[Callable[[nn.Parameter], Hashable]] = None,
+                 unit_of: Optional[Callable[[nn.Parameter], Hashable]] = None,
+                 separate: bool = False) -> ParamAndGradBuffer:
     """Move every trainable parameter of `named_params` (model order) into flat buffers.
 
     Parameters with `requires_grad=False` are left where they are (nothing to reduce or
@@ -136,7 +178,8 @@ def build_buffer(named_params: Iterable[Tuple[str, nn.Parameter]], *, bucket_mb:
 
     sizes = [p.numel() for _, p in ordered]
     keys = [key_of(p) if key_of is not None else None for _, p in ordered]
-    groups = _plan_buckets(sizes, bucket_elems, keys)
+    units = [unit_of(p) if unit_of is not None else None for _, p in ordered]
+    groups = _plan_buckets(sizes, bucket_elems, list(zip(keys, units)))
     # Offsets first, so the buffers are allocated once at their final size.
     spans, total = [], 0
     for group in groups:
@@ -145,22 +188,27 @@ def build_buffer(named_params: Iterable[Tuple[str, nn.Parameter]], *, bucket_mb:
         numel = -(-data_numel // pad) * pad
         spans.append((total, numel, data_numel))
         total += numel
-    param_data = torch.zeros(total, dtype=dtype, device=device)
-    grad_data = torch.zeros(total, dtype=dtype, device=device)
+    param_data = None if separate else torch.zeros(total, dtype=dtype, device=device)
+    grad_data = None if separate else torch.zeros(total, dtype=dtype, device=device)
 
     buffer = ParamAndGradBuffer(param_data=param_data, grad_data=grad_data, buckets=[])
     for b, (group, (offset, numel, data_numel)) in enumerate(zip(groups, spans)):
         start = offset
+        if separate:
+            b_param = torch.zeros(numel, dtype=dtype, device=device)
+            b_grad = torch.zeros(numel, dtype=dtype, device=device)
+        else:
+            b_param, b_grad = param_data[offset:offset + numel], grad_data[offset:offset + numel]
         bucket = Bucket(index=b, offset=offset, numel=numel, data_numel=data_numel, params=[],
-                        names=[], param_data=param_data[offset:offset + numel],
-                        grad_data=grad_data[offset:offset + numel], key=keys[group[0]])
+                        names=[], param_data=b_param, grad_data=b_grad, key=keys[group[0]],
+                        unit=units[group[0]])
         for i in group:
             name, p = ordered[i]
             end = start + p.numel()
-            view = param_data[start:end].view(p.shape)
+            view = b_param[start - offset:end - offset].view(p.shape)
             view.copy_(p.data)
             p.data = view
-            p.grad = grad_data[start:end].view(p.shape)
+            p.grad = b_grad[start - offset:end - offset].view(p.shape)
             buffer.index[p] = (start, end, b)
             buffer.name_of[p] = name
             bucket.params.append(p)

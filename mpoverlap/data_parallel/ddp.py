@@ -27,12 +27,25 @@ Averaging: every bucket is divided by the dp x cp size right before the SUM coll
 (gloo has no AVG). Buckets are issued strictly in bucket order, so the sequence of
 collectives is identical on every rank even if a bucket is held back by a parameter that got
 no gradient (it is then issued, with everything after it, by `finish_grad_sync()`).
+
+Sharding levels (`levels.py`; the ZeRO-2/3 methods live in `sharded_grads.py`). `optim` is
+ZeRO-1 as above. With `optim_grads` (ZeRO-2) and
+`optim_grads_params` (ZeRO-3) only this rank's shard of each bucket's reduced gradient
+persists (`grad_shard(b)`): a bucket's full gradient is a storage of its own, allocated by the
+first gradient that reaches it (a pre-accumulate hook), reduce-scattered as soon as every
+parameter of the bucket has its gradient, in EVERY microbatch (the reduce-scatter is linear,
+so accumulating shards equals reducing the accumulated sum), added into the shard when its
+handle is waited, and freed. A bucket in flight is waited before the next gradient
+accumulates into it. Under ZeRO-3 the parameters are sharded too (`param_shard(b)`), and a
+`UnitGatherer` (fsdp.py) gathers them around each unit's use; the bucket's parameters are
+freed when its reduce-scatter is issued.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
@@ -42,6 +55,8 @@ from mpoverlap.comm.collectives import all_reduce, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.comm.ledger import CommLedger
 from mpoverlap.data_parallel.buffer import ParamAndGradBuffer, build_buffer
+from mpoverlap.data_parallel.levels import resolve_level, shards_grads, shards_params
+from mpoverlap.data_parallel.sharded_grads import ShardedGrads
 from mpoverlap.parallel.state import ParallelState
 
 
@@ -60,7 +75,7 @@ def expert_key(param: nn.Parameter) -> str:
     return "expert" if getattr(param, "expert_parallel", False) else "dense"
 
 
-class DataParallel:
+class DataParallel(ShardedGrads):
     """Wrap `module` for data-parallel training over `state.group(group_kind)` (expert
     weights over `state.group(expert_group_kind)`).
 
@@ -70,8 +85,9 @@ class DataParallel:
 
     def __init__(self, module: nn.Module, state: ParallelState, *, group_kind: str = "dp_cp",
                  expert_group_kind: str = "edp", overlap: bool, bucket_mb: float,
-                 distributed_optimizer: bool, ledger: Optional[CommLedger],
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 distributed_optimizer: bool = False, ledger: Optional[CommLedger],
+                 reduce_dtype: Optional[torch.dtype] = None, sharding: Optional[str] = None,
+                 units: Optional[list] = None, prefetch: int = 1, reshard_after_forward: bool = True) -> None:
         self.reduce_groups = {"dense": self._reduce_group(state, group_kind),
                               "expert": self._reduce_group(state, expert_group_kind)}
         self.module = module
@@ -79,26 +95,37 @@ class DataParallel:
         dense = self.reduce_groups["dense"]
         self.group, self.group_size, self.group_rank = dense.group, dense.size, dense.rank
         self.overlap = bool(overlap)
-        self.distributed_optimizer = bool(distributed_optimizer)
+        self.sharding = resolve_level(sharding or "none", distributed_optimizer)
+        self.distributed_optimizer = self.sharding != "none"
+        self.shard_grads, self.shard_params = shards_grads(self.sharding), shards_params(self.sharding)
+        if self.shard_params and units is None:
+            raise ValueError("sharding='optim_grads_params' needs `units` (see fsdp.gpt_units)")
         self.ledger = ledger
         self.bucket_mb = bucket_mb
         pad_to = {k: (g.size if self.distributed_optimizer else 1) for k, g in self.reduce_groups.items()}
+        unit_of = None
+        if self.shard_grads and units is not None:
+            from mpoverlap.data_parallel.fsdp import unit_index
+            unit_of = unit_index(units)
         self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(), bucket_mb=bucket_mb,
-                                                       pad_to=pad_to, key_of=expert_key)
+                                                       pad_to=pad_to, key_of=expert_key, unit_of=unit_of,
+                                                       separate=self.shard_grads)
         nb = len(self.buffer.buckets)
-        self.reduce_dtype = reduce_dtype or self.buffer.grad_data.dtype
+        self.reduce_dtype = reduce_dtype or self.buffer.buckets[0].grad_data.dtype
         communicates = [self.bucket_group(b.index).group is not None for b in self.buffer.buckets]
+        self._communicates = communicates
         # A lower reduction dtype: each bucket's scratch copy that is sent (None: the buffer's
-        # own slice is reduced in place, as in fp32).
+        # own slice is reduced in place, as in fp32). ZeRO-2/3 allocate theirs per issue.
         self._send = [torch.empty(b.numel, dtype=self.reduce_dtype, device=b.grad_data.device)
-                      if c and self.reduce_dtype != b.grad_data.dtype else None
+                      if c and self.reduce_dtype != b.grad_data.dtype and not self.shard_grads else None
                       for b, c in zip(self.buffer.buckets, communicates)]
         # Reduce-scatter output lands in a scratch shard, then is copied into the gradient
         # buffer: gloo gives no guarantee for an output that aliases its own input.
         self._rs_out = [torch.empty(b.numel // self.bucket_group(b.index).size, dtype=self.reduce_dtype,
                                     device=b.grad_data.device)
-                        if self.distributed_optimizer and c else None
+                        if self.distributed_optimizer and c and not self.shard_grads else None
                         for b, c in zip(self.buffer.buckets, communicates)]
+        self._init_shards()
         self._is_last = True
         self._ready: List[Set[nn.Parameter]] = [set() for _ in range(nb)]
         self._issued = [False] * nb
@@ -108,6 +135,17 @@ class DataParallel:
         self._warned_unused = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.buffer.params]
+        self._rs_pending: Dict[int, torch.Tensor] = {}
+        self._grad_bucket_bytes = 0  # ZeRO-2/3: full gradient buckets allocated now, and the peak
+        self.peak_grad_bucket_bytes = 0
+        if self.shard_grads:
+            self._hooks += [p.register_hook(partial(self._before_accumulate, self.buffer.index[p][2]))
+                            for p in self.buffer.params if communicates[self.buffer.index[p][2]]]
+        self.gatherer = None
+        if self.shard_params:
+            from mpoverlap.data_parallel.fsdp import UnitGatherer
+            self.gatherer = UnitGatherer(self, units, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                                         overlap=self.overlap)
 
     @staticmethod
     def _reduce_group(state: ParallelState, kind: str) -> ReduceGroup:
@@ -171,6 +209,11 @@ class DataParallel:
         microbatch. Any reduction still in flight is waited first (it writes the buffer)."""
         self._wait_all()
         self.buffer.zero_grad()
+        if self.shard_grads:
+            self._grad_shards.zero_()
+            for b in self.buffer.buckets:
+                if self._communicates[b.index]:
+                    self._free_grad_bucket(b.index)
         for ready in self._ready:
             ready.clear()
         self._issued = [False] * len(self._issued)
@@ -200,6 +243,10 @@ class DataParallel:
         optimizer: only this rank's shard of each bucket does). Idempotent within a step."""
         if self._synced:
             return
+        if self.shard_grads:
+            self._finish_sharded()
+            self._synced = True
+            return
         if self._next < len(self._issued):
             self._note_missing_grads()
         while self._next < len(self._issued):
@@ -222,6 +269,12 @@ class DataParallel:
             view.copy_(grad)
             param.grad = view
         b = self.buffer.index[param][2]
+        if self.shard_grads:
+            if self._communicates[b]:
+                self._ready[b].add(param)
+                if len(self._ready[b]) == len(self.buffer.buckets[b].params):
+                    self._issue_sharded(b)
+            return
         if self._issued[b]:
             raise RuntimeError(
                 f"gradient of {self.buffer.name_of[param]!r} arrived after its bucket {b} was "
@@ -258,18 +311,25 @@ class DataParallel:
 
     def _complete(self, b: int) -> None:
         handle = self._handles[b]
+        if self.shard_grads:
+            del self._handles[b]
+            handle.wait()
+            self.grad_shard(b).add_(self._rs_pending.pop(b))
+            self._free_grad_bucket(b)
+            return
         if handle.waited:
             return
         handle.wait()
         if self.distributed_optimizer:
             lo, hi = self.shard_range(b)
-            self.buffer.grad_data[lo:hi].copy_(self._rs_out[b])
+            self.buffer.grad_data[lo:hi].copy_(self._rs_out[b])  # ZeRO-1: one flat buffer
         elif self._send[b] is not None:
             self.buffer.buckets[b].grad_data.copy_(self._send[b])
 
     def _wait_all(self) -> None:
         for b in sorted(self._handles):
-            self._complete(b)
+            if b in self._handles:
+                self._complete(b)
 
     def _note_missing_grads(self) -> None:
         """Warn once when overlap was asked for but a bucket could not be issued in backward

@@ -10,6 +10,12 @@ parameter buffer, bucket by bucket in forward order (the bucket holding the firs
 first). With `param_gather_overlap=True` those handles stay in flight and each is waited by a
 forward pre-hook of a module owning one of the bucket's parameters, i.e. under the next
 forward; `finish_param_sync()` waits whatever is left (call it before eval or checkpointing).
+
+The pieces are views of `ddp.param_shard(b)` / `ddp.grad_shard(b)`, which is the same memory
+at every sharding level (the flat buffers' slices for none/ZeRO-1, the persistent shard
+buffers under ZeRO-2/3). Under ZeRO-2 the parameters are full, so the step all-gathers them
+like ZeRO-1; under ZeRO-3 nothing is gathered after the step: each unit gathers its updated
+shards before its next forward (fsdp.py), and the step frees whatever was still gathered.
 """
 from __future__ import annotations
 
@@ -84,13 +90,14 @@ class DataParallelAdamW:
         self.pieces: List[_Piece] = []
         for bucket in buf.buckets:
             s_lo, s_hi = ddp.shard_range(bucket.index)
+            p_shard, g_shard = ddp.param_shard(bucket.index), ddp.grad_shard(bucket.index)
             for p in bucket.params:
                 start, end, _ = buf.index[p]
                 lo, hi = max(start, s_lo), min(end, s_hi)
                 if lo >= hi:
                     continue
-                main = buf.param_data[lo:hi]
-                main.grad = buf.grad_data[lo:hi]
+                main = p_shard[lo - s_lo:hi - s_lo]
+                main.grad = g_shard[lo - s_lo:hi - s_lo]
                 self.pieces.append(_Piece(buf.name_of[p], p.ndim, lo - start, hi - start, lo, hi, main,
                                           bool(getattr(p, "tensor_model_parallel", False)),
                                           bool(getattr(p, "pipeline_duplicate", False)),
@@ -98,7 +105,7 @@ class DataParallelAdamW:
         groups = [{"params": [pc.main for pc in self.pieces if pc.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [pc.main for pc in self.pieces if pc.ndim < 2], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        on_cuda = buf.param_data.is_cuda
+        on_cuda = buf.buckets[0].grad_data.is_cuda
         kind = {"fused": True} if on_cuda else {"foreach": True}
         # A rank whose shards hold only padding has nothing to update (tiny buckets only).
         self.optimizer: Optional[torch.optim.AdamW] = (
@@ -118,8 +125,10 @@ class DataParallelAdamW:
                     self._hooks.append(module.register_forward_pre_hook(partial(self._wait_buckets, owned)))
 
     def _bucket_gathers(self, bucket_index: int) -> bool:
-        """Under ZeRO-1 a bucket reduced over a group of more than one rank is sharded."""
-        return self.ddp.distributed_optimizer and self.ddp.bucket_group(bucket_index).group is not None
+        """Under ZeRO-1/2 a bucket reduced over a group of more than one rank is sharded and
+        gathered after the step (ZeRO-3 gathers per unit before use instead)."""
+        return (self.ddp.distributed_optimizer and not self.ddp.shard_params
+                and self.ddp.bucket_group(bucket_index).group is not None)
 
     @property
     def _gathers(self) -> bool:
@@ -144,6 +153,7 @@ class DataParallelAdamW:
                 group["lr"] = lr
             self.optimizer.step()
         self._step += 1
+        self.ddp.reshard()  # ZeRO-3: a unit still gathered holds the old values
         if self._gathers:
             self._gather_params()
 
@@ -152,9 +162,8 @@ class DataParallelAdamW:
         for bucket in reversed(buf.buckets):  # forward order: first layers sit in the last bucket
             if not self._bucket_gathers(bucket.index):
                 continue
-            lo, hi = ddp.shard_range(bucket.index)
             inp = self._gather_in[bucket.index]
-            inp.copy_(buf.param_data[lo:hi])
+            inp.copy_(ddp.param_shard(bucket.index))
             handle = all_gather(bucket.param_data, inp, ddp.bucket_group(bucket.index).group, mode="dp",
                                 ledger=ddp.ledger)
             if self.param_gather_overlap:
@@ -179,8 +188,7 @@ class DataParallelAdamW:
 
     # ---- gradient norm ------------------------------------------------------------------
     def _grad_regions(self) -> List[torch.Tensor]:
-        g = self.ddp.buffer.grad_data
-        return [g[lo:hi] for lo, hi in (self.ddp.shard_range(b.index) for b in self.ddp.buffer.buckets)]
+        return [self.ddp.grad_shard(b.index) for b in self.ddp.buffer.buckets]
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of the full averaged gradient; scale gradients by
@@ -189,7 +197,7 @@ class DataParallelAdamW:
         self.ddp.finish_grad_sync()
         regions = self._grad_regions()
         if self.tp_group is None and self.pp_group is None and self.ep_group is None:
-            sq = _square_sum(regions, self.ddp.buffer.grad_data.device)
+            sq = _square_sum(regions, regions[0].device)
             if self.ddp.distributed_optimizer and self.ddp.group is not None:
                 # Each rank holds disjoint shards (expert buckets too: without expert
                 # parallelism their group has the dense group's ranks): the squares add up.
@@ -210,7 +218,7 @@ class DataParallelAdamW:
         dp x cp, experts over edp), TP shards (the tp-sharded two), expert-parallel ranks
         (other experts), then pipeline stages (other layers). Copies of a replicated parameter
         count once."""
-        device = self.ddp.buffer.grad_data.device
+        device = self.ddp.buffer.buckets[0].grad_data.device
         by_cat: List[List[torch.Tensor]] = [[], [], [], []]
         for pc in self.pieces:
             if not pc.pipeline_duplicate:
@@ -231,6 +239,32 @@ class DataParallelAdamW:
             dist.all_reduce(sq, group=self.pp_group)
         return sq
 
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state, from the
+        buffers' sizes: persistent storages, plus under ZeRO-3 the peak of gathered units since
+        the last `reset_peak` (`gathered`, inside `params`) and under ZeRO-2/3 the peak of
+        full gradient buckets alive during backward (`grad_buckets`, not inside `grads`)."""
+        ddp = self.ddp
+        seen, persistent = set(), {"params": 0, "grads": 0}
+        for bucket in ddp.buffer.buckets:
+            for kind, t in (("params", bucket.param_data), ("grads", bucket.grad_data)):
+                key = t.untyped_storage().data_ptr()
+                transient = (ddp.shard_params if kind == "params" else ddp.shard_grads) and ddp.bucket_group(
+                    bucket.index).group is not None
+                if not transient and key not in seen:
+                    seen.add(key)
+                    persistent[kind] += t.untyped_storage().nbytes()
+        for kind, shards in (("params", ddp._param_shards), ("grads", ddp._grad_shards)):
+            if shards is not None:
+                persistent[kind] += shards.numel() * shards.element_size()
+        gathered = ddp.gatherer.peak_held_bytes if ddp.gatherer is not None else 0
+        optim = 0
+        if self.optimizer is not None:
+            optim = sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                        for k, v in st.items() if k in _STATE_KEYS)
+        return {"params": persistent["params"] + gathered, "gathered": gathered, "grads": persistent["grads"],
+                "grad_buckets": ddp.peak_grad_bucket_bytes, "optimizer": optim}
+
     def grad_norm(self) -> float:
         return self.clip_grad_norm(0.0)
 
@@ -244,7 +278,8 @@ class DataParallelAdamW:
         {"step": int, "exp_avg": {name: tensor[param.shape]}, "exp_avg_sq": {...}}.
         Collective over the dp group under the distributed optimizer (every rank calls it)."""
         buf, ddp = self.ddp.buffer, self.ddp
-        full = {k: torch.zeros_like(buf.param_data) for k in _STATE_KEYS}
+        ref = buf.buckets[0].grad_data
+        full = {k: torch.zeros(buf.numel, dtype=ref.dtype, device=ref.device) for k in _STATE_KEYS}
         if self.optimizer is not None:
             for pc in self.pieces:
                 st = self.optimizer.state.get(pc.main)
@@ -252,7 +287,7 @@ class DataParallelAdamW:
                     if st and k in st:
                         full[k][pc.lo:pc.hi].copy_(st[k])
         for bucket in buf.buckets:
-            if self._bucket_gathers(bucket.index):
+            if ddp.distributed_optimizer and ddp.bucket_group(bucket.index).group is not None:  # sharded state
                 lo, hi = ddp.shard_range(bucket.index)
                 for k in _STATE_KEYS:
                     _all_gather_tensor(full[k][bucket.offset:bucket.offset + bucket.numel],

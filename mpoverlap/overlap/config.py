@@ -42,9 +42,7 @@ class CommOverlapConfig:
         conflict = max_connections_conflict(cfg, lo.world) if lo.degrees_ok else None
         blocked = max_connections_reason(conflict) if conflict is not None else None
         return cls(
-            dp=_resolve(lo, "dp", lo.dp_cp > 1,
-                        "gradient all-reduce/reduce-scatter per bucket, issued from backward hooks on "
-                        "the last microbatch and waited just before the optimizer",
+            dp=_resolve(lo, "dp", lo.dp_cp > 1, _dp_what(lo),
                         f"dp x cp = {lo.dp_cp}: a single replica has no gradient reduction"),
             tp=_resolve(lo, "tp", lo.tp > 1 and bool(cfg.parallel.sequence_parallel),
                         "collective matmul: the SP all-gather / reduce-scatter in ring steps under GEMM "
@@ -94,13 +92,19 @@ def _resolve_cp(lo: Layout, blocked: Optional[str] = None) -> ModeState:
 
 
 def _resolve_param_gather(lo: Layout) -> ModeState:
+    from mpoverlap.overlap.dp_rules import sharding_level
+
     requested = lo.mode("dp_param_gather")
-    distopt = bool(lo.cfg.train.distributed_optimizer)
+    level = sharding_level(lo.cfg)
+    distopt = level != "none"
+    if level == "optim_grads_params":
+        return ModeState(requested, False, "ZeRO-3: no gather after the step; each unit is gathered before its "
+                                           "forward and backward, prefetched under overlap.dp")
     if requested == "false":
         return ModeState(requested, False, "off as requested: parameters gathered and waited right after "
                                            "the optimizer step" if distopt else "off as requested")
     if not distopt:
-        return ModeState(requested, False, "train.distributed_optimizer=false, every rank holds "
+        return ModeState(requested, False, "train.dp_sharding=none, every rank holds "
                                            "full parameters")
     if lo.dp_cp == 1:
         return ModeState(requested, False, "a single replica, nothing to gather")
@@ -108,3 +112,18 @@ def _resolve_param_gather(lo: Layout) -> ModeState:
         return ModeState(requested, False, "overlap.dp=false waits every DP collective at once")
     return ModeState(requested, True, "parameter all-gather per bucket issued after the optimizer step, "
                                       "each waited by the first forward that needs it")
+
+
+def _dp_what(lo: Layout) -> str:
+    from mpoverlap.overlap.dp_rules import sharding_level
+
+    level = sharding_level(lo.cfg)
+    if level in ("optim_grads", "optim_grads_params"):
+        what = ("gradient reduce-scatter per bucket in every microbatch, issued from backward hooks under "
+                "the rest of backward")
+        if level == "optim_grads_params":
+            what += (f"; each unit's all-gather waited before its use while the next "
+                     f"{lo.cfg.overlap.dp_prefetch} unit(s) gather (forward and backward)")
+        return what
+    return ("gradient all-reduce/reduce-scatter per bucket, issued from backward hooks on "
+            "the last microbatch and waited just before the optimizer")

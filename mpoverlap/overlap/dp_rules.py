@@ -1,8 +1,30 @@
 """Data-parallel overlap rules: gradient buckets and the distributed optimizer's gather."""
 from __future__ import annotations
 
+from mpoverlap.data_parallel.levels import LEVELS
 from mpoverlap.overlap.layout import Layout
 from mpoverlap.overlap.rules import Problem, rule
+
+
+def sharding_level(cfg) -> str:
+    """train.dp_sharding, with train.distributed_optimizer=true read as `optim` (the rule
+    dp.sharding_conflict refuses it beside a higher level; an unknown value reads as given)."""
+    level = str(cfg.train.dp_sharding)
+    if cfg.train.distributed_optimizer and level == "none":
+        return "optim"
+    return level
+
+
+@rule("dp.sharding_conflict", "dp", ("train.distributed_optimizer", "train.dp_sharding"),
+      "train.distributed_optimizer=true is the older spelling of train.dp_sharding=optim only")
+def _sharding_conflict(lo: Layout):
+    level = str(lo.cfg.train.dp_sharding)
+    if lo.cfg.train.distributed_optimizer and level in LEVELS and level not in ("none", "optim"):
+        yield Problem("dp.sharding_conflict",
+                      {"train.distributed_optimizer": True, "train.dp_sharding": level},
+                      "both keys choose a sharding level; train.distributed_optimizer=true means "
+                      "train.dp_sharding=optim (ZeRO-1) and nothing else",
+                      ["train.distributed_optimizer=false"])
 
 
 @rule("dp.overlap_needs_replicas", "dp", ("overlap.dp", "parallel.dp", "parallel.cp"),
@@ -25,15 +47,26 @@ def _bucket(lo: Layout):
 
 
 @rule("dp.param_gather_needs_distributed_optimizer", "dp",
-      ("overlap.dp_param_gather", "train.distributed_optimizer"),
+      ("overlap.dp_param_gather", "train.distributed_optimizer", "train.dp_sharding"),
       "the parameter all-gather exists only with the distributed optimizer")
 def _gather_needs_distopt(lo: Layout):
-    if lo.mode("dp_param_gather") == "true" and not lo.cfg.train.distributed_optimizer:
+    if lo.mode("dp_param_gather") == "true" and sharding_level(lo.cfg) == "none":
         yield Problem("dp.param_gather_needs_distributed_optimizer",
-                      {"overlap.dp_param_gather": "true", "train.distributed_optimizer": False},
+                      {"overlap.dp_param_gather": "true", "train.dp_sharding": "none"},
                       "without the distributed optimizer every rank updates full parameters and "
                       "no parameter all-gather exists to overlap",
-                      ["train.distributed_optimizer=true"])
+                      ["train.dp_sharding=optim"])
+
+
+@rule("dp.param_gather_under_zero3", "dp", ("overlap.dp_param_gather", "train.dp_sharding"),
+      "ZeRO-3 has no after-step parameter gather: its per-unit gathers follow overlap.dp")
+def _gather_under_zero3(lo: Layout):
+    if lo.mode("dp_param_gather") == "true" and sharding_level(lo.cfg) == "optim_grads_params":
+        yield Problem("dp.param_gather_under_zero3",
+                      {"overlap.dp_param_gather": "true", "train.dp_sharding": "optim_grads_params"},
+                      "under ZeRO-3 parameters stay sharded after the step; each unit is gathered before "
+                      "its forward and backward, prefetched under overlap.dp (depth overlap.dp_prefetch)",
+                      ["overlap.dp_param_gather=auto"])
 
 
 @rule("dp.param_gather_needs_dp_overlap", "dp", ("overlap.dp_param_gather", "overlap.dp"),

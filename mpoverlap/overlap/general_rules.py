@@ -69,7 +69,7 @@ _POSITIVE = {
     "model.vocab_size": 256, "model.make_vocab_size_divisible_by": 128, "checkpoint.keep": 2,
 }
 _NON_NEGATIVE = {"train.lr_warmup_steps": 0, "train.eval_interval": 0, "checkpoint.interval": 0,
-                 "train.weight_decay": 0.0, "train.grad_clip": 1.0}
+                 "train.weight_decay": 0.0, "train.grad_clip": 1.0, "overlap.dp_prefetch": 1}
 
 
 def _get(cfg, dotted: str):
@@ -112,6 +112,7 @@ _CHOICES = {
     "train.on_nonfinite": ("stop", "skip"),
     "train.precision": ("fp32", "bf16"),
     "train.grad_reduce_dtype": ("fp32", "bf16"),
+    "train.dp_sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
 }
 
 

@@ -39,8 +39,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
         _param_line(cfg),
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
-        f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; distributed optimizer "
-        f"{'on' if t.distributed_optimizer else 'off'}",
+        f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; dp sharding {_sharding(cfg)}",
         f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
         f"dp gradients reduced in {t.grad_reduce_dtype}",
     ]
@@ -91,3 +90,15 @@ def layout_notes(cfg: Any, lo) -> List[str]:
 def render_problems(problems: List[Problem]) -> str:
     head = f"mpoverlap: the configuration cannot run ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"
     return "\n".join([head] + [p.render() for p in problems])
+
+
+def _sharding(cfg: Any) -> str:
+    from mpoverlap.overlap.dp_rules import sharding_level
+
+    level = sharding_level(cfg)
+    zero = {"none": "off", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}.get(level, "?")
+    extra = ""
+    if level == "optim_grads_params":
+        extra = (f", reshard_after_forward={str(bool(cfg.train.reshard_after_forward)).lower()}, "
+                 f"prefetch {cfg.overlap.dp_prefetch} unit(s)")
+    return f"{level} ({zero}{extra})"

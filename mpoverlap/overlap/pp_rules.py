@@ -45,14 +45,19 @@ def _interleaved(lo: Layout):
 
 
 @rule("pp.tied_embeddings_with_distributed_optimizer", "pp",
-      ("parallel.pp", "model.tie_embeddings", "train.distributed_optimizer"),
-      "tied embeddings across pipeline stages need full gradients on both stages")
+      ("parallel.pp", "model.tie_embeddings", "train.distributed_optimizer", "train.dp_sharding"),
+      "tied embeddings across pipeline stages need matching gradient slices on both stages")
 def _tied(lo: Layout):
+    from mpoverlap.overlap.dp_rules import sharding_level
+
     c = lo.cfg
-    if lo.pp is not None and lo.pp > 1 and c.model.tie_embeddings and c.train.distributed_optimizer:
+    if lo.pp is not None and lo.pp > 1 and c.model.tie_embeddings and sharding_level(c) == "optim":
+        key = "train.distributed_optimizer" if c.train.distributed_optimizer else "train.dp_sharding"
         yield Problem("pp.tied_embeddings_with_distributed_optimizer",
-                      {"parallel.pp": lo.pp, "model.tie_embeddings": True, "train.distributed_optimizer": True},
+                      {"parallel.pp": lo.pp, "model.tie_embeddings": True,
+                       key: True if key == "train.distributed_optimizer" else "optim"},
                       "the first and last stage each hold a copy of the tied embedding and sum their gradients "
                       "over the embedding group; under ZeRO-1 each stage keeps a different slice of the "
-                      "reduced gradient, so this build cannot sum them (untie the head or keep full gradients)",
-                      ["train.distributed_optimizer=false"])
+                      "reduced gradient (ZeRO-2/3 give the embedding a bucket of its own, split alike on both "
+                      "stages)",
+                      ["train.distributed_optimizer=false", "train.dp_sharding=optim_grads"])

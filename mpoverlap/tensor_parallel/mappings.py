@@ -187,18 +187,21 @@ def reduce_scatter_to_sequence_parallel(x_BSH, comm: TPComm):
     return _in_compute_dtype(ReduceScatterToSequenceParallel.apply, x_BSH, comm)
 
 
-def allreduce_sequence_parallel_grads(params, tp_group, ledger=None, overlap: bool = False
-                                      ) -> List[CommHandle]:
+def allreduce_sequence_parallel_grads(params, tp_group, ledger=None, overlap: bool = False,
+                                      grads: Optional[List[torch.Tensor]] = None) -> List[CommHandle]:
     """Sum over the tp group the gradients of parameters replicated across it but fed
     sequence-sharded activations (norm weights, row-parallel biases under SP): each rank
     holds the gradient of its sequence chunk only. In place on `p.grad`, with one all-reduce
     of one flat buffer for all of them (a norm weight is a few KB: one collective per
     parameter would pay the latency 2 x layers times). overlap=False: waited before
     returning; True: the caller waits the returned handles (before the optimizer and before
-    DP reduces these grads); the gradients hold the sums once the handle is waited."""
+    DP reduces these grads); the gradients hold the sums once the handle is waited.
+    `grads`: the tensors to sum instead of the `.grad`s (ZeRO-2/3 pass their shards' parts;
+    empty parts are skipped, alike on every TP peer)."""
     if tp_group is None:
         return []
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = ([p.grad for p in params if p.grad is not None] if grads is None
+             else [g for g in grads if g.numel() > 0])
     if not grads:
         return []
     for g in grads:

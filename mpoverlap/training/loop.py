@@ -15,6 +15,8 @@ from mpoverlap.comm import CommLedger, all_reduce, wait_all
 from mpoverlap.comm.ledger import mean_over_ranks
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
+from mpoverlap.data_parallel.fsdp import gpt_units
+from mpoverlap.data_parallel.levels import resolve_level, shards_grads
 from mpoverlap.models.gpt import flops_per_token, num_parameters
 from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import expert_biases, update_expert_biases
@@ -80,10 +82,13 @@ class Trainer:
         self.tied_embedding = None
         if self.pp > 1 and cfg.model.tie_embeddings and state.group("embedding") is not None:
             self.tied_embedding = self.params_by_name.get("embedding.weight")
+        self.sharding = resolve_level(t.dp_sharding, t.distributed_optimizer)
         self.ddp = DataParallel(
             self.model, state, group_kind="dp_cp", overlap=self.overlap.dp.enabled,
-            bucket_mb=self.overlap.dp_bucket_mb, distributed_optimizer=t.distributed_optimizer,
-            ledger=self.ledger, reduce_dtype=DTYPES[t.grad_reduce_dtype])
+            bucket_mb=self.overlap.dp_bucket_mb, sharding=self.sharding,
+            ledger=self.ledger, reduce_dtype=DTYPES[t.grad_reduce_dtype],
+            units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,
+            prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward))
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
@@ -133,8 +138,14 @@ class Trainer:
         for key in ("exp_avg", "exp_avg_sq"):
             optim[key] = unshard_named({self.dp_names[n]: v for n, v in optim[key].items()}, params,
                                        tp_group, tp_size)
+        # ZeRO-3: gathered for the save and copied out before they are freed (a sharded save is
+        # later work); the other levels hand over their parameters as they are.
+        copy = self.ddp.gatherer is not None
+        with self.ddp.full_params():
+            model = unshard_named({n: p.detach().clone() if copy else p.detach() for n, p in params.items()},
+                                  params, tp_group, tp_size)
         # Every rank starts from the same seed, so rank 0's generator state stands for all.
-        return {"model": unshard_named({n: p.detach() for n, p in params.items()}, params, tp_group, tp_size),
+        return {"model": model,
                 "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()},
                 # The aux-loss-free expert biases (model.moe_router_bias_update_rate > 0): the
                 # same on every rank, keyed by the router's layout-free name.
@@ -144,8 +155,9 @@ class Trainer:
     def _load_app_state(self, state: Dict[str, Any]) -> None:
         params = self.params_by_name
         tp_rank, tp_size = self.state.coords.tp, self.state.grid.tp
-        for name, value in reshard_named(state["model"], params, tp_rank, tp_size).items():
-            params[name].copy_(value)
+        with self.ddp.full_params(write_back=True):
+            for name, value in reshard_named(state["model"], params, tp_rank, tp_size).items():
+                params[name].copy_(value)
         optim = dict(state["optimizer"])
         to_dp = {g: n for n, g in self.dp_names.items()}
         for key in ("exp_avg", "exp_avg_sq"):
@@ -169,11 +181,13 @@ class Trainer:
 
         t0 = time.perf_counter()
         full = read_full_state(directory, self.cfg.model, set(self.params_by_name))
-        for name, value in reshard_named(full, self.params_by_name, self.state.coords.tp, self.state.grid.tp).items():
-            if value.shape != self.params_by_name[name].shape:
-                raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape {tuple(value.shape)} "
-                                      f"here, {tuple(self.params_by_name[name].shape)} expected")
-            self.params_by_name[name].copy_(value)
+        with self.ddp.full_params(write_back=True):
+            for name, value in reshard_named(full, self.params_by_name, self.state.coords.tp,
+                                             self.state.grid.tp).items():
+                if value.shape != self.params_by_name[name].shape:
+                    raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape "
+                                          f"{tuple(value.shape)} here, {tuple(self.params_by_name[name].shape)} expected")
+                self.params_by_name[name].copy_(value)
         self.log(f"initialised from {directory} ({time.perf_counter() - t0:.2f}s)")
 
     def maybe_resume(self) -> None:
@@ -233,14 +247,17 @@ class Trainer:
             loss_sum = self._train_microbatches(micro)
         self.ddp.finish_grad_sync()
         if self.tied_embedding is not None:
-            # Both copies of the tied embedding get the sum of their gradients (full gradients:
-            # the rule engine keeps ZeRO-1 off here).
-            all_reduce(self.tied_embedding.grad, self.state.group("embedding"), mode="pp",
-                       ledger=self.ledger).wait()
+            # Both copies of the tied embedding get the sum of their gradients: full gradients,
+            # or under ZeRO-2/3 the same shard on both stages (the embedding is a bucket of its
+            # own there, split alike); the rule engine keeps ZeRO-1 off here.
+            grad, = self.ddp.reduced_grads([self.tied_embedding])
+            all_reduce(grad, self.state.group("embedding"), mode="pp", ledger=self.ledger).wait()
         if self.sequence_parallel_params:
-            # Norm weights saw only this rank's S/tp positions: sum their gradients over TP.
+            # Norm weights saw only this rank's S/tp positions: sum their gradients over TP
+            # (under ZeRO-2/3 the shards: TP peers have the same buckets and shard rank).
             wait_all(allreduce_sequence_parallel_grads(
-                self.sequence_parallel_params, self.tp["tp_group"], self.ledger, self.overlap.tp.enabled))
+                self.sequence_parallel_params, self.tp["tp_group"], self.ledger, self.overlap.tp.enabled,
+                grads=self.ddp.reduced_grads(self.sequence_parallel_params)))
         grad_norm = self.optimizer.clip_grad_norm(t.grad_clip)
         # The norm is global (reduced over every group that shards gradients), so every rank
         # takes the same decision; a non-finite loss makes non-finite gradients.
@@ -322,6 +339,7 @@ class Trainer:
                 with self.autocast:
                     logits = self.model(tokens, position_ids=positions)
                 total += self.model.loss(logits.float(), targets) / (len(micro) * n)
+        self.ddp.reshard()
         return self._mean_over_replicas(total)
 
     def log(self, message: str) -> None:

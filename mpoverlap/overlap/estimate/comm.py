@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Tuple
 from mpoverlap.models.init import padded_vocab_size
 from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer, layer_params,
                                                moe_dense_unsplit, norm_params, stage_layers)
+from mpoverlap.overlap.estimate.sharding import dp_ops
 from mpoverlap.overlap.layout import Layout
 
 PARAM_BYTES = 4  # gradients are reduced in fp32
@@ -45,7 +46,6 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
     sure: SP gathers the norm's fp32 output but reduces bf16 GEMM outputs; it is counted in c."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     replicas = lo.dp * lo.cp
-    zero = bool(t.distributed_optimizer) and replicas > 1
     micro = lo.num_microbatches or 1
     b, H = t.micro_batch_size, m.hidden_size
     s_cp = m.seq_length // lo.cp
@@ -56,15 +56,12 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
     moe_here = sum(is_moe_layer(m, i) for i in here)
     ops: List[Op] = []
     if replicas > 1:
-        # ZeRO-1: reduce-scatter the gradients, all-gather the parameters; else all-reduce.
-        # Dense weights over dp x cp; expert weights over edp = dp x cp / ep (none when 1).
-        edp = replicas // lo.ep
-        # Gradients travel in train.grad_reduce_dtype; ZeRO-1's parameter gather stays fp32.
+        # All-reduce, or (train.dp_sharding) reduce-scatter the gradients and all-gather the
+        # parameters (sharding.py). Dense weights over dp x cp; expert weights over
+        # edp = dp x cp / ep (none when 1). Gradients travel in train.grad_reduce_dtype; the
+        # parameter gathers stay fp32.
         grad_bytes = 2 if getattr(t, "grad_reduce_dtype", "fp32") == "bf16" else PARAM_BYTES
-        for n, count in ((replicas, params - expert_params), (edp, expert_params if edp > 1 else 0)):
-            if count:
-                ops += ([("dp", "reduce_scatter", count * grad_bytes, n), ("dp", "all_gather", count * PARAM_BYTES, n)]
-                        if zero else [("dp", "all_reduce", count * grad_bytes, n)])
+        ops += dp_ops(cfg, lo, params, expert_params, grad_bytes)
     if lo.tp > 1:
         # Full-sequence activation-sized collectives per microbatch. Without SP: each layer's two
         # forward all-reduces and two backward input-gradient all-reduces, plus the embedding's

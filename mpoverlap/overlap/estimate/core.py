@@ -15,6 +15,7 @@ from mpoverlap.overlap.estimate.activations import (Conventions, layer_activatio
                                                     stage_activation_peak)
 from mpoverlap.overlap.estimate.comm import comm_ops, comm_views
 from mpoverlap.overlap.estimate.params import stage_layers, stage_params
+from mpoverlap.overlap.estimate.sharding import state_memory
 from mpoverlap.overlap.layout import build_layout
 
 BYTES = 4  # fp32 parameters, gradients, optimizer state
@@ -26,6 +27,7 @@ class StageEstimate:
     params: int
     memory_bytes: Dict[str, int]  # params, grads, optimizer, activations
     layers_in_flight: int  # layers' worth of activations alive at this stage's peak
+    gathered_bytes: int = 0  # ZeRO-3: the gathered units' working set (inside memory_bytes["params"])
 
 
 @dataclass(frozen=True)
@@ -64,19 +66,16 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
     by_params = max(range(lo.pp), key=lambda s: stage_params(cfg, lo, s))
     params = stage_params(cfg, lo, by_params)
     expert_params = stage_params(cfg, lo, by_params, expert_only=True)
-    replicas = lo.dp * lo.cp
-    zero = bool(t.distributed_optimizer) and replicas > 1
     micro = lo.num_microbatches or 1
     peaks = stage_activation_peak(cfg, lo, conv, t.micro_batch_size)
     stages = []
     for s in range(lo.pp):
         n, n_exp = stage_params(cfg, lo, s), stage_params(cfg, lo, s, expert_only=True)
-        mem = {"params": n * BYTES, "grads": n * BYTES,
-               # ZeRO-1 shards dense state over dp x cp and expert state over edp = dp x cp / ep.
-               "optimizer": 2 * BYTES * ((n - n_exp) // (replicas if zero else 1)
-                                         + n_exp // (replicas // lo.ep if zero else 1)),
-               "activations": peaks[s]["bytes"]}
-        stages.append(StageEstimate(s, n, mem, peaks[s]["layers_in_flight"]))
+        # train.dp_sharding shards dense state over dp x cp and expert state over edp = dp x cp / ep.
+        mem = state_memory(cfg, lo, s, n, n_exp)
+        gathered = mem.pop("gathered")
+        mem["activations"] = peaks[s]["bytes"]
+        stages.append(StageEstimate(s, n, mem, peaks[s]["layers_in_flight"], gathered))
     heaviest = max(stages, key=lambda st: sum(st.memory_bytes.values()))
     by_recompute = {mode: max(p["bytes"] for p in stage_activation_peak(cfg, lo, conv, t.micro_batch_size, mode))
                     for mode in ("none", "selective", "full")}
@@ -117,6 +116,9 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
         state = _mib(mem["params"] + mem["grads"] + mem["optimizer"])
         lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {state:>17} |"
                      f" {_mib(mem['activations']):>14} ({st.layers_in_flight:>3}) | {_mib(sum(mem.values()))}")
+    if heaviest.gathered_bytes:
+        lines.append(f"    ZeRO-3: parameters = this rank's shards + {_mib(heaviest.gathered_bytes)} of gathered units "
+                     "in use or prefetched (train.reshard_after_forward, overlap.dp_prefetch)")
     lines.append(f"    activations of one layer, one microbatch: {_mib(est.layer_activation_bytes)}")
     if est.activations_by_recompute:
         by = est.activations_by_recompute

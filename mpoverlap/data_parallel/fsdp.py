@@ -1,0 +1,212 @@
+"""ZeRO-3 / FSDP: parameters live sharded between uses; each unit is gathered around its use.
+
+A unit is a piece of the model run as a whole: a transformer block, the embedding, the head
+(final norm + output layer, plus the tied embedding weight it reuses). Its parameters sit in
+buckets of their own (`build_buffer(unit_of=...)`), and each rank keeps only its shard of every
+bucket (`DataParallel.param_shard`). Around a unit's use:
+
+    forward pre-hook   gather its buckets (all-gather shard -> full bucket), wait them, and
+                       issue the gathers of the next `prefetch` units of its chunk (in flight
+                       while this unit computes; overlap.dp=false: waited at once)
+    forward post-hook  free the full buckets (reshard_after_forward=True), and hook the
+                       output's gradient: that hook runs right before the unit's backward
+    backward pre-hook  gather again (if freed) + prefetch the `prefetch` previous units
+    gradients ready    DataParallel reduce-scatters the bucket and frees it (`after_reduce`)
+
+reshard_after_forward=True (FSDP2's default): parameters are gathered twice per microbatch
+(forward and backward); peak parameter memory is the shards plus the few units in flight.
+False: the forward's gather is kept until the unit's backward, one gather per microbatch but
+every unit's full parameters stay alive between the forward and the backward (ZeRO-2's
+parameter memory at the peak of a step).
+
+A full bucket is a tensor with storage of its own: freeing resizes that storage to 0 and the
+parameters (views of it, also the ones autograd saved for backward) see the memory again once
+it is re-allocated and re-gathered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Dict, List, Sequence
+
+import torch
+import torch.nn as nn
+
+from mpoverlap.comm.collectives import all_gather
+from mpoverlap.comm.handle import CommHandle
+from mpoverlap.data_parallel.buffer import alloc_storage, free_storage, is_allocated
+
+
+@dataclass
+class UnitSpec:
+    """`owned`: the parameters that live in this unit's buckets; `shared`: parameters of other
+    units it also uses (a tied head's embedding weight). The unit starts with `start`'s forward
+    and ends with `end`'s (often the same module). Units of one `chunk` are in forward order."""
+
+    name: str
+    start: nn.Module
+    end: nn.Module
+    owned: List[nn.Parameter]
+    shared: List[nn.Parameter] = field(default_factory=list)
+    chunk: int = 0
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (a recomputed forward runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class UnitGatherer:
+    """The ZeRO-3 gathers of `ddp`'s buckets around the use of each unit (see module doc)."""
+
+    def __init__(self, ddp: Any, units: Sequence[UnitSpec], *, prefetch: int,
+                 reshard_after_forward: bool, overlap: bool) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.ddp, self.units = ddp, list(units)
+        self.prefetch = prefetch if overlap else 0  # no overlap: each gather waited at once
+        self.reshard_after_forward = bool(reshard_after_forward)
+        buf = ddp.buffer
+        self.sharded = [ddp.bucket_group(b.index).group is not None for b in buf.buckets]
+        self.buckets_of: List[List[int]] = []
+        for u in self.units:
+            ids = sorted({buf.index[p][2] for p in list(u.owned) + list(u.shared) if p in buf.index})
+            self.buckets_of.append([b for b in ids if self.sharded[b]])
+        self._pending: Dict[int, CommHandle] = {}
+        # Bytes of full buckets allocated now and at most since the last reset (the working set).
+        self.held_bytes = 0
+        self.peak_held_bytes = 0
+        self._hooks = []
+        for i, u in enumerate(self.units):
+            self._hooks.append(u.start.register_forward_pre_hook(partial(self._pre_forward, i)))
+            self._hooks.append(u.end.register_forward_hook(partial(self._post_forward, i)))
+        self.reshard_all()  # the full buckets build_buffer filled: from now on only shards persist
+        self.held_bytes = self.peak_held_bytes = 0
+
+    # ---- per bucket ----------------------------------------------------------------------
+    def _gather(self, b: int) -> None:
+        if b in self._pending:
+            return
+        bucket = self.ddp.buffer.buckets[b]
+        if not alloc_storage(bucket.param_data):
+            return  # already gathered
+        self.held_bytes += bucket.param_data.untyped_storage().nbytes()
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        self._pending[b] = all_gather(bucket.param_data, self.ddp.param_shard(b), self.ddp.bucket_group(b).group,
+                                      mode="dp", ledger=self.ddp.ledger)
+
+    def _wait(self, b: int) -> None:
+        handle = self._pending.pop(b, None)
+        if handle is not None:
+            handle.wait()
+
+    def free(self, b: int) -> None:
+        if not self.sharded[b]:
+            return
+        self._wait(b)  # a gather in flight writes the storage
+        data = self.ddp.buffer.buckets[b].param_data
+        self.held_bytes -= data.untyped_storage().nbytes()
+        free_storage(data)
+
+    def after_reduce(self, b: int) -> None:
+        """Every gradient of bucket `b` arrived in this backward: its parameters are done."""
+        self.free(b)
+
+    # ---- per unit ------------------------------------------------------------------------
+    def _neighbours(self, i: int, step: int) -> List[int]:
+        out, j = [], i + step
+        while len(out) < self.prefetch and 0 <= j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
+            out.append(j)
+            j += step
+        return out
+
+    def ensure(self, i: int, step: int = 1) -> None:
+        """Unit `i` gathered (waited); the next units in direction `step` issued, not waited."""
+        for b in self.buckets_of[i]:
+            self._gather(b)
+        for j in self._neighbours(i, step):
+            for b in self.buckets_of[j]:
+                self._gather(b)
+        for b in self.buckets_of[i]:
+            self._wait(b)
+
+    def _pre_forward(self, i: int, _module, _args) -> None:
+        self.ensure(i, +1)
+
+    def _post_forward(self, i: int, _module, _args, output) -> None:
+        if in_backward():
+            return  # a recomputed forward: its backward follows at once and needs the unit
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(partial(self._pre_backward, i))
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            for b in self.buckets_of[i]:
+                self.free(b)
+
+    def _pre_backward(self, i: int, _grad) -> None:
+        self.ensure(i, -1)
+        return None
+
+    # ---- whole model ---------------------------------------------------------------------
+    def reshard_all(self) -> None:
+        """Free every gathered bucket (after the optimizer step: their content is stale)."""
+        for b, sharded in enumerate(self.sharded):
+            if sharded:
+                self.free(b)
+
+    def reset_peak(self) -> None:
+        self.peak_held_bytes = self.held_bytes
+
+    def gather_all(self) -> None:
+        for b, sharded in enumerate(self.sharded):
+            if sharded:
+                self._gather(b)
+        for b in list(self._pending):
+            self._wait(b)
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copy this rank's part of every gathered bucket into its shard (after a load)."""
+        for b, sharded in enumerate(self.sharded):
+            bucket = self.ddp.buffer.buckets[b]
+            if sharded and is_allocated(bucket.param_data):
+                lo, hi = self.ddp.shard_range(b)
+                self.ddp.param_shard(b).copy_(bucket.param_data[lo - bucket.offset:hi - bucket.offset])
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
+    """The units of GPT chunks (`models/gpt.py`): embedding (on the chunk that embeds), each
+    block, and the head = final norm + output layer (+ the tied embedding weight), which starts
+    at the final norm and ends with the chunk's forward."""
+    units: List[UnitSpec] = []
+    for c, chunk in enumerate(chunks):
+        if chunk.pre_process and chunk.embedding is not None:
+            units.append(UnitSpec("embedding", chunk.embedding, chunk.embedding,
+                                  list(chunk.embedding.parameters()), chunk=c))
+        for name, block in chunk.layers.items():
+            units.append(UnitSpec(f"layers.{name}", block, block, list(block.parameters()), chunk=c))
+        if chunk.post_process:
+            owned = list(chunk.final_norm.parameters())
+            shared = []
+            if chunk.output is not None:
+                owned += list(chunk.output.parameters())
+            elif chunk.embedding is not None:
+                if chunk.pre_process:
+                    shared = list(chunk.embedding.parameters())
+                else:  # the last stage's copy of a tied embedding: only the head uses it
+                    owned += list(chunk.embedding.parameters())
+            units.append(UnitSpec("head", chunk.final_norm, chunk, owned, shared, chunk=c))
+    return units
+
+
+def unit_index(units: Sequence[UnitSpec]):
+    """param -> index of the unit owning it (None for a parameter in no unit)."""
+    owner = {}
+    for i, u in enumerate(units):
+        for p in u.owned:
+            owner.setdefault(p, i)
+    return lambda p: owner.get(p)

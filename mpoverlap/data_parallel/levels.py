@@ -1,0 +1,42 @@
+"""Sharding levels of the data-parallel group (`train.dp_sharding`, Megatron-FSDP's names).
+
+    none                 every rank holds full parameters, gradients and optimizer state
+    optim                ZeRO-1: optimizer state sharded (`train.distributed_optimizer=true`)
+    optim_grads          ZeRO-2: + only this rank's shard of the reduced gradients persists
+    optim_grads_params   ZeRO-3 / FSDP: + parameters live sharded between uses
+
+Per rank, with P parameters and a sharding group of g ranks (fp32 parameters, gradients and
+two AdamW moments; U = the largest gathered units held at once under ZeRO-3):
+
+    level               params      grads      optimizer
+    none                P           P          2P
+    optim               P           P          2P / g
+    optim_grads         P           P / g      2P / g
+    optim_grads_params  P / g + U   P / g      2P / g
+"""
+from __future__ import annotations
+
+LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
+
+
+def resolve_level(dp_sharding: str, distributed_optimizer: bool) -> str:
+    """The sharding level asked for. `train.distributed_optimizer=true` is the older spelling
+    of `optim`; together with a higher level it has two meanings, which the rule
+    dp.sharding_conflict refuses before any worker starts (this raises if it got here)."""
+    level = str(dp_sharding)
+    if level not in LEVELS:
+        raise ValueError(f"train.dp_sharding={level}: expected one of {', '.join(LEVELS)}")
+    if distributed_optimizer:
+        if level not in ("none", "optim"):
+            raise ValueError(f"train.distributed_optimizer=true and train.dp_sharding={level} both choose a "
+                             "sharding level; set train.distributed_optimizer=false")
+        return "optim"
+    return level
+
+
+def shards_grads(level: str) -> bool:
+    return level in ("optim_grads", "optim_grads_params")
+
+
+def shards_params(level: str) -> bool:
+    return level == "optim_grads_params"

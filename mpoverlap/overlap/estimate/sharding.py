@@ -1,0 +1,117 @@
+"""Per-rank parameter, gradient and optimizer memory, and dp traffic, at each sharding level
+(`train.dp_sharding`, see mpoverlap/data_parallel/levels.py). Pure arithmetic on the config.
+
+A rank of a stage holding n parameters (n_e of them expert weights) shards dense state over
+g = dp x cp ranks and expert state over g_e = g / ep (fp32 everywhere, B = 4 bytes):
+
+    level               params                grads                 optimizer (AdamW: 2 moments)
+    none                B n                   B n                   2 B n
+    optim               B n                   B n                   2 B (n_d / g + n_e / g_e)
+    optim_grads         B n                   B (n_d/g + n_e/g_e)   2 B (n_d / g + n_e / g_e)
+    optim_grads_params  B (n_d/g + n_e/g_e)   B (n_d/g + n_e/g_e)   2 B (n_d / g + n_e / g_e)
+                        + U
+
+U, the gathered units' working set under ZeRO-3: with reshard_after_forward the unit in use
+plus the `overlap.dp_prefetch` units gathered ahead of it (prefetch only under overlap.dp),
+at the size of the stage's largest unit, plus the embedding when a tied head on the same chunk
+keeps it gathered through the backward; without resharding every unit of the stage stays
+gathered from its forward to its backward (U = B n).
+
+Traffic per step (the ledger's buffer bytes; m microbatches of the rank): ZeRO-2/3
+reduce-scatter each bucket in every microbatch (m times the gradient bytes); ZeRO-1/2 gather
+the parameters once after the step; ZeRO-3 gathers each unit before its forward and again
+before its backward (2 m times the parameter bytes; m without resharding), and a tied head on
+the embedding's chunk gathers the embedding once more per microbatch.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.overlap.estimate.params import layer_params, norm_params, stage_layers
+from mpoverlap.overlap.layout import Layout
+
+BYTES = 4
+
+
+def level_of(cfg: Any, lo: Layout) -> str:
+    """The sharding level in effect: `none` with a single replica (nothing to shard over)."""
+    from mpoverlap.overlap.dp_rules import sharding_level
+
+    return sharding_level(cfg) if lo.dp * lo.cp > 1 else "none"
+
+
+def embedding_params(cfg: Any, lo: Layout) -> int:
+    m = cfg.model
+    return padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) * m.hidden_size // lo.tp
+
+
+def tied_on_one_chunk(cfg: Any, lo: Layout) -> bool:
+    """The head reuses the embedding of its own chunk (it keeps it gathered through backward)."""
+    return bool(cfg.model.tie_embeddings) and lo.pp == 1 and lo.vpp == 1
+
+
+def unit_params(cfg: Any, lo: Layout, stage: int) -> List[int]:
+    """Parameters of each ZeRO-3 unit of the stage: embedding, blocks, head (fsdp.gpt_units)."""
+    m = cfg.model
+    units = [sum(layer_params(cfg, lo, i)) for i in stage_layers(cfg, lo, stage)]
+    emb = embedding_params(cfg, lo)
+    if stage == 0:
+        units.append(emb)
+    if stage == lo.pp - 1:
+        units.append(norm_params(m) + (emb if not tied_on_one_chunk(cfg, lo) else 0))
+    return units
+
+
+def gathered_working_set(cfg: Any, lo: Layout, stage: int, n: int) -> int:
+    """U in bytes (see the module doc)."""
+    if not bool(cfg.train.reshard_after_forward):
+        return BYTES * n
+    ahead = int(cfg.overlap.dp_prefetch) if lo.mode("dp") != "false" else 0
+    units = unit_params(cfg, lo, stage)
+    held = (1 + ahead) * max(units)
+    if tied_on_one_chunk(cfg, lo):
+        held += embedding_params(cfg, lo)
+    return BYTES * min(held, n)
+
+
+def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[str, int]:
+    """params / grads / optimizer bytes of one rank of `stage` at the configured level, and
+    `gathered` (U, included in params) under ZeRO-3."""
+    level = level_of(cfg, lo)
+    g = lo.dp * lo.cp
+    g_e = max(1, g // lo.ep)
+    shard = (n - n_exp) // g + n_exp // g_e
+    sharded = lambda on: shard if on else n  # noqa: E731
+    gathered = gathered_working_set(cfg, lo, stage, n) if level == "optim_grads_params" else 0
+    return {"params": BYTES * sharded(level == "optim_grads_params") + gathered,
+            "grads": BYTES * sharded(level in ("optim_grads", "optim_grads_params")),
+            "optimizer": 2 * BYTES * sharded(level != "none"),
+            "gathered": gathered}
+
+
+def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: int) -> list:
+    """The dp collectives per step of a rank holding `params` ((mode, op, buffer bytes, group
+    size) tuples, as comm.comm_ops lists them)."""
+    level = level_of(cfg, lo)
+    replicas = lo.dp * lo.cp
+    edp = replicas // lo.ep
+    micro = lo.num_microbatches or 1
+    ops = []
+    for n, count in ((replicas, params - expert_params), (edp, expert_params if edp > 1 else 0)):
+        if not count:
+            continue
+        if level == "none":
+            ops.append(("dp", "all_reduce", count * grad_bytes, n))
+            continue
+        rounds = micro if level in ("optim_grads", "optim_grads_params") else 1
+        ops.append(("dp", "reduce_scatter", rounds * count * grad_bytes, n))
+        if level != "optim_grads_params":
+            ops.append(("dp", "all_gather", count * BYTES, n))
+            continue
+        resharded = bool(cfg.train.reshard_after_forward)
+        gathers = micro * (2 if resharded else 1) * count
+        if resharded and n == replicas and tied_on_one_chunk(cfg, lo):
+            gathers += micro * embedding_params(cfg, lo)
+        ops.append(("dp", "all_gather", gathers * BYTES, n))
+    return ops
