@@ -22,7 +22,7 @@ KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.e
         "train.global_batch_size", "train.micro_batch_size", "model.num_layers", "model.num_attention_heads",
         "model.seq_length", "model.num_experts", "model.tie_embeddings", "train.on_nonfinite",
         "model.moe_top_k", "model.moe_layer_freq", "model.moe_capacity_factor", "model.moe_dispatcher",
-        "model.shared_expert", "overlap.ep_chunks", "train.profile", "train.profile_steps"]
+        "model.shared_expert", "overlap.ep_chunks", "train.profile", "train.profile_steps", "model.num_query_groups"]
 
 
 def _fmt(v):
@@ -54,7 +54,7 @@ LAYOUT = st.fixed_dictionaries({
     "model.tie_embeddings": st.booleans(), "model.num_layers": st.sampled_from([2, 4]),
     "train.micro_batch_size": st.sampled_from([1, 2]), "train.global_batch_size": st.sampled_from([8, 16]),
     "model.num_experts": st.sampled_from([0, 4]), "parallel.ep": st.sampled_from([1, 2]),
-    "overlap.ep": st.sampled_from(["auto", "false"]),
+    "overlap.ep": st.sampled_from(["auto", "false"]), "model.num_query_groups": st.sampled_from(["null", 1, 2]),
 })
 TINY = ["model.hidden_size=32", "model.num_attention_heads=4", "model.ffn_hidden_size=64", "model.seq_length=32",
         "data.max_bytes=100000", "train.progress=false", "train.eval_iters=1", "overlap.dp_bucket_mb=0.02"]
@@ -88,6 +88,7 @@ FIXABLE = {
     "parallel.cp": st.integers(1, 3), "parallel.ep": st.integers(1, 2), "parallel.sequence_parallel": st.booleans(),
     "parallel.cp_comm": st.sampled_from(["p2p", "a2a"]), "train.global_batch_size": st.integers(1, 12),
     "train.micro_batch_size": st.integers(1, 4), "overlap.tp": st.sampled_from(["auto", "true"]),
+    "model.num_query_groups": st.sampled_from(["null", 0, 1, 2, 3, 4, 6]),
 }
 
 
@@ -118,6 +119,12 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
           "model.num_layers": 1})
 @example({"model.hidden_size": 30, "model.num_attention_heads": 4})
 @example({"model.hidden_size": 9, "model.num_attention_heads": 3})
+# Grouped-query attention: groups that divide neither the heads nor tp, with the all-to-all
+# variant (whose head split needs cp x tp | groups too) and its overlap.
+@example({"model.num_attention_heads": 8, "model.hidden_size": 32, "model.num_query_groups": 3, "parallel.tp": 4,
+          "parallel.cp": 2, "parallel.cp_comm": "a2a", "overlap.tp": "true"})
+@example({"model.num_attention_heads": 4, "model.num_query_groups": 1, "parallel.tp": 2, "parallel.cp": 2,
+          "parallel.cp_comm": "a2a"})
 def test_every_fix_gives_an_accepted_config_whose_model_runs(assignment):
     """Fixes applied (all of them, round after round) end in a config the validator accepts,
     and its model builds and runs one forward and backward at this tiny size (an accepted

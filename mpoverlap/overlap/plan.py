@@ -34,8 +34,9 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     lines = [
         f"mpoverlap plan: world {lo.world} = tp {lo.tp} x cp {lo.cp} x dp {lo.dp} x pp {lo.pp}"
         f" (ep {lo.ep}, vpp {lo.vpp})" + (f" on {device}" if device else ""),
-        f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
-        f"seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
+        f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
+        + (f" ({m.num_query_groups} K/V groups)" if m.num_query_groups not in (None, m.num_attention_heads) else "")
+        + f", seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
         f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; distributed optimizer "
         f"{'on' if t.distributed_optimizer else 'off'}",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.layout import Layout
 
 
@@ -36,13 +36,18 @@ def expert_ffn(m: Any) -> int:
     return m.moe_ffn_hidden_size or m.ffn_hidden_size
 
 
+def attention_params(m: Any) -> int:
+    """Weights of one attention: qkv [(N + 2G) D, H] and proj [H, H] (4 H^2 without GQA)."""
+    return sum(qkv_rows(m)) * m.hidden_size + m.hidden_size * m.hidden_size
+
+
 def layer_params(cfg: Any, lo: Layout, i: int) -> tuple:
     """(dense, expert) parameters of layer i on one rank: attention and dense MLP split over
     tp; an MoE MLP holds the router, num_experts / ep experts and the shared expert, not split
     over tp (experts are the `expert` part)."""
     m = cfg.model
     H, tp = m.hidden_size, lo.tp
-    dense = 4 * H * H // tp + 2 * norm_params(m)
+    dense = attention_params(m) // tp + 2 * norm_params(m)
     if not is_moe_layer(m, i):
         return dense + mlp_mult(m) * H * m.ffn_hidden_size // tp, 0
     return dense + moe_dense_unsplit(m), m.num_experts // lo.ep * mlp_mult(m) * H * expert_ffn(m)
@@ -69,3 +74,17 @@ def stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) ->
     if last:
         total += norm_params(m) + (0 if m.tie_embeddings else V * H // tp)
     return total
+
+
+def model_params(cfg: Any) -> tuple:
+    """(total, active per token) parameters of the whole model, exact: the one-rank count of
+    `stage_params`; active leaves out each MoE layer's experts a token does not visit (it keeps
+    top_k of num_experts experts, the router and shared experts). Equal for a dense model."""
+    from types import SimpleNamespace
+
+    one = SimpleNamespace(tp=1, pp=1, vpp=1, ep=1, cp=1, dp=1)
+    m = cfg.model
+    total = stage_params(cfg, one, 0)
+    idle = sum(layer_params(cfg, one, i)[1] * (m.num_experts - m.moe_top_k) // m.num_experts
+               for i in range(m.num_layers) if is_moe_layer(m, i))
+    return total, total - idle
