@@ -149,6 +149,8 @@ def test_pipeline_chunks_compose_to_the_full_model():
 FAMILIES = {
     "gpt (gelu, layernorm, tied)": dict(activation="gelu", norm="layernorm"),
     "llama-style (swiglu, rmsnorm, untied)": dict(activation="swiglu", norm="rmsnorm", tie_embeddings=False),
+    "llama 3 (grouped-query attention)": dict(activation="swiglu", norm="rmsnorm", tie_embeddings=False,
+                                              num_query_groups=2),
     "moe (shared expert, all-to-all)": dict(num_experts=4, moe_top_k=2, shared_expert=True),
     "moe (all-gather, capacity, every other layer)": dict(num_experts=4, moe_top_k=2, moe_dispatcher="allgather",
                                                           moe_capacity_factor=1.0, moe_layer_freq=2),

@@ -249,6 +249,9 @@ def gqa_attention(state):
         cfg = ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=GQA_N, num_query_groups=groups,
                           ffn_hidden_size=FF, seq_length=S, vocab_size=VOCAB)
         ref = CausalSelfAttention(cfg, "layers.0.attn", SEED)
+        with torch.no_grad():  # one process: plain nn.Linear, given the GPT's initial values
+            for name, p in ref.named_parameters():
+                p.copy_(init_tensor(f"layers.0.attn.{name}", p.shape, cfg, SEED))
         xr = leaf(x_full)
         (ref(xr, cos, sin) * gy).sum().backward()
         y_ref = ref(x_full, cos, sin).detach()
