@@ -2,11 +2,15 @@
 
 No process groups and no distributed code live here; parallel layers reproduce this math.
 
-Shape letters: B batch, S sequence, H hidden, N heads, D head dim (H / N), F ffn hidden,
-V padded vocabulary (Vpad), L layers.
+Shape letters: B batch, S sequence, H hidden, N heads, G K/V groups (model.num_query_groups,
+default N), D head dim (H / N), F ffn hidden, V padded vocabulary (Vpad), L layers.
 
 Fused weight layouts (a tensor-parallel layer slices each block separately):
-  attn.qkv.weight   [3H, H]: rows [q | k | v], each [H] = N heads of D rows, head-major.
+  attn.qkv.weight   [(N + 2G) D, H]: rows [q | k | v]; q = N heads of D rows, k and v = G
+                    groups of D rows each, head-major ([3H, H] without GQA, G = N). Query
+                    head n uses K/V group n // (N / G); tp splits q's heads and the groups
+                    alike (rank r: query heads r N/tp.., groups r G/tp..), so a rank's query
+                    heads find their groups on the same rank (the rules need tp | G).
   mlp.gate_up.weight [2F, H]: rows [gate | up] (swiglu); gelu uses mlp.up.weight [F, H].
 
 Initialisation is layout independent: each parameter is drawn, as a full tensor, from its own
@@ -23,6 +27,7 @@ from torch import nn
 
 from mpoverlap.models import layers
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
+from mpoverlap.models.init import qkv_rows, query_groups
 from mpoverlap.recompute import recomputed, recomputed_layers
 
 def make_norm(cfg) -> nn.Module:
@@ -52,9 +57,11 @@ def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor)
     return (x_BNSD * cos_SD + rotated_BNSD * sin_SD).to(x_BNSD.dtype)
 
 
-def causal_sdpa(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor) -> torch.Tensor:
-    """The default core attention: causal SDPA over the whole local sequence."""
-    return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
+def causal_sdpa(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> torch.Tensor:
+    """The default core attention: causal SDPA over the whole local sequence; k and v hold
+    G <= N heads (grouped-query attention when G < N)."""
+    gqa = k_BGSD.shape[1] != q_BNSD.shape[1]
+    return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=gqa)
 
 
 class CausalSelfAttention(nn.Module):
@@ -66,29 +73,38 @@ class CausalSelfAttention(nn.Module):
                              f"model.num_attention_heads={cfg.num_attention_heads}")
         H = cfg.hidden_size
         self.num_heads = cfg.num_attention_heads // layers.tp_size(tp)  # local heads under TP
+        self.num_groups = query_groups(cfg) // layers.tp_size(tp)  # local K/V groups under TP
+        if cfg.num_attention_heads % query_groups(cfg):
+            raise ValueError(f"model.num_query_groups={query_groups(cfg)} must divide "
+                             f"model.num_attention_heads={cfg.num_attention_heads}")
         self.head_dim = H // cfg.num_attention_heads
-        # q, k, v [B, N, S, D] -> y [B, N, S, D], causal over global positions. Context
+        # q [B, N, S, D], k, v [B, G, S, D] -> y [B, N, S, D], causal over global positions. Context
         # parallelism hands in ring or all-to-all attention here; the model never sees a group.
         self.core_attention = core_attention
         # model.recompute=selective: the attention core keeps only q, k, v (recomputed in backward).
         self.recompute_core = getattr(cfg, "recompute", "none") == "selective"
-        self.qkv = layers.column(f"{prefix}.qkv", H, 3 * H, cfg, seed, tp, blocks=3)
+        rows = qkv_rows(cfg)
+        self.qkv = layers.column(f"{prefix}.qkv", H, sum(rows), cfg, seed, tp,
+                                 blocks=3 if len(set(rows)) == 1 else rows)
         self.proj = layers.row(f"{prefix}.proj", H, H, cfg, seed, tp)
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
-        """x_BSH -> y_BSH: qkv_BS3h -> q,k,v_BNSD -> RoPE(q, k) -> core attention -> proj.
-        (h = local hidden N*D; under SP x and y hold S/tp positions, q/k/v all S.)"""
-        qkv_BS3h = self.qkv(x_BSH)
-        B, S, _ = qkv_BS3h.shape
-        h = self.num_heads * self.head_dim
-        q_BNSD, k_BNSD, v_BNSD = (t.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-                                  for t in qkv_BS3h.split(h, dim=-1))
+        """x_BSH -> y_BSH: qkv_BSq -> q_BNSD, k,v_BGSD -> RoPE(q, k) -> core attention -> proj.
+        (N, G local under TP; h = N*D, g = G*D, q = h + 2g; under SP x and y hold S/tp
+        positions, q/k/v all S.)"""
+        qkv_BSq = self.qkv(x_BSH)
+        B, S, _ = qkv_BSq.shape
+        h, g = self.num_heads * self.head_dim, self.num_groups * self.head_dim
+        q_BShD, k_BSgD, v_BSgD = qkv_BSq.split([h, g, g], dim=-1)
+        q_BNSD = q_BShD.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGSD, v_BGSD = (t.view(B, S, self.num_groups, self.head_dim).transpose(1, 2)
+                          for t in (k_BSgD, v_BSgD))
         q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
-        k_BNSD = apply_rope(k_BNSD, cos_SD, sin_SD)
+        k_BGSD = apply_rope(k_BGSD, cos_SD, sin_SD)
         if self.recompute_core:
-            y_BNSD = recomputed(self.core_attention, q_BNSD, k_BNSD, v_BNSD)
+            y_BNSD = recomputed(self.core_attention, q_BNSD, k_BGSD, v_BGSD)
         else:
-            y_BNSD = self.core_attention(q_BNSD, k_BNSD, v_BNSD)
+            y_BNSD = self.core_attention(q_BNSD, k_BGSD, v_BGSD)
         return self.proj(y_BNSD.transpose(1, 2).reshape(B, S, h))
 
 
@@ -251,7 +267,8 @@ def flops_per_token(cfg) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), Megatron/PaLM style.
 
     6 * N_matmul + 12 * L * H * S, where
-      N_matmul = L * (4 H^2 + m H F) + H * Vpad   (qkv 3H^2, proj H^2; m = 3 swiglu, 2 gelu;
+      N_matmul = L * (A + m H F) + H * Vpad       (A = qkv (N + 2G) D H + proj H^2, 4H^2
+                                                  without GQA; m = 3 swiglu, 2 gelu;
                                                   the output head; the embedding lookup is free)
       12 L H S: attention scores (QK^T) and values (AV), 2 * 2 S H per token and layer forward,
                 times 3; the causal mask is not discounted (as Megatron reports it).
@@ -264,5 +281,6 @@ def flops_per_token(cfg) -> float:
     n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
     shared = layers.shared_expert_ffn(cfg) if cfg.num_experts > 0 and cfg.shared_expert else 0
     moe_mlp = m * H * (layers.moe_ffn(cfg) * cfg.moe_top_k + shared) + H * cfg.num_experts
-    n_matmul = L * 4 * H * H + (L - n_moe) * m * H * Fh + n_moe * moe_mlp + H * vpad
+    attn = sum(qkv_rows(cfg)) * H + H * H
+    n_matmul = L * attn + (L - n_moe) * m * H * Fh + n_moe * moe_mlp + H * vpad
     return float(6 * n_matmul + 12 * L * H * S)

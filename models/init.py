@@ -19,6 +19,19 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
     return -(-vocab_size // divisible_by) * divisible_by
 
 
+def query_groups(cfg) -> int:
+    """K/V heads G of grouped-query attention: model.num_query_groups, default (null) the
+    number of attention heads (MHA). Query head n attends with K/V group n // (N / G)."""
+    return int(getattr(cfg, "num_query_groups", None) or cfg.num_attention_heads)
+
+
+def qkv_rows(cfg) -> tuple:
+    """Rows of the fused attn.qkv.weight: (N*D, G*D, G*D) for [q | k | v]."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    groups = query_groups(cfg)
+    return cfg.num_attention_heads * head_dim, groups * head_dim, groups * head_dim
+
+
 def param_seed(seed: int, name: str) -> int:
     """Stable seed for one parameter: crc32 of "<seed>/<name>"; never python hash().
 

@@ -21,6 +21,8 @@ class ModelConfig:
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
+    # Grouped-query attention: K/V heads (groups). None = num_attention_heads (MHA); 1 = MQA.
+    num_query_groups: Optional[int] = None
     ffn_hidden_size: int = 512
     seq_length: int = 128
     vocab_size: int = 256

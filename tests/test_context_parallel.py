@@ -35,9 +35,10 @@ def full_inputs(seed=0, dtype=torch.float32):
 
 
 def reference(q, k, v, w):
-    """Full causal SDPA on one process: out and dq, dk, dv of loss = sum(out * w)."""
+    """Full causal SDPA on one process: out and dq, dk, dv of loss = sum(out * w) (k, v may
+    hold fewer heads: grouped-query attention)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     return [out.detach(), *grads]
 
@@ -185,6 +186,46 @@ def _cp_worker(rank, world):
                     "events": stats.events, "ledger": ledger.summary()}
             report[(cp, name, "bitwise")] = all(torch.equal(a, b)
                                                 for a, b in zip(runs[False], runs[True]))
+        report.update(_gqa_checks(cp, group, ranks, r))
+    return report
+
+
+GQA_N = 8  # query heads of the grouped-query cases; K/V groups 1, 2, 4 and 8 (= MHA)
+
+
+def gqa_inputs(groups, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q, w = (torch.randn(B, GQA_N, S, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, groups, S, D, generator=g) for _ in range(2))
+    return q, k, v, w
+
+
+def _gqa_checks(cp, group, ranks, r):
+    """Ring (any groups) and a2a (groups divisible by cp) with G < N K/V groups against full
+    SDPA with enable_gqa: out, dq and the groups' dk, dv; overlap on/off bitwise; bytes moved."""
+    from mpoverlap.comm import CommLedger
+
+    report = {}
+    for groups in (1, 2, 4, GQA_N):
+        q, k, v, w = gqa_inputs(groups)
+        ref = reference(q, k, v, w)
+        for name, fn in VARIANTS.items():
+            if name == "a2a" and groups % cp:
+                continue
+            runs = {}
+            for overlap in (False, True):
+                ledger = CommLedger()
+                local = [split_for_cp(t, r, cp, seq_dim=2).requires_grad_() for t in (q, k, v)]
+                out = fn(*local, cp_group=group, cp_ranks=ranks, cp_rank=r, cp_size=cp,
+                         overlap=overlap, ledger=ledger)
+                grads = torch.autograd.grad((out * split_for_cp(w, r, cp, 2)).sum(), local)
+                runs[overlap] = [out.detach(), *grads]
+                full = [gather_from_cp(t, cp_group=group, cp_size=cp, seq_dim=2) for t in runs[overlap]]
+                report[("gqa", cp, name, groups, overlap)] = {
+                    "errors": [rel_err(got, want) for got, want in zip(full, ref)],
+                    "shapes": [tuple(t.shape) for t in full], "ledger": ledger.summary()}
+            report[("gqa", cp, name, groups, "bitwise")] = all(
+                torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
     return report
 
 
@@ -257,6 +298,38 @@ def test_ring_transfer_issued_before_compute(cp_reports, cp):
                 assert _event_index(ev, "bwd", "compute_end", s)[0] < d_issue
                 next_end = _event_index(ev, "bwd", "compute_end", s + 1)[0]
                 assert (next_end < d_wait) if ov else (d_wait < next_end)
+
+
+GQA_CASES = [(cp, name, groups) for cp in (2, 4) for name in sorted(VARIANTS) for groups in (1, 2, 4, GQA_N)
+             if name == "ring" or groups % cp == 0]
+
+
+@pytest.mark.parametrize("cp,name,groups", GQA_CASES)
+def test_gqa_matches_full_sdpa(cp_reports, cp, name, groups):
+    """Grouped-query attention (8 heads over `groups` K/V groups) through ring and all-to-all
+    attention equals full causal SDPA with enable_gqa: out, dq and dk, dv of the groups."""
+    for rank, rep in enumerate(cp_reports):
+        for overlap in (False, True):
+            case = rep[("gqa", cp, name, groups, overlap)]
+            assert case["shapes"][2] == (B, groups, S, D) == case["shapes"][3]  # dk, dv: the groups only
+            assert max(case["errors"]) < 1e-5, (rank, overlap, case["errors"])
+        assert rep[("gqa", cp, name, groups, "bitwise")]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gqa_moves_only_the_kv_groups(cp_reports, cp):
+    """The ring's bytes are exactly groups / heads of multi-head attention's (only K/V and
+    dK/dV travel); the all-to-all's shrink by the K/V share of its q, k, v, out buffers."""
+    for rep in cp_reports:
+        for ov in (False, True):
+            mha = rep[("gqa", cp, "ring", GQA_N, ov)]["ledger"]["cp"]
+            for groups in (1, 2, 4):
+                ring = rep[("gqa", cp, "ring", groups, ov)]["ledger"]["cp"]
+                assert ring["ops"] == mha["ops"] and ring["bytes"] * GQA_N == mha["bytes"] * groups
+            a2a_mha = rep[("gqa", cp, "a2a", GQA_N, ov)]["ledger"]["cp"]["bytes"]
+            a2a = rep[("gqa", cp, "a2a", 4, ov)]["ledger"]["cp"]["bytes"]
+            # fwd: q + 2 kv in, out back; bwd: dout in, dq + 2 dkv back -> (4N + 4G) / 8N
+            assert a2a * 8 * GQA_N == a2a_mha * (4 * GQA_N + 4 * 4)
 
 
 def test_a2a_overlap_issues_all_groups_before_compute(cp_reports):

@@ -50,6 +50,7 @@ HOT_STEP_BUDGETS = {
                                   "overlap.tp=true"], 1),
     "cp2-ring": (["parallel.cp=2", "overlap.cp=true"], 1),
     "cp2-a2a": (["parallel.cp=2", "parallel.cp_comm=a2a", "overlap.cp=true"], 1),
+    "cp2-ring-gqa": (["model.num_query_groups=2", "parallel.cp=2", "overlap.cp=true"], 1),
     "moe-ep2": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
                  "overlap.ep=true"], 1 + 2 * 2),
     # Issue 17: sigmoid router with the aux-loss-free bias (its update: no host read), and the

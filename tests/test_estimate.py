@@ -21,6 +21,7 @@ FAMILIES = {
     "llama_swiglu": ["model.activation=swiglu", "model.norm=rmsnorm"],
     "moe_top2": ["model=moe_tiny", "model.moe_ffn_hidden_size=88", "model.moe_top_k=2"],
     "moe_top4": ["model=moe_tiny", "model.moe_ffn_hidden_size=88", "model.moe_top_k=4"],
+    "llama_gqa": ["model=llama_tiny", "model.num_query_groups=2"],  # 4 heads over 2 K/V groups
 }
 B = 2
 
@@ -101,7 +102,7 @@ def _cp_worker(rank, world):
     state = ParallelState.create(RankGrid(cp=world), torch.device("cpu"))
     out = {}
     for variant in ("p2p", "a2a"):
-        for family in ("gpt_gelu", "llama_swiglu"):
+        for family in ("gpt_gelu", "llama_swiglu", "llama_gqa"):
             for bf16 in (False, True):
                 m = compose(_overrides(family)).model
                 torch.manual_seed(0)
@@ -129,6 +130,56 @@ def test_saved_bytes_one_block_cp2_ring_and_a2a():
             if abs(got - est) > 0.10 * got:
                 bad.append((variant, family, bf16, got, est))
     assert not bad, bad
+
+
+PUBLISHED = {  # preset: (exact count, published figure, published active figure)
+    "llama3_8b": (8_030_261_248, 8.03e9, None),
+    "llama3_1b": (1_235_814_400, 1.24e9, None),
+    "mixtral_8x7b": (46_702_792_704, 46.7e9, 12.9e9),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_presets_count_their_published_parameters(preset, capsys):
+    """mpoverlap-check prints the exact count of Meta's / Mistral's checkpoints (8,030,261,248
+    for Llama 3 8B, 46,702,792,704 for Mixtral 8x7B), within 0.5% of the published figures,
+    and Mixtral's active parameters per token (2 of 8 experts) within 0.5% of 12.9B."""
+    from mpoverlap.check import main
+
+    exact, published, active = PUBLISHED[preset]
+    est = estimate(compose([f"model={preset}"]), 1)
+    assert est.total_params == exact and abs(exact - published) <= 0.005 * published
+    if active is None:
+        assert est.active_params == est.total_params
+    else:
+        assert abs(est.active_params - active) <= 0.005 * active
+    assert main([f"model={preset}"]) == 0
+    assert f"parameters: {exact:,} " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides", [["model=llama_tiny"], ["model=llama_tiny", "model.num_query_groups=1"],
+                                       ["model=llama_tiny", "model.num_experts=4", "model.moe_top_k=2"],
+                                       ["model=moe_tiny", "model.num_query_groups=2"]])
+def test_total_parameters_equal_the_model(overrides):
+    from mpoverlap.models.gpt import GPT, num_parameters
+
+    cfg = compose(overrides)
+    assert estimate(cfg, 1).total_params == num_parameters(GPT(cfg.model))
+
+
+def test_cp_ring_bytes_scale_with_the_kv_groups():
+    """Llama 3 8B at cp 2: the ring moves a quarter of the MHA bytes with 8 of 32 groups; the
+    all-to-all (4N + 4G) / 8N of them; the other modes do not move."""
+    def comm(variant, groups):
+        cfg = compose(["model=llama3_8b", "model.num_layers=2", "model.seq_length=1024", "parallel.cp=2",
+                       f"parallel.cp_comm={variant}", f"model.num_query_groups={groups}"])
+        return estimate(cfg, 2)
+
+    for variant, ratio in (("p2p", 1 / 4), ("a2a", (4 * 32 + 4 * 8) / (8 * 32))):
+        gqa, mha = comm(variant, 8), comm(variant, "null")
+        assert gqa.comm_bytes_per_step["cp"] == ratio * mha.comm_bytes_per_step["cp"]
+        assert gqa.comm_link_bytes_per_step["cp"] == ratio * mha.comm_link_bytes_per_step["cp"]
+        assert gqa.layer_activation_bytes < mha.layer_activation_bytes
 
 
 GPT3_175B = ["model.num_layers=96", "model.hidden_size=12288", "model.num_attention_heads=96",

@@ -25,7 +25,9 @@ from mpoverlap.interop.checkpoint_reader import read_checkpoint, resolve_step_di
 from mpoverlap.interop.export import main as export_main  # noqa: E402
 from mpoverlap.models.gpt import GPT  # noqa: E402
 
-LLAMA = ["model.norm=rmsnorm", "model.activation=swiglu", "model.tie_embeddings=false"]
+# Grouped-query attention (4 heads over 2 K/V groups: HF num_key_value_heads=2), as Llama 3 and
+# Mixtral have it; the tied-embeddings case below keeps multi-head attention.
+LLAMA = ["model.norm=rmsnorm", "model.activation=swiglu", "model.tie_embeddings=false", "model.num_query_groups=2"]
 MODELS = {"dense": LLAMA,
           "moe": ["model=moe_tiny", "model.moe_ffn_hidden_size=64", "model.moe_layer_freq=1",
                   "model.shared_expert=false", *LLAMA, "parallel.ep=2"]}
@@ -73,6 +75,7 @@ def test_export_logits_equal_single_process(trained, kind):
     config = json.loads((hf / "config.json").read_text())
     expected_arch = "MixtralForCausalLM" if kind == "moe" else "LlamaForCausalLM"
     assert config["architectures"] == [expected_arch] and config["vocab_size"] == 256
+    assert config["num_attention_heads"] == 4 and config["num_key_value_heads"] == 2
     if kind == "moe":  # sharded above --max-shard-size, with the index
         index = json.loads((hf / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
@@ -157,6 +160,9 @@ def test_init_from_shape_mismatch_refused_before_workers(trained, tmp_path):
     proc = train(tmp_path / "bad", *LLAMA, "model.num_layers=3", f"checkpoint.init_from={hf}", expect=2)
     assert "model.num_layers: HF 2, ours 3" in proc.stderr and "fix: model.num_layers=2" in proc.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    # K/V groups are a shape key too: HF num_key_value_heads=2 against multi-head attention
+    proc = train(tmp_path / "bad_kv", *LLAMA, "model.num_query_groups=null", f"checkpoint.init_from={hf}", expect=2)
+    assert "model.num_query_groups: HF 2, ours 4" in proc.stderr and "fix: model.num_query_groups=2" in proc.stderr
 
 
 def _fake_checkpoint(root: Path, overrides) -> Path:

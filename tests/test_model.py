@@ -128,6 +128,9 @@ def test_flops_per_token():
     cfg = tiny()
     H, L, S, Fh = 32, 2, 16, 64
     assert flops_per_token(cfg) == 6 * (L * (4 * H * H + 3 * H * Fh) + H * 256) + 12 * L * H * S
+    # GQA with 1 group: qkv is (N + 2) D x H = (H + 2 D) x H, D = 8
+    gqa = tiny(num_query_groups=1)
+    assert flops_per_token(gqa) == 6 * (L * ((H + 16) * H + H * H + 3 * H * Fh) + H * 256) + 12 * L * H * S
 
 
 def test_pipeline_chunks_compose_to_the_full_model():
@@ -146,6 +149,8 @@ def test_pipeline_chunks_compose_to_the_full_model():
 FAMILIES = {
     "gpt (gelu, layernorm, tied)": dict(activation="gelu", norm="layernorm"),
     "llama-style (swiglu, rmsnorm, untied)": dict(activation="swiglu", norm="rmsnorm", tie_embeddings=False),
+    "llama 3 (grouped-query attention)": dict(activation="swiglu", norm="rmsnorm", tie_embeddings=False,
+                                              num_query_groups=2),
     "moe (shared expert, all-to-all)": dict(num_experts=4, moe_top_k=2, shared_expert=True),
     "moe (all-gather, capacity, every other layer)": dict(num_experts=4, moe_top_k=2, moe_dispatcher="allgather",
                                                           moe_capacity_factor=1.0, moe_layer_freq=2),
@@ -168,3 +173,51 @@ def test_every_tensor_is_made_on_its_inputs_device(family, bf16):
         model.loss(logits, x).backward()
     assert not strays.events, strays.summary()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_grouped_query_attention(groups):
+    """model.num_query_groups: qkv holds [q | k | v] rows (N + 2G) D; query head n reads K/V
+    group n // (N / G) (the same as expanding each group to its heads), and G = N is MHA."""
+    import torch.nn.functional as F
+
+    from mpoverlap.models.gpt import CausalSelfAttention, apply_rope, rope_cos_sin
+
+    cfg = tiny(num_query_groups=groups)
+    N, D, H, S = 4, 8, 32, 16
+    attn = CausalSelfAttention(cfg, "layers.0.attn", seed=3)
+    assert attn.qkv.weight.shape == ((N + 2 * groups) * D, H)
+    x = torch.randn(2, S, H, generator=torch.Generator().manual_seed(1))
+    cos, sin = rope_cos_sin(torch.arange(S), D, cfg.rope_base)
+    q, k, v = F.linear(x, attn.qkv.weight).split([N * D, groups * D, groups * D], dim=-1)
+    q, k, v = (t.view(2, S, -1, D).transpose(1, 2) for t in (q, k, v))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = (t.repeat_interleave(N // groups, dim=1) for t in (k, v))  # head n -> group n // (N/G)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, S, H)
+    torch.testing.assert_close(attn(x, cos, sin), F.linear(y, attn.proj.weight))
+    model = GPT(tiny(num_query_groups=groups))
+    model.loss(model(tokens()), tokens(seed=1)).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert num_parameters(model) == num_parameters(GPT(tiny())) - 2 * 2 * (N - groups) * D * H
+    if groups == N:  # null and N are the same model, bitwise
+        mha = GPT(tiny())
+        torch.testing.assert_close(GPT(tiny(num_query_groups=N))(tokens()), mha(tokens()), rtol=0, atol=0)
+
+
+def test_grouped_query_attention_init_is_layout_independent():
+    """The qkv weight is drawn whole from (seed, name) and then sliced: a tp shard is exactly
+    the rows [q_r | k_r | v_r] of the one-process weight."""
+    from mpoverlap.models.init import init_tensor, qkv_rows
+    from mpoverlap.tensor_parallel import shard_tensor
+
+    cfg = tiny(num_query_groups=2)
+    full = GPT(cfg, seed=5).layers["0"].attn.qkv.weight.detach()
+    assert qkv_rows(cfg) == (32, 16, 16)
+    assert torch.equal(full, init_tensor("layers.0.attn.qkv.weight", (64, 32), cfg, 5))
+    shard = shard_tensor(full, 0, 1, 2, blocks=qkv_rows(cfg))
+    assert torch.equal(shard, torch.cat([full[16:32], full[40:48], full[56:64]]))
+
+
+def test_grouped_query_attention_refuses_uneven_groups():
+    with pytest.raises(ValueError, match="num_query_groups=3 must divide"):
+        GPT(tiny(num_query_groups=3))

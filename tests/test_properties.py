@@ -29,7 +29,9 @@ KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.e
         # fine-grained MoE and expert tensor parallelism (issue 17)
         "parallel.etp", "model.moe_shared_expert_ffn_hidden_size", "model.moe_first_dense_layers",
         "model.moe_router_score", "model.moe_router_order", "model.moe_router_norm_topk",
-        "model.moe_router_bias_update_rate"]
+        "model.moe_router_bias_update_rate",
+        # grouped-query attention (issue 17)
+        "model.num_query_groups"]
 
 
 def _fmt(v):
@@ -58,6 +60,7 @@ LAYOUT_CHOICES = {
     "overlap.pp": ["auto", "false"], "overlap.cp": ["auto", "false"], "model.tie_embeddings": [True, False],
     "model.num_layers": [2, 4], "train.micro_batch_size": [1, 2], "train.global_batch_size": [8, 16],
     "model.num_experts": [0, 4], "parallel.ep": [1, 2], "overlap.ep": ["auto", "false"],
+    "model.num_query_groups": ["null", 1, 2], "train.dp_sharding": ["none", "optim_grads", "optim_grads_params"],
 }
 TINY = ["model.hidden_size=32", "model.num_attention_heads=4", "model.ffn_hidden_size=64", "model.seq_length=32",
         "data.max_bytes=100000", "train.progress=false", "train.eval_iters=1", "overlap.dp_bucket_mb=0.02"]
@@ -81,7 +84,7 @@ def _accepted_layouts(count: int, seed: int = 0) -> list:
 
 def _reference_overrides(overrides: list) -> list:
     """The single-process run of the same model and global batch."""
-    return [o for o in overrides if not o.startswith(("parallel.", "overlap.", "train.distributed_optimizer"))]
+    return [o for o in overrides if not o.startswith(("parallel.", "overlap.", "train.distributed_optimizer", "train.dp_sharding"))]
 
 
 @pytest.mark.slow
@@ -124,6 +127,7 @@ FIXABLE = {
     "model.moe_first_dense_layers": st.integers(-1, 4), "model.moe_router_score": st.sampled_from(["softmax", "sigmoid"]),
     "model.moe_router_order": st.sampled_from(["score_topk", "topk_score"]),
     "model.moe_router_bias_update_rate": st.sampled_from([0, 0.01, -0.01]),
+    "model.num_query_groups": st.sampled_from(["null", 0, 1, 2, 3, 4, 6]),
 }
 
 
@@ -162,6 +166,12 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
           "model.shared_expert": False, "model.moe_router_bias_update_rate": -0.01})
 @example({"model.num_experts": 0, "parallel.etp": 2, "model.moe_first_dense_layers": 1,
           "model.moe_router_bias_update_rate": 0.01})
+# Grouped-query attention: groups that divide neither the heads nor tp, with the all-to-all
+# variant (whose head split needs cp x tp | groups too) and its overlap.
+@example({"model.num_attention_heads": 8, "model.hidden_size": 32, "model.num_query_groups": 3, "parallel.tp": 4,
+          "parallel.cp": 2, "parallel.cp_comm": "a2a", "overlap.tp": "true"})
+@example({"model.num_attention_heads": 4, "model.num_query_groups": 1, "parallel.tp": 2, "parallel.cp": 2,
+          "parallel.cp_comm": "a2a"})
 def test_every_fix_gives_an_accepted_config_whose_model_runs(assignment):
     """Fixes applied (all of them, round after round) end in a config the validator accepts,
     and its model builds and runs one forward and backward at this tiny size (an accepted

@@ -226,7 +226,50 @@ def worker(rank, world):
             a, b = tensors[(sp, False)], tensors[(sp, True)]
             on_off[sp] = {k: (all(torch.equal(p, q) for p, q in zip(a[k], b[k])),
                               max(rel(q, p) for p, q in zip(a[k], b[k]))) for k in a}
-        out[tp] = dict(results=results, on_off=on_off, helpers=sp_helpers(state))
+        out[tp] = dict(results=results, on_off=on_off, helpers=sp_helpers(state), gqa=gqa_attention(state))
+    return out
+
+
+GQA_N = 8  # query heads of the grouped-query cases (head dim 4)
+
+
+def gqa_attention(state):
+    """The model's attention with G K/V groups (G = tp, 2 tp and N), tp-sharded (SP on and off,
+    overlap on and off) against the same layer on one process: output, input gradient and the
+    local shards of the qkv ([q | k | v] of sizes N D, G D, G D) and proj weight gradients."""
+    from mpoverlap.models.gpt import CausalSelfAttention, rope_cos_sin
+    from mpoverlap.models.init import qkv_rows
+    from mpoverlap.tensor_parallel.checkpoint import unshard
+
+    r, tp = state.coords.tp, state.size("tp")
+    cos, sin = rope_cos_sin(torch.arange(S), H // GQA_N, 10000.0)
+    x_full, gy = data(4)
+    out = {}
+    for groups in sorted({tp, 2 * tp, GQA_N}):
+        cfg = ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=GQA_N, num_query_groups=groups,
+                          ffn_hidden_size=FF, seq_length=S, vocab_size=VOCAB)
+        ref = CausalSelfAttention(cfg, "layers.0.attn", SEED)
+        with torch.no_grad():  # one process: plain nn.Linear, given the GPT's initial values
+            for name, p in ref.named_parameters():
+                p.copy_(init_tensor(f"layers.0.attn.{name}", p.shape, cfg, SEED))
+        xr = leaf(x_full)
+        (ref(xr, cos, sin) * gy).sum().backward()
+        y_ref = ref(x_full, cos, sin).detach()
+        for sp, ov in itertools.product((False, True), repeat=2):
+            loc = (lambda t: t[:, r * (S // tp):(r + 1) * (S // tp)]) if sp else (lambda t: t)
+            kw = tp_kwargs(state, sequence_parallel=sp, overlap=ov, ledger=CommLedger())
+            layer = CausalSelfAttention(cfg, "layers.0.attn", SEED, tp=kw)
+            x = leaf(loc(x_full))
+            y = layer(x, cos, sin)
+            (y * loc(gy)).sum().backward()
+            out[(groups, sp, ov)] = dict(
+                y=rel(y, loc(y_ref)), x=rel(x.grad, loc(xr.grad)),
+                qkv=rel(layer.qkv.weight.grad, shard_tensor(ref.qkv.weight.grad, 0, r, tp, blocks=qkv_rows(cfg))),
+                proj=rel(layer.proj.weight.grad, shard_tensor(ref.proj.weight.grad, 1, r, tp)),
+                local_rows=layer.qkv.weight.shape[0],
+                # the checkpoint's gather of the shards is the full, layout-independent weight
+                unshard_exact=torch.equal(unshard(layer.qkv.weight, layer.qkv.weight, state.group("tp"), tp),
+                                          ref.qkv.weight.detach()))
     return out
 
 
@@ -250,6 +293,32 @@ def test_layers_match_reference(results):
                 assert err < 1e-5, (where, block, what, err)
                 n += 1
     assert n == 4 * 2 * 4 * (7 + 5 + 3 + 4)
+
+
+def test_gqa_attention_matches_reference(results):
+    """Grouped-query attention under tp 2 and 4, SP and overlap on and off: each rank holds
+    N/tp query heads and G/tp K/V groups ((N + 2G) D / tp qkv rows) and matches one process."""
+    n = 0
+    for rank, out in enumerate(results):
+        for tp, r in out.items():
+            assert {g for g, _, _ in r["gqa"]} == {tp, 2 * tp, GQA_N}
+            for (groups, sp, ov), errs in r["gqa"].items():
+                assert errs.pop("local_rows") == (GQA_N + 2 * groups) * (H // GQA_N) // tp
+                assert errs.pop("unshard_exact")
+                for what, err in errs.items():
+                    assert err < 1e-5, (rank, tp, groups, sp, ov, what, err)
+                    n += 1
+    assert n == 4 * (3 + 2) * 4 * 4  # ranks x (groups at tp 2, at tp 4) x (sp, ov) x checks
+
+
+def test_shard_tensor_uneven_blocks():
+    """GQA's [q | k | v] blocks of unequal sizes: shard_tensor slices each block (the
+    checkpoint's unshard puts them back: gqa_attention's `unshard` check)."""
+    t = torch.arange(16.0).view(16, 1)  # q 8 rows, k 4, v 4
+    shards = [shard_tensor(t, 0, r, 2, blocks=(8, 4, 4)) for r in range(2)]
+    assert shards[1].view(-1).tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+    with pytest.raises(ValueError, match="tp_size=4"):
+        shard_tensor(t, 0, 0, 4, blocks=(8, 6, 2))
 
 
 def test_overlap_on_off(results):

@@ -1,9 +1,12 @@
 """All-to-all (Ulysses) context-parallel attention: trade the sequence shard for a head shard.
 
-Inputs q, k, v [B, N, S_local, D] in the load-balanced layout of split_for_cp; N divisible by
-cp. An all_to_all (mode "cp") turns them into [B, N/cp, S, D]: this rank's heads over the full
-sequence, chunks put back in natural order; local causal F.scaled_dot_product_attention; a
-second all_to_all brings the output back to [B, N, S_local, D].
+Inputs q [B, N, S_local, D], k, v [B, G, S_local, D] (G K/V groups of grouped-query attention,
+G = N without it) in the load-balanced layout of split_for_cp; N and G divisible by cp. An
+all_to_all (mode "cp") turns them into [B, N/cp, S, D] and [B, G/cp, S, D]: this rank's heads
+and the groups they read over the full sequence, chunks put back in natural order (only the G
+groups of k, v travel: with GQA q and k, v share one buffer per head group); local causal
+F.scaled_dot_product_attention (enable_gqa); a second all_to_all brings the output back to
+[B, N, S_local, D]. Backward: d(out) goes, dq and the groups' dk, dv come back.
 
 The local heads are processed in G head groups (`head_chunks`; default 2 when N/cp is even,
 else 1), each with its own all_to_alls, so communication of one group can run under the
@@ -32,14 +35,33 @@ import torch.nn.functional as F
 from mpoverlap.comm.collectives import all_to_all
 from mpoverlap.context_parallel.a2a_layout import (pack_head_to_seq, pack_seq_to_head,
                                                     unpack_head_to_seq, unpack_seq_to_head)
+from mpoverlap.context_parallel.attention_math import check_qkv_shapes
 from mpoverlap.context_parallel.ring_comm import CPRing
 from mpoverlap.context_parallel.stats import CPStats, NullStats
 from mpoverlap.recompute import in_recompute_region
 
 
-def default_head_chunks(num_heads: int, cp_size: int) -> int:
-    """2 head groups when each rank's N/cp heads split evenly in two, else 1."""
-    return 2 if (num_heads // cp_size) % 2 == 0 else 1
+def default_head_chunks(num_heads: int, cp_size: int, num_groups: Optional[int] = None) -> int:
+    """2 head groups when each rank's N/cp heads (and its G/cp K/V groups) split evenly in two,
+    else 1."""
+    kv = num_heads if num_groups is None else num_groups
+    return 2 if (num_heads // cp_size) % 2 == 0 and (kv // cp_size) % 2 == 0 else 1
+
+
+def _concat(buffers) -> tuple:
+    """Several send buffers [cp, ...] as one [cp, X] (one buffer: itself); returns (buffer,
+    shapes for _split, None for one)."""
+    if len(buffers) == 1:
+        return buffers[0], None
+    return torch.cat([t.reshape(t.shape[0], -1) for t in buffers], dim=1), [t.shape for t in buffers]
+
+
+def _split(recv: torch.Tensor, shapes) -> list:
+    """The inverse of _concat on the received buffer [cp, X]."""
+    if shapes is None:
+        return [recv]
+    sizes = [math.prod(s[1:]) for s in shapes]
+    return [t.reshape(s) for t, s in zip(recv.split(sizes, dim=1), shapes)]
 
 
 def _issue(ring: CPRing, send: torch.Tensor, stats: CPStats, phase: str, g: int):
@@ -55,84 +77,100 @@ def _wait(handle, stats: CPStats, phase: str, g: int) -> None:
     stats.event(phase, "wait", g)
 
 
-def _exchange_groups(ring: CPRing, x_TBNSD: torch.Tensor, groups: int, stats: CPStats,
-                     phase: str, compute):
+def _exchange_groups(ring: CPRing, xs, groups: int, stats: CPStats, phase: str, compute):
     """Shared driver of forward and backward.
 
-    x_TBNSD [T, B, N, S_local, D] goes to head-sharded groups; compute(g, y_TBnSD) returns the
-    group's result [T', B, Ng, S, D]; the results come back as [T', B, N, S_local, D]."""
+    xs: tensors [T_i, B, N_i, S_local, D] (q, k, v stacked as one [3, ...] without GQA; with
+    it q [1, B, N, ...] and k, v [2, B, G, ...]) go to head-sharded groups, one all_to_all per
+    group for all of them; compute(g, [y_i [T_i, B, N_i/(cp G), S, D]]) returns the group's
+    results [[T'_j, B, n_j, S, D]]; they come back as [[T'_j, B, N_j, S_local, D]], where
+    N_j = n_j cp groups."""
     cp = ring.cp_size
-    pending_in = {}
-    if ring.overlap:
-        for g in range(groups):
-            pending_in[g] = _issue(ring, pack_seq_to_head(x_TBNSD, cp, groups, g), stats, phase, g)
+
+    def issue_in(g):
+        send, shapes = _concat([pack_seq_to_head(x, cp, groups, g) for x in xs])
+        return (*_issue(ring, send, stats, phase, g), shapes)
+
+    pending_in = {g: issue_in(g) for g in range(groups)} if ring.overlap else {}
     pending_out = []
     for g in range(groups):
         if not ring.overlap:
-            pending_in[g] = _issue(ring, pack_seq_to_head(x_TBNSD, cp, groups, g), stats, phase, g)
-        handle, recv = pending_in.pop(g)
+            pending_in[g] = issue_in(g)
+        handle, recv, shapes = pending_in.pop(g)
         _wait(handle, stats, phase, g)
         stats.event(phase, "compute_begin", g)
-        result_TBnSD = compute(g, unpack_seq_to_head(recv, cp))
+        results = compute(g, [unpack_seq_to_head(r, cp) for r in _split(recv, shapes)])
         stats.event(phase, "compute_end", g)
-        handle, recv = _issue(ring, pack_head_to_seq(result_TBnSD, cp), stats, phase, g)
+        send, out_shapes = _concat([pack_head_to_seq(y, cp) for y in results])
+        handle, recv = _issue(ring, send, stats, phase, g)
         if not ring.overlap:
             _wait(handle, stats, phase, g)
-        pending_out.append((g, handle, recv))
-    T_out = pending_out[0][2].shape[1]
-    B, N, S_local, D = x_TBNSD.shape[1:]
-    out_TBNSD = torch.empty((T_out, B, N, S_local, D), dtype=pending_out[0][2].dtype,
-                            device=x_TBNSD.device)
-    for g, handle, recv in pending_out:
+        pending_out.append((g, handle, recv, out_shapes))
+    B, S_local, D = xs[0].shape[1], xs[0].shape[3], xs[0].shape[4]
+    outs = None
+    for g, handle, recv, out_shapes in pending_out:
         _wait(handle, stats, phase, g)
-        unpack_head_to_seq(recv, out_TBNSD, groups, g)
-    return out_TBNSD
+        parts = _split(recv, out_shapes)  # each [cp, T', B, n, S_local, D]
+        if outs is None:
+            outs = [torch.empty((p.shape[1], B, p.shape[3] * cp * groups, S_local, D), dtype=p.dtype,
+                                device=xs[0].device) for p in parts]
+        for part, out in zip(parts, outs):
+            unpack_head_to_seq(part, out, groups, g)
+    return outs
 
 
 class A2AAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BNSD, k_BNSD, v_BNSD, ring: CPRing, scale: float, groups: int,
+    def forward(ctx, q_BNSD, k_BGSD, v_BGSD, ring: CPRing, scale: float, groups: int,
                 stats: CPStats):
         graphs = []
+        gqa = k_BGSD.shape[1] != q_BNSD.shape[1]
 
-        def attend(g, qkv_3BnSD):
-            leaves = [t.detach().requires_grad_() for t in qkv_3BnSD.unbind(0)]
+        def attend(g, received):
+            # received: [q, k, v stacked [3, B, n, S, D]], or with GQA [q [1, ...], k|v [2, ...]]
+            leaves = [t.detach().requires_grad_() for r in received for t in r.unbind(0)]
             # Inside an activation-recomputation region this inner graph keeps its own tensors
             # (identity hooks): the region's hooks would drop them and replay the whole block
             # once per torch.autograd.grad call in backward (each is a graph task of its own).
             keep = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
                     if in_recompute_region() else nullcontext())
             with torch.enable_grad(), keep:
-                y_BnSD = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale)
+                y_BnSD = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale,
+                                                        enable_gqa=gqa)
             graphs.append((leaves, y_BnSD))
             B, Ng, S, D = y_BnSD.shape
             stats.count_dense("fwd", B, Ng, S, D)
-            return y_BnSD.detach().unsqueeze(0)
+            return [y_BnSD.detach().unsqueeze(0)]
 
-        qkv_3BNSD = torch.stack([q_BNSD, k_BNSD, v_BNSD])
-        out_1BNSD = _exchange_groups(ring, qkv_3BNSD, groups, stats, "fwd", attend)
-        ctx.graphs, ctx.ring, ctx.groups, ctx.stats = graphs, ring, groups, stats
+        # Without GQA q, k, v travel as one stacked tensor; with it q and the (fewer) k, v
+        # groups are packed side by side into the same all_to_all per head group.
+        xs = ([torch.stack([q_BNSD, k_BGSD, v_BGSD])] if not gqa
+              else [q_BNSD.unsqueeze(0), torch.stack([k_BGSD, v_BGSD])])
+        (out_1BNSD,) = _exchange_groups(ring, xs, groups, stats, "fwd", attend)
+        ctx.graphs, ctx.ring, ctx.groups, ctx.stats, ctx.gqa = graphs, ring, groups, stats, gqa
         return out_1BNSD[0]
 
     @staticmethod
     def backward(ctx, dout_BNSD):
         graphs, stats = ctx.graphs, ctx.stats
 
-        def attend_backward(g, dout_1BnSD):
+        def attend_backward(g, received):
             leaves, y_BnSD = graphs[g]
-            grads = torch.autograd.grad(y_BnSD, leaves, dout_1BnSD[0])
+            dq, dk, dv = torch.autograd.grad(y_BnSD, leaves, received[0][0])
             graphs[g] = None  # free the group's graph as soon as it is used
             B, Ng, S, D = y_BnSD.shape
             stats.count_dense("bwd", B, Ng, S, D)
-            return torch.stack(grads)
+            return [torch.stack([dq, dk, dv])] if not ctx.gqa else [dq.unsqueeze(0), torch.stack([dk, dv])]
 
-        dqkv_3BNSD = _exchange_groups(ctx.ring, dout_BNSD.unsqueeze(0), ctx.groups, stats,
-                                      "bwd", attend_backward)
+        outs = _exchange_groups(ctx.ring, [dout_BNSD.unsqueeze(0)], ctx.groups, stats, "bwd",
+                                attend_backward)
         ctx.graphs = None
-        return dqkv_3BNSD[0], dqkv_3BNSD[1], dqkv_3BNSD[2], None, None, None, None
+        if not ctx.gqa:
+            return outs[0][0], outs[0][1], outs[0][2], None, None, None, None
+        return outs[0][0], outs[1][0], outs[1][1], None, None, None, None
 
 
-def a2a_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, *,
+def a2a_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
                   cp_group, cp_ranks: Sequence[int], cp_rank: int, cp_size: int,
                   overlap: bool, ledger=None, stats: Optional[CPStats] = None,
                   softmax_scale: Optional[float] = None,
@@ -140,19 +178,20 @@ def a2a_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tens
     """Causal attention over the global sequence via head sharding: out_BNSD [B, N, S_local, D].
 
     Same contract as ring_attention (layout of split_for_cp, RoPE at global positions, equal
-    to full-sequence causal SDPA split the same way, collective over the cp group), plus:
-    N divisible by cp * head_chunks. `cp_ranks` is accepted for a uniform signature."""
-    if not (q_BNSD.shape == k_BNSD.shape == v_BNSD.shape) or q_BNSD.dim() != 4:
-        raise ValueError(f"q, k, v must share one [B, N, S_local, D] shape; got "
-                         f"{tuple(q_BNSD.shape)}, {tuple(k_BNSD.shape)}, {tuple(v_BNSD.shape)}")
+    to full-sequence causal SDPA split the same way, collective over the cp group; k, v may
+    hold G < N groups), plus: N and G divisible by cp * head_chunks (rank j then holds query
+    heads j N/cp.. and the groups j G/cp.. they read). `cp_ranks` is accepted for a uniform
+    signature."""
+    check_qkv_shapes(q_BNSD, k_BGSD, v_BGSD)
     B, N, S_local, D = q_BNSD.shape
-    groups = head_chunks if head_chunks is not None else default_head_chunks(N, cp_size)
-    if N % (cp_size * groups):
-        raise ValueError(f"all-to-all attention needs heads N={N} divisible by cp={cp_size} x "
-                         f"head_chunks={groups}")
+    G = k_BGSD.shape[1]
+    groups = head_chunks if head_chunks is not None else default_head_chunks(N, cp_size, G)
+    if N % (cp_size * groups) or G % (cp_size * groups):
+        raise ValueError(f"all-to-all attention needs heads N={N} and K/V groups G={G} divisible "
+                         f"by cp={cp_size} x head_chunks={groups}")
     if S_local % 2:
         raise ValueError(f"S_local={S_local} must be even (two chunks per cp rank)")
     ring = CPRing.make(cp_group, cp_ranks, cp_rank, cp_size, overlap, ledger)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    return A2AAttentionFunction.apply(q_BNSD, k_BNSD, v_BNSD, ring, float(scale), groups,
+    return A2AAttentionFunction.apply(q_BNSD, k_BGSD, v_BGSD, ring, float(scale), groups,
                                       stats if stats is not None else NullStats())

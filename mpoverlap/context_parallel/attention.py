@@ -14,8 +14,9 @@ VARIANTS = ("p2p", "a2a")
 
 
 class ContextParallelAttention:
-    """q, k, v [B, N, S/cp, D] (load-balanced split) -> y [B, N, S/cp, D], causal over the
-    global sequence. `variant` is parallel.cp_comm; `overlap` is the overlap.cp switch."""
+    """q [B, N, S/cp, D], k, v [B, G, S/cp, D] (load-balanced split; G K/V groups, = N without
+    grouped-query attention) -> y [B, N, S/cp, D], causal over the global sequence. `variant`
+    is parallel.cp_comm; `overlap` is the overlap.cp switch."""
 
     def __init__(self, state: ParallelState, variant: str, overlap: bool,
                  ledger: Optional[CommLedger]) -> None:
@@ -25,5 +26,5 @@ class ContextParallelAttention:
         self.kwargs = dict(cp_group=state.group("cp"), cp_ranks=state.ranks("cp"),
                            cp_rank=state.coords.cp, cp_size=state.grid.cp, overlap=overlap, ledger=ledger)
 
-    def __call__(self, q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor) -> torch.Tensor:
-        return self.fn(q_BNSD, k_BNSD, v_BNSD, **self.kwargs)
+    def __call__(self, q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> torch.Tensor:
+        return self.fn(q_BNSD, k_BGSD, v_BGSD, **self.kwargs)

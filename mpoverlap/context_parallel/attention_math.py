@@ -7,7 +7,8 @@ probabilities of each block from the saved q, k and the final lse (flash-attenti
 
 Everything is computed in fp32 (inputs are upcast; outputs are fp32); fp64 inputs stay fp64.
 
-Shape letters: B batch, N heads, Q query rows of the block, K key rows of the block, D head dim.
+Shape letters: B batch, N heads, G K/V groups (grouped-query attention; G = N without it),
+Q query rows of the block, K key rows of the block, D head dim.
 """
 from __future__ import annotations
 
@@ -25,6 +26,35 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _up(x: torch.Tensor) -> torch.Tensor:
     return x.to(acc_dtype(x.dtype))
+
+
+def check_qkv_shapes(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> int:
+    """N / G, the query heads per K/V group, after checking q [B, N, S, D] and k, v [B, G, S, D]
+    (same B, S, D; G divides N)."""
+    if q_BNSD.dim() != 4 or k_BGSD.shape != v_BGSD.shape or k_BGSD.dim() != 4:
+        raise ValueError(f"q must be [B, N, S, D] and k, v one [B, G, S, D] shape; got "
+                         f"{tuple(q_BNSD.shape)}, {tuple(k_BGSD.shape)}, {tuple(v_BGSD.shape)}")
+    (B, N, S, D), G = q_BNSD.shape, k_BGSD.shape[1]
+    if (k_BGSD.shape[0], k_BGSD.shape[2], k_BGSD.shape[3]) != (B, S, D) or N % G:
+        raise ValueError(f"k, v {tuple(k_BGSD.shape)} must share q's B, S, D {tuple(q_BNSD.shape)} "
+                         f"with K/V groups G dividing the heads N")
+    return N // G
+
+
+def repeat_kv(x_BGKD: torch.Tensor, rep: int) -> torch.Tensor:
+    """[B, G, K, D] -> [B, G*rep, K, D]: query head n reads group n // rep (as SDPA's enable_gqa)."""
+    if rep == 1:
+        return x_BGKD
+    B, G, K, D = x_BGKD.shape
+    return x_BGKD[:, :, None].expand(B, G, rep, K, D).reshape(B, G * rep, K, D)
+
+
+def sum_kv_groups(dx_BNKD: torch.Tensor, rep: int) -> torch.Tensor:
+    """The gradient of repeat_kv: [B, N, K, D] -> [B, N/rep, K, D], summed over each group's heads."""
+    if rep == 1:
+        return dx_BNKD
+    B, N, K, D = dx_BNKD.shape
+    return dx_BNKD.view(B, N // rep, rep, K, D).sum(2)
 
 
 def chunk_relation(q_chunk: int, k_chunk: int) -> str:

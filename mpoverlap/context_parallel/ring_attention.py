@@ -1,7 +1,10 @@
 """Ring attention: causal attention over a context-parallel sequence, K/V passed around the ring.
 
-Layout: q, k, v are [B, N, S_local, D] with S_local = S / cp holding global chunks
-(r, 2cp-1-r) of length c = S / (2 cp) (see split.py). The output has the same layout.
+Layout: q is [B, N, S_local, D], k and v [B, G, S_local, D] (G K/V groups: grouped-query
+attention, G = N without it), S_local = S / cp holding global chunks (r, 2cp-1-r) of length
+c = S / (2 cp) (see split.py). The output has q's layout. Only the G groups travel the ring (and
+their dK/dV): a step moves N / G times fewer bytes than multi-head attention; each block expands
+its groups to the N heads locally (query head n reads group n // (N / G)).
 
 Forward, at ring step s = 0 .. cp-1 rank r holds the K/V block of rank (r - s) mod cp:
   1. issue the exchange that brings the next block (send this block on, receive the next one
@@ -32,8 +35,9 @@ from typing import Optional, Sequence
 import torch
 
 from mpoverlap.context_parallel.attention_math import (SKIP, acc_dtype, block_backward,
-                                                        block_forward, chunk_relation,
-                                                        merge_partial, softmax_delta)
+                                                        block_forward, check_qkv_shapes,
+                                                        chunk_relation, merge_partial, repeat_kv,
+                                                        softmax_delta, sum_kv_groups)
 from mpoverlap.context_parallel.ring_comm import CPRing
 from mpoverlap.context_parallel.split import cp_chunks_of_rank
 from mpoverlap.context_parallel.stats import CPStats, NullStats
@@ -73,7 +77,7 @@ def ring_forward(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tenso
                  scale: float, stats: CPStats):
     """(out_BNSD in q's dtype, lse_BNS fp32) of causal attention over the global sequence."""
     B, N, S_local, D = q_BNSD.shape
-    c = S_local // 2
+    c, rep = S_local // 2, N // k_BNSD.shape[1]
     q_chunks = q_BNSD.chunk(2, dim=2)
     out_acc = [None, None]
     lse_acc = [None, None]
@@ -89,8 +93,8 @@ def ring_forward(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tenso
             stats.count_pair("fwd", rel, B, N, c, c, D)
             if rel == SKIP:
                 continue
-            o, l = block_forward(q_chunks[i], k_chunks[j], v_chunks[j], scale=scale,
-                                 causal=(rel != "full"))
+            o, l = block_forward(q_chunks[i], repeat_kv(k_chunks[j], rep),
+                                 repeat_kv(v_chunks[j], rep), scale=scale, causal=(rel != "full"))
             out_acc[i], lse_acc[i] = merge_partial(out_acc[i], lse_acc[i], o, l)
         stats.event("fwd", "compute_end", step)
         if handle is not None and ring.overlap:
@@ -103,10 +107,10 @@ def ring_forward(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tenso
 
 def ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS, ring: CPRing,
                   scale: float, stats: CPStats):
-    """(dq, dk, dv) [B, N, S_local, D] in the inputs' dtypes; fp32 (fp64 for fp64) accumulation,
+    """(dq [B, N, S_local, D], dk, dv [B, G, S_local, D]) in the inputs' dtypes; fp32 (fp64 for fp64) accumulation,
     also of the dK/dV that travel the ring."""
     B, N, S_local, D = q_BNSD.shape
-    c = S_local // 2
+    c, rep = S_local // 2, N // k_BNSD.shape[1]
     delta_BNS = softmax_delta(out_BNSD, dout_BNSD)
     q_chunks, dout_chunks = q_BNSD.chunk(2, dim=2), dout_BNSD.chunk(2, dim=2)
     lse_chunks, delta_chunks = lse_BNS.chunk(2, dim=2), delta_BNS.chunk(2, dim=2)
@@ -128,12 +132,13 @@ def ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS, ring: CP
             stats.count_pair("bwd", rel, B, N, c, c, D)
             if rel == SKIP:
                 continue
-            dq, dk, dv = block_backward(q_chunks[i], k_chunks[j], v_chunks[j], dout_chunks[i],
+            dq, dk, dv = block_backward(q_chunks[i], repeat_kv(k_chunks[j], rep),
+                                        repeat_kv(v_chunks[j], rep), dout_chunks[i],
                                         lse_chunks[i], delta_chunks[i], scale=scale,
                                         causal=(rel != "full"))
             dq_chunks[i].add_(dq)
-            dk_chunks[j].add_(dk)
-            dv_chunks[j].add_(dv)
+            dk_chunks[j].add_(sum_kv_groups(dk, rep))
+            dv_chunks[j].add_(sum_kv_groups(dv, rep))
         stats.event("bwd", "compute_end", step)
         if dkv_handle is not None:
             # The accumulator of this block from the ranks before, sent at the previous step:
@@ -189,15 +194,14 @@ def ring_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Ten
                    softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention over the global sequence, ring-parallel: out_BNSD [B, N, S_local, D].
 
-    q, k, v: [B, N, S_local, D], same shape (no GQA), in the load-balanced layout of
-    split_for_cp (chunks r and 2cp-1-r), RoPE already applied at the global positions.
-    Equals F.scaled_dot_product_attention(q, k, v, is_causal=True) on the full sequence,
+    q: [B, N, S_local, D]; k, v: [B, G, S_local, D] (G divides N; G < N is grouped-query
+    attention), in the load-balanced layout of split_for_cp (chunks r and 2cp-1-r), RoPE
+    already applied at the global positions. Equals
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G < N) on the full sequence,
     split the same way. Collective over the cp group: every cp rank calls it, also backward.
     softmax_scale defaults to 1/sqrt(D). `stats` (optional) collects work and event counters.
     """
-    if not (q_BNSD.shape == k_BNSD.shape == v_BNSD.shape) or q_BNSD.dim() != 4:
-        raise ValueError(f"q, k, v must share one [B, N, S_local, D] shape; got "
-                         f"{tuple(q_BNSD.shape)}, {tuple(k_BNSD.shape)}, {tuple(v_BNSD.shape)}")
+    check_qkv_shapes(q_BNSD, k_BNSD, v_BNSD)
     if q_BNSD.shape[2] % 2:
         raise ValueError(f"S_local={q_BNSD.shape[2]} must be even (two chunks per cp rank)")
     ring = CPRing.make(cp_group, cp_ranks, cp_rank, cp_size, overlap, ledger)

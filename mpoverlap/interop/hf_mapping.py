@@ -10,7 +10,8 @@ Classes (nothing else is written: an approximate export is worse than none):
 Why no permutation is needed anywhere:
   RoPE: ours is rotate-half (pairs i, i + D/2) with inv_freq_i = 1 / base^(2i/D), exactly HF
         Llama's default rope (rope_theta = model.rope_base): q/k rows map unchanged.
-  attn.qkv.weight [3H, H] = rows [q | k | v], each N heads x D rows head-major, which is the
+  attn.qkv.weight [(N + 2G) D, H] = rows [q | k | v], q N heads and k, v G groups (GQA:
+        model.num_query_groups = num_key_value_heads) of D rows head-major, which is the
         row order of q_proj / k_proj / v_proj: a split, no reordering.
   mlp.gate_up.weight [2F, H] = rows [gate | up] -> gate_proj, up_proj (Mixtral: w1, w3);
         down -> down_proj (w2). Router [E, H] -> block_sparse_moe.gate; the router math
@@ -34,8 +35,9 @@ class ConversionError(Exception):
 
 
 def num_kv_heads(m: Dict[str, Any]) -> int:
-    """THE place where GQA maps: model.num_query_groups (once it exists) -> num_key_value_heads.
-    qkv rows are then [q: N*D | k: G*D | v: G*D] (see `_qkv_rows`)."""
+    """THE place where GQA maps: model.num_query_groups (null = the heads) <-> num_key_value_heads.
+    qkv rows are [q: N*D | k: G*D | v: G*D] (see `_qkv_rows`), the row order of q_proj, k_proj,
+    v_proj (HF Llama's query head n reads K/V head n // (N / G), as ours does)."""
     return int(m.get("num_query_groups") or m["num_attention_heads"])
 
 
@@ -137,11 +139,9 @@ def model_keys_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     for key, value, wanted in checks:
         if value != wanted:
             raise _refuse_hf(key, value, f"only {wanted!r} is reproduced exactly")
-    kv = int(hf.get("num_key_value_heads") or N)
-    if kv != N:  # model.num_query_groups does not exist yet: see num_kv_heads
-        raise _refuse_hf("num_key_value_heads", kv, f"grouped-query attention is not supported yet "
-                         f"(needs num_key_value_heads = num_attention_heads = {N})")
+    kv = int(hf.get("num_key_value_heads") or N)  # grouped-query attention: see num_kv_heads
     keys = {"num_layers": int(hf["num_hidden_layers"]), "hidden_size": H, "num_attention_heads": N,
+            "num_query_groups": kv,
             "norm": "rmsnorm", "activation": "swiglu", "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "rope_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6))}
@@ -157,7 +157,8 @@ def mismatches(hf: Dict[str, Any], model: Any) -> List[Tuple[str, Any, Any]]:
     """[(model key, value implied by the HF config, our value)] for every disagreement."""
     want = model_keys_from_hf(hf)
     m = {k: model[k] for k in model}  # DictConfig or dict
-    ours = dict(m, moe_ffn_hidden_size=moe_ffn(m) if want.get("num_experts") else m.get("moe_ffn_hidden_size"))
+    ours = dict(m, moe_ffn_hidden_size=moe_ffn(m) if want.get("num_experts") else m.get("moe_ffn_hidden_size"),
+                num_query_groups=num_kv_heads(m))  # null (= heads) compares as the heads
     out = [(k, v, ours.get(k)) for k, v in want.items() if _differs(v, ours.get(k))]
     if int(hf["vocab_size"]) != padded_vocab(m):
         out.append(("vocab_size", int(hf["vocab_size"]), m["vocab_size"]))

@@ -80,11 +80,12 @@ def _resolve_cp(lo: Layout, blocked: Optional[str] = None) -> ModeState:
     from mpoverlap.overlap.cp_rules import a2a_head_groups
 
     if lo.cfg.parallel.cp_comm == "a2a":
-        groups = a2a_head_groups(lo.cfg.model.num_attention_heads, lo.tp, lo.cp) if lo.cp > 1 else 1
+        m = lo.cfg.model
+        groups = a2a_head_groups(m.num_attention_heads, lo.tp, lo.cp, m.num_query_groups) if lo.cp > 1 else 1
         return _resolve(lo, "cp", lo.cp > 1 and groups > 1,
                         "all-to-all of one head group in flight under attention of another",
                         f"parallel.cp={lo.cp}: no context-parallel communication" if lo.cp == 1 else
-                        "parallel.cp_comm=a2a with an odd number of local heads: one head group, nothing "
+                        "parallel.cp_comm=a2a with an odd number of local heads (or K/V groups): one head group, nothing "
                         "to overlap (use parallel.cp_comm=p2p to overlap the ring)", blocked)
     return _resolve(lo, "cp", lo.cp > 1, "next K/V block (and dK/dV in backward) in flight around the ring "
                     "while attention runs on the block already here",

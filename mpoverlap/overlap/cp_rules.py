@@ -5,10 +5,12 @@ from mpoverlap.overlap.layout import Layout
 from mpoverlap.overlap.rules import Problem, next_multiple, rule
 
 
-def a2a_head_groups(num_heads: int, tp: int, cp: int) -> int:
-    """Head groups the all-to-all variant pipelines (2 when the local heads split evenly)."""
+def a2a_head_groups(num_heads: int, tp: int, cp: int, query_groups=None) -> int:
+    """Head groups the all-to-all variant pipelines (2 when the local heads, and the local K/V
+    groups of grouped-query attention, split evenly)."""
     local = num_heads // (tp * cp)
-    return 2 if local % 2 == 0 else 1
+    local_kv = (query_groups or num_heads) // (tp * cp)
+    return 2 if local % 2 == 0 and local_kv % 2 == 0 else 1
 
 
 @rule("cp.sequence_divisible", "cp", ("model.seq_length", "parallel.cp"),
@@ -24,12 +26,21 @@ def _seq(lo: Layout):
                       [f"model.seq_length={next_multiple(S, 2 * lo.cp)}"])
 
 
-@rule("cp.a2a_heads_divisible", "cp", ("parallel.cp_comm", "model.num_attention_heads", "parallel.cp", "parallel.tp"),
-      "the all-to-all variant splits the heads over cp x tp")
+@rule("cp.a2a_heads_divisible", "cp", ("parallel.cp_comm", "model.num_attention_heads", "model.num_query_groups",
+                                       "parallel.cp", "parallel.tp"),
+      "the all-to-all variant splits the heads (and the K/V groups) over cp x tp")
 def _a2a_heads(lo: Layout):
     p, m = lo.cfg.parallel, lo.cfg.model
     if p.cp_comm != "a2a" or None in (lo.cp, lo.tp) or m.num_attention_heads < 1:
         return
+    G = m.num_query_groups
+    if G is not None and G >= 1 and m.num_attention_heads % (lo.cp * lo.tp) == 0 and G % (lo.cp * lo.tp):
+        yield Problem("cp.a2a_heads_divisible",
+                      {"parallel.cp_comm": "a2a", "model.num_query_groups": G, "parallel.cp": lo.cp,
+                       "parallel.tp": lo.tp},
+                      f"all-to-all attention gives each rank num_query_groups / (cp x tp) whole K/V groups "
+                      f"beside its heads; {G} groups do not divide by {lo.cp * lo.tp} (the ring variant moves "
+                      "the groups whole and has no such limit)", ["parallel.cp_comm=p2p"])
     if m.num_attention_heads % (lo.cp * lo.tp):
         yield Problem("cp.a2a_heads_divisible",
                       {"parallel.cp_comm": "a2a", "model.num_attention_heads": m.num_attention_heads,
@@ -39,16 +50,20 @@ def _a2a_heads(lo: Layout):
                       "such limit)", ["parallel.cp_comm=p2p"])
 
 
-@rule("cp.a2a_overlap_needs_head_groups", "cp", ("overlap.cp", "parallel.cp_comm", "model.num_attention_heads"),
-      "overlap.cp=true with a2a needs an even number of local heads to pipeline")
+@rule("cp.a2a_overlap_needs_head_groups", "cp", ("overlap.cp", "parallel.cp_comm", "model.num_attention_heads",
+                                                 "model.num_query_groups"),
+      "overlap.cp=true with a2a needs an even number of local heads (and K/V groups) to pipeline")
 def _a2a_overlap(lo: Layout):
     p, m = lo.cfg.parallel, lo.cfg.model
     if lo.mode("cp") != "true" or p.cp_comm != "a2a" or None in (lo.cp, lo.tp) or lo.cp < 2:
         return
-    if m.num_attention_heads % (lo.cp * lo.tp) == 0 and a2a_head_groups(m.num_attention_heads, lo.tp, lo.cp) == 1:
+    G = m.num_query_groups if m.num_query_groups and m.num_query_groups >= 1 else m.num_attention_heads
+    if (m.num_attention_heads % (lo.cp * lo.tp) == 0 and G % (lo.cp * lo.tp) == 0
+            and a2a_head_groups(m.num_attention_heads, lo.tp, lo.cp, G) == 1):
         yield Problem("cp.a2a_overlap_needs_head_groups",
                       {"overlap.cp": "true", "parallel.cp_comm": "a2a",
                        "model.num_attention_heads": m.num_attention_heads, "parallel.cp": lo.cp},
                       "the all-to-all variant hides one head group's exchange under another's attention; "
-                      f"{m.num_attention_heads // (lo.cp * lo.tp)} local head(s) make one group, nothing to hide "
+                      f"{m.num_attention_heads // (lo.cp * lo.tp)} local head(s) and {G // (lo.cp * lo.tp)} local "
+                      "K/V group(s) make one group, nothing to hide "
                       "(the ring variant overlaps at any head count)", ["parallel.cp_comm=p2p"])

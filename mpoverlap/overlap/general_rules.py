@@ -173,6 +173,22 @@ def _head_dim_even(lo: Layout):
                       _head_shape_fix(m))
 
 
+@rule("model.query_groups_divide_heads", "general", ("model.num_query_groups", "model.num_attention_heads"),
+      "grouped-query attention: num_query_groups is null (= heads) or a positive divisor of the heads")
+def _query_groups(lo: Layout):
+    m = lo.cfg.model
+    G, N = m.num_query_groups, m.num_attention_heads
+    if G is None or N < 1:
+        return
+    if G < 1 or N % G:
+        fit = max(d for d in divisors(N) if d <= max(G, 1))
+        yield Problem("model.query_groups_divide_heads",
+                      {"model.num_query_groups": G, "model.num_attention_heads": N},
+                      "every K/V group serves num_attention_heads / num_query_groups query heads (1 = MQA, "
+                      f"= heads is MHA); {G} does not divide {N} heads into equal groups",
+                      [f"model.num_query_groups={fit}"])
+
+
 @rule("data.indexed_path", "general", ("data.name", "data.path"), "indexed data names its files")
 def _indexed(lo: Layout):
     d = lo.cfg.data

@@ -35,8 +35,9 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     lines = [
         f"mpoverlap plan: world {lo.world} = tp {lo.tp} x cp {lo.cp} x dp {lo.dp} x pp {lo.pp}"
         f" (ep {lo.ep}, vpp {lo.vpp})" + (f" on {device}" if device else ""),
-        f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
-        f"seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
+        f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
+        + (f" ({m.num_query_groups} K/V groups)" if m.num_query_groups not in (None, m.num_attention_heads) else "")
+        + f", seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
         _param_line(cfg),
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
         f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; dp sharding {_sharding(cfg)}",
@@ -65,11 +66,15 @@ def _param_line(cfg: Any) -> str:
     """The whole model's parameter count (exact, as built), and for MoE the active per token."""
     total, active = model_params(cfg)
     m = cfg.model
+
+    def short(n: int) -> str:
+        return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
     if m.num_experts == 0:
-        return f"  parameters: {total:,} ({total / 1e9:.3f}B)"
+        return f"  parameters: {total:,} ({short(total)})"
     shared = shared_expert_ffn(m)
-    return (f"  parameters: {total:,} total ({total / 1e9:.3f}B), {active:,} active per token "
-            f"({active / 1e9:.3f}B: top-{m.moe_top_k} of {m.num_experts} experts"
+    return (f"  parameters: {total:,} total ({short(total)}), {active:,} active per token "
+            f"({short(active)}: top-{m.moe_top_k} of {m.num_experts} experts"
             + (f" + a shared expert of width {shared}" if shared else "") + ")")
 
 

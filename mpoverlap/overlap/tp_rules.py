@@ -33,6 +33,23 @@ def _divides(lo: Layout):
                           [f"parallel.tp={_suggest_tp(lo, common)}"])
 
 
+@rule("tp.divides_query_groups", "tp", ("parallel.tp", "model.num_query_groups", "model.num_attention_heads"),
+      "tp divides the K/V groups of grouped-query attention (K/V heads are split, never replicated)")
+def _divides_groups(lo: Layout):
+    m = lo.cfg.model
+    G, N = m.num_query_groups, m.num_attention_heads
+    if lo.tp is None or lo.tp == 1 or G is None or G < 1 or N < 1 or N % G:
+        return  # null = MHA (tp.divides_model covers the heads); a bad G: model.query_groups_divide_heads
+    if G % lo.tp:
+        common = math.gcd(math.gcd(math.gcd(N, m.hidden_size), max(m.ffn_hidden_size, 1)), G)
+        yield Problem("tp.divides_query_groups", {"parallel.tp": lo.tp, "model.num_query_groups": G},
+                      f"each tensor-parallel rank holds num_query_groups / tp K/V groups beside the query "
+                      f"heads that read them; {G} groups do not divide by tp={lo.tp} (K/V heads are not "
+                      f"replicated over TP ranks, as in Megatron-core; more groups, e.g. "
+                      f"model.num_query_groups={lo.tp} when tp divides the heads, also fixes it)",
+                      [f"parallel.tp={_suggest_tp(lo, common)}"])
+
+
 @rule("tp.divides_vocab", "tp", ("parallel.tp", "model.vocab_size", "model.make_vocab_size_divisible_by"),
       "tp divides the padded vocabulary")
 def _vocab(lo: Layout):

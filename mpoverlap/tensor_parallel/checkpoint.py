@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpoverlap.tensor_parallel.layers import shard_tensor
+from mpoverlap.tensor_parallel.layers import block_sizes, shard_tensor
 
 
 def _is_sharded(p: nn.Parameter) -> bool:
@@ -27,10 +27,12 @@ def unshard(local: torch.Tensor, p: nn.Parameter, tp_group, tp_size: int) -> tor
         return local.detach().clone()
     parts = [torch.empty_like(local) for _ in range(tp_size)]
     dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
-    dim, blocks = p.partition_dim, p.partition_blocks
-    per = local.shape[dim] // blocks
+    dim = p.partition_dim
+    local_sizes = [b // tp_size for b in block_sizes(local.shape[dim] * tp_size, p.partition_blocks)]
+    starts = [sum(local_sizes[:i]) for i in range(len(local_sizes))]
     # shard r = [block 0 rows of r | block 1 rows of r | ...]: reassemble block by block.
-    return torch.cat([parts[r].narrow(dim, b * per, per) for b in range(blocks) for r in range(tp_size)], dim=dim)
+    return torch.cat([parts[r].narrow(dim, start, n) for start, n in zip(starts, local_sizes)
+                      for r in range(tp_size)], dim=dim)
 
 
 def reshard(full: torch.Tensor, p: nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:

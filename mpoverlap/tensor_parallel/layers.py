@@ -28,15 +28,31 @@ from mpoverlap.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel)
 
 
-def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, blocks: int = 1) -> torch.Tensor:
-    """Rank's part of `full` along `dim`. With blocks > 1 the dim is `blocks` equal sub-blocks
-    (e.g. [q | k | v]); each is split over `size` ranks and the rank's pieces concatenated."""
-    n = full.shape[dim]
-    if n % (blocks * size):
-        raise ValueError(f"dimension {dim} of size {n} does not split into {blocks} blocks "
-                         f"x tp_size={size}")
-    per = n // (blocks * size)
-    pieces = [full.narrow(dim, b * (n // blocks) + rank * per, per) for b in range(blocks)]
+def block_sizes(n: int, blocks) -> tuple:
+    """The sizes of the fused sub-blocks of a dimension of size n: `blocks` equal ones (an int),
+    or the given sizes (a tuple, e.g. GQA's (N*D, G*D, G*D) for [q | k | v])."""
+    if isinstance(blocks, int):
+        if n % blocks:
+            raise ValueError(f"dimension of size {n} does not split into {blocks} equal blocks")
+        return (n // blocks,) * blocks
+    sizes = tuple(int(b) for b in blocks)
+    if sum(sizes) != n:
+        raise ValueError(f"blocks {sizes} do not add up to the dimension's size {n}")
+    return sizes
+
+
+def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, blocks=1) -> torch.Tensor:
+    """Rank's part of `full` along `dim`. With several blocks the dim is made of sub-blocks
+    (e.g. [q | k | v]; `blocks` a count of equal ones or a tuple of sizes); each is split over
+    `size` ranks and the rank's pieces concatenated."""
+    sizes = block_sizes(full.shape[dim], blocks)
+    if any(b % size for b in sizes):
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into blocks "
+                         f"{sizes} x tp_size={size}")
+    pieces, start = [], 0
+    for b in sizes:
+        pieces.append(full.narrow(dim, start + rank * (b // size), b // size))
+        start += b
     return torch.cat(pieces, dim=dim).contiguous()
 
 
@@ -53,7 +69,7 @@ class _TPModule(nn.Module):
         self.comm = make_comm(tp_group, tp_rank, tp_size, tp_ranks, sequence_parallel, overlap,
                               ledger, trace)
 
-    def _param(self, full: torch.Tensor, dim: Optional[int], blocks: int = 1, **attrs) -> nn.Parameter:
+    def _param(self, full: torch.Tensor, dim: Optional[int], blocks=1, **attrs) -> nn.Parameter:
         t = full if dim is None else shard_tensor(full, dim, self.comm.rank, self.comm.size, blocks)
         p = nn.Parameter(t)
         p.tensor_model_parallel = dim is not None  # sharded (else replicated over tp)
@@ -70,18 +86,20 @@ class ColumnParallelLinear(_TPModule):
         no SP: x_BSH replicated; backward all-reduces the input gradient.
         SP:    x_BsH sequence shard; forward all-gathers the sequence (or, with overlap, a
                collective-matmul ring), backward reduce-scatters the input gradient.
-    `blocks` = number of fused equal sub-blocks of the output dim (3 for qkv [q|k|v], 2 for
-    gate_up [gate|up]); the local output is then [q_r | k_r | v_r], each out/(blocks*tp).
+    `blocks` = the fused sub-blocks of the output dim: a count of equal ones (2 for gate_up
+    [gate|up]) or their sizes (qkv [q|k|v]: (N*D, G*D, G*D), equal without GQA); the local
+    output is then [q_r | k_r | v_r], each block's size / tp.
     forward(x, weight=...) uses another [out/tp, in] weight (the tied output head).
     """
 
     def __init__(self, in_features: int, out_features: int, *, name: str, cfg, seed: int,
-                 blocks: int = 1, bias: bool = False, tp_group=None, tp_rank: int = 0,
+                 blocks=1, bias: bool = False, tp_group=None, tp_rank: int = 0,
                  tp_size: int = 1, tp_ranks=None, sequence_parallel: bool = False,
                  overlap: bool = False, ledger=None, trace=None) -> None:
         super().__init__(tp_group, tp_rank, tp_size, tp_ranks, sequence_parallel, overlap, ledger, trace)
         self.in_features, self.out_features, self.blocks = in_features, out_features, blocks
-        self.out_features_per_rank = _divide(out_features, tp_size * blocks, "out_features/blocks") * blocks
+        self.out_features_per_rank = sum(_divide(b, tp_size, "out_features block")
+                                         for b in block_sizes(out_features, blocks))
         full_w = init_tensor(f"{name}.weight", (out_features, in_features), cfg, seed)
         self.weight = self._param(full_w, 0, blocks)
         self.bias = (self._param(init_tensor(f"{name}.bias", (out_features,), cfg, seed), 0, blocks)

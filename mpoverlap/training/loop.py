@@ -38,7 +38,7 @@ from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
 from mpoverlap.training.setup import init_distributed, shared_run_dir
 
 # Model fields a checkpoint must agree on to be loadable into this model.
-_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
                "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings", "num_experts",
                "moe_top_k", "shared_expert", "moe_layer_freq", "moe_ffn_hidden_size")
 

@@ -8,9 +8,10 @@ f = residual-stream bytes, 4: the residual stays fp32 under autocast; c = comput
     the two block inputs x, x + attn (the norms' inputs)        2H f
     RMSNorm keeps x * rsqrt(mean x^2) too (the weight's grad)    2H f   (LayerNorm: mean, rstd only)
     the two norm outputs (the next GEMM's input)                 2H c
-  TP region (each rank holds 1/tp of the heads and of F, all S/cp positions):
-    qkv output (v is a view of it, so SDPA keeps it all)         3H c
-    q, k after RoPE, attention output (flash: log-sum-exp only)  3H c + N f
+  TP region (each rank holds 1/tp of the heads and of F, all S/cp positions; with grouped-query
+  attention k and v are g = G D wide instead of H: each "k or v" H below becomes g):
+    qkv output (v is a view of it, so SDPA keeps it all)         3H c   (H + 2g)
+    q, k after RoPE, attention output (flash: log-sum-exp only)  3H c + N f   (2H + g)
       ring CP: + a copy of the output for the projection (BNSD)  +1H c
       a2a CP: stacked head-sharded q, k, v + output + copy, the
               qkv output is not kept                             5H c in all
@@ -41,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.models.init import padded_vocab_size, query_groups
 from mpoverlap.overlap.estimate.params import chunk_layers, etp_size, expert_ffn, is_moe_layer, shared_expert_ffn
 from mpoverlap.overlap.layout import Layout
 
@@ -84,12 +85,14 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
     norm_out = c
     residual = (2 * H * f + norm_extra + H * norm_out + H * (c if is_moe_layer(m, i) else norm_out)
                 + (2 * H if conv.dropout else 0))
+    # g = G D: the K/V width; g = H without grouped-query attention (the H terms of the doc).
+    g = H * query_groups(m) // N
     if lo.cp > 1:
-        core = {"a2a": 5 * H}.get(p.cp_comm, 7 * H) * c
+        core = (3 * H + 2 * g if p.cp_comm == "a2a" else 4 * H + 3 * g) * c
     else:
-        core = 6 * H * c
+        core = (3 * H + 3 * g) * c
     if not conv.rope and p.cp_comm != "a2a":
-        core -= 2 * H * c
+        core -= (H + g) * c
     attn_tp = core + (0 if selective else N * f)  # the log-sum-exp per head (recomputed: none)
     if not conv.flash and lo.cp == 1 and not selective:
         # Math SDPA keeps the causal softmax over all S keys; with dropout also its mask

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.models.init import padded_vocab_size, query_groups
 from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer, layer_params,
                                                moe_dense_unsplit, norm_params, stage_layers)
 from mpoverlap.overlap.estimate.sharding import dp_ops
@@ -51,7 +51,6 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
     s_cp = m.seq_length // lo.cp
     s_hidden = s_cp // lo.tp if (p.sequence_parallel and lo.tp > 1) else s_cp
     layers_here = m.num_layers // lo.pp
-    heads_here = m.num_attention_heads // lo.tp
     here = stage_layers(cfg, lo, busiest)
     moe_here = sum(is_moe_layer(m, i) for i in here)
     ops: List[Op] = []
@@ -95,17 +94,17 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
             ops.append(("pp", "all_reduce", V * H // lo.tp * PARAM_BYTES * min(2, lo.pp) / lo.pp, 2))
     if lo.cp > 1:
-        head_dim = H // m.num_attention_heads
-        local_qkv = c * b * heads_here * s_cp * head_dim  # one of q, k, v on this rank
+        local_q, local_kv = cp_local_qkv_bytes(cfg, lo, c)
         if p.cp_comm == "a2a":
             # a2a_attention.py, per layer and microbatch: forward q, k, v go to head-sharded
-            # (3 buffers of this rank's size) and the output comes back (1); backward d(out)
-            # goes (1) and dq, dk, dv come back (3). Head groups split these, never add.
-            ops.append(("cp", "all_to_all", 8 * local_qkv * layers_here * micro, lo.cp))
+            # (q and 2 K/V-sized buffers) and the output comes back (q-sized); backward d(out)
+            # goes (q-sized) and dq, dk, dv come back. Head groups split these, never add.
+            ops.append(("cp", "all_to_all", 4 * (local_q + local_kv) * layers_here * micro, lo.cp))
         else:
             # Ring, per layer and microbatch: cp-1 K+V exchanges forward; backward cp-1 K+V and
-            # cp dK+dV exchanges (each exchange counts its send and its receive).
-            ops.append(("cp", "send_recv", 2 * 2 * local_qkv * (3 * lo.cp - 2) * layers_here * micro, 2))
+            # cp dK+dV exchanges (each exchange counts its send and its receive). Only the G
+            # K/V groups travel: N / G times less than multi-head attention.
+            ops.append(("cp", "send_recv", 2 * 2 * local_kv * (3 * lo.cp - 2) * layers_here * micro, 2))
     sp_split = lo.tp > 1 and bool(p.sequence_parallel)
     if moe_here and (sp_split or lo.cp > 1):
         # The router's whole-sequence statistics (moe/sequence_shards.py): counts, summed
@@ -190,11 +189,11 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
         else:
             ops.append(("tp", "all_reduce", full * len(full_ids), lo.tp))  # the attention's row all-reduce
     if lo.cp > 1 and core_ids:
-        local_qkv = c * b * (m.num_attention_heads // lo.tp) * s_cp * (H // m.num_attention_heads)
+        local_q, local_kv = cp_local_qkv_bytes(cfg, lo, c)
         if p.cp_comm == "a2a":
-            ops.append(("cp", "all_to_all", 4 * local_qkv * len(core_ids) * micro, lo.cp))
+            ops.append(("cp", "all_to_all", 2 * (local_q + local_kv) * len(core_ids) * micro, lo.cp))
         else:
-            ops.append(("cp", "send_recv", 2 * 2 * local_qkv * (lo.cp - 1) * len(core_ids) * micro, 2))
+            ops.append(("cp", "send_recv", 2 * 2 * local_kv * (lo.cp - 1) * len(core_ids) * micro, 2))
     if n_moe and (sp or lo.cp > 1):
         ops.append(("cp" if lo.cp > 1 else "tp", "all_reduce", (2 * m.num_experts + 2) * 4 * n_moe * micro,
                     (lo.tp if sp else 1) * lo.cp))
@@ -208,6 +207,15 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
         else:
             ops.append(("ep", "all_to_all", (2 * tokens * m.moe_top_k * H * c + counts) * n_moe * micro, lo.ep))
     return ops
+
+
+def cp_local_qkv_bytes(cfg: Any, lo: Layout, c: int) -> Tuple[int, int]:
+    """(bytes of q, bytes of one of k, v) on one rank per microbatch: [b, N/tp or G/tp, S/cp, D]
+    in the compute dtype (G = model.num_query_groups, N without grouped-query attention)."""
+    m, b = cfg.model, cfg.train.micro_batch_size
+    head_dim, s_cp = m.hidden_size // m.num_attention_heads, m.seq_length // lo.cp
+    return (c * b * m.num_attention_heads // lo.tp * s_cp * head_dim,
+            c * b * query_groups(m) // lo.tp * s_cp * head_dim)
 
 
 def comm_views(ops: List[Op]) -> Tuple[Dict[str, int], Dict[str, int]]:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from mpoverlap.overlap.estimate.activations import (Conventions, layer_activation_bytes,
                                                     stage_activation_peak)
 from mpoverlap.overlap.estimate.comm import comm_ops, comm_views
-from mpoverlap.overlap.estimate.params import stage_layers, stage_params
+from mpoverlap.overlap.estimate.params import model_params, stage_layers, stage_params
 from mpoverlap.overlap.estimate.sharding import state_memory
 from mpoverlap.overlap.layout import build_layout
 
@@ -43,6 +43,8 @@ class RankEstimate:
     conventions: Conventions = Conventions()
     # The heaviest stage's activation peak under each model.recompute mode (this config otherwise).
     activations_by_recompute: Dict[str, int] = field(default_factory=dict)
+    total_params: int = 0  # the whole model (all ranks, each parameter once)
+    active_params: int = 0  # per token: a mixture of experts counts top_k of its experts
 
 
 def compute_bytes(cfg: Any) -> int:
@@ -81,8 +83,9 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
                     for mode in ("none", "selective", "full")}
     buffer, link = comm_views(comm_ops(cfg, lo, by_params, params, expert_params, conv.compute_bytes,
                                        conv.residual_bytes))
+    total_params, active_params = model_params(cfg)
     return RankEstimate(
-        params=params, memory_bytes=dict(heaviest.memory_bytes), comm_bytes_per_step=buffer,
+        total_params=total_params, active_params=active_params, params=params, memory_bytes=dict(heaviest.memory_bytes), comm_bytes_per_step=buffer,
         comm_link_bytes_per_step=link, stages=stages,
         layer_activation_bytes=layer_activation_bytes(cfg, lo, stage_layers(cfg, lo, 0)[0], conv,
                                                       t.micro_batch_size),
@@ -109,6 +112,7 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
            else f"{dtype} compute, {'flash' if conv.flash else 'math'} attention")
     heaviest = max(est.stages, key=lambda st: sum(st.memory_bytes.values()))
     total = _mib(sum(heaviest.memory_bytes.values()))
+    # The parameter count is the plan's line (overlap/plan.py), printed just above.
     lines = [f"  memory per rank ({how}); heaviest stage {heaviest.stage}: ~{total}",
              "    stage | parameters | params+grads+optim | activations (layers in flight) | total"]
     for st in est.stages:

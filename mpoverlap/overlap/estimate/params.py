@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.layout import Layout
 
 
@@ -59,7 +59,7 @@ def model_params(cfg: Any) -> tuple:
     V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
     total = active = V * H * (1 if m.tie_embeddings else 2) + norm_params(m)
     for i in range(m.num_layers):
-        common = 4 * H * H + 2 * norm_params(m)
+        common = attention_params(m) + 2 * norm_params(m)
         if not is_moe_layer(m, i):
             dense = common + mlp_mult(m) * H * m.ffn_hidden_size
             total, active = total + dense, active + dense
@@ -71,13 +71,18 @@ def model_params(cfg: Any) -> tuple:
     return total, active
 
 
+def attention_params(m: Any) -> int:
+    """Weights of one attention: qkv [(N + 2G) D, H] and proj [H, H] (4 H^2 without GQA)."""
+    return sum(qkv_rows(m)) * m.hidden_size + m.hidden_size * m.hidden_size
+
+
 def layer_params(cfg: Any, lo: Layout, i: int) -> tuple:
     """(dense, expert) parameters of layer i on one rank: attention and dense MLP split over
     tp; an MoE MLP holds the router and the shared expert, not split over tp, and num_experts
     / ep experts, split over etp (experts are the `expert` part)."""
     m = cfg.model
     H, tp = m.hidden_size, lo.tp
-    dense = 4 * H * H // tp + 2 * norm_params(m)
+    dense = attention_params(m) // tp + 2 * norm_params(m)
     if not is_moe_layer(m, i):
         return dense + mlp_mult(m) * H * m.ffn_hidden_size // tp, 0
     return (dense + moe_dense_unsplit(m),
@@ -105,3 +110,4 @@ def stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) ->
     if last:
         total += norm_params(m) + (0 if m.tie_embeddings else V * H // tp)
     return total
+
