@@ -23,7 +23,7 @@ from inproc_train import train_layouts  # noqa: E402
 from test_train_cli import assert_close  # noqa: E402
 
 BASE = ["model=llama_tiny", "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=8",
-        "model.ffn_hidden_size=128", "model.seq_length=64", "train.global_batch_size=16",
+        "model.ffn_hidden_size=128", "model.seq_length=64", "train.global_batch_size=8",
         "train.micro_batch_size=2", "train.log_interval=1", "data.max_bytes=300000", "overlap.dp_bucket_mb=0.05",
         "train.progress=false", "train.eval_iters=1"]
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=64"]
