@@ -200,6 +200,7 @@ class DTensorTP(_Peer):
             # v (and its own F/2 of gate and up), matching the row-parallel shards of proj/down:
             # the same function as mpoverlap's per-block split, at the same FLOPs and traffic.
             block.attn.num_heads //= 2
+            block.attn.num_groups //= 2  # K/V groups (= heads here: the model is MHA)
             with torch.no_grad():
                 for lin, blocks in ((block.attn.qkv, 3), (block.mlp.gate_up, 2)):
                     w = lin.weight

@@ -74,3 +74,24 @@ def test_zero_bench_configurations_validate_and_render():
     assert res["zero3_prefetch_over_fsdp2_step"] == 1.0
     text = zero.render({"zero": dict(res, link="test link")})
     assert "torch_fsdp2" in text and "0.67" in text and "test link" in text
+
+
+def test_tp_scenario_peers_compute_the_same_first_loss(tmp_path):
+    """bench.modes' tp scenario, tiny and without the rate-limited namespace: the DTensor
+    peer (which re-splits the fused qkv by heads and K/V groups itself) starts from the loss
+    mpoverlap's tp layouts compute. It crashed once when the model gained K/V groups."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, "-m", "bench.modes", "--scenario", "tp", "--layers", "1", "--hidden", "64", "--ffn", "128",
+           "--seq", "64", "--repeats", "1", "--max-repeats", "1", "--time-budget", "5", "--warmup", "1", "--block", "2",
+           "--min-quiet", "0", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = json.loads(out.read_text())["first_loss"]
+    ref = first["mpo_tp_off"][0]
+    for name in ("mpo_tp_overlap", "dtensor_tp"):
+        assert abs(first[name][0] - ref) <= 1e-5 * abs(ref), (name, first)
