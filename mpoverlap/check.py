@@ -35,6 +35,15 @@ def write_readme_rules(path: str) -> None:
     Path(path).write_text(head + start + rules_table() + end + tail)
 
 
+def compose_or_report(args: List[str]):
+    """The composed config, or None after printing why the overrides do not compose."""
+    try:
+        return compose(args)
+    except ConfigError as err:
+        print(f"mpoverlap: invalid override or key: {err}", file=sys.stderr)
+        return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
@@ -65,10 +74,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from mpoverlap.simulate.cli import run
 
         return run(mode, args)
-    try:
-        cfg = compose(args)
-    except ConfigError as err:
-        print(f"mpoverlap: invalid override or key: {err}", file=sys.stderr)
+    cfg = compose_or_report(args)
+    if cfg is None:
         return EXIT_INVALID
     problems = validate(cfg)
     if problems:

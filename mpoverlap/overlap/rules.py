@@ -47,6 +47,7 @@ class Rule:
 
 
 _REGISTRY: Dict[str, Rule] = {}
+_MODULE_OF: Dict[str, str] = {}
 
 
 def rule(id: str, mode: str, keys: tuple, summary: str):
@@ -60,6 +61,7 @@ def rule(id: str, mode: str, keys: tuple, summary: str):
             return list(fn(layout) or [])
 
         _REGISTRY[id] = Rule(id=id, mode=mode, keys=keys, summary=summary, check=check)
+        _MODULE_OF[id] = fn.__module__
         return fn
 
     return wrap
@@ -69,7 +71,11 @@ def all_rules() -> List[Rule]:
     # Importing registers; the modules are listed here so the registry is always complete.
     from mpoverlap.overlap import general_rules, dp_rules, tp_rules, pp_rules, cp_rules, ep_rules, mode_rules, recompute_rules, interop_rules  # noqa: F401,I001,E501
 
-    return list(_REGISTRY.values())
+    # Module order, then definition order: the same whichever module some caller imported first
+    # (the README's rule table and the order of reported problems must not depend on it).
+    modules = [m.__name__ for m in (general_rules, dp_rules, tp_rules, pp_rules, cp_rules, ep_rules, mode_rules,
+                                    recompute_rules, interop_rules)]
+    return sorted(_REGISTRY.values(), key=lambda r: modules.index(_MODULE_OF[r.id]))
 
 
 def validate(cfg: Any, world_size: Optional[int] = None) -> List[Problem]:

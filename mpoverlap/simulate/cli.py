@@ -4,11 +4,10 @@ from __future__ import annotations
 import sys
 from typing import List
 
-EXIT_INVALID = 2
+from mpoverlap.check import EXIT_INVALID, compose_or_report
 
 
 def run(mode: str, args: List[str]) -> int:
-    from mpoverlap.config import ConfigError, compose
     from mpoverlap.overlap.plan import render_problems
     from mpoverlap.overlap.rules import validate
     from mpoverlap.simulate.core import render, simulate
@@ -16,10 +15,8 @@ def run(mode: str, args: List[str]) -> int:
     from mpoverlap.simulate.planner import parse_top, render_search, search
 
     top, args = parse_top(args)
-    try:
-        cfg = compose(args)
-    except ConfigError as err:
-        print(f"mpoverlap: invalid override or key: {err}", file=sys.stderr)
+    cfg = compose_or_report(args)
+    if cfg is None:
         return EXIT_INVALID
     hw = from_config(cfg)
     if mode == "--search":
