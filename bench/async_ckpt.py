@@ -1,7 +1,7 @@
 """Asynchronous checkpoint saves (checkpoint.async_save=true): does training keep its pace while
 a checkpoint is written in the background?
 
-2 gloo ranks on CPU (parallel.dp=2), one torch thread each, a GPT big enough that writing a
+2 gloo ranks on CPU (parallel.tp=2 by default, --parallel dp for parallel.dp=2), one torch thread each, a GPT big enough that writing a
 checkpoint takes several step times (the defaults: about 25M parameters, so about 300 MB of
 weights and Adam state per checkpoint, written once between the two ranks) and a batch small
 enough that a step is short. In one spawn, after warmup steps:
@@ -35,18 +35,22 @@ from bench.common import init_bench_worker, json_cli, spawn_ranks, stats
 
 
 def add_args(p) -> None:
+    p.add_argument("--parallel", default="tp", choices=("tp", "dp"),
+                   help="parallel.tp=2 (default: a step's optimizer and gradient work are halved, the saved "
+                        "state is not) or parallel.dp=2")
     p.add_argument("--layers", type=int, default=8, help="model.num_layers (default 8)")
     p.add_argument("--hidden", type=int, default=512, help="model.hidden_size (default 512)")
     p.add_argument("--ffn", type=int, default=2048, help="model.ffn_hidden_size (default 2048)")
     p.add_argument("--seq", type=int, default=32, help="model.seq_length (default 32)")
     p.add_argument("--global-batch", type=int, default=2, help="train.global_batch_size (default 2: 1 per rank)")
     p.add_argument("--steps", type=int, default=12, help="steps without saves (default 12)")
-    p.add_argument("--saves", type=int, default=3, help="sync saves, then async save cycles (default 3)")
+    p.add_argument("--saves", type=int, default=5, help="sync saves, then async save cycles (default 5)")
     p.add_argument("--warmup", type=int, default=3, help="discarded steps first (default 3)")
 
 
 def overrides(args, tmp: str) -> List[str]:
-    return ["parallel.dp=2", f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
+    return [f"parallel.{getattr(args, 'parallel', 'tp')}=2", f"model.num_layers={args.layers}",
+            f"model.hidden_size={args.hidden}",
             f"model.ffn_hidden_size={args.ffn}", f"model.seq_length={args.seq}", "model.num_attention_heads=8",
             "train.micro_batch_size=1", f"train.global_batch_size={args.global_batch}", "train.steps=100000",
             "train.progress=false", "train.device=cpu", "data.max_bytes=400000", "checkpoint.interval=0",
@@ -198,8 +202,8 @@ def render(results: Dict[str, Any]) -> str:
     if not res:
         return ""
     s = res["setup"]
-    lines = ["## Asynchronous checkpoint saves, dp 2 (gloo, CPU)", "",
-             f"{s['parameters'] / 1e6:.1f}M parameters, {s['checkpoint_bytes'] / 2**20:.0f} MiB per checkpoint, "
+    lines = ["## Asynchronous checkpoint saves, 2 ranks (gloo, CPU)", "",
+             f"`{s['overrides'][0]}`, {s['parameters'] / 1e6:.1f}M parameters (this rank's), {s['checkpoint_bytes'] / 2**20:.0f} MiB per checkpoint, "
              f"{s['threads_per_rank']} thread per rank, {s['steps_per_cycle']} steps per async cycle. "
              f"Load average before/after: {res['loadavg_before'][0]:.2f} / {res['loadavg_after'][0]:.2f}.", "",
              "| figure | median ms (IQR, n) |", "|---|---:|",

@@ -92,7 +92,7 @@ def test_async_ckpt_bench_configuration_validates_and_renders():
     res = async_ckpt._summarise([rank, rank], 4)
     assert res["whole_step_under_write"]["n"] == 4 and res["under_write"]["n"] == 6
     assert abs(res["ratio_whole_under_write"] - 1.2) < 1e-9 and abs(res["ratio_whole_vs_after_write"] - 1.2) < 1e-9
-    text = async_ckpt.render({"async_ckpt": dict(res, setup={"parameters": 33e6, "checkpoint_bytes": 2**28,
+    text = async_ckpt.render({"async_ckpt": dict(res, setup={"overrides": ["parallel.tp=2"], "parameters": 33e6, "checkpoint_bytes": 2**28,
                                                              "threads_per_rank": 1, "steps_per_cycle": 4},
                                                  loadavg_before=[1.0, 1, 1], loadavg_after=[1.5, 1, 1])})
     assert "| step wholly under an async write | 120 (120-120, n=4) |" in text and "1.20 (goal <= 1.5: met)" in text

@@ -125,13 +125,14 @@ class _BlockedWrites:
 
         self.hold = threading.Event()
         self.hold.set()
-        self.started = []
+        self.started, self.nice = [], []
         real = FileSystemWriter.write_data
         blocked = self
 
         def write_data(writer, plan, planner):
             path = str(writer.path)
             blocked.started.append(path)
+            blocked.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             blocked.hold.wait(30)
             fut = real(writer, plan, planner)  # the shards are written ...
             if fail_on and fail_on in path:
@@ -143,6 +144,7 @@ class _BlockedWrites:
 
 
 def test_async_save_writes_what_sync_writes_and_keeps_only_complete_ones_visible(tmp_path, io_group, monkeypatch):
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     sync = Checkpointer(tmp_path / "sync")
     sync.save(1, _rich_state(1.0))
     writes = _BlockedWrites(monkeypatch)
@@ -162,6 +164,9 @@ def test_async_save_writes_what_sync_writes_and_keeps_only_complete_ones_visible
     _assert_same(_loaded(ck, final), _loaded(sync, sync.latest()))
     _assert_same(_loaded(ck, final), _rich_state(1.0))
     assert ck.last_async["step"] == 1 and ck.last_async["write_s"] > 0
+    # The background write yields the CPU to training (nice 19 for its thread only, on Linux).
+    if sys.platform.startswith("linux"):
+        assert writes.nice == [19] and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
 
 
 def test_async_saves_are_one_at_a_time(tmp_path, io_group, monkeypatch):
