@@ -6,11 +6,12 @@ checkpoint takes several step times (the defaults: about 25M parameters, so abou
 weights and Adam state per checkpoint, written once between the two ranks) and a batch small
 enough that a step is short. In one spawn, after warmup steps:
 
-  no_save   `--steps` steps without any save: the reference step time
+  no_save   `--steps` steps without any save, half before the saves and half after the async
+            cycles: the reference step time
   sync      `--saves` synchronous saves (Trainer.save() with a checkpoint.async_save=false
             Checkpointer): what a save costs the loop today
   async     `--saves` cycles of Trainer.save() (asynchronous: staging at the step boundary) then
-            K steps, K = the sync save's time in step times + 2 (agreed by the ranks); each step
+            K steps, K = twice the sync save's time in step times + 2 (agreed by the ranks); each step
             is labelled by whether a write was in flight (on any rank) at its start, and
             whether it still was at its end ("whole step under the write")
 
@@ -45,7 +46,7 @@ def add_args(p) -> None:
     p.add_argument("--global-batch", type=int, default=2, help="train.global_batch_size (default 2: 1 per rank)")
     p.add_argument("--steps", type=int, default=12, help="steps without saves (default 12)")
     p.add_argument("--saves", type=int, default=5, help="sync saves, then async save cycles (default 5)")
-    p.add_argument("--warmup", type=int, default=3, help="discarded steps first (default 3)")
+    p.add_argument("--warmup", type=int, default=5, help="discarded steps first (default 5)")
 
 
 def overrides(args, tmp: str) -> List[str]:
@@ -83,7 +84,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     async_ck._log = trainer.log
     for _ in range(args.warmup):
         trainer.train_step()
-    no_save = [_timed_step(trainer) for _ in range(args.steps)]
+    no_save = [_timed_step(trainer) for _ in range(args.steps // 2)]  # the other half after the async cycles
 
     trainer.checkpointer = Checkpointer(Path(tmp) / "sync", keep=1)
     sync_s = []
@@ -95,8 +96,10 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
         trainer.train_step()
     trainer.checkpointer = async_ck
 
-    # Steps per async cycle: the slowest rank's sync save in its own step times, plus 2.
-    k = torch.tensor([math.ceil(max(sync_s) / sorted(s for s, _ in no_save)[len(no_save) // 2]) + 2.0])
+    # Steps per async cycle: twice the slowest rank's sync save in its own step times (the write at
+    # low priority takes longer than a sync save), plus 2, so that each cycle ends with steps
+    # after the write.
+    k = torch.tensor([math.ceil(2 * max(sync_s) / sorted(s for s, _ in no_save)[len(no_save) // 2]) + 2.0])
     dist.all_reduce(k, op=dist.ReduceOp.MAX)
     steps_per_cycle = int(k.item())
     cycles = []
@@ -112,6 +115,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             steps.append((wall, cpu, before, async_ck.in_flight))
         async_ck.wait()
         cycles.append({"boundary_s": boundary, "steps": steps, **async_ck.last_async})
+    no_save += [_timed_step(trainer) for _ in range(args.steps - args.steps // 2)]
     mine = {"no_save": no_save, "sync_s": sync_s, "cycles": cycles}
     everyone: List[Any] = [None, None]
     dist.all_gather_object(everyone, mine)
