@@ -40,8 +40,8 @@ def test_save_killed_half_way_leaves_previous_loadable(tmp_path, one_rank_group,
 
     real_save = dcp.save
 
-    def dies_half_way(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)  # shards written ...
+    def dies_half_way(state, checkpoint_id, planner=None):
+        real_save(state, checkpoint_id=checkpoint_id, planner=planner)  # shards written ...
         os.remove(os.path.join(checkpoint_id, ".metadata"))  # ... but the run died before the end
         raise KeyboardInterrupt("killed during save")
 

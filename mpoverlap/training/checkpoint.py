@@ -26,6 +26,16 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used (incompatible model, unreadable files)."""
 
 
+def first_failure(err: BaseException) -> str:
+    """'Type: message' of the error behind a DCP CheckpointException (the first failing
+    rank's), or of `err` itself."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        err = next(iter(failures.values()))[0]
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -54,7 +64,7 @@ class Checkpointer:
         done = self.complete_checkpoints()
         return done[-1] if done else None
 
-    def save(self, step: int, app_state: Dict[str, Any]) -> Path:
+    def save(self, step: int, app_state: Dict[str, Any], planner=None) -> Path:
         """Collective: every rank calls it with its state (replicated entries are deduplicated
         by DCP, so each is written once)."""
         import torch.distributed.checkpoint as dcp
@@ -66,7 +76,7 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         _barrier()
         t0 = time.perf_counter()
-        dcp.save(app_state, checkpoint_id=str(partial))
+        dcp.save(app_state, checkpoint_id=str(partial), planner=planner)
         _barrier()
         if _is_rank0():
             (partial / COMPLETE).write_text(json.dumps({"step": step, "saved_s": time.perf_counter() - t0}))
@@ -82,16 +92,17 @@ class Checkpointer:
         for old in done[: max(0, len(done) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, app_state: Dict[str, Any]) -> Dict[str, Any]:
+    def load(self, path: Path, app_state: Dict[str, Any], planner=None) -> Dict[str, Any]:
         """Fill `app_state` (a template of the right shapes) in place from `path`."""
         import torch.distributed.checkpoint as dcp
 
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
-            dcp.load(app_state, checkpoint_id=str(path))
-        except Exception as err:  # DCP raises a CheckpointException wrapping each rank's error
+            dcp.load(app_state, checkpoint_id=str(path), planner=planner)
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException wrapping each rank's error
             raise CheckpointError(
-                f"checkpoint {path} could not be loaded into this model ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}). It was probably saved by a different "
-                f"model shape; point checkpoint.dir elsewhere or set checkpoint.resume=none"
-            ) from None
+                f"checkpoint {path} could not be loaded into this model ({first_failure(err)}). It was "
+                "probably saved by a different model shape; point checkpoint.dir elsewhere or set "
+                "checkpoint.resume=none") from None
         return app_state
