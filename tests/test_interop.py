@@ -169,7 +169,7 @@ def _fake_checkpoint(root: Path, overrides) -> Path:
     """A complete one-process checkpoint (initial weights) of the model `overrides` describe."""
     import torch.distributed.checkpoint as dcp
 
-    from mpoverlap.training.loop import _SHAPE_KEYS
+    from mpoverlap.training.resume import SHAPE_KEYS as _SHAPE_KEYS
 
     cfg = compose(SMALL + list(overrides))
     step = root / "checkpoints" / "step_00000000"

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,20 +131,48 @@ def test_exception_in_one_rank_names_it_and_the_cause(tmp_path):
     assert took < 60, took
 
 
-def test_hung_rank_times_out_instead_of_hanging(tmp_path):
+@pytest.fixture(scope="module", autouse=True)
+def hung_run(tmp_path_factory):
+    """The hung-rank run, started before this module's first test and checked by the last: its
+    ~40 s of waiting (the comm timeout, then the launcher's grace) overlap the other tests'
+    work instead of adding to the suite's time. Yields a function that joins it."""
+    run = tmp_path_factory.mktemp("hang") / "hang"
+    proc = _launch(run, "parallel.dp=2", "train.comm_timeout_s=10", fault="1:3:hang")
+    result = {}
+
+    def watch():
+        try:
+            _wait_for_steps(run, 2)
+            result["workers"] = _workers(proc.pid)
+            t0 = time.time()
+            result["out"], result["err"] = proc.communicate(timeout=120)
+            result["took"], result["returncode"] = time.time() - t0, proc.returncode
+        except BaseException as err:  # reported by the test, not lost in the thread
+            result["error"] = err
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+
+    def join():
+        thread.join(timeout=300)
+        return result
+
+    yield join
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_hung_rank_times_out_instead_of_hanging(hung_run):
     """Rank 1 stops at step 3 without dying: rank 0's next collective times out after
     train.comm_timeout_s, and the launcher takes the hung rank down too (SIGTERM, then
     SIGKILL after its grace period, as for a rank stuck inside a C++ call)."""
-    run = tmp_path / "hang"
-    proc = _launch(run, "parallel.dp=2", "train.comm_timeout_s=10", fault="1:3:hang")
-    _wait_for_steps(run, 2)
-    workers = _workers(proc.pid)
-    t0 = time.time()
-    out, err = proc.communicate(timeout=120)
-    took = time.time() - t0
-    assert proc.returncode == 1
+    result = hung_run()
+    if "error" in result:
+        raise result["error"]
+    err, took = result["err"], result["took"]
+    assert result["returncode"] == 1
     assert "run failed: rank 0 exited" in err and "Timed out" in err, err[-2000:]
     print(f"\nhung rank: every process gone {took:.1f}s after step 2 (timeout 10 s); launcher said: "
           f"{err.strip().splitlines()[-1]}")
     assert took < 60, took
-    assert not [p for p in workers if Path(f"/proc/{p}").exists()]
+    assert not [p for p in result["workers"] if Path(f"/proc/{p}").exists()]

@@ -125,17 +125,61 @@ MEM = ["model=gpt_tiny", "model.num_layers=8", "model.hidden_size=64", "model.nu
        "model.ffn_hidden_size=256", "model.seq_length=16", "model.vocab_size=256", "train.global_batch_size=8",
        "train.micro_batch_size=2", "train.log_interval=100", "train.progress=false", "train.lr_decay_steps=6",
        "overlap.dp_bucket_mb=0.05", "parallel.dp=4", "train.device=cpu"]
-# name -> (overrides of the saving run, steps; overrides of the resuming run), all at world 4
+ZERO3_DP4 = ["parallel.dp=4", "train.dp_sharding=optim_grads_params"]
+NONE_TP2 = ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+TP2_PP2 = ["parallel.tp=2", "parallel.pp=2"]
+# name -> (overrides of the saving run, how it saves, overrides of the resuming run), all at
+# world 4. How: "sharded" (Trainer.save), "watched" (the same, instrumented), "full_tensors"
+# (the format main wrote before sharded saves).
 CHECKPOINTS = {
-    "zero3_to_none_tp2": (["parallel.dp=4", "train.dp_sharding=optim_grads_params"],
-                          ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "none_tp2_to_zero3": (["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
-                          ["parallel.dp=4", "train.dp_sharding=optim_grads_params"]),
-    "zero2_pp2_to_zero3": (["parallel.dp=2", "parallel.pp=2", "train.dp_sharding=optim_grads"],
-                           ["parallel.dp=4", "train.dp_sharding=optim_grads_params"]),
-    "zero3_to_zero3": (["parallel.dp=4", "train.dp_sharding=optim_grads_params"],
-                       ["parallel.dp=4", "train.dp_sharding=optim_grads_params"]),
+    "zero3_to_none_tp2": (ZERO3_DP4, "sharded", NONE_TP2),
+    "none_tp2_to_zero3": (NONE_TP2, "sharded", ZERO3_DP4),
+    "zero2_pp2_to_zero3": (["parallel.dp=2", "parallel.pp=2", "train.dp_sharding=optim_grads"], "sharded", ZERO3_DP4),
+    "zero3_to_zero3": (ZERO3_DP4, "sharded", ZERO3_DP4),
+    "zero3_to_tp2_pp2": (ZERO3_DP4, "watched", TP2_PP2),
+    "tp2_pp2_to_zero3": (TP2_PP2, "sharded", ZERO3_DP4),
+    "full_tensors_to_zero3": (["parallel.dp=4", "train.distributed_optimizer=true"], "full_tensors", ZERO3_DP4),
 }
+
+
+def _save_full_tensors(trainer) -> None:
+    """The checkpoint format before sharded saves, at tp = pp = 1: every tensor whole, keyed by
+    its layout-free name (the optimizer's full-state gather is that format's moments)."""
+    from mpoverlap.moe.balance import expert_biases
+
+    trainer.optimizer.finish_param_sync()
+    state = {"model": {n: p.detach().clone() for n, p in trainer.params_by_name.items()},
+             "optimizer": trainer.optimizer.state_dict(), "meta": trainer._meta(),
+             "rng": {"torch_cpu": torch.get_rng_state()}, "expert_bias": expert_biases(trainer.chunks)}
+    trainer.checkpointer.save(trainer.step, state)
+
+
+def _save_watched(trainer) -> dict:
+    """Save while recording every tensor an operator creates on this rank: a save that
+    gathered a parameter or a full optimizer state would create one as large as it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    largest = [0]
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():  # not the rng state's bytes
+                    largest[0] = max(largest[0], t.numel())
+            return out
+
+    state = trainer.save_state()
+    optim = state["optimizer"]
+    entries = [*state["model"].values(), *optim["exp_avg"].values(), *optim["exp_avg_sq"].values()]
+    chunks = [t for entry in entries for _, t in entry.chunks]
+    with Watch():
+        trainer.save()
+    # At dp 4 with tp = pp = 1 the local parameters are the full ones.
+    params = list(trainer.params_by_name.values())
+    return {"largest_created": largest[0], "largest_chunk": max(t.numel() for t in chunks),
+            "written": sum(t.numel() for t in chunks), "largest_param": max(p.numel() for p in params),
+            "model": sum(p.numel() for p in params)}
 
 
 def _trainer(overrides, run_dir):
@@ -159,11 +203,16 @@ def _checkpoints_and_memory(rank, world, root):
             trainer.ddp.gatherer.reset_peak()
         _steps(trainer, 1)  # the second step's peaks (the first one's AdamW state is lazy)
         out["memory"][level] = trainer.optimizer.memory_bytes()
-    for name, (first, then) in CHECKPOINTS.items():  # noqa: B007
+    for name, (first, how, then) in CHECKPOINTS.items():
         ck = f"checkpoint.dir={root}/ck_{name}"
         trainer = _trainer([*SMALL, *first, ck], f"{root}/{name}_a")
         losses = _steps(trainer, 3)
-        trainer.save()
+        if how == "full_tensors":
+            _save_full_tensors(trainer)
+        elif how == "watched":
+            out["save_watch"] = _save_watched(trainer)
+        else:
+            trainer.save()
         trainer = _trainer([*SMALL, *then, ck], f"{root}/{name}_b")
         trainer.maybe_resume()
         assert trainer.step == 3
@@ -177,9 +226,11 @@ def _checkpoints_and_memory(rank, world, root):
 
 @pytest.mark.slow
 def test_checkpoints_cross_levels_and_memory_falls_with_the_level(tmp_path):
-    """At world 4. Checkpoints saved at ZeRO-3 resume at none (tp2 + SP) and the reverse, ZeRO-2
-    at pp2 resumes at ZeRO-3: the single-process curve within 1e-5; ZeRO-3 saved and resumed
-    continues its uninterrupted curve exactly. Memory at dp4 from the buffers' sizes: each
+    """At world 4. Checkpoints saved at ZeRO-3 (dp 4) resume at none (dp2 x tp2 + SP) and at
+    tp2 x pp2, and the reverse; ZeRO-2 at pp2 resumes at ZeRO-3; a checkpoint of full tensors
+    (the format before sharded saves) resumes at ZeRO-3: the single-process curve within 1e-5;
+    ZeRO-3 saved and resumed continues its uninterrupted curve exactly. The ZeRO-3 save gathers
+    nothing (instrumented: the largest tensor it creates is one of its own chunks). Memory at dp4 from the buffers' sizes: each
     level holds what mpoverlap-check estimates (20%), and ZeRO-3 parameters are at most a
     quarter of the model plus the gathered units' working set."""
     ref = [r["loss"] for r in train_layouts({"ref": (1, SMALL, 6)}, tmp_path / "ref")["ref"]]
@@ -188,6 +239,13 @@ def test_checkpoints_cross_levels_and_memory_falls_with_the_level(tmp_path):
     bad = {name: losses for name, losses in curves.items() if max(rel(a, b) for a, b in zip(losses, ref)) >= 1e-5}
     assert not bad, (bad, ref)
     assert curves["zero3_to_zero3"] == curves["zero3_uninterrupted"]
+    # The ZeRO-3 save at dp 4 wrote this rank's quarter of the parameters and moments (3 x the
+    # model / 4, plus padding) and never created a tensor larger than its own largest chunk,
+    # which is smaller than the largest parameter: nothing was gathered.
+    watch = out["save_watch"]
+    print(f"\nZeRO-3 dp4 save, rank 0: {watch}")
+    assert watch["written"] <= 3 * watch["model"] / 4 * 1.05, watch
+    assert watch["largest_created"] <= watch["largest_chunk"] < watch["largest_param"], watch
 
     mem = out["memory"]
     for level, got in mem.items():

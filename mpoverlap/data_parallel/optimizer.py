@@ -273,6 +273,33 @@ class DataParallelAdamW:
         return math.isfinite(self.grad_norm())
 
     # ---- checkpoint -----------------------------------------------------------------------
+    def piece_moments(self) -> List[tuple]:
+        """[(piece, {"exp_avg": 1-D [b - a], "exp_avg_sq": ...} or None before the first step)]:
+        this rank's AdamW moments as they are, for a sharded checkpoint (no copy, no collective)."""
+        state = self.optimizer.state if self.optimizer is not None else {}
+        return [(pc, {k: state[pc.main][k] for k in _STATE_KEYS} if pc.main in state else None)
+                for pc in self.pieces]
+
+    def reset_moments(self, step: int) -> List[tuple]:
+        """Start AdamW's state over at `step` with zero moments and return [(piece, moments)] to
+        fill in place (a sharded checkpoint's load); at step 0 the state stays empty, as fresh."""
+        self._step = int(step)
+        if self.optimizer is None:
+            return []
+        self.optimizer.state.clear()
+        if self._step == 0:
+            return []
+        # AdamW keeps `step` as a float tensor: on the device when fused, else on the CPU.
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        out = []
+        for pc in self.pieces:
+            dev = pc.main.device
+            st = {"step": torch.tensor(float(self._step), dtype=scalar, device=dev if self._fused else "cpu")}
+            st.update({k: torch.zeros_like(pc.main) for k in _STATE_KEYS})
+            self.optimizer.state[pc.main] = st
+            out.append((pc, {k: st[k] for k in _STATE_KEYS}))
+        return out
+
     def state_dict(self) -> dict:
         """Full, unsharded AdamW state keyed by parameter name:
         {"step": int, "exp_avg": {name: tensor[param.shape]}, "exp_avg_sq": {...}}.
@@ -311,18 +338,6 @@ class DataParallelAdamW:
                 wrong = sorted(n for n in set(got) & set(shapes) if got[n] != shapes[n])
                 raise ValueError(f"optimizer state {k!r} does not match the model: missing {missing}, "
                                  f"unexpected {extra}, wrong shape {wrong}")
-        self._step = int(sd["step"])
-        if self.optimizer is None:
-            return
-        self.optimizer.state.clear()
-        if self._step == 0:
-            return  # fresh AdamW state is zeros at step 0: nothing to restore
-        # AdamW keeps `step` as a float tensor: on the device when fused, else on the CPU.
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        for pc in self.pieces:
-            dev = pc.main.device
-            st = {"step": torch.tensor(float(self._step), dtype=scalar,
-                                       device=dev if self._fused else "cpu")}
+        for pc, moments in self.reset_moments(int(sd["step"])):
             for k in _STATE_KEYS:
-                st[k] = sd[k][pc.name].reshape(-1)[pc.a:pc.b].to(device=dev, dtype=pc.main.dtype).clone()
-            self.optimizer.state[pc.main] = st
+                moments[k].copy_(sd[k][pc.name].reshape(-1)[pc.a:pc.b])

@@ -56,6 +56,25 @@ class ShardedGrads:
         lo, hi = self.shard_range(b)
         return bucket.param_data[lo - bucket.offset:hi - bucket.offset]
 
+    def held_range(self, b: int) -> tuple:
+        """[lo, hi) in buffer elements of bucket `b` whose parameters this rank holds between
+        uses: its shard under ZeRO-3, else the whole bucket."""
+        bucket = self.buffer.buckets[b]
+        if self.shard_params and self._shard_at[b] is not None:
+            return self.shard_range(b)
+        return bucket.offset, bucket.offset + bucket.numel
+
+    def held_params(self, b: int, lo: int, hi: int) -> torch.Tensor:
+        """The 1-D parameters of buffer elements [lo, hi) of bucket `b` (inside `held_range`),
+        a view of the storage that persists (a checkpoint reads and fills it)."""
+        h_lo, h_hi = self.held_range(b)
+        if not h_lo <= lo <= hi <= h_hi:
+            raise ValueError(f"bucket {b}: [{lo}, {hi}) is not inside the held range [{h_lo}, {h_hi})")
+        bucket = self.buffer.buckets[b]
+        if self.shard_params and self._shard_at[b] is not None:
+            return self.param_shard(b)[lo - h_lo:hi - h_lo]
+        return bucket.param_data[lo - bucket.offset:hi - bucket.offset]
+
     def grad_shard(self, b: int) -> torch.Tensor:
         """The 1-D reduced gradient of this rank's range of bucket `b` (valid after
         `finish_grad_sync`); the optimizer's `.grad`. Persistent at every level."""

@@ -1,8 +1,9 @@
 """Read an mpoverlap checkpoint of any layout in ONE process, without a process group.
 
-Checkpoints hold FULL tensors keyed by layout-free parameter names (`Trainer._app_state`:
-tensor-parallel shards are gathered before saving, pipeline stages and expert-parallel ranks
-each write their own names), so reading is a plain load; nothing is re-assembled here.
+Checkpoints hold each tensor under its layout-free parameter name, written in chunks placed at
+their offsets in the full tensor (mpoverlap/checkpoint/: every rank writes its own shards;
+older checkpoints hold one chunk per tensor). Loading a full-size template makes DCP assemble
+the chunks, so nothing is re-assembled here.
 
 API choice: `FileSystemReader(dir).read_metadata()` lists every entry with its shape and
 dtype, and `torch.distributed.checkpoint.load(template, no_dist=True)` fills a template built

@@ -38,6 +38,16 @@ class CheckpointError(Exception):
     save that failed."""
 
 
+def first_failure(err: BaseException) -> str:
+    """'Type: message' of the error behind a DCP CheckpointException (the first failing
+    rank's), or of `err` itself."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        err = next(iter(failures.values()))[0]
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
 def _barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
@@ -85,15 +95,6 @@ def stage_state(app_state: Any) -> Any:
     if on_cuda:
         torch.cuda.synchronize()
     return staged
-
-
-def _describe(err: BaseException) -> str:
-    """One line: DCP's CheckpointException names each failed rank's own exception."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(failures.items()))
-    text = str(err).splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 class _AlreadyStaged:
@@ -262,7 +263,7 @@ class Checkpointer:
         self.last_async = {"step": job.step, "stage_s": job.stage_s, "write_s": job.write_s}
         if job.error is None:
             return
-        message = (f"asynchronous save of step {job.step} failed ({_describe(job.error)}); {job.partial} was "
+        message = (f"asynchronous save of step {job.step} failed ({first_failure(job.error)}); {job.partial} was "
                    f"left incomplete, the newest complete checkpoint is still {self.latest()}")
         if not raise_error:
             self._log(message)
@@ -283,12 +284,13 @@ class Checkpointer:
         DCP LoadPlanner, or None for DCP's default."""
         import torch.distributed.checkpoint as dcp
 
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             dcp.load(app_state, checkpoint_id=str(path), planner=planner)
-        except Exception as err:  # DCP raises a CheckpointException wrapping each rank's error
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException wrapping each rank's error
             raise CheckpointError(
-                f"checkpoint {path} could not be loaded into this model ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}). It was probably saved by a different "
-                f"model shape; point checkpoint.dir elsewhere or set checkpoint.resume=none"
-            ) from None
+                f"checkpoint {path} could not be loaded into this model ({first_failure(err)}). It was "
+                "probably saved by a different model shape; point checkpoint.dir elsewhere or set "
+                "checkpoint.resume=none") from None
         return app_state

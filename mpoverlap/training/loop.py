@@ -19,14 +19,13 @@ from mpoverlap.data_parallel.fsdp import gpt_units
 from mpoverlap.data_parallel.levels import resolve_level, shards_grads
 from mpoverlap.models.gpt import flops_per_token, num_parameters
 from mpoverlap.moe import moe_kwargs
-from mpoverlap.moe.balance import expert_biases, update_expert_biases
+from mpoverlap.moe.balance import update_expert_biases
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
 from mpoverlap.precision import DTYPES, autocast_context
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
-from mpoverlap.tensor_parallel.checkpoint import reshard_named, unshard_named
-from mpoverlap.training.checkpoint import Checkpointer, CheckpointError, checkpoint_io_group
+from mpoverlap.training.checkpoint import Checkpointer, checkpoint_io_group
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.faults import FaultInjector
 from mpoverlap.training.lr import LRSchedule
@@ -34,20 +33,15 @@ from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflop
                                         throughput)
 from mpoverlap.training.preemption import PreemptionFlag
 from mpoverlap.training.profiling import RunProfiler
+from mpoverlap.training.resume import Resumable
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
 from mpoverlap.training.setup import init_distributed, shared_run_dir
-
-# Model fields a checkpoint must agree on to be loadable into this model.
-_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
-               "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings", "num_experts",
-               "moe_top_k", "shared_expert", "moe_layer_freq", "moe_ffn_hidden_size")
-
 
 class NonFiniteError(FloatingPointError):
     """A NaN/Inf gradient with train.on_nonfinite=stop."""
 
 
-class Trainer:
+class Trainer(Resumable):
     def __init__(self, cfg: Any, state: ParallelState, run_dir: Path) -> None:
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
         self.is_rank0 = state.rank == 0
@@ -119,107 +113,6 @@ class Trainer:
             m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
             self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
                                            self.ddp, self._split, self.autocast, DTYPES[t.precision])
-
-    # ---- checkpoint state -------------------------------------------------------------
-    def _meta(self) -> Dict[str, Any]:
-        m = self.cfg.model
-        return {"step": self.step, "model": {k: m[k] for k in _SHAPE_KEYS},
-                # The data position: the sample order is a function of the seed alone.
-                "consumed_samples": self.step * int(self.cfg.train.global_batch_size),
-                "lr_schedule": {"lr": self.schedule.lr, "min_lr": self.schedule.min_lr,
-                                "warmup_steps": self.schedule.warmup_steps,
-                                "decay_steps": self.schedule.decay_steps},
-                "seed": int(self.cfg.train.seed), "global_batch_size": int(self.cfg.train.global_batch_size)}
-
-    def _app_state(self) -> Dict[str, Any]:
-        """Everything a resume needs, as FULL tensors keyed by parameter name: tensor-parallel
-        shards are gathered and ZeRO-1 optimizer shards too, so the checkpoint does not depend
-        on the layout it was saved from (DCP writes each replicated entry once)."""
-        params = self.params_by_name
-        tp_group, tp_size = self.state.group("tp"), self.state.grid.tp
-        optim = self.optimizer.state_dict()
-        for key in ("exp_avg", "exp_avg_sq"):
-            optim[key] = unshard_named({self.dp_names[n]: v for n, v in optim[key].items()}, params,
-                                       tp_group, tp_size)
-        # ZeRO-3: gathered for the save and copied out before they are freed (a sharded save is
-        # later work); the other levels hand over their parameters as they are.
-        copy = self.ddp.gatherer is not None
-        with self.ddp.full_params():
-            model = unshard_named({n: p.detach().clone() if copy else p.detach() for n, p in params.items()},
-                                  params, tp_group, tp_size)
-        # Every rank starts from the same seed, so rank 0's generator state stands for all.
-        return {"model": model,
-                "optimizer": optim, "meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()},
-                # The aux-loss-free expert biases (model.moe_router_bias_update_rate > 0): the
-                # same on every rank, keyed by the router's layout-free name.
-                "expert_bias": expert_biases(self.chunks)}
-
-    @torch.no_grad()
-    def _load_app_state(self, state: Dict[str, Any]) -> None:
-        params = self.params_by_name
-        tp_rank, tp_size = self.state.coords.tp, self.state.grid.tp
-        with self.ddp.full_params(write_back=True):
-            for name, value in reshard_named(state["model"], params, tp_rank, tp_size).items():
-                params[name].copy_(value)
-        optim = dict(state["optimizer"])
-        to_dp = {g: n for n, g in self.dp_names.items()}
-        for key in ("exp_avg", "exp_avg_sq"):
-            optim[key] = {to_dp[n]: v for n, v in reshard_named(optim[key], params, tp_rank, tp_size).items()}
-        self.optimizer.load_state_dict(optim)
-        for name, bias in expert_biases(self.chunks).items():
-            bias.copy_(state.get("expert_bias", {}).get(name, bias))
-        torch.set_rng_state(state["rng"]["torch_cpu"])
-        self.step = int(state["meta"]["step"])
-
-    def save(self) -> None:
-        self.optimizer.finish_param_sync()
-        t0 = time.perf_counter()
-        path = self.checkpointer.save(self.step, self._app_state())
-        self.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
-
-    @torch.no_grad()
-    def _init_from_hf(self, directory: str) -> None:
-        """checkpoint.init_from: a Hugging Face directory's full tensors, resharded like a resume."""
-        from mpoverlap.interop.hf_import import read_full_state
-
-        t0 = time.perf_counter()
-        full = read_full_state(directory, self.cfg.model, set(self.params_by_name))
-        with self.ddp.full_params(write_back=True):
-            for name, value in reshard_named(full, self.params_by_name, self.state.coords.tp,
-                                             self.state.grid.tp).items():
-                if value.shape != self.params_by_name[name].shape:
-                    raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape "
-                                          f"{tuple(value.shape)} here, {tuple(self.params_by_name[name].shape)} expected")
-                self.params_by_name[name].copy_(value)
-        self.log(f"initialised from {directory} ({time.perf_counter() - t0:.2f}s)")
-
-    def maybe_resume(self) -> None:
-        init_from = self.cfg.checkpoint.init_from
-        path = self.checkpointer.latest() if self.cfg.checkpoint.resume == "auto" else None
-        if path is None:
-            if init_from:
-                self._init_from_hf(init_from)
-            return
-        if init_from:
-            self.log(f"checkpoint.init_from={init_from} not used: resuming from {path} takes precedence")
-        meta = self.checkpointer.load(path, {"meta": self._meta()})["meta"]
-        ours = self._meta()
-        if dict(meta["model"]) != ours["model"]:
-            diff = {k: (meta["model"][k], ours["model"][k]) for k in ours["model"] if meta["model"][k] != ours["model"][k]}
-            raise CheckpointError(
-                f"checkpoint {path} holds a different model ({', '.join(f'model.{k}: saved {a}, now {b}' for k, (a, b) in diff.items())}); "
-                "resume with the saved model shape, point checkpoint.dir elsewhere, or set checkpoint.resume=none")
-        if dict(meta["lr_schedule"]) != ours["lr_schedule"] or meta["seed"] != ours["seed"] \
-                or meta["global_batch_size"] != ours["global_batch_size"]:
-            self.log(f"warning: resuming {path} with a different LR schedule, seed or global batch than it was "
-                     f"saved with (saved {dict(meta['lr_schedule'])}, seed {meta['seed']}, global batch "
-                     f"{meta['global_batch_size']}): the run will not continue the saved trajectory exactly; "
-                     "set train.lr_decay_steps explicitly to keep a schedule across reruns")
-        t0 = time.perf_counter()
-        state = self._app_state()
-        self.checkpointer.load(path, state)
-        self._load_app_state(state)
-        self.log(f"resumed from {path} at step {self.step} ({time.perf_counter() - t0:.2f}s)")
 
     # ---- one optimizer step -------------------------------------------------------------
     def _split(self, mb_BS1: torch.Tensor):

@@ -1,0 +1,160 @@
+"""A training run's parameters and AdamW moments as ShardedEntry objects: what each rank
+writes and what it reads back.
+
+Every value is keyed by its layout-free parameter name (pipeline stages keep their blocks'
+global names, experts their global index) and placed in the FULL tensor by offsets, so the
+checkpoint does not depend on the layout that wrote it:
+
+    model.<name>                  the parameter
+    optimizer.exp_avg.<name>      AdamW's moments, same shape
+    optimizer.exp_avg_sq.<name>
+    optimizer.step                the step count (an int)
+
+Who writes what (each element once, by the rank that holds it; nothing is gathered):
+- each bucket is split over its reduction group (dp x cp, or edp for experts): under ZeRO-1/2/3
+  a rank writes its optimizer shard, without sharding an even split of the bucket;
+- a parameter replicated over tensor parallelism (norms, biases of row-parallel layers,
+  experts with etp = 1) is written by tp rank 0 alone, a tensor-parallel one by every tp rank
+  (its slice, placed by `Partition`);
+- the tied embedding's second copy on the last pipeline stage is not written (the first
+  stage's copy is the same tensor).
+
+What each rank reads: the parameters it holds (under ZeRO-3 its shard, otherwise its whole
+tensor-parallel slice, second copies included) and its AdamW pieces' moments.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from mpoverlap.checkpoint.boxes import Partition, box_flat_start, flat_range_boxes
+from mpoverlap.checkpoint.sharded import ShardedEntry
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+Chunks = List[Tuple[Tuple[int, ...], torch.Tensor]]
+
+
+def partition_of(p: nn.Parameter, tp_rank: int, tp_size: int) -> Partition:
+    """Where a parameter's local tensor sits in its full tensor (see tensor_parallel/layers.py:
+    `tensor_model_parallel`, `partition_dim`, `partition_blocks`; expert weights split over
+    etp = tp carry the same attributes)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return Partition()
+    return Partition.of(p.shape, p.partition_dim, tp_rank, tp_size, p.partition_blocks)
+
+
+def range_chunks(flat: torch.Tensor, shape, part: Partition, a: int, b: int) -> Chunks:
+    """`flat` [b - a] holds elements [a, b) of a local tensor of `shape` (row-major) ->
+    [(offsets in the full tensor, view of `flat` with that box's elements)]."""
+    chunks: Chunks = []
+    for box in flat_range_boxes(shape, a, b):
+        start = box_flat_start(shape, box) - a
+        block = flat[start:start + math.prod(box[1])].view(box[1])
+        for (g_offsets, _), (l_offsets, l_sizes) in part.to_global(box):
+            view = block
+            if part.dim is not None:
+                d = part.dim
+                view = block.narrow(d, l_offsets[d] - box[0][d], l_sizes[d])
+            chunks.append((g_offsets, view))
+    return chunks
+
+
+def _write_range(ddp, b: int) -> Tuple[int, int]:
+    """The part of bucket `b` this rank writes: its optimizer shard under ZeRO, else its even
+    share of the bucket over the bucket's reduction group."""
+    bucket, group = ddp.buffer.buckets[b], ddp.bucket_group(b)
+    if ddp.distributed_optimizer and group.group is not None:
+        return ddp.shard_range(b)
+    per = -(-bucket.numel // group.size)
+    lo = bucket.offset + min(bucket.numel, group.rank * per)
+    return lo, min(bucket.offset + bucket.numel, lo + per)
+
+
+def _writes(p: nn.Parameter, tp_rank: int) -> bool:
+    if getattr(p, "pipeline_duplicate", False):
+        return False
+    return tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False))
+
+
+class TrainStateChunks:
+    """Builds the `model` and `optimizer` parts of a checkpoint state dict for one rank.
+
+    ddp: the DataParallel wrapper (buffers, buckets, shards); optimizer: its DataParallelAdamW;
+    dp_names: {name in the wrapper: layout-free name}.
+    """
+
+    def __init__(self, ddp, optimizer, dp_names: Dict[str, str], tp_rank: int, tp_size: int) -> None:
+        self.ddp, self.optimizer, self.dp_names = ddp, optimizer, dp_names
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def _name(self, p: nn.Parameter) -> str:
+        return self.dp_names[self.ddp.buffer.name_of[p]]
+
+    def _entries(self, pieces: Dict[str, Chunks], params: Dict[str, nn.Parameter]) -> Dict[str, ShardedEntry]:
+        return {name: ShardedEntry(partition_of(params[name], self.tp_rank, self.tp_size).global_shape(
+            params[name].shape), chunks) for name, chunks in pieces.items() if chunks}
+
+    def for_save(self) -> Dict[str, dict]:
+        """{"model": {name: entry}, "optimizer": {"step", "exp_avg": {...}, "exp_avg_sq": {...}}}
+        holding views of this rank's own storage (the moments of a rank that has not stepped
+        yet are zeros of its pieces' sizes)."""
+        buf = self.ddp.buffer
+        moments: Dict[str, list] = {}
+        for pc, m in self.optimizer.piece_moments():
+            moments.setdefault(pc.name, []).append((pc, m))
+        model: Dict[str, Chunks] = {}
+        optim: Dict[str, Dict[str, Chunks]] = {k: {} for k in MOMENT_KEYS}
+        params = {}
+        for bucket in buf.buckets:
+            w_lo, w_hi = _write_range(self.ddp, bucket.index)
+            for p in bucket.params:
+                start, end, _ = buf.index[p]
+                lo, hi = max(start, w_lo), min(end, w_hi)
+                if lo >= hi or not _writes(p, self.tp_rank):
+                    continue
+                name = self._name(p)
+                params[name] = p
+                part = partition_of(p, self.tp_rank, self.tp_size)
+                model.setdefault(name, []).extend(range_chunks(
+                    self.ddp.held_params(bucket.index, lo, hi), p.shape, part, lo - start, hi - start))
+                pc, m = next((pc, m) for pc, m in moments[buf.name_of[p]] if pc.lo <= lo and hi <= pc.hi)
+                for k in MOMENT_KEYS:
+                    flat = (m[k][lo - pc.lo:hi - pc.lo] if m is not None
+                            else torch.zeros(hi - lo, dtype=pc.main.dtype, device=pc.main.device))
+                    optim[k].setdefault(name, []).extend(range_chunks(flat, p.shape, part, lo - start, hi - start))
+        return {"model": self._entries(model, params),
+                "optimizer": {"step": self.optimizer.step_count,
+                              **{k: self._entries(optim[k], params) for k in MOMENT_KEYS}}}
+
+    def for_load(self, step: int) -> Dict[str, dict]:
+        """The same keys as views to fill in place: the parameters this rank holds and fresh
+        AdamW moments at `step` (the checkpoint's; none at step 0)."""
+        buf = self.ddp.buffer
+        model: Dict[str, Chunks] = {}
+        params = {}
+        for bucket in buf.buckets:
+            h_lo, h_hi = self.ddp.held_range(bucket.index)
+            for p in bucket.params:
+                start, end, _ = buf.index[p]
+                lo, hi = max(start, h_lo), min(end, h_hi)
+                if lo >= hi:
+                    continue
+                name = self._name(p)
+                params[name] = p
+                model.setdefault(name, []).extend(range_chunks(
+                    self.ddp.held_params(bucket.index, lo, hi), p.shape,
+                    partition_of(p, self.tp_rank, self.tp_size), lo - start, hi - start))
+        by_buf_name = {buf.name_of[p]: p for p in buf.params}
+        optim: Dict[str, Dict[str, Chunks]] = {k: {} for k in MOMENT_KEYS}
+        for pc, m in self.optimizer.reset_moments(step):
+            p = by_buf_name[pc.name]
+            name = self._name(p)
+            params[name] = p
+            for k in MOMENT_KEYS:
+                optim[k].setdefault(name, []).extend(range_chunks(
+                    m[k], p.shape, partition_of(p, self.tp_rank, self.tp_size), pc.a, pc.b))
+        return {"model": self._entries(model, params),
+                "optimizer": {"step": step, **{k: self._entries(optim[k], params) for k in MOMENT_KEYS}}}

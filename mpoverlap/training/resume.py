@@ -1,0 +1,115 @@
+"""The Trainer's checkpoint side: what it saves, how it resumes, and initialising from a
+Hugging Face directory (a mixin of `Trainer`, loop.py).
+
+A save writes each rank's own shards at their global offsets (mpoverlap/checkpoint/): no rank
+gathers a tensor it does not hold, whatever the sharding level. A resume reads, at any layout,
+the parts this rank holds; checkpoints written with full tensors (before sharded saves) load
+the same way.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+import torch
+
+from mpoverlap.checkpoint import ShardedLoadPlanner, ShardedSavePlanner, TrainStateChunks
+from mpoverlap.moe.balance import expert_biases
+from mpoverlap.tensor_parallel.checkpoint import reshard_named
+from mpoverlap.training.checkpoint import CheckpointError
+
+# Model fields a checkpoint must agree on to be loadable into this model.
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
+              "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings", "num_experts",
+              "moe_top_k", "shared_expert", "moe_layer_freq", "moe_ffn_hidden_size")
+
+
+class Resumable:
+    """Checkpoint methods of Trainer; they use its cfg, state, ddp, optimizer, chunks,
+    dp_names, params_by_name, schedule, checkpointer, step and log."""
+
+    def _meta(self) -> Dict[str, Any]:
+        m = self.cfg.model
+        return {"step": self.step, "model": {k: m[k] for k in SHAPE_KEYS},
+                # The data position: the sample order is a function of the seed alone.
+                "consumed_samples": self.step * int(self.cfg.train.global_batch_size),
+                "lr_schedule": {"lr": self.schedule.lr, "min_lr": self.schedule.min_lr,
+                                "warmup_steps": self.schedule.warmup_steps,
+                                "decay_steps": self.schedule.decay_steps},
+                "seed": int(self.cfg.train.seed), "global_batch_size": int(self.cfg.train.global_batch_size)}
+
+    def _state_chunks(self) -> TrainStateChunks:
+        return TrainStateChunks(self.ddp, self.optimizer, self.dp_names, self.state.coords.tp, self.state.grid.tp)
+
+    def _small_state(self) -> Dict[str, Any]:
+        # Every rank starts from the same seed, so rank 0's generator state stands for all;
+        # the aux-loss-free expert biases (model.moe_router_bias_update_rate > 0) are the same
+        # on every rank, keyed by the router's layout-free name. DCP writes each once.
+        return {"meta": self._meta(), "rng": {"torch_cpu": torch.get_rng_state()},
+                "expert_bias": expert_biases(self.chunks)}
+
+    def save_state(self) -> Dict[str, Any]:
+        """This rank's checkpoint state: views of its own parameter and moment shards placed in
+        the full tensors, plus the small replicated entries. No collective, no copy."""
+        return {**self._state_chunks().for_save(), **self._small_state()}
+
+    def save(self) -> None:
+        self.optimizer.finish_param_sync()
+        t0 = time.perf_counter()
+        path = self.checkpointer.save(self.step, self.save_state(), planner=ShardedSavePlanner())
+        self.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+
+    @torch.no_grad()
+    def _load(self, path, step: int) -> None:
+        state = {**self._state_chunks().for_load(step), **self._small_state()}
+        self.checkpointer.load(path, state, planner=ShardedLoadPlanner())
+        # The parameters and moments were filled in place; ZeRO-3 gathers from the new shards.
+        self.ddp.reshard()
+        torch.set_rng_state(state["rng"]["torch_cpu"])
+        self.step = int(state["meta"]["step"])
+
+    @torch.no_grad()
+    def _init_from_hf(self, directory: str) -> None:
+        """checkpoint.init_from: a Hugging Face directory's full tensors, resharded like a resume."""
+        from mpoverlap.interop.hf_import import read_full_state
+
+        t0 = time.perf_counter()
+        full = read_full_state(directory, self.cfg.model, set(self.params_by_name))
+        with self.ddp.full_params(write_back=True):
+            for name, value in reshard_named(full, self.params_by_name, self.state.coords.tp,
+                                             self.state.grid.tp).items():
+                if value.shape != self.params_by_name[name].shape:
+                    raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape "
+                                          f"{tuple(value.shape)} here, {tuple(self.params_by_name[name].shape)} expected")
+                self.params_by_name[name].copy_(value)
+        self.log(f"initialised from {directory} ({time.perf_counter() - t0:.2f}s)")
+
+    def maybe_resume(self) -> None:
+        init_from = self.cfg.checkpoint.init_from
+        path = self.checkpointer.latest() if self.cfg.checkpoint.resume == "auto" else None
+        if path is None:
+            if init_from:
+                self._init_from_hf(init_from)
+            return
+        if init_from:
+            self.log(f"checkpoint.init_from={init_from} not used: resuming from {path} takes precedence")
+        # The small entries first: the model check, and AdamW's step (behind the trainer's
+        # after skipped non-finite steps), which sizes the moments to read.
+        head = self.checkpointer.load(path, {"meta": self._meta(), "optimizer": {"step": 0}})
+        meta = head["meta"]
+        ours = self._meta()
+        if dict(meta["model"]) != ours["model"]:
+            diff = {k: (meta["model"][k], ours["model"][k]) for k in ours["model"] if meta["model"][k] != ours["model"][k]}
+            raise CheckpointError(
+                f"checkpoint {path} holds a different model ({', '.join(f'model.{k}: saved {a}, now {b}' for k, (a, b) in diff.items())}); "
+                "resume with the saved model shape, point checkpoint.dir elsewhere, or set checkpoint.resume=none")
+        if dict(meta["lr_schedule"]) != ours["lr_schedule"] or meta["seed"] != ours["seed"] \
+                or meta["global_batch_size"] != ours["global_batch_size"]:
+            self.log(f"warning: resuming {path} with a different LR schedule, seed or global batch than it was "
+                     f"saved with (saved {dict(meta['lr_schedule'])}, seed {meta['seed']}, global batch "
+                     f"{meta['global_batch_size']}): the run will not continue the saved trajectory exactly; "
+                     "set train.lr_decay_steps explicitly to keep a schedule across reruns")
+        t0 = time.perf_counter()
+        self._load(path, int(head["optimizer"]["step"]))
+        self.log(f"resumed from {path} at step {self.step} ({time.perf_counter() - t0:.2f}s)")
+
