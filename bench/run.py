@@ -13,6 +13,7 @@ Writes bench/results/<timestamp>/results.json and results.md and prints the tabl
                         [--skip-scaling] [--scaling-worlds 1,2,4,8] [--scaling-steps 12]
                         [--skip-memory] [--memory-layouts dp2,...] [--memory-steps 3]
                         [--skip-timelines] [--timelines dp2,tp2,pp2,cp2,ep2] [--skip-zero]
+                        [--skip-async-ckpt]
 
 --modes runs bench/modes.py (TP/CP/PP overlap against DTensor and torch.distributed.pipelining,
 and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
@@ -20,6 +21,10 @@ and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
 Scaling (bench/scaling.py), memory (bench/memory.py) and timelines (bench/timelines.py) run
 `mpoverlap-train` itself, one run per world size / layout / scenario; scaling and timelines
 inside bench/netns.sh (probed once; the bare loopback otherwise, and the output says so).
+
+bench/async_ckpt.py (checkpoint.async_save: step time while a checkpoint is written in the
+background, against steps without saves and a synchronous save) runs on the bare loopback: it
+measures the disk and the cores, not the link.
 
 At the end, bench/predict.py puts the step-time simulator's prediction (`hardware=measured`)
 beside every DP and modes measurement of the run (step time and exposed share).
@@ -37,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench import memory, predict, scaling, timelines, zero
+from bench import async_ckpt, memory, predict, scaling, timelines, zero
 from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
 
 
@@ -383,6 +388,7 @@ def main() -> None:
                    help=f"layouts whose peak memory is compared with the estimate (default {','.join(memory.LAYOUTS)})")
     p.add_argument("--memory-steps", type=int, default=3, help="steps per memory run (default 3)")
     p.add_argument("--skip-timelines", action="store_true")
+    p.add_argument("--skip-async-ckpt", action="store_true", help="skip bench/async_ckpt.py (checkpoint.async_save)")
     p.add_argument("--timelines", default=",".join(timelines.SCENARIOS),
                    help=f"scenarios to profile and draw (default {','.join(timelines.SCENARIOS)})")
     p.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
@@ -417,6 +423,8 @@ def main() -> None:
         results["memory"] = memory.run(layouts, args.memory_steps, out)
     if not args.skip_timelines:
         results["timelines"] = timelines.run(scenarios, args.bucket_mb, out, prefix, link)
+    if not args.skip_async_ckpt:
+        results["async_ckpt"] = async_ckpt.run_in_bench(out)
     if not args.no_netns and (results.get("dp") or results.get("modes")):
         # The simulator beside the measurements (issue 20), with this machine measured now.
         results["predicted"] = predict.predict(results, args.rate)
@@ -429,7 +437,7 @@ def main() -> None:
     if results.get("modes"):
         table += "\n" + render_modes(results)
     for section in (zero.render(results), scaling.render(results), memory.render(results), timelines.render(results),
-                    predict.render(results.get("predicted") or [])):
+                    async_ckpt.render(results), predict.render(results.get("predicted") or [])):
         if section:
             table += "\n" + section
     (out / "results.md").write_text(table + "\n")

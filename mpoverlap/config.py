@@ -151,6 +151,9 @@ class CheckpointConfig:
     interval: int = 0  # steps between saves; 0 = never (a final save still happens if > 0)
     resume: str = "auto"  # auto | none
     keep: int = 2
+    # Stage a copy at the step boundary and write it in the background while training goes on
+    # (at most one save in flight; the next save, SIGTERM and the end of the run wait for it).
+    async_save: bool = False
     # A Hugging Face Llama/Mixtral directory to start from (when checkpoint.dir holds no
     # checkpoint to resume, which takes precedence).
     init_from: Optional[str] = None

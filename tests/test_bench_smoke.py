@@ -76,6 +76,28 @@ def test_zero_bench_configurations_validate_and_render():
     assert "torch_fsdp2" in text and "0.67" in text and "test link" in text
 
 
+def test_async_ckpt_bench_configuration_validates_and_renders():
+    """bench.async_ckpt: its run validates at 2 ranks; summarise + render from the shape its
+    workers gather (per step: wall, cpu, write in flight at the start, at the end)."""
+    from types import SimpleNamespace
+
+    from bench import async_ckpt
+
+    args = SimpleNamespace(layers=8, hidden=512, ffn=2048, seq=32, global_batch=2)
+    assert validate(compose(async_ckpt.overrides(args, "/tmp/x")), 2) == []
+    cycle = {"boundary_s": 0.05, "stage_s": 0.03, "write_s": 0.5, "step": 1,
+             "steps": [(0.12, 0.1, True, True), (0.12, 0.1, True, True), (0.11, 0.1, True, False),
+                       (0.1, 0.1, False, False)]}
+    rank = {"no_save": [(0.1, 0.09)] * 4, "sync_s": [0.6, 0.7], "cycles": [cycle, cycle]}
+    res = async_ckpt._summarise([rank, rank], 4)
+    assert res["whole_step_under_write"]["n"] == 4 and res["under_write"]["n"] == 6
+    assert abs(res["ratio_whole_under_write"] - 1.2) < 1e-9 and abs(res["ratio_whole_vs_after_write"] - 1.2) < 1e-9
+    text = async_ckpt.render({"async_ckpt": dict(res, setup={"overrides": ["parallel.tp=2"], "parameters": 33e6, "checkpoint_bytes": 2**28,
+                                                             "threads_per_rank": 1, "steps_per_cycle": 4},
+                                                 loadavg_before=[1.0, 1, 1], loadavg_after=[1.5, 1, 1])})
+    assert "| step wholly under an async write | 120 (120-120, n=4) |" in text and "1.20 (goal <= 1.5: met)" in text
+
+
 def test_tp_scenario_peers_compute_the_same_first_loss(tmp_path):
     """bench.modes' tp scenario, tiny and without the rate-limited namespace: the DTensor
     peer (which re-splits the fused qkv by heads and K/V groups itself) starts from the loss

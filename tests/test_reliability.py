@@ -64,16 +64,22 @@ def _wait_for_steps(run_dir, n, timeout=120):
 
 
 def test_sigterm_saves_and_resume_continues_the_curve(tmp_path):
+    """The preempted run saves asynchronously (checkpoint.async_save=true): SIGTERM waits for
+    the write in flight (written, marked COMPLETE, renamed) before it says it stopped and exits
+    0; the resumed run (synchronous saves) continues the uninterrupted curve."""
     run = tmp_path / "pre"
-    proc = _launch(run, "parallel.dp=2", "train.lr_decay_steps=50")
+    proc = _launch(run, "parallel.dp=2", "train.lr_decay_steps=50", "checkpoint.async_save=true")
     _wait_for_steps(run, 3)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err[-2000:]
-    assert "SIGTERM: saved a checkpoint at step" in out
+    stop = out.index("SIGTERM: saved a checkpoint at step ")
     saved = [p.name for p in (run / "checkpoints").iterdir()]
-    assert len(saved) == 1
+    assert len(saved) == 1 and (run / "checkpoints" / saved[0] / "COMPLETE").is_file()  # no .partial left
     k = int(saved[0].split("_")[1])
+    assert f"SIGTERM: saved a checkpoint at step {k} " in out
+    assert f"staged checkpoint step {k} in" in out[:stop]
+    assert f"saved checkpoint {run / 'checkpoints' / saved[0]} in the background" in out[:stop]
     train(run, "parallel.dp=2", "train.lr_decay_steps=50", steps=k + 2)
     train(tmp_path / "ref", "parallel.dp=2", "train.lr_decay_steps=50", steps=k + 2)
     assert [r["loss"] for r in rows(run)][-(k + 2):] == [r["loss"] for r in rows(tmp_path / "ref")]

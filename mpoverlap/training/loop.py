@@ -25,7 +25,7 @@ from mpoverlap.overlap.plan import render_plan
 from mpoverlap.parallel import ParallelState
 from mpoverlap.precision import DTYPES, autocast_context
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
-from mpoverlap.training.checkpoint import Checkpointer
+from mpoverlap.training.checkpoint import Checkpointer, checkpoint_io_group
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.faults import FaultInjector
 from mpoverlap.training.lr import LRSchedule
@@ -100,7 +100,10 @@ class Trainer(Resumable):
         for layer in self.moe_layers:
             layer.aux_loss_scale = 1.0 / num_micro
         ck_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
-        self.checkpointer = Checkpointer(ck_dir, keep=cfg.checkpoint.keep)
+        # checkpoint.async_save: the background writes talk over a gloo group of their own.
+        async_save = bool(cfg.checkpoint.async_save)
+        self.checkpointer = Checkpointer(ck_dir, keep=cfg.checkpoint.keep, async_save=async_save, log=self.log,
+                                         group=checkpoint_io_group(t.comm_timeout_s) if async_save else None)
         # train.precision: the same autocast on CPU and CUDA (parameters stay fp32).
         self.autocast = autocast_context(t.precision, state.device)
         self.step = 0
@@ -287,12 +290,15 @@ class Trainer(Resumable):
                 if at_log and preemption.agreed(self.state.device):
                     if not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
                         self.save()
+                    self.checkpointer.wait()  # an asynchronous save: written and renamed before exit
                     self.log(f"SIGTERM: saved a checkpoint at step {self.step} and stopped; rerun the same "
                              "command to continue")
                     return {"steps": self.step, "losses": losses, "preempted": True}
             val = self.evaluate()
             writer.write({"step": self.step, "val_loss": val})
+            self.checkpointer.wait()
         finally:
+            self.checkpointer.wait(raise_error=False)  # never leave a thread writing behind an error
             profiler.close()
             preemption.restore()
             progress.close()
