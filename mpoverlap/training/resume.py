@@ -57,7 +57,8 @@ class Resumable:
         self.optimizer.finish_param_sync()
         t0 = time.perf_counter()
         path = self.checkpointer.save(self.step, self.save_state(), planner=ShardedSavePlanner())
-        self.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+        if not self.checkpointer.async_save:  # an async save logs when staged and when written
+            self.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
 
     @torch.no_grad()
     def _load(self, path, step: int) -> None:
