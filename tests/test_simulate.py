@@ -340,9 +340,10 @@ def test_ring_attention_core_at_its_own_rate():
 def test_measured_rates_on_a_tiny_model():
     """The rank-compute measurements run and give positive rates (the values are the
     machine's; bench/predict.py compares them with the benchmarks)."""
-    from mpoverlap.simulate.measure import concurrently, ring_attention_rate, update_seconds_per_param
+    from mpoverlap.simulate.measure import concurrently, model_rate, ring_attention_rate, update_seconds_per_param
 
     cfg = _tiny("parallel.cp=2", "train.global_batch_size=2")
     assert ring_attention_rate(cfg, 2, repeats=1) > 0
+    assert model_rate(cfg, repeats=1) > 0 and model_rate(cfg, repeats=1, pp=2, vpp=1) > 0
     assert 0 < update_seconds_per_param(cfg, repeats=2) < 1e-5
     assert concurrently(lambda: 3.0, 2) == 3.0

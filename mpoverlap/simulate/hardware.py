@@ -75,7 +75,8 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
     - peak_flops: one thread's matmul rate at the model's MLP shape (best of its repeats);
       gemm_efficiency: the median rate one thread runs this model's forward + backward at
       (its FLOPs as `flops_per_token` counts them) while as many copies run at once as the
-      layout has ranks on this machine (at most one per core), over that peak;
+      layout has ranks on this machine (at most one per core), run as the pipeline's
+      chunks when pp x vpp > 1, over that peak;
     - update_s_per_param: the step's work after the last backward, per parameter;
     - ring_attention_flops (cp > 1 with the p2p ring): the rate of the ring's blockwise
       attention math on one rank's blocks;
@@ -95,7 +96,7 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
     lo = build_layout(cfg)
     world = lo.world or 1
     copies = min(world, os.cpu_count() or 1)  # the ranks that compute at once on this machine
-    rate = model_rate(cfg, copies=copies)
+    rate = model_rate(cfg, copies=copies, pp=lo.pp, vpp=lo.vpp)
     ring = (ring_attention_rate(cfg, lo.cp, lo.tp, copies=copies)
             if lo.cp > 1 and str(cfg.parallel.cp_comm) == "p2p" else 0.0)
     moved, cpu_per_byte = loopback_probe(max(2, world))

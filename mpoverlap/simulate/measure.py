@@ -10,7 +10,8 @@ load causes on the core it has: measure on a quiet machine.
 - `matmul_rate`: one (rows x hidden) @ (hidden x ffn) matmul, best of the repeats: the peak.
 - `model_rate`: forward + backward of the whole model on one microbatch, the MEDIAN of the
   repeats: the benchmarks report median steps, and on a shared machine the median of a
-  repeated piece of work sits well above its best.
+  repeated piece of work sits well above its best. Under pipeline parallelism the model runs
+  as its chunks, one pipeline action at a time.
 - `update_seconds_per_param`: what a training step costs beyond forward and backward, per
   parameter of the rank: zeroing the gradient buffer, the foreach gradient norm and clip
   scale, and foreach AdamW (memory-bound: a few passes over parameters, gradients and two
@@ -111,23 +112,35 @@ def _model_and_tokens(cfg: Any):
     return model, tokens
 
 
-def model_rate(cfg: Any, repeats: int = 7, copies: int = 1) -> float:
+def model_rate(cfg: Any, repeats: int = 7, copies: int = 1, pp: int = 1, vpp: int = 1) -> float:
     """FLOP/s (`flops_per_token`'s count) of one thread running forward + backward of the whole
     model on one microbatch of random tokens, the median of `repeats` after a warm-up, in each
-    of `copies` processes at once (`concurrently`)."""
+    of `copies` processes at once (`concurrently`). With pp x vpp > 1 the model runs as the
+    pipeline's chunks (`build_chunks` of every stage), each chunk's forward and backward on its
+    own as a pipeline action runs it (a received activation in, its gradient back): what a stage
+    pays per action on top of its layers' FLOPs."""
     import torch
 
     from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.training.pipeline_glue import build_chunks
 
     m, t = cfg.model, cfg.train
     with one_thread():
         model, tokens = _model_and_tokens(cfg)
         autocast = torch.autocast("cpu", torch.bfloat16, enabled=str(t.precision) == "bf16")
+        chunks = [c for s in range(pp) for c in build_chunks(m, pp, vpp, s, 0)] if pp * vpp > 1 else [model]
+        positions = torch.arange(m.seq_length)
+        shape = (t.micro_batch_size, m.seq_length, m.hidden_size)
 
         def work() -> None:
-            with autocast:
-                loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
+            for chunk in chunks:
+                x = tokens[:, :-1] if chunk.pre_process else torch.randn(shape, requires_grad=True)
+                with autocast:
+                    out = chunk(x, position_ids=positions)
+                if chunk.post_process:
+                    chunk.loss(out.float(), tokens[:, 1:]).backward()
+                else:
+                    out.backward(torch.randn_like(out))
 
         took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
     return flops_per_token(m) * t.micro_batch_size * m.seq_length / took
