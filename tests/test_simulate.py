@@ -311,39 +311,13 @@ def test_hidden_communication_takes_cpu_by_hand():
     assert hidden_comm_cpu(_hw(), links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": True}) == 0.0
 
 
-def test_ring_attention_core_at_its_own_rate():
-    """With cp over the p2p ring, the attention core runs at ring_attention_flops: at half the
-    GEMM rate each layer's forward takes core / rate longer (4 t s H FLOPs, t = b s / cp), the
-    backward twice that; the all-to-all variant keeps the GEMM rate."""
-    import dataclasses
-
-    from mpoverlap.overlap.estimate.core import compute_bytes
-    from mpoverlap.overlap.layout import build_layout
-    from mpoverlap.simulate.collectives import group_links
-    from mpoverlap.simulate.costs import chunk_costs
-
-    base = _hw()
-    slow = dataclasses.replace(base, ring_attention_flops=base.flops / 2)
-    enabled = dict.fromkeys(("dp", "tp", "pp", "cp", "ep"), False)
-    for comm, factor in (("p2p", 1.0), ("a2a", 0.0)):
-        cfg = _tiny("parallel.cp=2", f"parallel.cp_comm={comm}", "train.global_batch_size=2")
-        lo = build_layout(cfg)
-
-        def cost(hw):
-            return chunk_costs(cfg, lo, hw, group_links(lo, hw), enabled, compute_bytes(cfg))[0].compute
-
-        core = 2 * 4 * (2 * 64 / 2) * 64 * 32 / base.flops  # 2 layers, b=2, s=64, cp=2, H=32
-        assert cost(slow)["F"] - cost(base)["F"] == pytest.approx(factor * core)
-        assert cost(slow)["B"] - cost(base)["B"] == pytest.approx(factor * 2 * core)
-
-
 def test_measured_rates_on_a_tiny_model():
     """The rank-compute measurements run and give positive rates (the values are the
     machine's; bench/predict.py compares them with the benchmarks)."""
-    from mpoverlap.simulate.measure import concurrently, model_rate, ring_attention_rate, update_seconds_per_param
+    from mpoverlap.simulate.measure import concurrently, model_rate, update_seconds_per_param
 
     cfg = _tiny("parallel.cp=2", "train.global_batch_size=2")
-    assert ring_attention_rate(cfg, 2, repeats=1) > 0
-    assert model_rate(cfg, repeats=1) > 0 and model_rate(cfg, repeats=1, pp=2, vpp=1) > 0
+    for share in ({}, {"pp": 2, "vpp": 2}, {"cp": 2}):
+        assert model_rate(cfg, repeats=1, **share) > 0, share
     assert 0 < update_seconds_per_param(cfg, repeats=2) < 1e-5
     assert concurrently(lambda: 3.0, 2) == 3.0

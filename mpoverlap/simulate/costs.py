@@ -13,8 +13,6 @@ sequence, tp the tensor-parallel degree; backward is twice the forward):
   output head      2 t H V / tp on the last chunk
 Recomputation adds to backward the forward of what it replays: `full` whole blocks (the first
 model.recompute_num_layers of each chunk), `selective` the attention core.
-Seconds = FLOPs / hw.flops, except the attention core under cp's p2p ring where the hardware
-has a rate of its own for it (hw.ring_attention_flops: the blockwise math, measured on CPU).
 """
 from __future__ import annotations
 
@@ -88,9 +86,6 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
     sp = bool(p.sequence_parallel) and lo.tp > 1
     recompute = getattr(m, "recompute", "none")
     rate = hw.flops
-    # ring attention's blockwise core runs at its own rate where the hardware has one
-    ring = lo.cp > 1 and p.cp_comm == "p2p" and hw.ring_attention_flops > 0
-    core_rate = hw.ring_attention_flops if ring else rate
     costs: List[ChunkCost] = []
     per_stage = {}
     for stage in range(lo.pp):
@@ -108,14 +103,13 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
         replayed = set(recomputed_in_chunk(cfg, lo, chunk)) if recompute == "full" else set()
         for i in chunk_layers(cfg, lo, chunk):
             fl = layer_flops(cfg, lo, i)
-            core = fl["core"] / core_rate
-            fwd = (sum(fl.values()) - fl["core"]) / rate + core
-            extra = fwd if i in replayed else (core if recompute == "selective" else 0.0)
-            cost.compute["F"] += fwd
-            cost.compute["B"] += 2 * fwd + extra
+            fwd = sum(fl.values())
+            extra = fwd if i in replayed else (fl["core"] if recompute == "selective" else 0.0)
+            cost.compute["F"] += fwd / rate
+            cost.compute["B"] += (2 * fwd + extra) / rate
             share = micro * max(1, n_layers)
             _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate, share, i in replayed)
-            _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, core_rate, share)
+            _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
             if is_moe_layer(m, i):
                 _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks, fl, rate,
                     micro * max(1, n_moe))
@@ -149,8 +143,6 @@ def _tp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, sp: boo
 
 def _cp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, cp_comm: str, fl, rate: float,
         share: int) -> None:
-    """CP per layer: the ring's K/V (and dK/dV) hops under the block attention (`rate`: the
-    attention core's), or the all-to-all's two head groups, each under the other's attention."""
     if lo.cp <= 1:
         return
     op = "all_to_all" if cp_comm == "a2a" else "send_recv"

@@ -35,9 +35,6 @@ class Hardware:
     # AdamW, zeroing the gradient buffer): charged once per step; 0 = not modelled (the GPU
     # presets, where it is a small part of the step).
     update_s_per_param: float = 0.0
-    # FLOP/s of ring attention's blockwise core (costs.py's count) where it differs from the
-    # GEMM rate (this machine: block by block in Python); 0 = `flops`.
-    ring_attention_flops: float = 0.0
     # CPU seconds a rank spends per byte it sends when its collectives run on the cores that
     # compute (gloo on CPU ranks): communication hidden under compute still takes this CPU time
     # from it. 0 = communication takes no compute time (GPUs: NCCL on its own SMs).
@@ -75,11 +72,10 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
     - peak_flops: one thread's matmul rate at the model's MLP shape (best of its repeats);
       gemm_efficiency: the median rate one thread runs this model's forward + backward at
       (its FLOPs as `flops_per_token` counts them) while as many copies run at once as the
-      layout has ranks on this machine (at most one per core), run as the pipeline's
-      chunks when pp x vpp > 1, over that peak;
+      layout has ranks on this machine (at most one per core), run as a rank runs its share
+      (the pipeline's chunks when pp x vpp > 1; each cp rank's tokens through ring attention
+      when cp > 1 over the p2p ring), over that peak (at least that rate);
     - update_s_per_param: the step's work after the last backward, per parameter;
-    - ring_attention_flops (cp > 1 with the p2p ring): the rate of the ring's blockwise
-      attention math on one rank's blocks;
     - comm_cpu_s_per_byte: CPU seconds (process time, gloo's threads and the kernel's
       loopback included) per byte a rank sends, from `loopback_rate`'s probe of `world` ranks;
     - bandwidth: inside a namespace whose loopback carries a tbf rate (`tc qdisc show dev lo`,
@@ -88,7 +84,7 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
       the nominal rate); divided by the world size: the loopback is one queue that every
       rank's sends pass through, and the symmetric collectives send from every rank at once."""
     from mpoverlap.overlap.layout import build_layout
-    from mpoverlap.simulate.measure import matmul_rate, model_rate, ring_attention_rate, update_seconds_per_param
+    from mpoverlap.simulate.measure import matmul_rate, model_rate, update_seconds_per_param
 
     m, t = cfg.model, cfg.train
     bf16 = str(t.precision) == "bf16"
@@ -96,13 +92,15 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
     lo = build_layout(cfg)
     world = lo.world or 1
     copies = min(world, os.cpu_count() or 1)  # the ranks that compute at once on this machine
-    rate = model_rate(cfg, copies=copies, pp=lo.pp, vpp=lo.vpp)
-    ring = (ring_attention_rate(cfg, lo.cp, lo.tp, copies=copies)
-            if lo.cp > 1 and str(cfg.parallel.cp_comm) == "p2p" else 0.0)
+    ring = lo.cp if str(cfg.parallel.cp_comm) == "p2p" else 1
+    rate = model_rate(cfg, copies=copies, pp=lo.pp, vpp=lo.vpp, cp=ring)
     moved, cpu_per_byte = loopback_probe(max(2, world))
     link = (moved if tc_rate() else hw.inter.bandwidth) / world
-    return replace(hw, peak_flops=peak, gemm_efficiency=min(1.0, rate / peak),
-                   update_s_per_param=update_seconds_per_param(cfg, copies=copies), ring_attention_flops=ring,
+    # A noisy peak below the model's own rate would cap the efficiency and slow the model: the
+    # peak is at least the rate the model was seen to run at.
+    peak = max(peak, rate)
+    return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak,
+                   update_s_per_param=update_seconds_per_param(cfg, copies=copies),
                    comm_cpu_s_per_byte=cpu_per_byte,
                    intra=replace(hw.intra, bandwidth=link), inter=replace(hw.inter, bandwidth=link))
 
@@ -147,5 +145,4 @@ def describe(hw: Hardware) -> str:
             f"{hw.gemm_efficiency:.2f}, HBM {hw.hbm_bytes / 1e9:,.0f} GB, intra {hw.intra.bandwidth / 1e9:,.4g} GB/s "
             f"({hw.intra.latency * 1e6:g} us), inter {hw.inter.bandwidth / 1e9:,.4g} GB/s ({hw.inter.latency * 1e6:g} us)"
             + (f", update {hw.update_s_per_param * 1e9:.2f} ns/parameter" if hw.update_s_per_param > 0 else "")
-            + (f", ring attention {hw.ring_attention_flops / 1e9:,.4g} GFLOP/s" if hw.ring_attention_flops > 0 else "")
             + (f", communication CPU {hw.comm_cpu_s_per_byte * 1e9:.2f} ns/byte" if hw.comm_cpu_s_per_byte > 0 else ""))

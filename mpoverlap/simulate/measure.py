@@ -10,16 +10,15 @@ load causes on the core it has: measure on a quiet machine.
 - `matmul_rate`: one (rows x hidden) @ (hidden x ffn) matmul, best of the repeats: the peak.
 - `model_rate`: forward + backward of the whole model on one microbatch, the MEDIAN of the
   repeats: the benchmarks report median steps, and on a shared machine the median of a
-  repeated piece of work sits well above its best. Under pipeline parallelism the model runs
-  as its chunks, one pipeline action at a time.
+  repeated piece of work sits well above its best. It runs as a rank runs its share: under
+  pipeline parallelism as the pipeline's chunks, one action at a time; under context
+  parallelism (the p2p ring) each cp rank's tokens through ring attention, block by block in
+  Python with log-sum-exp merges (much slower than the single-process SDPA), over a ring whose
+  exchanges are local copies.
 - `update_seconds_per_param`: what a training step costs beyond forward and backward, per
   parameter of the rank: zeroing the gradient buffer, the foreach gradient norm and clip
   scale, and foreach AdamW (memory-bound: a few passes over parameters, gradients and two
   moments), the work DataParallelAdamW does after the last backward.
-- `ring_attention_rate`: ring attention's blockwise math (context_parallel.attention_math,
-  the code the cp ranks run: block by block in Python with log-sum-exp merges, fp32) on one
-  rank's blocks for the model's shapes, no communication; as FLOP/s of the attention core as
-  costs.py counts it (4 t s H / tp forward, twice that backward).
 - `loopback_rate`: what gloo ranks move over this machine's loopback together, timed in
   wall-clock seconds by `world` spawned ranks (`python -m mpoverlap.simulate.measure`).
 """
@@ -112,33 +111,70 @@ def _model_and_tokens(cfg: Any):
     return model, tokens
 
 
-def model_rate(cfg: Any, repeats: int = 7, copies: int = 1, pp: int = 1, vpp: int = 1) -> float:
+def _local_ring(cp_rank: int, cp_size: int):
+    """A CPRing of one process: `exchange` copies the block it sends into the receive buffer at
+    once (the arithmetic a cp rank does, without the communication)."""
+    from mpoverlap.comm.handle import CommHandle
+    from mpoverlap.context_parallel.ring_comm import CPRing
+
+    class LocalRing(CPRing):
+        def exchange(self, send_t, recv_t):
+            recv_t.copy_(send_t)
+            return CommHandle("cp", "send_recv", 0, [], None)
+
+    return LocalRing(None, tuple(range(cp_size)), cp_rank, cp_size, True, None)
+
+
+def model_rate(cfg: Any, repeats: int = 15, copies: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1) -> float:
     """FLOP/s (`flops_per_token`'s count) of one thread running forward + backward of the whole
     model on one microbatch of random tokens, the median of `repeats` after a warm-up, in each
-    of `copies` processes at once (`concurrently`). With pp x vpp > 1 the model runs as the
-    pipeline's chunks (`build_chunks` of every stage), each chunk's forward and backward on its
-    own as a pipeline action runs it (a received activation in, its gradient back): what a stage
-    pays per action on top of its layers' FLOPs."""
+    of `copies` processes at once (`concurrently`). The model runs as a rank of the layout runs
+    its share, one share after the other:
+    - pp x vpp > 1: as the pipeline's chunks (`build_chunks` of every stage), each chunk's
+      forward and backward on its own as a pipeline action runs it (a received activation in,
+      its gradient back): what a stage pays per action on top of its layers' FLOPs;
+    - cp > 1 (the p2p ring): as each cp rank in turn, its S/cp tokens (split_for_cp) through
+      the model with ring attention (context_parallel's block math with log-sum-exp merges)
+      over a ring whose exchanges are local copies."""
+    import math
+
     import torch
 
-    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.context_parallel.ring_attention import RingAttentionFunction
+    from mpoverlap.context_parallel.split import positions_for_cp, split_for_cp
+    from mpoverlap.context_parallel.stats import NullStats
+    from mpoverlap.models.gpt import GPT, flops_per_token
     from mpoverlap.training.pipeline_glue import build_chunks
 
     m, t = cfg.model, cfg.train
     with one_thread():
         model, tokens = _model_and_tokens(cfg)
         autocast = torch.autocast("cpu", torch.bfloat16, enabled=str(t.precision) == "bf16")
-        chunks = [c for s in range(pp) for c in build_chunks(m, pp, vpp, s, 0)] if pp * vpp > 1 else [model]
-        positions = torch.arange(m.seq_length)
-        shape = (t.micro_batch_size, m.seq_length, m.hidden_size)
+        S, shape = m.seq_length, (t.micro_batch_size, m.seq_length // cp, m.hidden_size)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if cp > 1:
+            def ring_model(rank: int):
+                ring = _local_ring(rank, cp)
+
+                def attention(q, k, v):
+                    return RingAttentionFunction.apply(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]), NullStats())
+
+                return GPT(m, seed=0, core_attention=attention)
+
+            # (model, its input tokens, targets, positions) of each share a rank runs
+            shares = [(ring_model(r), split_for_cp(inputs, r, cp, seq_dim=1), split_for_cp(targets, r, cp, seq_dim=1),
+                       positions_for_cp(S, r, cp)) for r in range(cp)]
+        else:
+            chunks = [c for s in range(pp) for c in build_chunks(m, pp, vpp, s, 0)] if pp * vpp > 1 else [model]
+            shares = [(c, inputs, targets, torch.arange(S)) for c in chunks]
 
         def work() -> None:
-            for chunk in chunks:
-                x = tokens[:, :-1] if chunk.pre_process else torch.randn(shape, requires_grad=True)
+            for chunk, x, y, positions in shares:
+                inp = x if chunk.pre_process else torch.randn(shape, requires_grad=True)
                 with autocast:
-                    out = chunk(x, position_ids=positions)
+                    out = chunk(inp, position_ids=positions)
                 if chunk.post_process:
-                    chunk.loss(out.float(), tokens[:, 1:]).backward()
+                    chunk.loss(out.float(), y).backward()
                 else:
                     out.backward(torch.randn_like(out))
 
@@ -173,65 +209,6 @@ def update_seconds_per_param(cfg: Any, repeats: int = 7, copies: int = 1) -> flo
 
         took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
     return took / n
-
-
-def ring_attention_rate(cfg: Any, cp: int, tp: int = 1, repeats: int = 3, copies: int = 1) -> float:
-    """FLOP/s (costs.py's count of the attention core) of one cp rank's ring-attention math for
-    `cfg`'s shapes: every block pair the rank attends over the cp ring steps, forward (block
-    attention, log-sum-exp merge) and backward (recomputed blocks, dQ/dK/dV accumulation), fp32,
-    no communication; the median rank-mean of `repeats`."""
-    import torch
-
-    from mpoverlap.context_parallel.attention_math import (SKIP, block_backward, block_forward, chunk_relation,
-                                                            merge_partial, repeat_kv, softmax_delta,
-                                                            sum_kv_groups)
-    from mpoverlap.context_parallel.split import cp_chunks_of_rank
-
-    m, t = cfg.model, cfg.train
-    B, S = t.micro_batch_size, m.seq_length
-    N = m.num_attention_heads // tp
-    G = max(1, (getattr(m, "num_query_groups", None) or m.num_attention_heads) // tp)
-    D, c, rep = m.hidden_size // m.num_attention_heads, S // (2 * cp), N // G
-    scale = D ** -0.5
-
-    def rank_work(rank: int) -> Callable[[], None]:
-        g = torch.Generator().manual_seed(rank)
-        q = [torch.randn(B, N, c, D, generator=g) for _ in range(2)]
-        k = [torch.randn(B, G, c, D, generator=g) for _ in range(2)]
-        v = [torch.randn(B, G, c, D, generator=g) for _ in range(2)]
-        dout = [torch.randn(B, N, c, D, generator=g) for _ in range(2)]
-        mine = cp_chunks_of_rank(rank, cp)
-        pairs = [(i, j, chunk_relation(qc, kc)) for src in range(cp)
-                 for i, qc in enumerate(mine) for j, kc in enumerate(cp_chunks_of_rank(src, cp))]
-        pairs = [p for p in pairs if p[2] != SKIP]
-
-        def work() -> None:
-            out, lse = [None, None], [None, None]
-            for i, j, rel in pairs:
-                o, l = block_forward(q[i], repeat_kv(k[j], rep), repeat_kv(v[j], rep), scale=scale,
-                                     causal=rel != "full")
-                out[i], lse[i] = merge_partial(out[i], lse[i], o, l)
-            delta = [softmax_delta(out[i], dout[i]) for i in range(2)]
-            dq = [torch.zeros(B, N, c, D) for _ in range(2)]
-            dkv = [torch.zeros(2, B, G, c, D) for _ in range(2)]
-            for i, j, rel in pairs:
-                a, b, e = block_backward(q[i], repeat_kv(k[j], rep), repeat_kv(v[j], rep), dout[i], lse[i],
-                                         delta[i], scale=scale, causal=rel != "full")
-                dq[i].add_(a)
-                dkv[j][0].add_(sum_kv_groups(b, rep))
-                dkv[j][1].add_(sum_kv_groups(e, rep))
-
-        return work
-
-    with one_thread():
-        works = [rank_work(r) for r in range(cp)]
-        def rank_mean() -> float:
-            rounds = [sum(thread_times(w, 1, warmup=0)[0] for w in works) / cp for _ in range(repeats + 1)]
-            return statistics.median(rounds[1:])
-
-        took = concurrently(rank_mean, copies)
-    tokens = B * S / cp
-    return 3 * 4 * tokens * S * m.hidden_size / tp / took
 
 
 # ---- the loopback's achieved rate ------------------------------------------------------------
