@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 STEP_TOLERANCE, SHARE_TOLERANCE = 0.25, 0.15
 
@@ -46,10 +46,10 @@ def _measured_share(mode: str, row: Dict[str, Any]) -> Optional[float]:
     return c["exposed_share"] if c else None
 
 
-def shaped_link(rate: str) -> Optional[float]:
-    """Bytes/s that 2 gloo ranks move together over a loopback shaped to `rate` by
-    bench/netns.sh (mpoverlap.simulate.measure's probe run inside it), or None when the
-    namespace cannot be made. TCP over the tbf queue delivers less than the rate."""
+def shaped_link(rate: str) -> Optional[Tuple[float, float]]:
+    """(bytes/s that 2 gloo ranks move together, latency per collective step) over a loopback
+    shaped to `rate` by bench/netns.sh (mpoverlap.simulate.measure's probe run inside it), or
+    None when the namespace cannot be made. TCP over the tbf queue delivers less than the rate."""
     import subprocess
     import sys
 
@@ -62,7 +62,8 @@ def shaped_link(rate: str) -> Optional[float]:
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise SystemExit(f"the loopback probe in bench/netns.sh failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return float(proc.stdout.split()[-2])
+    moved, _cpu, latency = proc.stdout.split()[-3:]
+    return float(moved), float(latency)
 
 
 def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict[str, Any]]:
@@ -72,12 +73,14 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
     from mpoverlap.simulate.core import simulate
     from mpoverlap.simulate.hardware import from_config, parse_rate
 
-    link = (shaped_link(rate) if probe else None) or parse_rate(f"rate {rate}")
+    probed = shaped_link(rate) if probe else None
+    link, latency = probed or (parse_rate(f"rate {rate}"), None)
+    lat = [f"hardware.inter_latency={latency}", f"hardware.intra_latency={latency}"] if latency is not None else []
     rows, machines = [], {}
     for scenario, mode, base, variants in _scenarios(results):
         for name, (extra, measured) in variants.items():
             cfg = compose(list(base) + list(extra) + ["hardware=measured", "parallel.world_size=2",
-                                                      f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"])
+                                                      f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"] + lat)
             key = json.dumps([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision)])
             if key not in machines:
                 machines[key] = from_config(cfg)

@@ -78,10 +78,11 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
     - update_s_per_param: the step's work after the last backward, per parameter;
     - comm_cpu_s_per_byte: CPU seconds (process time, gloo's threads and the kernel's
       loopback included) per byte a rank sends, from `loopback_rate`'s probe of `world` ranks;
-    - bandwidth: inside a namespace whose loopback carries a tbf rate (`tc qdisc show dev lo`,
-      as bench/netns.sh sets it), what the probe's ranks moved together; elsewhere the preset's
-      inter_bw (bench/predict.py sets it to that probe's result inside bench/netns.sh, or to
-      the nominal rate); divided by the world size: the loopback is one queue that every
+    - bandwidth and latency: inside a namespace whose loopback carries a tbf rate (`tc qdisc
+      show dev lo`, as bench/netns.sh sets it), what the probe measured (the bytes its ranks
+      moved together, a one-element all-reduce per ring step); elsewhere the preset's inter_bw
+      and inter_latency (bench/predict.py sets them to that probe's results inside
+      bench/netns.sh, or to the nominal rate); the bandwidth divided by the world size: the loopback is one queue that every
       rank's sends pass through, and the symmetric collectives send from every rank at once."""
     from mpoverlap.overlap.layout import build_layout
     from mpoverlap.simulate.measure import matmul_rate, model_rate, update_seconds_per_param
@@ -94,19 +95,22 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
     copies = min(world, os.cpu_count() or 1)  # the ranks that compute at once on this machine
     ring = lo.cp if str(cfg.parallel.cp_comm) == "p2p" else 1
     rate = model_rate(cfg, copies=copies, pp=lo.pp, vpp=lo.vpp, cp=ring)
-    moved, cpu_per_byte = loopback_probe(max(2, world))
-    link = (moved if tc_rate() else hw.inter.bandwidth) / world
+    moved, cpu_per_byte, latency = loopback_probe(max(2, world))
+    shaped = tc_rate() is not None
+    link = (moved if shaped else hw.inter.bandwidth) / world
+    latency = latency if shaped else hw.inter.latency
     # A noisy peak below the model's own rate would cap the efficiency and slow the model: the
     # peak is at least the rate the model was seen to run at.
     peak = max(peak, rate)
     return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak,
                    update_s_per_param=update_seconds_per_param(cfg, copies=copies),
                    comm_cpu_s_per_byte=cpu_per_byte,
-                   intra=replace(hw.intra, bandwidth=link), inter=replace(hw.inter, bandwidth=link))
+                   intra=replace(hw.intra, bandwidth=link, latency=latency),
+                   inter=replace(hw.inter, bandwidth=link, latency=latency))
 
 
 @lru_cache(maxsize=None)
-def loopback_probe(world: int) -> Tuple[float, float]:
+def loopback_probe(world: int) -> Tuple[float, float, float]:
     """measure.loopback_rate(world), once per process, run as `python -m
     mpoverlap.simulate.measure` (its ranks are spawned from that module's own __main__)."""
     import sys
@@ -115,8 +119,8 @@ def loopback_probe(world: int) -> Tuple[float, float]:
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"loopback probe failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    moved, cpu = proc.stdout.split()[-2:]
-    return float(moved), float(cpu)
+    moved, cpu, latency = proc.stdout.split()[-3:]
+    return float(moved), float(cpu), float(latency)
 
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

@@ -220,6 +220,7 @@ def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int
     import torch.distributed as dist
 
     from mpoverlap.overlap.estimate.comm import link_factor
+    from mpoverlap.simulate.collectives import steps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -231,6 +232,17 @@ def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int
                  "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
                  "all_to_all": lambda: dist.all_to_all_single(full.clone(), full)}
         sent = sum(link_factor(op, world) * n * 4 for op in LOOPBACK_OPS)
+        # latency: a one-element all-reduce (2(n-1) steps of the ring), median of 30
+        one = torch.ones(1)
+        tiny = []
+        for i in range(31):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(one)
+            if i:
+                tiny.append(time.perf_counter() - t0)
+        latency = statistics.median(tiny) / steps("all_reduce", world)
+        hops = sum(steps(op, world) for op in LOOPBACK_OPS)
         rates, cpu = [], []
         for i in range(repeats + 1):
             dist.barrier()
@@ -238,20 +250,22 @@ def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int
             for op in LOOPBACK_OPS:
                 calls[op]()
             took, used = time.perf_counter() - t0, time.process_time() - c0
-            if i:
-                rates.append(world * sent / took)
+            if i:  # the alpha-beta split: the bytes' time is what the latency steps leave
+                rates.append(world * sent / max(took - hops * latency, 1e-9))
                 cpu.append(used / sent)
         if rank == 0:
-            out.put((statistics.median(rates), statistics.median(cpu)))
+            out.put((statistics.median(rates), statistics.median(cpu), latency))
     finally:
         dist.destroy_process_group()
 
 
-def loopback_rate(world: int = 2, nbytes: int = 2 << 20, repeats: int = 5) -> Tuple[float, float]:
-    """Bytes/s that `world` gloo ranks on this machine's loopback move together (the sum over
-    ranks of what each sends on the wire, `link_factor` bytes, per second of a collective), the
-    median of `repeats` rounds of an all-reduce, all-gather, reduce-scatter and all-to-all of
-    `nbytes` each, while the ranks do nothing else. Inside a namespace whose loopback carries a
+def loopback_rate(world: int = 2, nbytes: int = 2 << 20, repeats: int = 5) -> Tuple[float, float, float]:
+    """(bytes/s, CPU s per byte sent, latency s per collective step) of `world` gloo ranks on
+    this machine's loopback. Latency: a one-element all-reduce over its 2(n-1) ring steps.
+    Bytes/s: what the ranks move together (the sum over ranks of what each sends on the wire,
+    `link_factor` bytes, over a collective's time less its latency steps), the median of
+    `repeats` rounds of an all-reduce, all-gather, reduce-scatter and all-to-all of `nbytes`
+    each, while the ranks do nothing else. Inside a namespace whose loopback carries a
     tbf rate (bench/netns.sh) this is what the rate delivers to gloo, which is below the rate:
     TCP over a shaped queue does not fill it."""
     import socket
@@ -271,13 +285,14 @@ def loopback_rate(world: int = 2, nbytes: int = 2 << 20, repeats: int = 5) -> Tu
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad or out.empty():
         raise RuntimeError(f"loopback probe failed (worker exit codes {[p.exitcode for p in procs]})")
-    rate, cpu = out.get()
-    return float(rate), float(cpu)
+    rate, cpu, latency = out.get()
+    return float(rate), float(cpu), float(latency)
 
 
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="print this machine's loopback rate for gloo ranks (bytes/s)")
+    parser = argparse.ArgumentParser(description="print this machine's loopback for gloo ranks: bytes/s the ranks "
+                                                 "move together, CPU s per byte sent, latency s per collective step")
     parser.add_argument("--world", type=int, default=2)
-    print("%.6g %.6g" % loopback_rate(parser.parse_args().world))
+    print("%.6g %.6g %.6g" % loopback_rate(parser.parse_args().world))
