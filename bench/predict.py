@@ -1,9 +1,12 @@
 """The simulator against the benchmarks: every DP and bench.modes scenario (overlap on and
-off) predicted with `hardware=measured` (this machine's one-thread matmul and model rate, the
-namespace's tbf rate shared by the 2 ranks) and printed beside the measured median step and
-exposed share (quiet blocks where there are any, as the tables above use).
+off) predicted with `hardware=measured` (this machine's rates, mpoverlap/simulate/measure.py:
+one-thread matmul peak, the model's forward + backward with both ranks' copies running, the
+optimizer step per parameter, ring attention's block math, the CPU cost of a byte sent; the link:
+what 2 gloo ranks achieve over the loopback inside bench/netns.sh at the run's rate, shared by
+the 2 ranks) and printed beside the measured median step and exposed share (quiet blocks where
+there are any, as the tables above use).
 
-    python -m bench.predict bench/results/<stamp>/results.json [--rate 2gbit]
+    python -m bench.predict bench/results/<stamp>/results.json [--rate 2gbit] [--nominal-link]
     python -m bench.predict --quiet-2026-11-22      # the quiet medians docs/benchmarks.md publishes
 
 `make bench` (bench/run.py) runs it on its own results at the end. Goals (issue 20): step
@@ -14,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 STEP_TOLERANCE, SHARE_TOLERANCE = 0.25, 0.15
 
@@ -43,17 +46,41 @@ def _measured_share(mode: str, row: Dict[str, Any]) -> Optional[float]:
     return c["exposed_share"] if c else None
 
 
-def predict(results: Dict[str, Any], rate: str) -> List[Dict[str, Any]]:
+def shaped_link(rate: str) -> Optional[Tuple[float, float]]:
+    """(bytes/s that 2 gloo ranks move together, latency per collective step) over a loopback
+    shaped to `rate` by bench/netns.sh (mpoverlap.simulate.measure's probe run inside it), or
+    None when the namespace cannot be made. TCP over the tbf queue delivers less than the rate."""
+    import subprocess
+    import sys
+
+    from bench.common import ROOT, netns_prefix
+
+    prefix, _ = netns_prefix(rate, False)
+    if not prefix:
+        return None
+    proc = subprocess.run(prefix + [sys.executable, "-W", "ignore", "-m", "mpoverlap.simulate.measure", "--world", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise SystemExit(f"the loopback probe in bench/netns.sh failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    moved, _cpu, latency = proc.stdout.split()[-3:]
+    return float(moved), float(latency)
+
+
+def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict[str, Any]]:
+    """Every scenario's prediction beside its measurement. The link: with `probe`, what
+    2 ranks achieve in bench/netns.sh at `rate` (`shaped_link`), else the nominal rate."""
     from mpoverlap.config import compose
     from mpoverlap.simulate.core import simulate
     from mpoverlap.simulate.hardware import from_config, parse_rate
 
-    link = parse_rate(f"rate {rate}")
+    probed = shaped_link(rate) if probe else None
+    link, latency = probed or (parse_rate(f"rate {rate}"), None)
+    lat = [f"hardware.inter_latency={latency}", f"hardware.intra_latency={latency}"] if latency is not None else []
     rows, machines = [], {}
     for scenario, mode, base, variants in _scenarios(results):
         for name, (extra, measured) in variants.items():
             cfg = compose(list(base) + list(extra) + ["hardware=measured", "parallel.world_size=2",
-                                                      f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"])
+                                                      f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"] + lat)
             key = json.dumps([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision)])
             if key not in machines:
                 machines[key] = from_config(cfg)
@@ -152,6 +179,8 @@ def main() -> None:
     p.add_argument("--quiet-2026-11-22", action="store_true",
                    help="predict the quiet medians published in docs/benchmarks.md instead")
     p.add_argument("--rate", default=None, help="tc tbf rate of the run (default: the run's --rate)")
+    p.add_argument("--nominal-link", action="store_true",
+                   help="take the tbf rate as the link instead of probing what gloo achieves at it in bench/netns.sh")
     args = p.parse_args()
     if args.quiet_2026_11_22:
         results = quiet_results()
@@ -160,7 +189,7 @@ def main() -> None:
     else:
         p.error("give a results.json or --quiet-2026-11-22")
     rate = args.rate or results.get("args", {}).get("rate", "2gbit")
-    print(render(predict(results, rate)))
+    print(render(predict(results, rate, probe=not args.nominal_link)))
 
 
 if __name__ == "__main__":

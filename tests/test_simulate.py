@@ -231,7 +231,7 @@ def test_bench_predict_covers_every_scenario(monkeypatch):
     from mpoverlap.simulate import hardware
 
     monkeypatch.setattr(hardware, "measured", lambda hw, cfg: dataclasses.replace(hw, peak_flops=5e10))
-    rows = predict.predict(predict.quiet_results(), "2gbit")
+    rows = predict.predict(predict.quiet_results(), "2gbit", probe=False)
     assert {(r["scenario"], r["overlap"]) for r in rows} == {(s, o) for s in ("dp", "tp", "cp", "pp", "ep")
                                                           for o in (True, False)}
     assert len(rows) == 13 and all(r["predicted_step_s"] > 0 and 0 <= r["predicted_share"] <= 1 for r in rows)
@@ -256,3 +256,68 @@ def test_in_flight_is_the_estimates_link_bytes_over_bandwidth():
     for mode in ("dp", "tp", "cp"):
         assert r.in_flight_s[mode] == pytest.approx(est.comm_link_bytes_per_step[mode] / hw.intra.bandwidth,
                                                     rel=1e-6), mode
+
+
+# ---- the CPU machine's extra terms (hardware=measured) -------------------------------------------
+
+def _tiny(*extra):
+    from mpoverlap.config import compose
+
+    return compose(["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
+                    "model.num_attention_heads=4", "model.seq_length=64", "model.vocab_size=128",
+                    "train.micro_batch_size=2", "train.global_batch_size=8", "parallel.world_size=2", *extra])
+
+
+def test_update_after_the_last_backward_by_hand():
+    """The optimizer step costs update_s_per_param per parameter the rank updates, once per
+    step, added to the step as is; ZeRO-1 updates a 1/dp shard."""
+    import dataclasses
+
+    from mpoverlap.overlap.estimate.params import stage_params
+    from mpoverlap.overlap.layout import build_layout
+    from mpoverlap.simulate import simulate
+    from mpoverlap.simulate.core import update_seconds
+
+    hw0 = _hw()
+    hw = dataclasses.replace(hw0, update_s_per_param=2e-9)
+    cfg = _tiny("parallel.dp=2")
+    lo = build_layout(cfg)
+    # this rank holds every parameter: 2 layers of two RMS norms (32 each), qkv 96 x 32, proj
+    # 32 x 32, SwiGLU gate_up 128 x 32 and down 32 x 64; the 128 x 32 embedding (tied head) and
+    # the final norm (32)
+    per_layer = 2 * 32 + 96 * 32 + 32 * 32 + 128 * 32 + 32 * 64
+    n = 2 * per_layer + 128 * 32 + 32
+    assert n == 24736 == stage_params(cfg, lo, 0)
+    assert update_seconds(cfg, lo, hw, 0) == pytest.approx(2e-9 * n)
+    assert simulate(cfg, hw).step_s - simulate(cfg, hw0).step_s == pytest.approx(2e-9 * n)
+    zero1 = _tiny("parallel.dp=2", "train.distributed_optimizer=true")
+    assert update_seconds(zero1, build_layout(zero1), hw, 0) == pytest.approx(2e-9 * n / 2)
+    assert update_seconds(cfg, lo, hw0, 0) == 0.0  # the GPU presets: not modelled
+
+
+def test_hidden_communication_takes_cpu_by_hand():
+    """tp 10 ms in flight, 4 ms exposed: 6 ms hidden on a 100 MB/s link = 600 kB sent, at
+    2 ns/byte 1.2 ms of CPU; a mode with overlap off (all exposed, its CPU work runs while the
+    rank waits) and a mode switched off add nothing."""
+    import dataclasses
+
+    from mpoverlap.simulate.core import hidden_comm_cpu
+
+    hw = dataclasses.replace(_hw(), comm_cpu_s_per_byte=2e-9)
+    link = Link(1e8, 0.0)
+    links = {k: link for k in ("dp", "tp", "cp", "ep", "pp_hop")}
+    assert hidden_comm_cpu(hw, links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": True}) == pytest.approx(1.2e-3)
+    assert hidden_comm_cpu(hw, links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": False}) == 0.0
+    assert hidden_comm_cpu(_hw(), links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": True}) == 0.0
+
+
+def test_measured_rates_on_a_tiny_model():
+    """The rank-compute measurements run and give positive rates (the values are the
+    machine's; bench/predict.py compares them with the benchmarks)."""
+    from mpoverlap.simulate.measure import concurrently, model_rate, update_seconds_per_param
+
+    cfg = _tiny("parallel.cp=2", "train.global_batch_size=2")
+    for share in ({}, {"pp": 2, "vpp": 2}, {"cp": 2}):
+        assert model_rate(cfg, repeats=1, **share) > 0, share
+    assert 0 < update_seconds_per_param(cfg, repeats=2) < 1e-5
+    assert concurrently(lambda: 3.0, 2) == 3.0

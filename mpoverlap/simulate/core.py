@@ -8,7 +8,9 @@ with the real p2p and once with free p2p (the bubble) -> the DP tail after the l
 
 Decomposition of the step on the stage that ends last:
   step = compute + exposed TP/CP/EP (inside the actions) + DP parameter-gather wait
-         + bubble (idle with free p2p) + exposed PP (what real p2p adds) + DP tail.
+         + bubble (idle with free p2p) + exposed PP (what real p2p adds) + DP tail
+         + the update after the last backward (norm, clip, optimizer: `update_seconds`)
+         + the CPU time hidden communication takes from compute (`hidden_comm_cpu`).
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ class SimResult:
     ledger_pp: Dict[str, float] = field(default_factory=dict)
     avg_compute_s: float = 0.0  # compute per step averaged over the stages
     useful_share: float = 1.0  # model FLOPs / FLOPs run (recomputation, head, attention's causal half)
+    update_s: float = 0.0  # the critical stage's work after the last backward (in compute_s)
+    comm_cpu_s: float = 0.0  # CPU time its hidden communication took from compute (in compute_s)
 
     @property
     def exposed_share(self) -> Dict[str, float]:
@@ -75,6 +79,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
 
     # DP per stage: gradient buckets under the last backward, parameter gather under the first forward.
     dp = [_dp_stage(cfg, lo, hw, links, s, c) for s in range(lo.pp)]
+    update = [update_seconds(cfg, lo, hw, s) for s in range(lo.pp)]
     first_fwd = [sum(costs[v * lo.pp + s].duration("F") for v in range(lo.vpp)) for s in range(lo.pp)]
     gather_wait = [0.0] * lo.pp
     if ov.dp_param_gather.enabled:
@@ -99,7 +104,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
             finish = end + grads
         tail_other = dp[s]["other"] + (0.0 if ov.dp_param_gather.enabled else dp[s]["gather"])
         tails.append((finish - end, tail_other))
-        ends.append(finish + tail_other)
+        ends.append(finish + tail_other + update[s])
     crit = max(range(lo.pp), key=lambda s: ends[s])
     step = ends[crit]
     pipe_real, pipe_free = max(real.ends), max(free.ends)
@@ -108,7 +113,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
 
     in_flight = {m: 0.0 for m in MODES}
     exposed = {m: 0.0 for m in MODES}
-    compute = 0.0
+    compute = update[crit]
     for v in range(lo.vpp):
         cost: ChunkCost = costs[v * lo.pp + crit]
         for kind in ("F", "B"):
@@ -123,22 +128,56 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     exposed["tp"] += dp[crit]["tp_other"]
     in_flight["dp"] = dp[crit]["grads"] + dp[crit]["gather"]
     exposed["dp"] = tails[crit][0] + gather_wait[crit] + (0.0 if ov.dp_param_gather.enabled else dp[crit]["gather"])
+    # Communication hidden under compute still costs the CPU that sends it (gloo ranks): the
+    # step grows by those seconds (0 on GPUs, where comm_cpu_s_per_byte is 0).
+    stolen = hidden_comm_cpu(hw, links, in_flight, exposed, enabled)
+    step += stolen
+    compute += stolen
     m, t = cfg.model, cfg.train
     tokens = t.global_batch_size * m.seq_length
     model_flops = flops_per_token(m) * tokens
     world = lo.world
     per_stage = [micro * sum(costs[v * lo.pp + s].compute[k] for v in range(lo.vpp) for k in ("F", "B"))
                  for s in range(lo.pp)]
-    avg_compute = sum(per_stage) / lo.pp
-    run_flops = avg_compute * hw.flops * world
+    run_flops = sum(per_stage) / lo.pp * hw.flops * world
+    avg_compute = sum(per_stage[s] + update[s] for s in range(lo.pp)) / lo.pp + stolen
     result = SimResult(step_s=step, compute_s=compute, bubble_s=bubble, in_flight_s=in_flight, exposed_s=exposed,
                        tokens_per_s=tokens / step, mfu=model_flops / (step * world * hw.peak_flops),
                        critical_stage=crit, enabled=enabled,
                        links={k: v.name for k, v in links.items() if k in ("tp", "cp", "dp", "ep", "pp")},
-                       avg_compute_s=avg_compute,
+                       avg_compute_s=avg_compute, update_s=update[crit], comm_cpu_s=stolen,
                        ledger_pp={"in_flight_s": sum(real.ledger_in_flight) / lo.pp,
                                   "exposed_s": sum(real.ledger_exposed) / lo.pp} if lo.pp > 1 else {}, useful_share=model_flops / run_flops if run_flops else 1.0)
     return result
+
+
+HIDDEN_LINK = {"dp": "dp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp_hop"}
+
+
+def hidden_comm_cpu(hw: Hardware, links, in_flight: Dict[str, float], exposed: Dict[str, float],
+                    enabled: Dict[str, bool]) -> float:
+    """CPU seconds that communication hidden under compute takes from it: per mode with overlap
+    on, its hidden seconds (in flight - exposed) times the bytes its link moves per second
+    times `hw.comm_cpu_s_per_byte`. Exposed communication is waited for: its CPU work runs
+    while compute is stopped anyway."""
+    if hw.comm_cpu_s_per_byte <= 0:
+        return 0.0
+    return sum(max(0.0, in_flight.get(m, 0.0) - exposed.get(m, 0.0)) * links[k].bandwidth * hw.comm_cpu_s_per_byte
+               for m, k in HIDDEN_LINK.items() if enabled.get(m))
+
+
+def update_seconds(cfg: Any, lo: Layout, hw: Hardware, stage: int) -> float:
+    """Seconds of one rank of `stage` after its last backward: gradient norm, clip, AdamW and
+    zeroing the gradient buffer, `hw.update_s_per_param` per parameter it updates (its
+    parameters, over dp x cp when the optimizer is sharded, as DataParallelAdamW shards them)."""
+    from mpoverlap.data_parallel.levels import resolve_level
+
+    if hw.update_s_per_param <= 0:
+        return 0.0
+    t = cfg.train
+    level = resolve_level(getattr(t, "dp_sharding", "none"), bool(getattr(t, "distributed_optimizer", False)))
+    shard = lo.dp * lo.cp if level != "none" else 1
+    return stage_params(cfg, lo, stage) / shard * hw.update_s_per_param
 
 
 def _pp_message_bytes(cfg: Any, lo: Layout, c: int) -> float:
@@ -189,7 +228,9 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
     lines = [f"mpoverlap simulate: world {lo.world} = tp {lo.tp} x cp {lo.cp} x dp {lo.dp} x pp {lo.pp} "
              f"(ep {lo.ep}, vpp {lo.vpp}), {lo.num_microbatches} microbatch(es) of {cfg.train.micro_batch_size}",
              f"  hardware {describe(hw)}",
-             f"  step {r.step_s * 1e3:,.2f} ms on stage {r.critical_stage}: compute {r.compute_s * 1e3:,.2f} ms, "
+             f"  step {r.step_s * 1e3:,.2f} ms on stage {r.critical_stage}: compute {r.compute_s * 1e3:,.2f} ms"
+             f"{f' (of it {r.update_s * 1e3:,.2f} ms optimizer update)' if r.update_s > 0 else ''}"
+             f"{f' (of it {r.comm_cpu_s * 1e3:,.2f} ms CPU of hidden communication)' if r.comm_cpu_s > 0 else ''}, "
              f"pipeline idle {r.bubble_s * 1e3:,.2f} ms (bubble and stage imbalance), exposed communication "
              f"{exposed * 1e3:,.2f} ms",
              f"  {r.tokens_per_s:,.0f} tokens/s, MFU {100 * r.mfu:.1f}% of {hw.peak_flops / 1e12:,.4g} TFLOP/s peak",

@@ -7,11 +7,12 @@ inter-node one.
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
-import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from functools import lru_cache
+from typing import Any, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,14 @@ class Hardware:
     hbm_bytes: float
     intra: Link
     inter: Link
+    # Seconds per parameter of a rank's work after the last backward (gradient norm, clip,
+    # AdamW, zeroing the gradient buffer): charged once per step; 0 = not modelled (the GPU
+    # presets, where it is a small part of the step).
+    update_s_per_param: float = 0.0
+    # CPU seconds a rank spends per byte it sends when its collectives run on the cores that
+    # compute (gloo on CPU ranks): communication hidden under compute still takes this CPU time
+    # from it. 0 = communication takes no compute time (GPUs: NCCL on its own SMs).
+    comm_cpu_s_per_byte: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -58,72 +67,60 @@ def from_config(cfg: Any) -> Hardware:
 
 
 def measured(hw: Hardware, cfg: Any) -> Hardware:
-    """`hw` measured on this machine for `cfg`:
-    - peak_flops: one thread's matmul rate at the model's MLP shape (each benchmark worker runs
-      one thread), gemm_efficiency: the rate one thread runs this model's forward + backward at
-      (its FLOPs as `flops_per_token` counts them, over the best time), over that peak;
-    - bandwidth: the loopback's tbf rate in this namespace (`tc qdisc show dev lo`; else the
-      preset's inter_bw), divided by the world size: the loopback is one queue that every
+    """`hw` measured on this machine for `cfg` (the rates in measure.py, thread CPU time, one
+    torch thread as each benchmark worker runs):
+    - peak_flops: one thread's matmul rate at the model's MLP shape (best of its repeats);
+      gemm_efficiency: the median rate one thread runs this model's forward + backward at
+      (its FLOPs as `flops_per_token` counts them) while as many copies run at once as the
+      layout has ranks on this machine (at most one per core), run as a rank runs its share
+      (the pipeline's chunks when pp x vpp > 1; each cp rank's tokens through ring attention
+      when cp > 1 over the p2p ring), over that peak (at least that rate);
+    - update_s_per_param: the step's work after the last backward, per parameter;
+    - comm_cpu_s_per_byte: CPU seconds (process time, gloo's threads and the kernel's
+      loopback included) per byte a rank sends, from `loopback_rate`'s probe of `world` ranks;
+    - bandwidth and latency: inside a namespace whose loopback carries a tbf rate (`tc qdisc
+      show dev lo`, as bench/netns.sh sets it), what the probe measured (the bytes its ranks
+      moved together, a one-element all-reduce per ring step); elsewhere the preset's inter_bw
+      and inter_latency (bench/predict.py sets them to that probe's results inside
+      bench/netns.sh, or to the nominal rate); the bandwidth divided by the world size: the loopback is one queue that every
       rank's sends pass through, and the symmetric collectives send from every rank at once."""
+    from mpoverlap.overlap.layout import build_layout
+    from mpoverlap.simulate.measure import matmul_rate, model_rate, update_seconds_per_param
+
     m, t = cfg.model, cfg.train
     bf16 = str(t.precision) == "bf16"
     peak = matmul_rate(t.micro_batch_size * m.seq_length, m.hidden_size, m.ffn_hidden_size, bf16=bf16)
-    rate = model_rate(cfg)
-    from mpoverlap.overlap.layout import build_layout
-
-    world = build_layout(cfg).world or 1
-    link = (tc_rate() or hw.inter.bandwidth) / world
-    return replace(hw, peak_flops=peak, gemm_efficiency=min(1.0, rate / peak),
-                   intra=replace(hw.intra, bandwidth=link), inter=replace(hw.inter, bandwidth=link))
-
-
-def matmul_rate(rows: int, hidden: int, ffn: int, bf16: bool = False, repeats: int = 10) -> float:
-    """FLOP/s of one thread on an (rows x hidden) @ (hidden x ffn) matmul, best of `repeats`.
-    Timed in the thread's CPU time (one torch thread computes in the caller's thread), so other
-    processes' load on the machine does not enter the rate."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, ffn, dtype=dtype)
-        a @ b
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.thread_time()
-            a @ b
-            best = min(best, time.thread_time() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return 2.0 * rows * hidden * ffn / best
+    lo = build_layout(cfg)
+    world = lo.world or 1
+    copies = min(world, os.cpu_count() or 1)  # the ranks that compute at once on this machine
+    ring = lo.cp if str(cfg.parallel.cp_comm) == "p2p" else 1
+    rate = model_rate(cfg, copies=copies, pp=lo.pp, vpp=lo.vpp, cp=ring)
+    moved, cpu_per_byte, latency = loopback_probe(max(2, world))
+    shaped = tc_rate() is not None
+    link = (moved if shaped else hw.inter.bandwidth) / world
+    latency = latency if shaped else hw.inter.latency
+    # A noisy peak below the model's own rate would cap the efficiency and slow the model: the
+    # peak is at least the rate the model was seen to run at.
+    peak = max(peak, rate)
+    return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak,
+                   update_s_per_param=update_seconds_per_param(cfg, copies=copies),
+                   comm_cpu_s_per_byte=cpu_per_byte,
+                   intra=replace(hw.intra, bandwidth=link, latency=latency),
+                   inter=replace(hw.inter, bandwidth=link, latency=latency))
 
 
-def model_rate(cfg: Any, repeats: int = 5) -> float:
-    """FLOP/s of one thread running forward + backward of the whole model (one process, one
-    microbatch of random tokens), best of `repeats` after a warm-up."""
-    import torch
+@lru_cache(maxsize=None)
+def loopback_probe(world: int) -> Tuple[float, float, float]:
+    """measure.loopback_rate(world), once per process, run as `python -m
+    mpoverlap.simulate.measure` (its ranks are spawned from that module's own __main__)."""
+    import sys
 
-    from mpoverlap.models.gpt import GPT, flops_per_token
-
-    m, t = cfg.model, cfg.train
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = GPT(m, seed=0)
-        tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1))
-        autocast = torch.autocast("cpu", torch.bfloat16, enabled=str(t.precision) == "bf16")
-        best = float("inf")
-        for i in range(repeats + 1):
-            t0 = time.thread_time()
-            with autocast:
-                loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            if i:
-                best = min(best, time.thread_time() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return flops_per_token(m) * t.micro_batch_size * m.seq_length / best
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "mpoverlap.simulate.measure", "--world", str(world)],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loopback probe failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    moved, cpu, latency = proc.stdout.split()[-3:]
+    return float(moved), float(cpu), float(latency)
 
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -150,4 +147,6 @@ def tc_rate(device: str = "lo") -> Optional[float]:
 def describe(hw: Hardware) -> str:
     return (f"{hw.name}: {hw.gpus_per_node} GPUs/node, {hw.peak_flops / 1e12:,.4g} TFLOP/s peak x "
             f"{hw.gemm_efficiency:.2f}, HBM {hw.hbm_bytes / 1e9:,.0f} GB, intra {hw.intra.bandwidth / 1e9:,.4g} GB/s "
-            f"({hw.intra.latency * 1e6:g} us), inter {hw.inter.bandwidth / 1e9:,.4g} GB/s ({hw.inter.latency * 1e6:g} us)")
+            f"({hw.intra.latency * 1e6:g} us), inter {hw.inter.bandwidth / 1e9:,.4g} GB/s ({hw.inter.latency * 1e6:g} us)"
+            + (f", update {hw.update_s_per_param * 1e9:.2f} ns/parameter" if hw.update_s_per_param > 0 else "")
+            + (f", communication CPU {hw.comm_cpu_s_per_byte * 1e9:.2f} ns/byte" if hw.comm_cpu_s_per_byte > 0 else ""))

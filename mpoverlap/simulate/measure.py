@@ -1,0 +1,298 @@
+"""This machine's rates for `hardware=measured` (hardware.measured puts them together).
+
+Every rate is timed in the calling thread's CPU time (`time.thread_time`) with torch on one
+thread, as each benchmark worker runs, and the per-rank work in as many processes at once as
+the layout has ranks on this machine (`concurrently`): the ranks share the cores' caches and
+memory bandwidth, and small, memory-bound work runs measurably slower beside a second copy.
+Thread time keeps out the time a process waits for a core, not the slowdown other processes'
+load causes on the core it has: measure on a quiet machine.
+
+- `matmul_rate`: one (rows x hidden) @ (hidden x ffn) matmul, best of the repeats: the peak.
+- `model_rate`: forward + backward of the whole model on one microbatch, the MEDIAN of the
+  repeats: the benchmarks report median steps, and on a shared machine the median of a
+  repeated piece of work sits well above its best. It runs as a rank runs its share: under
+  pipeline parallelism as the pipeline's chunks, one action at a time; under context
+  parallelism (the p2p ring) each cp rank's tokens through ring attention, block by block in
+  Python with log-sum-exp merges (much slower than the single-process SDPA), over a ring whose
+  exchanges are local copies.
+- `update_seconds_per_param`: what a training step costs beyond forward and backward, per
+  parameter of the rank: zeroing the gradient buffer, the foreach gradient norm and clip
+  scale, and foreach AdamW (memory-bound: a few passes over parameters, gradients and two
+  moments), the work DataParallelAdamW does after the last backward.
+- `loopback_rate`: what gloo ranks move over this machine's loopback together, timed in
+  wall-clock seconds by `world` spawned ranks (`python -m mpoverlap.simulate.measure`).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Tuple
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def thread_times(work: Callable[[], Any], repeats: int, warmup: int = 1) -> List[float]:
+    """Thread-CPU seconds of `repeats` calls of `work` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        work()
+    out = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        work()
+        out.append(time.thread_time() - t0)
+    return out
+
+
+def concurrently(measure: Callable[[], float], copies: int) -> float:
+    """The median of `measure()` run by `copies` processes at once (this one and copies - 1
+    forked children, started together at a barrier): a rank's rate while the layout's other
+    ranks on this machine compute too, as they do in a step (they share caches and memory
+    bandwidth). copies <= 1: this process alone."""
+    import multiprocessing as mp
+    import os
+
+    if copies <= 1:
+        return measure()
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(copies)
+    pipes, children = [], []
+    for _ in range(copies - 1):
+        recv, send = ctx.Pipe(duplex=False)
+        pid = os.fork()
+        if pid == 0:  # the child: measure, report, leave without running the parent's cleanup
+            code = 1
+            try:
+                barrier.wait(60)
+                send.send(measure())
+                code = 0
+            finally:
+                os._exit(code)
+        children.append(pid)
+        pipes.append(recv)
+    barrier.wait(60)
+    values = [measure()]
+    for recv in pipes:
+        values.append(recv.recv())
+    for pid in children:
+        os.waitpid(pid, 0)
+    return statistics.median(values)
+
+
+def matmul_rate(rows: int, hidden: int, ffn: int, bf16: bool = False, repeats: int = 10) -> float:
+    """FLOP/s of one thread on an (rows x hidden) @ (hidden x ffn) matmul, best of `repeats`."""
+    import torch
+
+    with one_thread():
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, ffn, dtype=dtype)
+        best = min(thread_times(lambda: a @ b, repeats))
+    return 2.0 * rows * hidden * ffn / best
+
+
+def _model_and_tokens(cfg: Any):
+    import torch
+
+    from mpoverlap.models.gpt import GPT
+
+    m, t = cfg.model, cfg.train
+    model = GPT(m, seed=0)
+    tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1))
+    return model, tokens
+
+
+def _local_ring(cp_rank: int, cp_size: int):
+    """A CPRing of one process: `exchange` copies the block it sends into the receive buffer at
+    once (the arithmetic a cp rank does, without the communication)."""
+    from mpoverlap.comm.handle import CommHandle
+    from mpoverlap.context_parallel.ring_comm import CPRing
+
+    class LocalRing(CPRing):
+        def exchange(self, send_t, recv_t):
+            recv_t.copy_(send_t)
+            return CommHandle("cp", "send_recv", 0, [], None)
+
+    return LocalRing(None, tuple(range(cp_size)), cp_rank, cp_size, True, None)
+
+
+def model_rate(cfg: Any, repeats: int = 15, copies: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1) -> float:
+    """FLOP/s (`flops_per_token`'s count) of one thread running forward + backward of the whole
+    model on one microbatch of random tokens, the median of `repeats` after a warm-up, in each
+    of `copies` processes at once (`concurrently`). The model runs as a rank of the layout runs
+    its share, one share after the other:
+    - pp x vpp > 1: as the pipeline's chunks (`build_chunks` of every stage), each chunk's
+      forward and backward on its own as a pipeline action runs it (a received activation in,
+      its gradient back): what a stage pays per action on top of its layers' FLOPs;
+    - cp > 1 (the p2p ring): as each cp rank in turn, its S/cp tokens (split_for_cp) through
+      the model with ring attention (context_parallel's block math with log-sum-exp merges)
+      over a ring whose exchanges are local copies."""
+    import math
+
+    import torch
+
+    from mpoverlap.context_parallel.ring_attention import RingAttentionFunction
+    from mpoverlap.context_parallel.split import positions_for_cp, split_for_cp
+    from mpoverlap.context_parallel.stats import NullStats
+    from mpoverlap.models.gpt import GPT, flops_per_token
+    from mpoverlap.training.pipeline_glue import build_chunks
+
+    m, t = cfg.model, cfg.train
+    with one_thread():
+        model, tokens = _model_and_tokens(cfg)
+        autocast = torch.autocast("cpu", torch.bfloat16, enabled=str(t.precision) == "bf16")
+        S, shape = m.seq_length, (t.micro_batch_size, m.seq_length // cp, m.hidden_size)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if cp > 1:
+            def ring_model(rank: int):
+                ring = _local_ring(rank, cp)
+
+                def attention(q, k, v):
+                    return RingAttentionFunction.apply(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]), NullStats())
+
+                return GPT(m, seed=0, core_attention=attention)
+
+            # (model, its input tokens, targets, positions) of each share a rank runs
+            shares = [(ring_model(r), split_for_cp(inputs, r, cp, seq_dim=1), split_for_cp(targets, r, cp, seq_dim=1),
+                       positions_for_cp(S, r, cp)) for r in range(cp)]
+        else:
+            chunks = [c for s in range(pp) for c in build_chunks(m, pp, vpp, s, 0)] if pp * vpp > 1 else [model]
+            shares = [(c, inputs, targets, torch.arange(S)) for c in chunks]
+
+        def work() -> None:
+            for chunk, x, y, positions in shares:
+                inp = x if chunk.pre_process else torch.randn(shape, requires_grad=True)
+                with autocast:
+                    out = chunk(inp, position_ids=positions)
+                if chunk.post_process:
+                    chunk.loss(out.float(), y).backward()
+                else:
+                    out.backward(torch.randn_like(out))
+
+        took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
+    return flops_per_token(m) * t.micro_batch_size * m.seq_length / took
+
+
+def update_seconds_per_param(cfg: Any, repeats: int = 7, copies: int = 1) -> float:
+    """Thread-CPU seconds per parameter of the step's work after the last backward (gradient
+    buffer zeroed, fp64 foreach norm, foreach clip scale, foreach AdamW with weight decay), on
+    the model's own parameters in one flat buffer as the DP wrapper keeps them; the median."""
+    import torch
+
+    with one_thread():
+        model, _ = _model_and_tokens(cfg)
+        params = [p for p in model.parameters()]
+        n = sum(p.numel() for p in params)
+        flat_grad = torch.randn(n)
+        grads, offset = [], 0
+        for p in params:
+            grads.append(flat_grad[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+
+        def work() -> None:
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum().sqrt()
+            torch._foreach_mul_(grads, 0.5)
+            optimizer.step()
+            flat_grad.zero_()
+
+        took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
+    return took / n
+
+
+# ---- the loopback's achieved rate ------------------------------------------------------------
+LOOPBACK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mpoverlap.overlap.estimate.comm import link_factor
+    from mpoverlap.simulate.collectives import steps
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        n = nbytes // 4 // world * world
+        full, part = torch.ones(n), torch.ones(n // world)
+        calls = {"all_reduce": lambda: dist.all_reduce(full),
+                 "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+                 "all_to_all": lambda: dist.all_to_all_single(full.clone(), full)}
+        sent = sum(link_factor(op, world) * n * 4 for op in LOOPBACK_OPS)
+        # latency: a one-element all-reduce (2(n-1) steps of the ring), median of 30
+        one = torch.ones(1)
+        tiny = []
+        for i in range(31):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(one)
+            if i:
+                tiny.append(time.perf_counter() - t0)
+        latency = statistics.median(tiny) / steps("all_reduce", world)
+        hops = sum(steps(op, world) for op in LOOPBACK_OPS)
+        rates, cpu = [], []
+        for i in range(repeats + 1):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for op in LOOPBACK_OPS:
+                calls[op]()
+            took, used = time.perf_counter() - t0, time.process_time() - c0
+            if i:  # the alpha-beta split: the bytes' time is what the latency steps leave
+                rates.append(world * sent / max(took - hops * latency, 1e-9))
+                cpu.append(used / sent)
+        if rank == 0:
+            out.put((statistics.median(rates), statistics.median(cpu), latency))
+    finally:
+        dist.destroy_process_group()
+
+
+def loopback_rate(world: int = 2, nbytes: int = 2 << 20, repeats: int = 5) -> Tuple[float, float, float]:
+    """(bytes/s, CPU s per byte sent, latency s per collective step) of `world` gloo ranks on
+    this machine's loopback. Latency: a one-element all-reduce over its 2(n-1) ring steps.
+    Bytes/s: what the ranks move together (the sum over ranks of what each sends on the wire,
+    `link_factor` bytes, over a collective's time less its latency steps), the median of
+    `repeats` rounds of an all-reduce, all-gather, reduce-scatter and all-to-all of `nbytes`
+    each, while the ranks do nothing else. Inside a namespace whose loopback carries a
+    tbf rate (bench/netns.sh) this is what the rate delivers to gloo, which is below the rate:
+    TCP over a shaped queue does not fill it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_loopback_worker, args=(r, world, port, nbytes, repeats, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad or out.empty():
+        raise RuntimeError(f"loopback probe failed (worker exit codes {[p.exitcode for p in procs]})")
+    rate, cpu, latency = out.get()
+    return float(rate), float(cpu), float(latency)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="print this machine's loopback for gloo ranks: bytes/s the ranks "
+                                                 "move together, CPU s per byte sent, latency s per collective step")
+    parser.add_argument("--world", type=int, default=2)
+    print("%.6g %.6g %.6g" % loopback_rate(parser.parse_args().world))
