@@ -99,9 +99,9 @@ class _Held:
     def __init__(self, t):
         self.t, self.staged_calls = t, 0
 
-    def staged(self):
+    def staged(self, copy_tensor):
         self.staged_calls += 1
-        return _Held(self.t.clone())
+        return _Held(copy_tensor(self.t))
 
 
 def test_stage_state_copies_every_tensor_and_asks_objects_for_their_copy():
@@ -109,6 +109,8 @@ def test_stage_state_copies_every_tensor_and_asks_objects_for_their_copy():
     state = {"a": {"t": torch.zeros(2, 2), "list": [torch.ones(2), 3]}, "h": held, "meta": {"k": [1, 2]}}
     staged = stage_state(state)
     assert held.staged_calls == 1 and staged["h"] is not held and torch.equal(staged["h"].t, held.t)
+    held.t.add_(1)  # the stager's copy function made a real copy for the object too
+    assert torch.equal(staged["h"].t, torch.ones(3))
     state["a"]["t"].add_(5)
     state["a"]["list"][0].add_(5)
     state["meta"]["k"].append(3)

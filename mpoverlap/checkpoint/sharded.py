@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
@@ -44,10 +44,12 @@ class ShardedEntry:
                 raise ValueError(f"chunk at {tuple(offsets)} of shape {tuple(t.shape)} is outside "
                                  f"{tuple(self.global_shape)}")
 
-    def staged(self) -> "ShardedEntry":
+    def staged(self, copy_tensor: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> "ShardedEntry":
         """The same chunks copied to host memory (what an asynchronous save writes while training
-        goes on changing the originals)."""
-        return ShardedEntry(self.global_shape, [(o, t.detach().to("cpu", copy=True)) for o, t in self.chunks])
+        goes on changing the originals); `copy_tensor` makes each copy (the checkpointer's
+        stager: pinned, non-blocking from CUDA), a plain host copy by default."""
+        copy_tensor = copy_tensor or (lambda t: t.detach().to("cpu", copy=True))
+        return ShardedEntry(self.global_shape, [(o, copy_tensor(t)) for o, t in self.chunks])
 
     @property
     def numel(self) -> int:

@@ -69,10 +69,12 @@ def checkpoint_io_group(timeout_s: float):
 
 def stage_state(app_state: Any) -> Any:
     """A copy of `app_state` that later training steps cannot change: the nested dicts/lists
-    walked, tensors cloned to host memory (from CUDA into pinned memory, non-blocking, with one
-    synchronize at the end), objects with a `staged()` method asked for their own copy, other
-    values deep-copied."""
-    on_cuda = []
+    walked, tensors cloned to host memory (from CUDA into pinned memory, non-blocking), objects
+    with a `staged(copy_tensor)` method asked for their own copy made with the same function,
+    other values deep-copied. The CUDA copies are then waited through one event per device on
+    the stream they were queued on, not a device-wide synchronize: collectives in flight on other
+    streams keep running."""
+    on_cuda = set()
 
     def copy_of(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -81,10 +83,10 @@ def stage_state(app_state: Any) -> Any:
                 return value.clone()
             host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=value.device.type == "cuda")
             host.copy_(value, non_blocking=True)
-            on_cuda.append(value.device)
+            on_cuda.add(value.device)
             return host
         if hasattr(value, "staged") and callable(value.staged):
-            return value.staged()
+            return value.staged(copy_of)
         if isinstance(value, dict):
             return type(value)((k, copy_of(v)) for k, v in value.items())
         if isinstance(value, (list, tuple)):
@@ -92,8 +94,10 @@ def stage_state(app_state: Any) -> Any:
         return copy.deepcopy(value)
 
     staged = copy_of(app_state)
-    if on_cuda:
-        torch.cuda.synchronize()
+    for device in on_cuda:
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(device))
+        copied.synchronize()
     return staged
 
 
