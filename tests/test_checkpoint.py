@@ -119,10 +119,11 @@ def test_stage_state_copies_every_tensor_and_asks_objects_for_their_copy():
 
 
 class _BlockedWrites:
-    """FileSystemWriter.write_data patched: each write records its directory, and (while
-    `hold` is clear) waits until the test releases it."""
+    """FileSystemWriter.write_data patched: each write under `root` records its directory, and
+    (while `hold` is clear) waits until the test releases it. Writes elsewhere (a background write
+    an earlier, failed test left behind) pass through untouched, so one failure does not cascade."""
 
-    def __init__(self, monkeypatch, fail_on=None):
+    def __init__(self, monkeypatch, root, fail_on=None):
         from torch.distributed.checkpoint import FileSystemWriter
 
         self.hold = threading.Event()
@@ -133,6 +134,8 @@ class _BlockedWrites:
 
         def write_data(writer, plan, planner):
             path = str(writer.path)
+            if not path.startswith(str(root)):
+                return real(writer, plan, planner)
             blocked.started.append(path)
             blocked.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             blocked.hold.wait(30)
@@ -142,14 +145,23 @@ class _BlockedWrites:
                 raise OSError("No space left on device (injected)")  # ... and the run fails before .metadata
             return fut
 
+        real_prepare = FileSystemWriter.prepare_local_plan
+
+        def prepare_local_plan(writer, plan):
+            # Held too: DCP plans (and its writer would create the directory) in the background.
+            if str(writer.path).startswith(str(root)):
+                blocked.hold.wait(30)
+            return real_prepare(writer, plan)
+
         monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+        monkeypatch.setattr(FileSystemWriter, "prepare_local_plan", prepare_local_plan)
 
 
 def test_async_save_writes_what_sync_writes_and_keeps_only_complete_ones_visible(tmp_path, io_group, monkeypatch):
     main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     sync = Checkpointer(tmp_path / "sync")
     sync.save(1, _rich_state(1.0))
-    writes = _BlockedWrites(monkeypatch)
+    writes = _BlockedWrites(monkeypatch, tmp_path)
     ck = Checkpointer(tmp_path / "async", keep=5, async_save=True, group=io_group)
     writes.hold.clear()
     state = _rich_state(1.0)
@@ -172,7 +184,7 @@ def test_async_save_writes_what_sync_writes_and_keeps_only_complete_ones_visible
 
 
 def test_async_saves_are_one_at_a_time(tmp_path, io_group, monkeypatch):
-    writes = _BlockedWrites(monkeypatch)
+    writes = _BlockedWrites(monkeypatch, tmp_path)
     ck = Checkpointer(tmp_path, keep=5, async_save=True, group=io_group)
     writes.hold.clear()
     ck.save(1, _rich_state(1.0))
@@ -192,7 +204,7 @@ def test_failed_async_write_leaves_previous_checkpoint_newest_and_raises(tmp_pat
     ck = Checkpointer(tmp_path, keep=5, async_save=True, group=io_group)
     ck.save(1, _rich_state(1.0))
     ck.wait()
-    _BlockedWrites(monkeypatch, fail_on="step_00000002")
+    _BlockedWrites(monkeypatch, tmp_path, fail_on="step_00000002")
     ck.save(2, _rich_state(2.0))  # returns once staged; the write fails in the background
     with pytest.raises(CheckpointError, match="step 2 failed") as err:
         ck.wait()

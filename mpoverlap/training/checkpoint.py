@@ -204,6 +204,9 @@ class Checkpointer:
         if _is_rank0():
             self.dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
+            # Created here, not by DCP's writer (whose planning runs in the background thread of an
+            # asynchronous save): a save under way is visible as `.partial` once save() returns.
+            partial.mkdir()
         _barrier(group)
 
     def _complete(self, step: int, final: Path, partial: Path, saved_s: float) -> None:
