@@ -62,19 +62,36 @@ def test_ep_chunks_under_experts():
 
 
 def test_pp_engine_by_hand():
-    """pp=2, 2 microbatches of 1F1B, forward 1, backward 2, a message 0.5 (worked out in
-    the comments): free p2p 9, posted ahead 10, blocking 10.5."""
+    """pp=2, 2 microbatches of 1F1B, forward 1, backward 2, a message 0.5, run as the
+    executor's programs with rendezvous transfers (worked out in the comments): free p2p 9,
+    posted ahead 10, blocking 10.5 with the stages held in lock-step."""
     dur = {"F": 1.0, "B": 2.0}
+
     def run(hop, overlap):
-        return max(run_pipeline(2, 1, 2, lambda k, c: dur[k], lambda a, b: hop, overlap).ends)
+        return run_pipeline(2, 1, 2, lambda k, c: dur[k], lambda a, b: hop, overlap)
+
     # stage 0: F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]; stage 1: F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]
-    assert run(0.0, True) == pytest.approx(9.0)
-    # posted ahead: act0 at 1.5, act1 at 2.5; s1 F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5];
-    # grads at 5.0 and 8.0: s0 B0 [5,7] B1 [8,10]
-    assert run(0.5, True) == pytest.approx(10.0)
-    # blocking: s0 waits each send (F1 [1.5,2.5], act1 at 3.0); s1 B0 [2.5,4.5] then waits its
-    # send to 5.0, F1 [5,6], B1 [6,8], grad1 at 8.5: s0 B0 [5,7], B1 [8.5,10.5]
-    assert run(0.5, False) == pytest.approx(10.5)
+    assert max(run(0.0, True).ends) == pytest.approx(9.0)
+    # posted ahead (stage 1 posts both receives before its first compute, stage 0 its two
+    # receives after F1): act0 done 1.5, act1 2.5; s1 F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5]
+    # B1 [5.5,7.5]; grads done 5.0 and 8.0: s0 B0 [5,7] B1 [8,10]
+    ahead = run(0.5, True)
+    assert ahead.ends == pytest.approx([10.0, 8.0])
+    # s0 waits [2,5] before B0 and [7,8] before B1; s1 [0,1.5] before F0 and [7.5,8] for its
+    # last send
+    assert ahead.ledger_exposed == pytest.approx([4.0, 1.5 + 0.5])
+    # blocking (every batch waited when posted; a transfer starts once both ends posted):
+    # s0 F0 [0,1], send act0 (s1's receive is posted at 0) done 1.5; F1 [1.5,2.5]; posts
+    # [send act1, recv grad0] at 2.5 and waits; s1 F0 [1.5,2.5] B0 [2.5,4.5], posts
+    # [recv act1, send grad0] at 4.5: both transfers run [4.5,5.0]; s1 F1 [5,6] B1 [6,8],
+    # send grad1 at 8; s0 B0 [5,7], posts recv grad1 at 7, done 8.5: B1 [8.5,10.5]
+    blocking = run(0.5, False)
+    assert blocking.ends == pytest.approx([10.5, 8.5])
+    assert blocking.times == [[(0, 1), (1.5, 2.5), (5, 7), (8.5, 10.5)], [(1.5, 2.5), (2.5, 4.5), (5, 6), (6, 8)]]
+    # waits: s0 0.5 + 2.5 + 1.5; s1 1.5 + 0.5 + 0.5 (its last send); each batch in flight
+    # from post to completion, all of it waited here
+    assert blocking.ledger_exposed == pytest.approx([4.5, 2.5])
+    assert blocking.ledger_in_flight == pytest.approx([4.5, 2.5])
 
 
 # ---- cost model and placement -----------------------------------------------------------------

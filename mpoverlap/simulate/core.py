@@ -122,7 +122,10 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
                 in_flight[m] += micro * t
             for m, t in cost.exposed[kind].items():
                 exposed[m] += micro * t
-    in_flight["pp"] = real.p2p_in_flight[crit] + dp[crit]["pp_other"]
+    # pp in flight as the ledger counts its handles (post to completion): a blocking transfer
+    # also waits for its peer to post (rendezvous), which the wire time alone does not show,
+    # and what that costs the step can exceed the wire time.
+    in_flight["pp"] = (real.ledger_in_flight[crit] if lo.pp > 1 else 0.0) + dp[crit]["pp_other"]
     exposed["pp"] = max(0.0, pipe_real - pipe_free) + dp[crit]["pp_other"]
     in_flight["tp"] += dp[crit]["tp_other"]
     exposed["tp"] += dp[crit]["tp_other"]
@@ -130,7 +133,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     exposed["dp"] = tails[crit][0] + gather_wait[crit] + (0.0 if ov.dp_param_gather.enabled else dp[crit]["gather"])
     # Communication hidden under compute still costs the CPU that sends it (gloo ranks): the
     # step grows by those seconds (0 on GPUs, where comm_cpu_s_per_byte is 0).
-    stolen = hidden_comm_cpu(hw, links, in_flight, exposed, enabled)
+    on_wire = dict(in_flight, pp=real.p2p_in_flight[crit] + dp[crit]["pp_other"])
+    stolen = hidden_comm_cpu(hw, links, on_wire, exposed, enabled)
     step += stolen
     compute += stolen
     m, t = cfg.model, cfg.train
@@ -154,15 +158,15 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
 HIDDEN_LINK = {"dp": "dp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp_hop"}
 
 
-def hidden_comm_cpu(hw: Hardware, links, in_flight: Dict[str, float], exposed: Dict[str, float],
+def hidden_comm_cpu(hw: Hardware, links, on_wire: Dict[str, float], exposed: Dict[str, float],
                     enabled: Dict[str, bool]) -> float:
     """CPU seconds that communication hidden under compute takes from it: per mode with overlap
-    on, its hidden seconds (in flight - exposed) times the bytes its link moves per second
+    on, its hidden seconds (`on_wire`, seconds on the link, - exposed) times the bytes its link moves per second
     times `hw.comm_cpu_s_per_byte`. Exposed communication is waited for: its CPU work runs
     while compute is stopped anyway."""
     if hw.comm_cpu_s_per_byte <= 0:
         return 0.0
-    return sum(max(0.0, in_flight.get(m, 0.0) - exposed.get(m, 0.0)) * links[k].bandwidth * hw.comm_cpu_s_per_byte
+    return sum(max(0.0, on_wire.get(m, 0.0) - exposed.get(m, 0.0)) * links[k].bandwidth * hw.comm_cpu_s_per_byte
                for m, k in HIDDEN_LINK.items() if enabled.get(m))
 
 

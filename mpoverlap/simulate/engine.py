@@ -1,19 +1,25 @@
-"""Discrete-event run of the pipeline schedule's action tables (mpoverlap/pipeline/schedules.py).
+"""Discrete-event run of the pipeline executor's programs (mpoverlap/pipeline/schedules.py).
 
-Every stage runs its compute order; an action starts when its stage is free and the message
-it consumes (`actions.input_message`) has arrived. A message leaves when its producer ends
-(and the link from its stage to the peer is free: transfers on one link go one at a time) and
-arrives `hop_time` later. With PP overlap on, sends and receives are posted ahead and the
-stage computes on while they fly; off, the sending stage is blocked until its send completes
-(the executor waits each batch at once).
+Each stage runs its action table as `PipelineExecutor` does: per action, the batches of p2p
+ops posted before it, its compute, the batches posted after it; overlap off (the "lazy"
+program) waits every batch right after posting it, overlap on (the "prefetch" program) waits
+a receive just before the compute that consumes it and the sends only at the end of the step.
+
+A transfer is a rendezvous, as NCCL's send/recv and gloo's are for the activations a
+pipeline sends: it starts once both ends have posted (and the link from sender to receiver
+is free: transfers on one link go one at a time) and completes `hop_time` later, for the
+sender and the receiver alike. So with overlap off a sender is held until its peer reaches
+the receive (posted as late as the global posting order lets it), and the two stages run in
+near lock-step; with overlap on the receives are posted ahead and the sender rarely waits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from mpoverlap.pipeline.actions import BACKWARD, FORWARD, ScheduleError, chunk_index, input_message, output_message
-from mpoverlap.pipeline.schedules import compute_orders, schedule_kind
+from mpoverlap.pipeline.actions import BACKWARD, FORWARD, RECV, SEND, ScheduleError, chunk_index
+from mpoverlap.pipeline.schedules import build_schedule, schedule_kind
 
 
 @dataclass
@@ -22,15 +28,41 @@ class PipelineRun:
     orders: List[List[Tuple[str, int, int]]]  # per stage, (kind, microbatch, vchunk)
     busy: List[float]  # per stage, seconds computing
     p2p_in_flight: List[float]  # per stage, seconds its sends and receives were on a link
-    # As the ledger counts p2p handles: in flight from post to completion (a receive posted
-    # ahead counts while its producer still computes), exposed = blocked in a wait (also while
-    # the producer computes: pipeline idle shows up here).
+    # As the ledger counts p2p handles (one per posted batch): in flight from post to
+    # completion (a receive posted ahead counts while its producer still computes), exposed =
+    # blocked in a wait (also while the producer computes: pipeline idle shows up here).
     ledger_in_flight: List[float] = None
     ledger_exposed: List[float] = None
+    stage_ends: List[float] = None  # per stage, when its last handle completed (run() returns)
 
     @property
     def ends(self) -> List[float]:
-        return [t[-1][1] if t else 0.0 for t in self.times]
+        return list(self.stage_ends)
+
+
+@lru_cache(maxsize=256)
+def _programs(pp: int, vpp: int, microbatches: int, overlap: bool):
+    """Per stage, the executor's steps: ("post", batch id), ("wait", batch id) or
+    ("compute", action index); with the batches (tuples of P2POp) and the actions."""
+    tables = build_schedule(schedule_kind(vpp), pp, vpp, microbatches)
+    out = []
+    for table in tables:
+        steps, batches = [], []
+
+        def posts(group) -> None:
+            for batch in group:
+                batches.append(batch)
+                steps.append(("post", len(batches) - 1))
+                if not overlap:
+                    steps.append(("wait", len(batches) - 1))
+
+        for index, action in enumerate(table):
+            before, after = action.batches(overlap)
+            posts(before)
+            steps.append(("compute", index))
+            posts(after)
+        out.append((tuple(steps), tuple(batches), tuple(table)))
+    return tuple(out)
 
 
 def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, int], float],
@@ -39,67 +71,75 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
     """`duration(kind, chunk)`: seconds of one action; `hop_time(src_stage, dst_stage)`: seconds
     of one message; `first_extra[s]`: seconds added to stage s's first action (a parameter
     gather it waits for)."""
-    orders = compute_orders(schedule_kind(vpp), pp, vpp, microbatches)
+    programs = _programs(pp, vpp, microbatches, bool(overlap))
     num_chunks = pp * vpp
     dur = {(k, c): duration(k, c) for k in (FORWARD, BACKWARD) for c in range(num_chunks)}
     hops = {(a, b): hop_time(a, b) for a in range(pp) for b in range(pp) if a != b}
-    # Per stage: (duration key, consumed message key, produced message key, peer stage); a
-    # message key is (kind, microbatch, source chunk) as `input_message`/`output_message` say.
-    plans = []
-    for stage, order in enumerate(orders):
-        plan = []
-        for kind, mb, vchunk in order:
-            chunk = chunk_index(stage, vchunk, pp)
-            need, out = input_message(kind, mb, chunk, num_chunks), output_message(kind, mb, chunk, num_chunks)
-            plan.append(((kind, chunk), None if need is None else (need.kind, mb, need.src_chunk),
-                         None if out is None else (out.kind, mb, out.src_chunk),
-                         None if out is None else out.dst_chunk % pp))
-        plans.append(plan)
-    arrival: Dict[Tuple, float] = {}
+    posted: Dict[Tuple[str, object], float] = {}  # (SEND|RECV, message) -> post time
+    done: Dict[object, float] = {}  # message -> when its transfer completed
     link_free: Dict[Tuple[int, int], float] = {}
-    times: List[List[Tuple[float, float]]] = [[] for _ in range(pp)]
-    free = [0.0] * pp
-    busy = [0.0] * pp
     in_flight = [0.0] * pp
-    led_in, led_exp = [0.0] * pp, [0.0] * pp
-    prev_start = [0.0] * pp
-    remaining = sum(len(o) for o in orders)
+
+    def post(stage: int, op, at: float) -> None:
+        posted[(op.op, op.message)] = at
+        other = RECV if op.op == SEND else SEND
+        if (other, op.message) not in posted:
+            return
+        src, dst = (stage, op.peer) if op.op == SEND else (op.peer, stage)
+        start = max(at, posted[(other, op.message)], link_free.get((src, dst), 0.0))
+        hop = hops[(src, dst)]
+        done[op.message] = link_free[(src, dst)] = start + hop
+        in_flight[src] += hop
+        in_flight[dst] += hop
+
+    times: List[List[Tuple[float, float]]] = [[] for _ in range(pp)]
+    free, busy = [0.0] * pp, [0.0] * pp
+    post_time: List[Dict[int, float]] = [{} for _ in range(pp)]
+    exposed = [0.0] * pp
+    position = [0] * pp
+    remaining = sum(len(steps) for steps, _, _ in programs)
     while remaining:
         progressed = False
-        for stage, plan in enumerate(plans):
-            done = times[stage]
-            while len(done) < len(plan):
-                key, need, out, dst = plan[len(done)]
-                if need is not None and need not in arrival:
-                    break
-                start = max(free[stage], arrival[need] if need is not None else 0.0)
-                if need is not None:
-                    posted = prev_start[stage] if overlap else free[stage]
-                    led_in[stage] += max(arrival[need], posted) - posted
-                    led_exp[stage] += start - free[stage]
-                prev_start[stage] = start
-                took = dur[key] + (first_extra[stage] if not done and first_extra else 0.0)
-                end = start + took
-                busy[stage] += took
-                done.append((start, end))
-                free[stage] = end
-                if out is not None:
-                    leave = max(end, link_free.get((stage, dst), 0.0))
-                    hop = hops[(stage, dst)]
-                    arrival[out] = leave + hop
-                    link_free[(stage, dst)] = leave + hop
-                    in_flight[stage] += hop
-                    in_flight[dst] += hop
-                    led_in[stage] += leave + hop - end
-                    if not overlap:
-                        free[stage] = leave + hop
-                        led_exp[stage] += leave + hop - end
+        for stage, (steps, batches, table) in enumerate(programs):
+            while position[stage] < len(steps):
+                what, index = steps[position[stage]]
+                if what == "post":
+                    post_time[stage][index] = free[stage]
+                    for op in batches[index]:
+                        post(stage, op, free[stage])
+                elif what == "wait":
+                    if any(op.message not in done for op in batches[index]):
+                        break
+                    end = max([free[stage]] + [done[op.message] for op in batches[index]])
+                    exposed[stage] += end - free[stage]
+                    free[stage] = end
+                else:
+                    action = table[index]
+                    start = free[stage]
+                    if overlap and action.recv is not None:
+                        if action.recv not in done:
+                            break
+                        start = max(start, done[action.recv])
+                        exposed[stage] += start - free[stage]
+                    took = dur[(action.kind, action.chunk)] + (first_extra[stage] if index == 0 and first_extra else 0.0)
+                    times[stage].append((start, start + took))
+                    busy[stage] += took
+                    free[stage] = start + took
+                position[stage] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise ScheduleError("simulated pipeline deadlocked (no stage can proceed)")
-    return PipelineRun(times=times, orders=orders, busy=busy, p2p_in_flight=in_flight, ledger_in_flight=led_in,
-                       ledger_exposed=led_exp)
+    ledger_in, ends = [0.0] * pp, list(free)
+    for stage, (_, batches, _) in enumerate(programs):
+        for index, batch in enumerate(batches):
+            complete = max(done[op.message] for op in batch)
+            ledger_in[stage] += complete - post_time[stage][index]
+            ends[stage] = max(ends[stage], complete)
+        exposed[stage] += ends[stage] - free[stage]  # run() waits the sends still in flight
+    orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for _, _, table in programs]
+    return PipelineRun(times=times, orders=orders, busy=busy, p2p_in_flight=in_flight, ledger_in_flight=ledger_in,
+                       ledger_exposed=exposed, stage_ends=ends)
 
 
 def last_backward_spans(run: PipelineRun, stage: int, pp: int) -> Dict[int, Tuple[float, float]]:
