@@ -368,13 +368,20 @@ def _summary(b0: List[dict], b1: List[dict], block: int) -> Dict[str, Any]:
         for b in rank_blocks:
             for e in b["extras"]:
                 for mode, c in e.get("comm", {}).items():
-                    acc = comm.setdefault(mode, {"ops": 0.0, "bytes": 0.0, "time_s": 0.0, "exposed_s": 0.0, "n": 0})
+                    acc = comm.setdefault(mode, {"ops": 0.0, "bytes": 0.0, "time_s": 0.0, "exposed_s": 0.0, "n": 0,
+                                                 "steps_time_s": [], "steps_exposed_s": []})
                     for k in ("ops", "bytes", "time_s", "exposed_s"):
                         acc[k] += c[k]
+                        if k in ("time_s", "exposed_s"):
+                            acc[f"steps_{k}"].append(c[k])
                     acc["n"] += 1
     row["comm"] = {mode: {"ops_per_step": a["ops"] / a["n"], "mib_per_step": a["bytes"] / a["n"] / 2**20,
                           "in_flight_ms": a["time_s"] / a["n"] * 1e3, "exposed_ms": a["exposed_s"] / a["n"] * 1e3,
-                          "exposed_share": a["exposed_s"] / a["time_s"] if a["time_s"] > 0 else 0.0}
+                          "exposed_share": a["exposed_s"] / a["time_s"] if a["time_s"] > 0 else 0.0,
+                          # the typical step's (one rank's), beside the sums over all steps above,
+                          # which a few steps with a descheduled peer can dominate
+                          "in_flight_ms_median": stats(a["steps_time_s"])["median_s"] * 1e3,
+                          "exposed_ms_median": stats(a["steps_exposed_s"])["median_s"] * 1e3}
                    for mode, a in comm.items()}
     bub = []
     for stage, rank_blocks in enumerate((b0, b1)):

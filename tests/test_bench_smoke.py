@@ -3,6 +3,8 @@ they would launch validates, and their results.md sections render from results.j
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
 
 from bench import memory, scaling, timelines  # noqa: E402
@@ -113,7 +115,30 @@ def test_tp_scenario_peers_compute_the_same_first_loss(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first = json.loads(out.read_text())["first_loss"]
+    result = json.loads(out.read_text())
+    for name in ("mpo_tp_overlap", "mpo_tp_off"):  # the typical step's figures beside the sums
+        tp = result["variants"][name]["comm"]["tp"]
+        assert 0 < tp["exposed_ms_median"] <= tp["in_flight_ms_median"]
+    first = result["first_loss"]
     ref = first["mpo_tp_off"][0]
     for name in ("mpo_tp_overlap", "dtensor_tp"):
         assert abs(first[name][0] - ref) <= 1e-5 * abs(ref), (name, first)
+
+
+def test_predict_judges_shares_on_the_median_step_and_shows_the_sums():
+    from bench.predict import _measured_share, render
+
+    # DP: 9 buckets, median step 87.7 ms in flight of which 6.8 ms exposed; summed over all
+    # steps 23% (a few steps with a descheduled peer)
+    dp = {"dp_comm": {"time_s_median": 0.0877, "exposed_s_median": 0.0068, "exposed_share": 0.23}}
+    assert _measured_share("dp", dp) == pytest.approx((0.0068 / 0.0877, 0.23))
+    tp = {"comm": {"tp": {"in_flight_ms_median": 200.0, "exposed_ms_median": 50.0, "exposed_share": 0.3}}}
+    assert _measured_share("tp", tp) == pytest.approx((0.25, 0.3))
+    assert _measured_share("tp", {"comm": {"tp": {"exposed_share": 0.3}}}) == (None, 0.3)  # older results
+    row = {"scenario": "dp", "variant": "v", "overlap": True, "measured_step_s": 1.0, "predicted_step_s": 0.8,
+           "measured_share": 0.0775, "measured_share_all_steps": 0.30, "predicted_share": 0.08,
+           "peak_gflops": 50.0, "efficiency": 0.5, "link_mb_s": 100.0}
+    text = render([row, dict(row, predicted_step_s=0.7, measured_share=None)])
+    assert "| -20% | 0.08 | 0.30 | 0.08 | +0.00 | -0.22 |" in text
+    assert "| -30% | - | 0.30 | 0.08 | - | -0.22 |" in text
+    assert "Step within 25%: 1/2; exposed share within 0.15: 1/2 (median step), 0/2 (all steps)." in text
