@@ -61,6 +61,45 @@ def test_ep_chunks_under_experts():
     assert ep_chunks_exposed(4.0, 4.0, 4.0, 4) == pytest.approx(1 + 3 + 1)
 
 
+def test_ep_exchanges_hide_under_the_experts_at_their_own_rate():
+    """EP overlap: each layer's exchanges run under the experts' GEMMs timed at
+    `hardware.expert_flops` (small per-expert GEMMs run slower than the model's average), the
+    router's at `flops`. moe_tiny, ep 2, one microbatch: per layer forward the experts do
+    2 t k 3 H F_e FLOPs (SwiGLU), the router 2 t H E."""
+    from dataclasses import replace
+
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate.core import compute_bytes
+    from mpoverlap.overlap.estimate.params import expert_ffn
+    from mpoverlap.overlap.layout import build_layout
+    from mpoverlap.simulate import from_config
+    from mpoverlap.simulate.costs import chunk_costs
+
+    cfg = compose(["model=moe_tiny", "parallel.world_size=2", "parallel.ep=2", "parallel.dp=2", "overlap.ep=true",
+                   "hardware=h100_sxm", "train.micro_batch_size=2", "train.global_batch_size=4",
+                   "model.shared_expert=false"])
+    lo, m = build_layout(cfg), cfg.model
+    base = from_config(cfg)
+    t = 2 * m.seq_length
+    experts_s = 2 * t * m.moe_top_k * 3 * m.hidden_size * expert_ffn(m)
+    router_s = 2 * t * m.hidden_size * m.num_experts
+    chunks = cfg.overlap.ep_chunks
+    for expert_flops in (0.0, base.flops / 3):  # 0: the experts run at `flops`
+        hw = replace(base, expert_flops=expert_flops)
+        links = group_links(lo, hw)
+        cost = chunk_costs(cfg, lo, hw, links, {"dp": True, "tp": False, "pp": False, "cp": False, "ep": True},
+                           compute_bytes(cfg))[0]
+        under = experts_s / (expert_flops or hw.flops) + router_s / hw.flops  # one layer's forward
+        layers = m.num_layers
+        for kind, factor in (("F", 1), ("B", 2)):
+            per_layer = cost.in_flight[kind]["ep"] / layers
+            want = layers * ep_chunks_exposed(per_layer / 2, per_layer / 2, factor * under, chunks)
+            assert cost.exposed[kind]["ep"] == pytest.approx(want)
+        if expert_flops:
+            assert cost.exposed["F"]["ep"] < exposed_at_flops  # three times the cover hides more
+        exposed_at_flops = cost.exposed["F"]["ep"]
+
+
 def test_pp_engine_by_hand():
     """pp=2, 2 microbatches of 1F1B, forward 1, backward 2, a message 0.5, run as the
     executor's programs with rendezvous transfers (worked out in the comments): free p2p 9,

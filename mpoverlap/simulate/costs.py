@@ -48,17 +48,24 @@ class ChunkCost:
         self.exposed[kind][mode] = self.exposed[kind].get(mode, 0.0) + exposed
 
 
+def moe_tokens(cfg: Any, lo: Layout) -> float:
+    """Tokens of one microbatch an MoE layer routes on a rank: its b s / cp, over tp too when
+    sequence parallelism splits them."""
+    t = cfg.train.micro_batch_size * cfg.model.seq_length / lo.cp
+    return t / lo.tp if (cfg.parallel.sequence_parallel and lo.tp > 1) else t
+
+
 def layer_flops(cfg: Any, lo: Layout, i: int) -> Dict[str, float]:
     """Forward FLOPs of layer i per rank and microbatch: attention GEMMs, attention core, MLP
     (dense or experts), the shared expert (under the first dispatch with EP overlap)."""
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     H, s, tp = m.hidden_size, m.seq_length, lo.tp
     t = cfg.train.micro_batch_size * s / lo.cp
     groups = getattr(m, "num_query_groups", None) or m.num_attention_heads
     kv = H * groups / m.num_attention_heads
     out = {"attn_gemm": 2 * t * (H * (H + 2 * kv) + H * H) / tp, "core": 4 * t * s * H / tp, "shared": 0.0}
     if is_moe_layer(m, i):
-        t_moe = t / tp if (p.sequence_parallel and tp > 1) else t
+        t_moe = moe_tokens(cfg, lo)
         fe = expert_ffn(m)
         out["mlp"] = 2 * t_moe * m.moe_top_k * mlp_mult(m) * H * fe + 2 * t_moe * H * m.num_experts
         out["shared"] = 2 * t_moe * mlp_mult(m) * H * fe if m.shared_expert else 0.0
@@ -111,8 +118,11 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate, share, i in replayed)
             _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
             if is_moe_layer(m, i):
-                _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks, fl, rate,
-                    micro * max(1, n_moe))
+                # the experts' GEMMs at the experts' own rate (the router's at the model's)
+                router = 2 * moe_tokens(cfg, lo) * m.hidden_size * m.num_experts
+                experts = (fl["mlp"] - router) / (hw.expert_flops or rate) + router / rate
+                _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks, experts,
+                    fl["shared"] / rate, micro * max(1, n_moe))
         if chunk == lo.pp * lo.vpp - 1:
             cost.compute["F"] += head_flops(cfg, lo) / rate
             cost.compute["B"] += 2 * head_flops(cfg, lo) / rate
@@ -164,8 +174,10 @@ def _cp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, cp_comm
     cost.add("B", "cp", bwd, eb)
 
 
-def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks: int, fl, rate: float,
-        share: int) -> None:
+def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks: int, experts: float,
+        shared: float, share: int) -> None:
+    """EP per MoE layer pass: the token exchanges (dispatch and combine, ep_chunks each) under
+    the experts' `experts` seconds of forward (twice in backward) and the shared expert's."""
     if lo.ep <= 1:
         return
     ops = [o for o in _mode_ops(base, "ep")]
@@ -174,7 +186,6 @@ def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks:
     op = ops[0][1]
     main = sum(o[2] for o in ops) / share
     again = sum(o[2] for o in _mode_ops(replay, "ep")) / share
-    experts, shared = fl["mlp"] / rate, fl["shared"] / rate
     for kind, nbytes, under, sh in (("F", main / 2, experts, shared), ("B", main / 2 + again, 2 * experts, 2 * shared)):
         t = collective_time(op, nbytes, lo.ep, link, 2 * chunks)
         exposed = ep_chunks_exposed(t / 2, t / 2, under, chunks, sh) if on else t

@@ -39,6 +39,9 @@ class Hardware:
     # compute (gloo on CPU ranks): communication hidden under compute still takes this CPU time
     # from it. 0 = communication takes no compute time (GPUs: NCCL on its own SMs).
     comm_cpu_s_per_byte: float = 0.0
+    # FLOP/s a rank's routed experts run at on one dispatch chunk's rows (many small GEMMs):
+    # how long the experts hide the token exchanges under EP overlap. 0 = `flops`.
+    expert_flops: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -76,6 +79,8 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
       (the pipeline's chunks when pp x vpp > 1; each cp rank's tokens through ring attention
       when cp > 1 over the p2p ring), over that peak (at least that rate);
     - update_s_per_param: the step's work after the last backward, per parameter;
+    - expert_flops (models with experts): the median rate one thread runs this rank's experts
+      at, forward + backward, on one dispatch chunk's rows (`expert_rate`);
     - comm_cpu_s_per_byte: CPU seconds (process time, gloo's threads and the kernel's
       loopback included) per byte a rank sends, from `loopback_rate`'s probe of `world` ranks;
     - bandwidth and latency: inside a namespace whose loopback carries a tbf rate (`tc qdisc
@@ -85,7 +90,7 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
       bench/netns.sh, or to the nominal rate); the bandwidth divided by the world size: the loopback is one queue that every
       rank's sends pass through, and the symmetric collectives send from every rank at once."""
     from mpoverlap.overlap.layout import build_layout
-    from mpoverlap.simulate.measure import matmul_rate, model_rate, update_seconds_per_param
+    from mpoverlap.simulate.measure import expert_rate, matmul_rate, model_rate, update_seconds_per_param
 
     m, t = cfg.model, cfg.train
     bf16 = str(t.precision) == "bf16"
@@ -104,6 +109,7 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
     peak = max(peak, rate)
     return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak,
                    update_s_per_param=update_seconds_per_param(cfg, copies=copies),
+                   expert_flops=expert_rate(cfg, lo, copies=copies) if m.num_experts else 0.0,
                    comm_cpu_s_per_byte=cpu_per_byte,
                    intra=replace(hw.intra, bandwidth=link, latency=latency),
                    inter=replace(hw.inter, bandwidth=link, latency=latency))
@@ -149,4 +155,5 @@ def describe(hw: Hardware) -> str:
             f"{hw.gemm_efficiency:.2f}, HBM {hw.hbm_bytes / 1e9:,.0f} GB, intra {hw.intra.bandwidth / 1e9:,.4g} GB/s "
             f"({hw.intra.latency * 1e6:g} us), inter {hw.inter.bandwidth / 1e9:,.4g} GB/s ({hw.inter.latency * 1e6:g} us)"
             + (f", update {hw.update_s_per_param * 1e9:.2f} ns/parameter" if hw.update_s_per_param > 0 else "")
-            + (f", communication CPU {hw.comm_cpu_s_per_byte * 1e9:.2f} ns/byte" if hw.comm_cpu_s_per_byte > 0 else ""))
+            + (f", communication CPU {hw.comm_cpu_s_per_byte * 1e9:.2f} ns/byte" if hw.comm_cpu_s_per_byte > 0 else "")
+            + (f", experts {hw.expert_flops / 1e12:,.4g} TFLOP/s" if hw.expert_flops > 0 else ""))

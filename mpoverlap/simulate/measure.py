@@ -19,6 +19,9 @@ load causes on the core it has: measure on a quiet machine.
   parameter of the rank: zeroing the gradient buffer, the foreach gradient norm and clip
   scale, and foreach AdamW (memory-bound: a few passes over parameters, gradients and two
   moments), the work DataParallelAdamW does after the last backward.
+- `expert_rate`: forward + backward of a rank's routed experts on one dispatch chunk's rows,
+  spread evenly over them: many small GEMMs, slower per FLOP than the model on average; how
+  long the experts hide the token exchanges.
 - `loopback_rate`: what gloo ranks move over this machine's loopback together, timed in
   wall-clock seconds by `world` spawned ranks (`python -m mpoverlap.simulate.measure`).
 """
@@ -209,6 +212,36 @@ def update_seconds_per_param(cfg: Any, repeats: int = 7, copies: int = 1) -> flo
 
         took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
     return took / n
+
+
+def expert_rate(cfg: Any, lo: Any, repeats: int = 15, copies: int = 1) -> float:
+    """FLOP/s of one thread running this rank's routed experts (`Experts`, E/ep of them, the
+    model's activation and expert width) forward + backward on one dispatch chunk's rows
+    (the rank's MoE tokens x top_k / overlap.ep_chunks, as a balanced router sends them),
+    split evenly over the experts; the median of `repeats`, in `copies` processes at once."""
+    import torch
+
+    from mpoverlap.moe.experts import Experts
+    from mpoverlap.overlap.estimate.params import expert_ffn, mlp_mult
+    from mpoverlap.simulate.costs import moe_tokens
+
+    m = cfg.model
+    local = max(1, m.num_experts // max(1, lo.ep))
+    chunks = max(1, int(cfg.overlap.ep_chunks))
+    rows = max(local, int(moe_tokens(cfg, lo) * m.moe_top_k) // chunks)
+    with one_thread():
+        experts = Experts(local, m.hidden_size, expert_ffn(m), first_expert_index=0, name_prefix="rate", cfg=m,
+                          seed=0, activation=m.activation)
+        x = torch.randn(rows, m.hidden_size, requires_grad=True)
+        counts = [rows // local] * local
+        counts[-1] += rows - sum(counts)
+
+        def work() -> None:
+            y = experts(x, counts)
+            y.backward(torch.randn_like(y))
+
+        took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
+    return 3 * 2 * rows * mlp_mult(m) * m.hidden_size * expert_ffn(m) / took
 
 
 # ---- the loopback's achieved rate ------------------------------------------------------------
