@@ -100,10 +100,10 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
                 share = r.ledger_pp["exposed_s"] / r.ledger_pp["in_flight_s"] if r.ledger_pp.get("in_flight_s") else 0.0
             else:
                 share = r.exposed_share.get(mode, 0.0)
+            typical, all_steps = _measured_share(mode, measured)
             rows.append({"scenario": scenario, "variant": name, "overlap": r.enabled[mode],
                          "measured_step_s": measured["step"]["median_s"], "predicted_step_s": r.step_s,
-                         "measured_share": _measured_share(mode, measured)[0],
-                         "measured_share_all_steps": _measured_share(mode, measured)[1], "predicted_share": share,
+                         "measured_share": typical, "measured_share_all_steps": all_steps, "predicted_share": share,
                          "peak_gflops": hw.peak_flops / 1e9, "efficiency": hw.gemm_efficiency,
                          "link_mb_s": hw.inter.bandwidth / 1e6})
     return rows
