@@ -125,7 +125,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     # pp in flight as the ledger counts its handles (post to completion): a blocking transfer
     # also waits for its peer to post (rendezvous), which the wire time alone does not show,
     # and what that costs the step can exceed the wire time.
-    in_flight["pp"] = (real.ledger_in_flight[crit] if lo.pp > 1 else 0.0) + dp[crit]["pp_other"]
+    in_flight["pp"] = real.ledger_in_flight[crit] + dp[crit]["pp_other"]
     exposed["pp"] = max(0.0, pipe_real - pipe_free) + dp[crit]["pp_other"]
     in_flight["tp"] += dp[crit]["tp_other"]
     exposed["tp"] += dp[crit]["tp_other"]

@@ -33,11 +33,7 @@ class PipelineRun:
     # blocked in a wait (also while the producer computes: pipeline idle shows up here).
     ledger_in_flight: List[float] = None
     ledger_exposed: List[float] = None
-    stage_ends: List[float] = None  # per stage, when its last handle completed (run() returns)
-
-    @property
-    def ends(self) -> List[float]:
-        return list(self.stage_ends)
+    ends: List[float] = None  # per stage, when its last handle completed (run() returns)
 
 
 @lru_cache(maxsize=256)
@@ -139,7 +135,7 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
         exposed[stage] += ends[stage] - free[stage]  # run() waits the sends still in flight
     orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for _, _, table in programs]
     return PipelineRun(times=times, orders=orders, busy=busy, p2p_in_flight=in_flight, ledger_in_flight=ledger_in,
-                       ledger_exposed=exposed, stage_ends=ends)
+                       ledger_exposed=exposed, ends=ends)
 
 
 def last_backward_spans(run: PipelineRun, stage: int, pp: int) -> Dict[int, Tuple[float, float]]:
