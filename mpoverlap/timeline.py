@@ -6,7 +6,7 @@ mpoverlap/training/profiling.py) and draws one band per rank, one lane per lane 
 - compute: time inside a step not blocked in a wait (what the ledger does not call exposed);
 - one lane per communication mode (dp/tp/pp/cp/ep): light bars where at least one handle of
   the mode is in flight (issue -> completion; their union is the ledger's `time_s`), strong
-  hatched bars where compute sat blocked in its wait (the ledger's `exposed_s`).
+  hatched bars where compute sat blocked in its post or wait (the ledger's `exposed_s`).
 
 Vertical lines mark step boundaries; x is milliseconds from the earliest step start over all
 ranks (ranks are lined up on Unix time, exact on one host). Default output:
@@ -48,10 +48,12 @@ class RankTimeline:
         return merge([(c["issued_at"], c["completed_at"]) for c in self.comms if c["mode"] == mode])
 
     def exposed(self, mode: Optional[str] = None) -> List[Span]:
-        """Blocked-in-wait spans (of `mode`, or of every mode), merged."""
-        return merge([(c["wait_begin"], c["wait_end"]) for c in self.comms
-                      if (mode is None or c["mode"] == mode) and c["wait_begin"] is not None
-                      and c["wait_end"] > c["wait_begin"]])
+        """Blocked spans (of `mode`, or of every mode), merged: in the wait, and on CPU in the
+        post (from issue to `post_end`, see comm/handle.py)."""
+        mine = [c for c in self.comms if mode is None or c["mode"] == mode]
+        return merge([(c["wait_begin"], c["wait_end"]) for c in mine
+                      if c["wait_begin"] is not None and c["wait_end"] > c["wait_begin"]]
+                     + [(c["issued_at"], c["post_end"]) for c in mine if c.get("post_end") is not None])
 
     def compute(self) -> List[Span]:
         """Step time minus every blocked span: when this rank was free to compute."""
@@ -110,7 +112,7 @@ def load(run_dir: Path, max_steps: Optional[int] = None) -> List[RankTimeline]:
                 tl.steps.append({"step": r["step"], "begin": r["begin"] + off, "end": r["end"] + off})
             elif r["kind"] == "comm":
                 c = dict(r)
-                for key in ("issued_at", "completed_at", "wait_begin", "wait_end"):
+                for key in ("issued_at", "completed_at", "wait_begin", "wait_end", "post_end"):
                     if c.get(key) is not None:
                         c[key] += off
                 tl.comms.append(c)

@@ -153,7 +153,7 @@ def test_ledger_counts_ops_and_bytes(measured):
 def _fake(mode, issued, completed, blocked, nbytes=4):
     """A waited handle whose blocked span ends at its completion (as CommHandle.wait sets it)."""
     return SimpleNamespace(mode=mode, op="x", nbytes=nbytes, issued_at=issued, completed_at=completed,
-                           blocked_s=blocked, wait_began_at=completed - blocked, wait_ended_at=completed,
+                           blocked_s=blocked, wait_began_at=completed - blocked, wait_ended_at=completed, post_span=None,
                            uses_cuda_events=False)
 
 
@@ -209,7 +209,9 @@ def test_exposed_never_exceeds_in_flight_for_real_handles():
         handles.append(h.wait())
     for h in handles:
         assert h.issued_at <= h.completed_at
-        assert h.blocked_s == 0.0 or h.issued_at <= h.wait_began_at <= h.wait_ended_at <= h.completed_at
+        waited = h.wait_ended_at - h.wait_began_at
+        assert waited == 0.0 or h.issued_at <= h.wait_began_at <= h.wait_ended_at <= h.completed_at
+        assert h.issued_at <= h.post_span[0] <= h.post_span[1] <= h.completed_at
     assert any(h.blocked_s > 0 for h in handles)
     out = ledger.reset()["dp"]
     assert 0 <= out["exposed_s"] <= out["time_s"]
@@ -231,3 +233,31 @@ def test_ledger_exposed_is_bounded_by_in_flight_under_random_spans():
             ledger.record(_fake(rng.choice(["dp", "tp"]), issued, completed, rng.uniform(0, completed - issued)))
         for row in ledger.reset(per=rng.randint(1, 3)).values():
             assert 0 <= row["exposed_s"] <= row["time_s"]
+
+
+def test_time_inside_the_post_is_exposed_on_cpu():
+    """On CPU the caller computes nothing while gloo writes inside the post (a p2p send): the
+    post's span counts as exposed, and a transfer done inside its own post completes, for the
+    ledger, when the post returns. A handle that sent nothing blocked nothing."""
+    from mpoverlap.comm.handle import CommHandle, now
+
+    class DoneWork:
+        def wait(self):
+            pass
+
+        def get_future(self):
+            raise RuntimeError("no future")
+
+        def is_completed(self):
+            return True
+
+    ledger = CommLedger()
+    issued = now()
+    time.sleep(0.02)  # the post
+    h = CommHandle("pp", "send_recv", 4, [DoneWork()], ledger, issued_at=issued).wait()
+    assert h.post_span == (issued, h.posted_at) and h.posted_at - issued >= 0.02
+    assert h.completed_at >= h.posted_at and h.blocked_s == pytest.approx(h.posted_at - issued)
+    nothing_sent = CommHandle("pp", "send_recv", 0, [], ledger, issued_at=now() - 0.02).wait()
+    assert nothing_sent.post_span is None and nothing_sent.blocked_s == 0.0
+    out = ledger.reset()["pp"]
+    assert out["exposed_s"] == pytest.approx(h.posted_at - issued) and out["exposed_s"] <= out["time_s"]

@@ -5,18 +5,20 @@ backend finished it and how long compute sat blocked in `wait()`. Waiting is ide
 every handle reports once to the ledger it was issued under.
 
 Clocks. On CPU (gloo) host clocks: completion from the work's future callback, blocked time
-around `work.wait()`. On CUDA (NCCL) `work.wait()` does not block the host: it makes the
+around `work.wait()` plus the post itself (`post_span`: gloo writes what the socket takes
+inside the post, and the caller computes nothing meanwhile). On CUDA (NCCL) `work.wait()` does not block the host: it makes the
 compute stream wait for the communication stream. There the handle records CUDA events on
 the compute stream at issue and around the wait; the GPU-side stall (exposed time) is the
 elapsed time between the events around the wait, and the in-flight time runs from issue to
 the end of the wait (an upper bound when the transfer finished earlier). Events are read
 only when the ledger summarises (at log steps), never with a device-wide synchronize.
 
-`wait_began_at` / `wait_ended_at` bound the blocked span (host clock on CPU; on CUDA mapped
-onto the host clock from the issue time once resolved). The blocked span always lies inside
-the in-flight interval [issued_at, completed_at] (a handle still in flight at its wait
-completes, for the ledger, when the wait returns; one already complete blocked nothing), so
-per mode the exposed time never exceeds the in-flight time. Profiling: issue and wait show as
+`wait_began_at` / `wait_ended_at` bound the blocked span of the wait (host clock on CPU; on
+CUDA mapped onto the host clock from the issue time once resolved). Both blocked spans lie
+inside the in-flight interval [issued_at, completed_at] (a handle still in flight at its wait
+completes, for the ledger, when the wait returns; one done inside its post, when the post
+returned; one already complete blocked nothing in its wait), so per mode the exposed time
+never exceeds the in-flight time. Profiling: issue and wait show as
 named ranges `comm/<mode>/<op>` and `wait/<mode>/<op>` in a torch profiler trace (only while
 one records) and, for CUDA tensors, as NVTX ranges for Nsight; see `named_range`.
 """
@@ -81,7 +83,7 @@ class CommHandle:
     __slots__ = (
         "mode", "op", "nbytes", "issued_at", "completed_at", "blocked_s", "_works", "_ledger",
         "_waited", "_on_done", "_lock", "_keepalive", "_cuda_events", "wait_began_at", "wait_ended_at",
-        "_background",
+        "_background", "posted_at", "post_span",
     )
 
     def __init__(self, mode: str, op: str, nbytes: int, works: List[Any], ledger: Optional["Any"],
@@ -93,6 +95,14 @@ class CommHandle:
         self.op = op
         self.nbytes = int(nbytes)
         self.issued_at = issued_at if issued_at is not None else now()
+        # The handle is made right after its collective was posted. On CPU the caller sits in
+        # the post while gloo writes what the socket takes at once (a p2p send of a pipeline
+        # activation: about as long as the rest of its transfer on a loaded 2-core machine),
+        # so that span is time compute sat blocked on the communication, exposed as a wait is.
+        # On CUDA the post only enqueues: the stall is read from events around the wait.
+        self.posted_at = now()
+        self.post_span = ((self.issued_at, self.posted_at)
+                          if cuda_start is None and any(w is not None for w in works) else None)
         self.completed_at: Optional[float] = None
         self.blocked_s = 0.0
         self.wait_began_at: Optional[float] = None
@@ -161,6 +171,10 @@ class CommHandle:
         self._background = None
         self._waited = True
         with self._lock:
+            if self.completed_at is not None and self.completed_at < self.posted_at:
+                # Done inside its own post (a small send written at once, its callback run
+                # before the post returned): it reached the caller when the post returned.
+                self.completed_at = self.posted_at
             if self.completed_at is None or self.completed_at > t0:
                 # In flight when compute began to wait: it reaches compute when the wait
                 # returns (the backend's completion callback can fire a little before the
@@ -169,10 +183,12 @@ class CommHandle:
                 self.completed_at = t1 if self.completed_at is None else max(self.completed_at, t1)
                 self.wait_began_at, self.wait_ended_at = t0, t1
             else:
-                # Done before the wait began: compute was never blocked on it (the call's own
+                # Done before the wait began: the wait blocked nothing (the call's own
                 # microseconds are not communication).
                 self.wait_began_at = self.wait_ended_at = t0
         self.blocked_s = self.wait_ended_at - self.wait_began_at
+        if self.post_span is not None:
+            self.blocked_s += self.post_span[1] - self.post_span[0]
         self._keepalive = None
         self._works = []
         self._finish()

@@ -2,7 +2,8 @@
 
 `time_s` is the wall time during which at least one handle of the mode was in flight (the
 union of issue-to-completion intervals, so handles queued behind each other are not counted
-twice), `exposed_s` the time compute sat blocked in wait() (the union of the blocked spans).
+twice), `exposed_s` the time compute sat blocked on them (the union of the blocked spans: in
+wait(), and on CPU inside the post itself, see handle.py).
 Each blocked span lies inside its handle's in-flight interval (see handle.py), so
 0 <= exposed_s <= time_s for every mode, step and rank; exposed_s / time_s is the share of
 that mode's communication that overlap failed to hide.
@@ -65,8 +66,10 @@ class CommLedger:
         row["bytes"] += handle.nbytes
         end = handle.completed_at if handle.completed_at is not None else handle.issued_at
         self._intervals[handle.mode].append((handle.issued_at, end))
-        if handle.blocked_s > 0 and handle.wait_began_at is not None:
+        if handle.wait_began_at is not None and handle.wait_ended_at > handle.wait_began_at:
             self._blocked[handle.mode].append((handle.wait_began_at, handle.wait_ended_at))
+        if handle.post_span is not None:
+            self._blocked[handle.mode].append(handle.post_span)
 
     def summary(self, per: int = 1) -> Dict[str, Dict[str, float]]:
         """{mode: {ops, bytes, time_s, exposed_s}} for the modes that communicated, divided by

@@ -179,6 +179,7 @@ class RunProfiler:
             completed = h.completed_at if h.completed_at is not None else h.issued_at
             lines.append({"kind": "comm", "step": step, "mode": h.mode, "op": h.op, "bytes": h.nbytes,
                           "issued_at": h.issued_at, "completed_at": completed,
+                          "post_end": h.post_span[1] if h.post_span is not None else None,
                           "wait_begin": h.wait_began_at, "wait_end": h.wait_ended_at,
                           "exposed_s": h.blocked_s})
         self._handles = []
