@@ -337,6 +337,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
 
 
+def planned(argv: List[str]):
+    """(base overrides, {variant: overrides, None for a peer}) of a run with `argv`, before it
+    runs (bench/run.py times the machine for them)."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_known_args(argv)[0]
+    return _base_overrides(args), dict(VARIANTS)
+
+
 def run(args) -> Dict[str, Any]:
     args.variants = [v.strip() for v in (args.variants if isinstance(args.variants, str) else ",".join(args.variants)).split(",") if v.strip()]
     unknown = set(args.variants) - set(VARIANTS)

@@ -431,10 +431,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bubble-microbatches", default="2,4,8", help="bubble scenario: microbatch counts (default 2,4,8)")
 
 
-def run(args) -> Dict[str, Any]:
+def _fill_defaults(args) -> None:
     for k, v in DEFAULTS[args.scenario].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+
+
+def planned(argv: List[str]):
+    """(base overrides, {variant: overrides, None for a peer}) of a run with `argv`, before it
+    runs (bench/run.py times the machine for them)."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_known_args(argv)[0]
+    _fill_defaults(args)
+    spec = scenario_overrides(args)
+    return COMMON + spec["base"], spec["variants"]
+
+
+def run(args) -> Dict[str, Any]:
+    _fill_defaults(args)
     if isinstance(args.bubble_microbatches, str):
         args.bubble_microbatches = [int(x) for x in args.bubble_microbatches.split(",") if x.strip()]
     res, t0 = spawn_ranks(_worker, args, prefix=f"mpo-bench-{args.scenario}-")

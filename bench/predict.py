@@ -23,20 +23,52 @@ STEP_TOLERANCE, SHARE_TOLERANCE = 0.25, 0.15
 
 
 def _scenarios(results: Dict[str, Any]):
-    """(scenario, mode, base overrides, {variant: (overrides, measured row)}) per benchmark."""
+    """(scenario, mode, base overrides, {variant: (overrides, measured row)}, machine rates timed
+    beside the measurement or {}) per benchmark."""
     dp = results.get("dp")
     if dp:
         rows = {**dp["variants"], **dp.get("variants_quiet", {})}
         variants = {n: (r.get("overrides") or dp["variants"][n].get("overrides"), r) for n, r in rows.items()
                     if n.startswith("mpo_") and (dp["variants"][n].get("overrides"))}
-        yield "dp", "dp", dp["setup"]["base_overrides"], variants
+        yield "dp", "dp", dp["setup"]["base_overrides"], variants, dp.get("machine_rates") or {}
     for scenario, res in (results.get("modes") or {}).items():
         if scenario == "bubble" or "base_overrides" not in res:
             continue
         rows = {**res["variants"], **res.get("variants_quiet", {})}
         variants = {n: (res["variant_overrides"][n], r) for n, r in rows.items()
                     if res["variant_overrides"].get(n) is not None}
-        yield scenario, scenario, res["base_overrides"], variants
+        yield scenario, scenario, res["base_overrides"], variants, res.get("machine_rates") or {}
+
+
+def _compose(base: List[str], extra: List[str], more: List[str] = ()):
+    from mpoverlap.config import compose
+
+    return compose(list(base) + list(extra) + ["hardware=measured", "parallel.world_size=2"] + list(more))
+
+
+def _machine_key(cfg: Any) -> str:
+    """What the measured rates depend on: the model, the micro batch, the precision and the
+    layout (model_rate runs a rank's share of it)."""
+    return json.dumps([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision), str(cfg.parallel)])
+
+
+def time_machine(base: List[str], variants: Dict[str, Optional[List[str]]]) -> Dict[str, Dict[str, float]]:
+    """This machine's rates (`hardware.measured_rates`), timed now, for every distinct machine of
+    a benchmark's mpoverlap variants (peers, None, are skipped): {machine key: rates}.
+    bench/run.py times them right before and right after each benchmark, and `predict` uses
+    their mean: this machine's speed drifts by tens of percent within minutes, and rates
+    timed at the end of a whole run can miss a scenario measured ten minutes earlier."""
+    from mpoverlap.simulate.hardware import measured_rates
+
+    out: Dict[str, Dict[str, float]] = {}
+    for extra in variants.values():
+        if extra is None:
+            continue
+        cfg = _compose(base, extra)
+        key = _machine_key(cfg)
+        if key not in out:
+            out[key] = measured_rates(cfg)
+    return out
 
 
 def _measured_share(mode: str, row: Dict[str, Any]) -> Tuple[Optional[float], Optional[float]]:
@@ -77,9 +109,10 @@ def shaped_link(rate: str) -> Optional[Tuple[float, float]]:
 
 
 def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict[str, Any]]:
-    """Every scenario's prediction beside its measurement. The link: with `probe`, what
-    2 ranks achieve in bench/netns.sh at `rate` (`shaped_link`), else the nominal rate."""
-    from mpoverlap.config import compose
+    """Every scenario's prediction beside its measurement. The machine: the mean of the rates
+    timed before and after the scenario's measurement where the results hold them
+    (`machine_rates`, see `time_machine`), else this machine timed now. The link: with `probe`,
+    what 2 ranks achieve in bench/netns.sh at `rate` (`shaped_link`), else the nominal rate."""
     from mpoverlap.simulate.core import simulate
     from mpoverlap.simulate.hardware import from_config, parse_rate
 
@@ -87,13 +120,13 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
     link, latency = probed or (parse_rate(f"rate {rate}"), None)
     lat = [f"hardware.inter_latency={latency}", f"hardware.intra_latency={latency}"] if latency is not None else []
     rows, machines = [], {}
-    for scenario, mode, base, variants in _scenarios(results):
+    for scenario, mode, base, variants, timed in _scenarios(results):
         for name, (extra, measured) in variants.items():
-            cfg = compose(list(base) + list(extra) + ["hardware=measured", "parallel.world_size=2",
-                                                      f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"] + lat)
-            key = json.dumps([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision)])
+            cfg = _compose(base, extra, [f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"] + lat)
+            key = _machine_key(cfg)
             if key not in machines:
-                machines[key] = from_config(cfg)
+                # the rates timed beside this measurement (bench/run.py), else this machine now
+                machines[key] = from_config(cfg, timed.get(key))
             hw = machines[key]
             r = simulate(cfg, hw)
             if mode == "pp":

@@ -27,7 +27,9 @@ background, against steps without saves and a synchronous save) runs on the bare
 measures the disk and the cores, not the link.
 
 At the end, bench/predict.py puts the step-time simulator's prediction (`hardware=measured`)
-beside every DP and modes measurement of the run (step time and exposed share).
+beside every DP and modes measurement of the run (step time and exposed share). The machine's
+rates for each benchmark are timed right before and right after it runs (its `machine_rates`),
+and the prediction uses their mean: this machine's speed drifts by tens of percent in minutes.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench import async_ckpt, memory, predict, scaling, timelines, zero
+from bench import async_ckpt, dp_overlap, memory, modes, predict, scaling, timelines, zero
 from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
 
 
@@ -92,6 +94,20 @@ def run_overhead(args, out: Path) -> Dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def _time_machine(planned) -> Dict[str, Any]:
+    """This machine's rates for a benchmark's variants, timed now (bench.predict.time_machine)."""
+    base, variants = planned
+    return predict.time_machine(base, variants)
+
+
+def _with_rates(res: Dict[str, Any], before: Dict[str, Any], planned) -> Dict[str, Any]:
+    """`res` with the machine's rates timed right before and right after it was measured
+    (`machine_rates`: {machine key: [before, after]}), which bench/predict.py averages."""
+    after = _time_machine(planned)
+    res["machine_rates"] = {k: [before[k], after[k]] for k in before}
+    return res
+
+
 def run_dp(args, out: Path) -> Dict[str, Any]:
     path = out / "dp_overlap.json"
     bench = [sys.executable, "-m", "bench.dp_overlap", "--json", str(path), "--block", str(args.block),
@@ -101,9 +117,11 @@ def run_dp(args, out: Path) -> Dict[str, Any]:
     note = None
     if not args.no_netns:
         env = dict(os.environ, RATE=args.rate)
+        planned = dp_overlap.planned(bench[3:])
+        before = _time_machine(planned)
         proc = _run(["bash", str(ROOT / "bench" / "netns.sh")] + bench, env=env)
         if proc.returncode == 0:
-            return json.loads(path.read_text())
+            return _with_rates(json.loads(path.read_text()), before, planned)
         if proc.returncode != NETNS_UNAVAILABLE:
             raise SystemExit(f"bench.dp_overlap (in bench/netns.sh) failed with exit status {proc.returncode}")
         note = ("bench/netns.sh could not create the rate-limited namespace (see its message above): "
@@ -126,9 +144,13 @@ def run_modes(args, out: Path, scenario: str) -> Dict[str, Any]:
              "--time-budget", str(args.modes_budget), "--min-quiet", str(args.min_quiet),
              "--quiet-cores", str(args.quiet_cores)]
     if not args.no_netns:
+        # bench/predict.py predicts every scenario but the bubble's (issue 20)
+        planned = modes.planned(bench[3:]) if scenario != "bubble" else None
+        before = _time_machine(planned) if planned else {}
         proc = _run(["bash", str(ROOT / "bench" / "netns.sh")] + bench, env=dict(os.environ, RATE=args.rate))
         if proc.returncode == 0:
-            return json.loads(path.read_text())
+            res = json.loads(path.read_text())
+            return _with_rates(res, before, planned) if planned else res
         if proc.returncode != NETNS_UNAVAILABLE:
             raise SystemExit(f"bench.modes --scenario {scenario} (in bench/netns.sh) failed with exit status "
                              f"{proc.returncode}")

@@ -286,13 +286,45 @@ def test_bench_predict_covers_every_scenario(monkeypatch):
     from bench import predict
     from mpoverlap.simulate import hardware
 
-    monkeypatch.setattr(hardware, "measured", lambda hw, cfg: dataclasses.replace(hw, peak_flops=5e10))
+    rates = {"peak_flops": 5e10, "model_flops": 2.5e10, "update_s_per_param": 1e-9, "expert_flops": 0.0,
+             "comm_cpu_s_per_byte": 0.0, "link_bytes_s": 0.0, "link_latency": 0.0, "at": 0.0}
+    monkeypatch.setattr(hardware, "measured_rates", lambda cfg: dict(rates))
     rows = predict.predict(predict.quiet_results(), "2gbit", probe=False)
     assert {(r["scenario"], r["overlap"]) for r in rows} == {(s, o) for s in ("dp", "tp", "cp", "pp", "ep")
                                                           for o in (True, False)}
-    assert len(rows) == 13 and all(r["predicted_step_s"] > 0 and 0 <= r["predicted_share"] <= 1 for r in rows)
-    assert all(r["link_mb_s"] == pytest.approx(250.0) for r in rows)  # --rate as given (measured() patched out)
+    assert len(rows) == 13 and all(r["predicted_step_s"] > 0 and 0 <= r["predicted_share"] <= 1 + 1e-9 for r in rows)
+    # --rate as given (2gbit = 250 MB/s), shared by the 2 ranks
+    assert all(r["link_mb_s"] == pytest.approx(125.0) for r in rows)
+    assert all(r["peak_gflops"] == pytest.approx(50.0) and r["efficiency"] == pytest.approx(0.5) for r in rows)
     assert "Step within 25%" in predict.render(rows)
+
+
+def test_bench_predict_uses_the_rates_timed_beside_the_measurement(monkeypatch):
+    """Rates kept in a scenario's results (`machine_rates`: timed before and after it ran) are
+    averaged; nothing is timed again. A scenario without them is timed now."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench import predict
+    from mpoverlap.simulate import hardware
+
+    def rates(peak, model, update):
+        return {"peak_flops": peak, "model_flops": model, "update_s_per_param": update, "expert_flops": 0.0,
+                "comm_cpu_s_per_byte": 1e-9, "link_bytes_s": 0.0, "link_latency": 0.0, "at": 0.0}
+
+    timed_now = []
+    monkeypatch.setattr(hardware, "measured_rates", lambda cfg: timed_now.append(cfg) or rates(4e10, 1e10, 0.0))
+    results = predict.quiet_results()
+    pp = results["modes"]["pp"]
+    key = predict._machine_key(predict._compose(pp["base_overrides"], pp["variant_overrides"]["mpo_pp_overlap"]))
+    pp["machine_rates"] = {key: [rates(6e10, 2e10, 2e-9), rates(8e10, 4e10, 4e-9)]}
+    rows = {(r["scenario"], r["variant"]): r for r in predict.predict(results, "2gbit", probe=False)}
+    for variant in ("mpo_pp_overlap", "mpo_pp_off"):
+        assert rows[("pp", variant)]["peak_gflops"] == pytest.approx(70.0)
+        assert rows[("pp", variant)]["efficiency"] == pytest.approx(3e10 / 7e10)
+    assert rows[("tp", "mpo_tp_overlap")]["peak_gflops"] == pytest.approx(40.0)
+    assert not any(int(c.parallel.pp) == 2 for c in timed_now)  # the pp machine was not timed again
 
 
 def test_in_flight_is_the_estimates_link_bytes_over_bandwidth():

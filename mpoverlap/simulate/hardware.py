@@ -12,7 +12,7 @@ import re
 import subprocess
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -57,43 +57,50 @@ class Hardware:
         return self.intra if first // g == (first + (size - 1) * stride) // g else self.inter
 
 
-def from_config(cfg: Any) -> Hardware:
-    """The Hardware of `cfg.hardware`; a `measure: true` preset is measured here first."""
+def from_config(cfg: Any, rates: Optional[Sequence[Dict[str, float]]] = None) -> Hardware:
+    """The Hardware of `cfg.hardware`; a `measure: true` preset is measured here first, or, given
+    `rates` (`measured_rates` results taken earlier, e.g. before and after a benchmark), takes
+    their mean (`with_rates`)."""
     h = cfg.hardware
     hw = Hardware(name=str(h.name), gpus_per_node=int(h.gpus_per_node), peak_flops=float(h.peak_flops),
                   gemm_efficiency=float(h.gemm_efficiency), hbm_bytes=float(h.hbm_gb) * 1e9,
                   intra=Link(float(h.intra_bw), float(h.intra_latency), "intra"),
                   inter=Link(float(h.inter_bw), float(h.inter_latency), "inter"))
     if bool(h.measure):
-        hw = measured(hw, cfg)
+        hw = with_rates(hw, cfg, rates or [measured_rates(cfg)])
     return hw
 
 
 def measured(hw: Hardware, cfg: Any) -> Hardware:
-    """`hw` measured on this machine for `cfg` (the rates in measure.py, thread CPU time, one
-    torch thread as each benchmark worker runs):
+    """`hw` with this machine's rates for `cfg`, timed now (`measured_rates`, `with_rates`)."""
+    return with_rates(hw, cfg, [measured_rates(cfg)])
+
+
+def measured_rates(cfg: Any) -> Dict[str, float]:
+    """This machine timed now for `cfg` (the rates in measure.py, thread CPU time, one torch
+    thread as each benchmark worker runs); plain floats, to keep beside a measurement:
     - peak_flops: one thread's matmul rate at the model's MLP shape (best of its repeats);
-      gemm_efficiency: the median rate one thread runs this model's forward + backward at
-      (its FLOPs as `flops_per_token` counts them) while as many copies run at once as the
-      layout has ranks on this machine (at most one per core), run as a rank runs its share
-      (the pipeline's chunks when pp x vpp > 1; each cp rank's tokens through ring attention
-      when cp > 1 over the p2p ring), over that peak (at least that rate);
+    - model_flops: the median rate one thread runs this model's forward + backward at (its
+      FLOPs as `flops_per_token` counts them) while as many copies run at once as the layout
+      has ranks on this machine (at most one per core), run as a rank runs its share (the
+      pipeline's chunks when pp x vpp > 1; each cp rank's tokens through ring attention when
+      cp > 1 over the p2p ring);
     - update_s_per_param: the step's work after the last backward, per parameter;
-    - expert_flops (models with experts): the median rate one thread runs this rank's experts
-      at, forward + backward, on one dispatch chunk's rows (`expert_rate`);
+    - expert_flops (models with experts, else 0): the median rate one thread runs this rank's
+      experts at, forward + backward, on one dispatch chunk's rows (`expert_rate`);
     - comm_cpu_s_per_byte: CPU seconds (process time, gloo's threads and the kernel's
       loopback included) per byte a rank sends, from `loopback_rate`'s probe of `world` ranks;
-    - bandwidth and latency: inside a namespace whose loopback carries a tbf rate (`tc qdisc
-      show dev lo`, as bench/netns.sh sets it), what the probe measured (the bytes its ranks
-      moved together, a one-element all-reduce per ring step); elsewhere the preset's inter_bw
-      and inter_latency (bench/predict.py sets them to that probe's results inside
-      bench/netns.sh, or to the nominal rate); the bandwidth divided by the world size: the loopback is one queue that every
-      rank's sends pass through, and the symmetric collectives send from every rank at once."""
+    - link_bytes_s, link_latency: what that probe's ranks moved together and its latency per
+      collective step, or 0 outside a namespace whose loopback carries a tbf rate;
+    - at: when (Unix seconds)."""
+    import time
+
     from mpoverlap.overlap.layout import build_layout
     from mpoverlap.simulate.measure import expert_rate, matmul_rate, model_rate, update_seconds_per_param
 
     m, t = cfg.model, cfg.train
     bf16 = str(t.precision) == "bf16"
+    at = time.time()
     peak = matmul_rate(t.micro_batch_size * m.seq_length, m.hidden_size, m.ffn_hidden_size, bf16=bf16)
     lo = build_layout(cfg)
     world = lo.world or 1
@@ -102,15 +109,40 @@ def measured(hw: Hardware, cfg: Any) -> Hardware:
     rate = model_rate(cfg, copies=copies, pp=lo.pp, vpp=lo.vpp, cp=ring)
     moved, cpu_per_byte, latency = loopback_probe(max(2, world))
     shaped = tc_rate() is not None
-    link = (moved if shaped else hw.inter.bandwidth) / world
-    latency = latency if shaped else hw.inter.latency
-    # A noisy peak below the model's own rate would cap the efficiency and slow the model: the
-    # peak is at least the rate the model was seen to run at.
-    peak = max(peak, rate)
-    return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak,
-                   update_s_per_param=update_seconds_per_param(cfg, copies=copies),
-                   expert_flops=expert_rate(cfg, lo, copies=copies) if m.num_experts else 0.0,
-                   comm_cpu_s_per_byte=cpu_per_byte,
+    return {"peak_flops": peak, "model_flops": rate,
+            "update_s_per_param": update_seconds_per_param(cfg, copies=copies),
+            "expert_flops": expert_rate(cfg, lo, copies=copies) if m.num_experts else 0.0,
+            "comm_cpu_s_per_byte": cpu_per_byte, "link_bytes_s": moved if shaped else 0.0,
+            "link_latency": latency if shaped else 0.0, "at": at}
+
+
+def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Hardware:
+    """`hw` with the mean of `rates` (`measured_rates` results) for `cfg`:
+    - peak_flops the mean peak, gemm_efficiency the mean model rate over it (the peak is at
+      least that rate: a noisy peak below the model's own rate would cap the efficiency and
+      slow the model);
+    - update_s_per_param, expert_flops, comm_cpu_s_per_byte: their means;
+    - bandwidth and latency: the probe's (inside a namespace whose loopback carries a tbf rate,
+      as bench/netns.sh sets it), else the preset's inter_bw and inter_latency (bench/predict.py
+      sets them to that probe's results inside bench/netns.sh, or to the nominal rate); the
+      bandwidth divided by the world size: the loopback is one queue that every rank's sends
+      pass through, and the symmetric collectives send from every rank at once."""
+    from mpoverlap.overlap.layout import build_layout
+
+    if not rates:
+        raise ValueError("with_rates needs at least one measured_rates result")
+
+    def mean(key: str) -> float:
+        return sum(float(r[key]) for r in rates) / len(rates)
+
+    world = build_layout(cfg).world or 1
+    rate = mean("model_flops")
+    peak = max(mean("peak_flops"), rate)
+    shaped = all(r["link_bytes_s"] > 0 for r in rates)
+    link = (mean("link_bytes_s") if shaped else hw.inter.bandwidth) / world
+    latency = mean("link_latency") if shaped else hw.inter.latency
+    return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak, update_s_per_param=mean("update_s_per_param"),
+                   expert_flops=mean("expert_flops"), comm_cpu_s_per_byte=mean("comm_cpu_s_per_byte"),
                    intra=replace(hw.intra, bandwidth=link, latency=latency),
                    inter=replace(hw.inter, bandwidth=link, latency=latency))
 
