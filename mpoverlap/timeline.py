@@ -205,7 +205,7 @@ def draw(ranks: Sequence[RankTimeline], out: Path, title: str) -> None:
     for mode in modes:
         light, strong = MODE_COLOURS[mode]
         handles += [Patch(facecolor=light, label=f"{mode} in flight"),
-                    Patch(facecolor=strong, hatch="////", edgecolor="white", label=f"{mode} exposed (blocked in wait)")]
+                    Patch(facecolor=strong, hatch="////", edgecolor="white", label=f"{mode} exposed (blocked in post or wait)")]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
     ax.grid(axis="x", color="#dddddd", linewidth=0.5, zorder=1)
     legend_rows = -(-len(handles) // 5)

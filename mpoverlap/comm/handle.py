@@ -1,7 +1,7 @@
 """CommHandle: one in-flight communication, with the clocks that tell whether it was hidden.
 
 A handle knows its mode (dp/tp/pp/cp/ep), its op, its bytes, when it was issued, when the
-backend finished it and how long compute sat blocked in `wait()`. Waiting is idempotent;
+backend finished it and how long compute sat blocked on it (in `wait()`; on CPU also in the post). Waiting is idempotent;
 every handle reports once to the ledger it was issued under.
 
 Clocks. On CPU (gloo) host clocks: completion from the work's future callback, blocked time

@@ -13,10 +13,12 @@ same steps as the metrics rows. For those steps every rank writes
   which is how ranks on different hosts are lined up):
     {"kind": "meta", "rank", "world", "coords", "device", "start_step", "steps", "unix_offset_s"}
     {"kind": "step", "step", "begin", "end"}
-    {"kind": "comm", "step", "mode", "op", "bytes", "issued_at", "completed_at",
+    {"kind": "comm", "step", "mode", "op", "bytes", "issued_at", "completed_at", "post_end",
      "wait_begin", "wait_end", "exposed_s"}
   A comm line is one CommHandle, attributed to the step during which it was waited (as the
-  ledger attributes it to metrics rows); `exposed_s = wait_end - wait_begin` on CPU. Handles
+  ledger attributes it to metrics rows); on CPU `exposed_s = (post_end - issued_at) +
+  (wait_end - wait_begin)`: the caller is blocked inside the post too (`post_end` is null
+  where nothing was sent, and on CUDA). Handles
   of backends without a completion callback (gloo p2p, reduce-scatter) are stamped complete
   at the next issue or wait, so their in-flight span can run long.
 
