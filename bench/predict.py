@@ -138,6 +138,8 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
                          "measured_step_s": measured["step"]["median_s"], "predicted_step_s": r.step_s,
                          "measured_share": typical, "measured_share_all_steps": all_steps, "predicted_share": share,
                          "peak_gflops": hw.peak_flops / 1e9, "efficiency": hw.gemm_efficiency,
+                         # the model rate of each timing averaged (before, after the measurement)
+                         "model_gflops_timed": [r["model_flops"] / 1e9 for r in timed.get(key, [])],
                          "link_mb_s": hw.inter.bandwidth / 1e6})
     return rows
 
@@ -150,8 +152,8 @@ def render(rows: List[Dict[str, Any]]) -> str:
              "the goal's measure: the step is compared at its median too) and over all steps (sums).", "",
              "| scenario | variant | overlap | measured step (ms) | predicted (ms) | error | measured exposed share "
              "(median step) | (all steps) | predicted | difference (median step) | (all steps) "
-             "| matmul GFLOP/s x model fraction | link per rank (MB/s) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| matmul GFLOP/s x model fraction | model GFLOP/s timed before, after | link per rank (MB/s) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ok_step = ok_share = ok_all = 0
 
     def fmt(x: Optional[float], sign: str = "") -> str:
@@ -168,7 +170,9 @@ def render(rows: List[Dict[str, Any]]) -> str:
         lines.append(f"| {r['scenario']} | {r['variant']} | {'on' if r['overlap'] else 'off'} | "
                      f"{r['measured_step_s'] * 1e3:.1f} | {r['predicted_step_s'] * 1e3:.1f} | {err:+.0%} | "
                      f"{fmt(ms)} | {fmt(ma)} | {r['predicted_share']:.2f} | {fmt(diff, '+')} | {fmt(diff_all, '+')} | "
-                     f"{r['peak_gflops']:.1f} x {r['efficiency']:.2f} | {r['link_mb_s']:.0f} |")
+                     f"{r['peak_gflops']:.1f} x {r['efficiency']:.2f} | "
+                     f"{', '.join(f'{g:.1f}' for g in r.get('model_gflops_timed') or []) or 'now'} | "
+                     f"{r['link_mb_s']:.0f} |")
     lines += ["", f"Step within {STEP_TOLERANCE:.0%}: {ok_step}/{len(rows)}; exposed share within "
                   f"{SHARE_TOLERANCE}: {ok_share}/{len(rows)} (median step), {ok_all}/{len(rows)} (all steps)."]
     return "\n".join(lines)
