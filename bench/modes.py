@@ -345,13 +345,33 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             losses0[name] = float(side.train_step()["loss_local"])
             side.collect(False)
             side.settle()
-        blocks = rotating_blocks(sides, args, log_prefix=f"modes[{args.scenario}]")
+        # The simulator's model rate, timed in these rounds for each machine the variants run
+        # on (bench/rate_probe.py); the bubble scenario is not predicted.
+        probes: Dict[str, Any] = {}
+        if args.scenario != "bubble":
+            from bench.rate_probe import ModelRateSide, machine_of
+
+            machines: Dict[str, List[str]] = {}
+            for name, side in sides.items():
+                if isinstance(side, MpoSide):
+                    machines.setdefault(machine_of(side.t.cfg), []).append(name)
+            for i, names in enumerate(machines.values()):
+                probes[f"model_rate_{i}"] = (ModelRateSide(sides[names[0]].t.cfg), names)
+        blocks = rotating_blocks({**sides, **{p: side for p, (side, _) in probes.items()}}, args,
+                                 log_prefix=f"modes[{args.scenario}]")
         gathered: List[Any] = [None, None]
         dist.all_gather_object(gathered, {"blocks": blocks, "first_loss": losses0})
         if rank == 0:
             res = summarize(gathered, list(sides), args)
             res["base_overrides"] = COMMON + spec["base"]
             res["variant_overrides"] = spec["variants"]
+            if probes:
+                from bench import rate_probe
+
+                res["model_rate_probe"] = {}
+                for p, (side, names) in probes.items():
+                    row = rate_probe.summarize([g["blocks"] for g in gathered], p, side.flops)
+                    res["model_rate_probe"].update({n: row for n in names})
             Path(args.json_tmp).write_text(json.dumps(res, indent=2))
     finally:
         dist.destroy_process_group()

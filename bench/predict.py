@@ -24,20 +24,22 @@ STEP_TOLERANCE, SHARE_TOLERANCE = 0.25, 0.15
 
 def _scenarios(results: Dict[str, Any]):
     """(scenario, mode, base overrides, {variant: (overrides, measured row)}, machine rates timed
-    beside the measurement or {}) per benchmark."""
+    before and after the measurement or {}, {variant: model rate timed in its rounds} or {})
+    per benchmark."""
     dp = results.get("dp")
     if dp:
         rows = {**dp["variants"], **dp.get("variants_quiet", {})}
         variants = {n: (r.get("overrides") or dp["variants"][n].get("overrides"), r) for n, r in rows.items()
                     if n.startswith("mpo_") and (dp["variants"][n].get("overrides"))}
-        yield "dp", "dp", dp["setup"]["base_overrides"], variants, dp.get("machine_rates") or {}
+        yield "dp", "dp", dp["setup"]["base_overrides"], variants, dp.get("machine_rates") or {}, {}
     for scenario, res in (results.get("modes") or {}).items():
         if scenario == "bubble" or "base_overrides" not in res:
             continue
         rows = {**res["variants"], **res.get("variants_quiet", {})}
         variants = {n: (res["variant_overrides"][n], r) for n, r in rows.items()
                     if res["variant_overrides"].get(n) is not None}
-        yield scenario, scenario, res["base_overrides"], variants, res.get("machine_rates") or {}
+        yield scenario, scenario, res["base_overrides"], variants, res.get("machine_rates") or {}, \
+            res.get("model_rate_probe") or {}
 
 
 def _compose(base: List[str], extra: List[str], more: List[str] = ()):
@@ -111,22 +113,28 @@ def shaped_link(rate: str) -> Optional[Tuple[float, float]]:
 def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict[str, Any]]:
     """Every scenario's prediction beside its measurement. The machine: the mean of the rates
     timed before and after the scenario's measurement where the results hold them
-    (`machine_rates`, see `time_machine`), else this machine timed now. The link: with `probe`,
-    what 2 ranks achieve in bench/netns.sh at `rate` (`shaped_link`), else the nominal rate."""
+    (`machine_rates`, see `time_machine`), else this machine timed now; the model rate timed in
+    the benchmark's own rounds instead where there is one (`model_rate_probe`,
+    bench/rate_probe.py). The link: with `probe`, what 2 ranks achieve in bench/netns.sh at
+    `rate` (`shaped_link`), else the nominal rate."""
     from mpoverlap.simulate.core import simulate
-    from mpoverlap.simulate.hardware import from_config, parse_rate
+    from mpoverlap.simulate.hardware import from_config, measured_rates, parse_rate
 
     probed = shaped_link(rate) if probe else None
     link, latency = probed or (parse_rate(f"rate {rate}"), None)
     lat = [f"hardware.inter_latency={latency}", f"hardware.intra_latency={latency}"] if latency is not None else []
     rows, machines = [], {}
-    for scenario, mode, base, variants, timed in _scenarios(results):
+    for scenario, mode, base, variants, timed, in_rounds in _scenarios(results):
         for name, (extra, measured) in variants.items():
             cfg = _compose(base, extra, [f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"] + lat)
             key = _machine_key(cfg)
             if key not in machines:
-                # the rates timed beside this measurement (bench/run.py), else this machine now
-                machines[key] = from_config(cfg, timed.get(key))
+                # the rates timed beside this measurement (bench/run.py), else this machine now;
+                # the model rate timed in the benchmark's own rounds where there is one
+                rates = timed.get(key) or [measured_rates(cfg)]
+                if name in in_rounds:
+                    rates = [dict(t, model_flops=in_rounds[name]["model_flops"]) for t in rates]
+                machines[key] = from_config(cfg, rates)
             hw = machines[key]
             r = simulate(cfg, hw)
             if mode == "pp":
@@ -139,7 +147,9 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
                          "measured_share": typical, "measured_share_all_steps": all_steps, "predicted_share": share,
                          "peak_gflops": hw.peak_flops / 1e9, "efficiency": hw.gemm_efficiency,
                          # the model rate of each timing averaged (before, after the measurement)
-                         "model_gflops_timed": [r["model_flops"] / 1e9 for r in timed.get(key, [])],
+                         "model_gflops_timed": [t["model_flops"] / 1e9 for t in timed.get(key, [])],
+                         "model_gflops_in_rounds": (in_rounds[name]["model_flops"] / 1e9 if name in in_rounds
+                                                    else None),
                          "link_mb_s": hw.inter.bandwidth / 1e6})
     return rows
 
@@ -152,8 +162,9 @@ def render(rows: List[Dict[str, Any]]) -> str:
              "the goal's measure: the step is compared at its median too) and over all steps (sums).", "",
              "| scenario | variant | overlap | measured step (ms) | predicted (ms) | error | measured exposed share "
              "(median step) | (all steps) | predicted | difference (median step) | (all steps) "
-             "| matmul GFLOP/s x model fraction | model GFLOP/s timed before, after | link per rank (MB/s) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| matmul GFLOP/s x model fraction | model GFLOP/s timed before, after | in the rounds "
+             "| link per rank (MB/s) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ok_step = ok_share = ok_all = 0
 
     def fmt(x: Optional[float], sign: str = "") -> str:
@@ -172,6 +183,7 @@ def render(rows: List[Dict[str, Any]]) -> str:
                      f"{fmt(ms)} | {fmt(ma)} | {r['predicted_share']:.2f} | {fmt(diff, '+')} | {fmt(diff_all, '+')} | "
                      f"{r['peak_gflops']:.1f} x {r['efficiency']:.2f} | "
                      f"{', '.join(f'{g:.1f}' for g in r.get('model_gflops_timed') or []) or 'now'} | "
+                     f"{'-' if r.get('model_gflops_in_rounds') is None else format(r['model_gflops_in_rounds'], '.1f')} | "
                      f"{r['link_mb_s']:.0f} |")
     lines += ["", f"Step within {STEP_TOLERANCE:.0%}: {ok_step}/{len(rows)}; exposed share within "
                   f"{SHARE_TOLERANCE}: {ok_share}/{len(rows)} (median step), {ok_all}/{len(rows)} (all steps)."]

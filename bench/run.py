@@ -30,6 +30,8 @@ At the end, bench/predict.py puts the step-time simulator's prediction (`hardwar
 beside every DP and modes measurement of the run (step time and exposed share). The machine's
 rates for each benchmark are timed right before and right after it runs (its `machine_rates`),
 and the prediction uses their mean: this machine's speed drifts by tens of percent in minutes.
+The modes benchmarks also time the model rate in their own rounds (bench/rate_probe.py), and the
+prediction takes that one.
 """
 from __future__ import annotations
 

@@ -123,6 +123,17 @@ def test_tp_scenario_peers_compute_the_same_first_loss(tmp_path):
     ref = first["mpo_tp_off"][0]
     for name in ("mpo_tp_overlap", "dtensor_tp"):
         assert abs(first[name][0] - ref) <= 1e-5 * abs(ref), (name, first)
+    # The simulator's model rate, timed in the rounds: one probe for the two mpoverlap variants
+    # (same machine), none for the peer; the rate counts the model's FLOPs per microbatch.
+    from mpoverlap.config import compose
+    from mpoverlap.models.gpt import flops_per_token
+
+    probe = result["model_rate_probe"]
+    assert set(probe) == {"mpo_tp_overlap", "mpo_tp_off"} and probe["mpo_tp_overlap"] == probe["mpo_tp_off"]
+    cfg = compose(result["base_overrides"] + result["variant_overrides"]["mpo_tp_off"])
+    flops = flops_per_token(cfg.model) * cfg.train.micro_batch_size * cfg.model.seq_length
+    row = probe["mpo_tp_off"]
+    assert row["samples"] >= 2 and row["model_flops"] * row["median_thread_s"] == pytest.approx(flops)
 
 
 def test_predict_judges_shares_on_the_median_step_and_shows_the_sums():

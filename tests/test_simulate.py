@@ -325,6 +325,14 @@ def test_bench_predict_uses_the_rates_timed_beside_the_measurement(monkeypatch):
         assert rows[("pp", variant)]["efficiency"] == pytest.approx(3e10 / 7e10)
     assert rows[("tp", "mpo_tp_overlap")]["peak_gflops"] == pytest.approx(40.0)
     assert not any(int(c.parallel.pp) == 2 for c in timed_now)  # the pp machine was not timed again
+    # A model rate timed in the benchmark's own rounds (bench/rate_probe.py) replaces the
+    # timings' model rate; their other rates stay.
+    pp["model_rate_probe"] = {v: {"model_flops": 5e10, "median_thread_s": 1.0, "samples": 10}
+                              for v in ("mpo_pp_overlap", "mpo_pp_off")}
+    rows = {(r["scenario"], r["variant"]): r for r in predict.predict(results, "2gbit", probe=False)}
+    assert rows[("pp", "mpo_pp_off")]["peak_gflops"] == pytest.approx(70.0)
+    assert rows[("pp", "mpo_pp_off")]["efficiency"] == pytest.approx(5 / 7)
+    assert rows[("pp", "mpo_pp_off")]["model_gflops_in_rounds"] == pytest.approx(50.0)
 
 
 def test_in_flight_is_the_estimates_link_bytes_over_bandwidth():

@@ -129,16 +129,27 @@ def _local_ring(cp_rank: int, cp_size: int):
 
 
 def model_rate(cfg: Any, repeats: int = 15, copies: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1) -> float:
-    """FLOP/s (`flops_per_token`'s count) of one thread running forward + backward of the whole
-    model on one microbatch of random tokens, the median of `repeats` after a warm-up, in each
-    of `copies` processes at once (`concurrently`). The model runs as a rank of the layout runs
-    its share, one share after the other:
+    """FLOP/s (`flops_per_token`'s count) of one thread running `model_work` (forward + backward
+    of the whole model on one microbatch of random tokens, as a rank of the layout runs its
+    share), the median of `repeats` after a warm-up, in each of `copies` processes at once
+    (`concurrently`)."""
+    with one_thread():
+        work, flops = model_work(cfg, pp=pp, vpp=vpp, cp=cp)
+        took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
+    return flops / took
+
+
+def model_work(cfg: Any, pp: int = 1, vpp: int = 1, cp: int = 1) -> Tuple[Callable[[], None], float]:
+    """(work, its FLOPs as `flops_per_token` counts them): forward + backward of the whole model
+    on one microbatch of random tokens, run as a rank of the layout runs its share, one share
+    after the other:
     - pp x vpp > 1: as the pipeline's chunks (`build_chunks` of every stage), each chunk's
       forward and backward on its own as a pipeline action runs it (a received activation in,
       its gradient back): what a stage pays per action on top of its layers' FLOPs;
     - cp > 1 (the p2p ring): as each cp rank in turn, its S/cp tokens (split_for_cp) through
       the model with ring attention (context_parallel's block math with log-sum-exp merges)
-      over a ring whose exchanges are local copies."""
+      over a ring whose exchanges are local copies.
+    Run it with torch on one thread (`one_thread`), as each benchmark worker runs."""
     import math
 
     import torch
@@ -150,39 +161,37 @@ def model_rate(cfg: Any, repeats: int = 15, copies: int = 1, pp: int = 1, vpp: i
     from mpoverlap.training.pipeline_glue import build_chunks
 
     m, t = cfg.model, cfg.train
-    with one_thread():
-        model, tokens = _model_and_tokens(cfg)
-        autocast = torch.autocast("cpu", torch.bfloat16, enabled=str(t.precision) == "bf16")
-        S, shape = m.seq_length, (t.micro_batch_size, m.seq_length // cp, m.hidden_size)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        if cp > 1:
-            def ring_model(rank: int):
-                ring = _local_ring(rank, cp)
+    model, tokens = _model_and_tokens(cfg)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=str(t.precision) == "bf16")
+    S, shape = m.seq_length, (t.micro_batch_size, m.seq_length // cp, m.hidden_size)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if cp > 1:
+        def ring_model(rank: int):
+            ring = _local_ring(rank, cp)
 
-                def attention(q, k, v):
-                    return RingAttentionFunction.apply(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]), NullStats())
+            def attention(q, k, v):
+                return RingAttentionFunction.apply(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]), NullStats())
 
-                return GPT(m, seed=0, core_attention=attention)
+            return GPT(m, seed=0, core_attention=attention)
 
-            # (model, its input tokens, targets, positions) of each share a rank runs
-            shares = [(ring_model(r), split_for_cp(inputs, r, cp, seq_dim=1), split_for_cp(targets, r, cp, seq_dim=1),
-                       positions_for_cp(S, r, cp)) for r in range(cp)]
-        else:
-            chunks = [c for s in range(pp) for c in build_chunks(m, pp, vpp, s, 0)] if pp * vpp > 1 else [model]
-            shares = [(c, inputs, targets, torch.arange(S)) for c in chunks]
+        # (model, its input tokens, targets, positions) of each share a rank runs
+        shares = [(ring_model(r), split_for_cp(inputs, r, cp, seq_dim=1), split_for_cp(targets, r, cp, seq_dim=1),
+                   positions_for_cp(S, r, cp)) for r in range(cp)]
+    else:
+        chunks = [c for s in range(pp) for c in build_chunks(m, pp, vpp, s, 0)] if pp * vpp > 1 else [model]
+        shares = [(c, inputs, targets, torch.arange(S)) for c in chunks]
 
-        def work() -> None:
-            for chunk, x, y, positions in shares:
-                inp = x if chunk.pre_process else torch.randn(shape, requires_grad=True)
-                with autocast:
-                    out = chunk(inp, position_ids=positions)
-                if chunk.post_process:
-                    chunk.loss(out.float(), y).backward()
-                else:
-                    out.backward(torch.randn_like(out))
+    def work() -> None:
+        for chunk, x, y, positions in shares:
+            inp = x if chunk.pre_process else torch.randn(shape, requires_grad=True)
+            with autocast:
+                out = chunk(inp, position_ids=positions)
+            if chunk.post_process:
+                chunk.loss(out.float(), y).backward()
+            else:
+                out.backward(torch.randn_like(out))
 
-        took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
-    return flops_per_token(m) * t.micro_batch_size * m.seq_length / took
+    return work, flops_per_token(m) * t.micro_batch_size * m.seq_length
 
 
 def update_seconds_per_param(cfg: Any, repeats: int = 7, copies: int = 1) -> float:

@@ -1,0 +1,54 @@
+"""The simulator's model rate timed inside a benchmark's own rounds (bench.modes).
+
+`hardware=measured` times a rank's share of the model (`measure.model_work`) in thread CPU
+time. Timed once before and once after a benchmark, that rate can miss the machine the
+benchmark ran on: this machine's speed drifts by tens of percent within minutes. A
+`ModelRateSide` is a side like the variants: each round runs one block of it on both ranks at
+once (as `measure.concurrently` runs two copies), between the variants' blocks, and
+`summarize` gives the rate of the median block step, which bench/predict.py uses as the model
+rate of the variants it stands for.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Dict, List
+
+
+class ModelRateSide:
+    """One microbatch of forward + backward of `cfg`'s model, as a rank of its layout runs its
+    share (`measure.model_work`), per step; no communication."""
+
+    def __init__(self, cfg: Any) -> None:
+        from mpoverlap.overlap.layout import build_layout
+        from mpoverlap.simulate.measure import model_work
+
+        lo = build_layout(cfg)
+        ring = lo.cp if str(cfg.parallel.cp_comm) == "p2p" else 1
+        self.work, self.flops = model_work(cfg, pp=lo.pp, vpp=lo.vpp, cp=ring)
+        self._took = 0.0
+
+    def train_step(self) -> Dict[str, float]:
+        t0 = time.thread_time()
+        self.work()
+        self._took = time.thread_time() - t0
+        return {}
+
+    def settle(self) -> None:
+        pass
+
+    def collect(self, keep: bool) -> Dict[str, float]:
+        return {"model_thread_s": self._took}
+
+
+def machine_of(cfg: Any) -> str:
+    """What the model rate depends on (variants that share it share one probe)."""
+    return repr([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision), str(cfg.parallel)])
+
+
+def summarize(per_rank_blocks: List[List[Dict[str, Any]]], probe: str, flops: float) -> Dict[str, Any]:
+    """{model_flops, median_thread_s, samples} of probe side `probe` over every rank's kept steps."""
+    took = [e["model_thread_s"] for blocks in per_rank_blocks for b in blocks if b["name"] == probe
+            for e in b["extras"]]
+    median = statistics.median(took)
+    return {"model_flops": flops / median, "median_thread_s": median, "samples": len(took)}
