@@ -46,9 +46,13 @@ def machine_of(cfg: Any) -> str:
     return repr([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision), str(cfg.parallel)])
 
 
-def summarize(per_rank_blocks: List[List[Dict[str, Any]]], probe: str, flops: float) -> Dict[str, Any]:
-    """{model_flops, median_thread_s, samples} of probe side `probe` over every rank's kept steps."""
-    took = [e["model_thread_s"] for blocks in per_rank_blocks for b in blocks if b["name"] == probe
-            for e in b["extras"]]
+def summarize(per_rank_blocks: List[List[Dict[str, Any]]], probe: str, flops: float,
+              quiet_cores: float) -> Dict[str, Any]:
+    """{model_flops, median_thread_s, samples} of probe side `probe` over every rank's kept steps
+    in its quiet blocks (other processes used at most `quiet_cores`), as the variants' quiet
+    medians are taken, or in all its blocks when none was quiet."""
+    mine = [b for blocks in per_rank_blocks for b in blocks if b["name"] == probe]
+    quiet = [b for b in mine if b["foreign_cores"] <= quiet_cores]
+    took = [e["model_thread_s"] for b in (quiet or mine) for e in b["extras"]]
     median = statistics.median(took)
     return {"model_flops": flops / median, "median_thread_s": median, "samples": len(took)}
