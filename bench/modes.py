@@ -370,7 +370,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
 
                 res["model_rate_probe"] = {}
                 for p, (side, names) in probes.items():
-                    row = rate_probe.summarize([g["blocks"] for g in gathered], p, side.flops, args.quiet_cores)
+                    row = rate_probe.summarize([g["blocks"] for g in gathered], p, side, args.quiet_cores)
                     res["model_rate_probe"].update({n: row for n in names})
             Path(args.json_tmp).write_text(json.dumps(res, indent=2))
     finally:

@@ -113,9 +113,9 @@ def shaped_link(rate: str) -> Optional[Tuple[float, float]]:
 def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict[str, Any]]:
     """Every scenario's prediction beside its measurement. The machine: the mean of the rates
     timed before and after the scenario's measurement where the results hold them
-    (`machine_rates`, see `time_machine`), else this machine timed now; the model rate timed in
-    the benchmark's own rounds instead where there is one (`model_rate_probe`,
-    bench/rate_probe.py). The link: with `probe`, what 2 ranks achieve in bench/netns.sh at
+    (`machine_rates`, see `time_machine`), else this machine timed now; the model's (and the
+    experts') rate timed in the benchmark's own rounds instead where there is one
+    (`model_rate_probe`, bench/rate_probe.py). The link: with `probe`, what 2 ranks achieve in bench/netns.sh at
     `rate` (`shaped_link`), else the nominal rate."""
     from mpoverlap.simulate.core import simulate
     from mpoverlap.simulate.hardware import from_config, measured_rates, parse_rate
@@ -133,7 +133,8 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
                 # the model rate timed in the benchmark's own rounds where there is one
                 rates = timed.get(key) or [measured_rates(cfg)]
                 if name in in_rounds:
-                    rates = [dict(t, model_flops=in_rounds[name]["model_flops"]) for t in rates]
+                    timed_there = {k: v for k, v in in_rounds[name].items() if k in ("model_flops", "expert_flops")}
+                    rates = [dict(t, **timed_there) for t in rates]
                 machines[key] = from_config(cfg, rates)
             hw = machines[key]
             r = simulate(cfg, hw)
@@ -146,6 +147,7 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
                          "measured_step_s": measured["step"]["median_s"], "predicted_step_s": r.step_s,
                          "measured_share": typical, "measured_share_all_steps": all_steps, "predicted_share": share,
                          "peak_gflops": hw.peak_flops / 1e9, "efficiency": hw.gemm_efficiency,
+                         "expert_gflops": hw.expert_flops / 1e9,
                          # the model rate of each timing averaged (before, after the measurement)
                          "model_gflops_timed": [t["model_flops"] / 1e9 for t in timed.get(key, [])],
                          "model_gflops_in_rounds": (in_rounds[name]["model_flops"] / 1e9 if name in in_rounds

@@ -333,6 +333,13 @@ def test_bench_predict_uses_the_rates_timed_beside_the_measurement(monkeypatch):
     assert rows[("pp", "mpo_pp_off")]["peak_gflops"] == pytest.approx(70.0)
     assert rows[("pp", "mpo_pp_off")]["efficiency"] == pytest.approx(5 / 7)
     assert rows[("pp", "mpo_pp_off")]["model_gflops_in_rounds"] == pytest.approx(50.0)
+    # and so does the experts' rate where the rounds timed one
+    ep = results["modes"]["ep"]
+    ep["model_rate_probe"] = {v: {"model_flops": 2e10, "expert_flops": 7e9, "median_thread_s": 1.0, "samples": 10}
+                              for v in ep["variant_overrides"]}
+    rows = {(r["scenario"], r["variant"]): r for r in predict.predict(results, "2gbit", probe=False)}
+    assert rows[("ep", "mpo_ep_overlap")]["expert_gflops"] == pytest.approx(7.0)
+    assert rows[("ep", "mpo_ep_overlap")]["efficiency"] == pytest.approx(0.5)  # 2e10 over the 4e10 peak
 
 
 def test_in_flight_is_the_estimates_link_bytes_over_bandwidth():

@@ -224,10 +224,20 @@ def update_seconds_per_param(cfg: Any, repeats: int = 7, copies: int = 1) -> flo
 
 
 def expert_rate(cfg: Any, lo: Any, repeats: int = 15, copies: int = 1) -> float:
-    """FLOP/s of one thread running this rank's routed experts (`Experts`, E/ep of them, the
-    model's activation and expert width) forward + backward on one dispatch chunk's rows
-    (the rank's MoE tokens x top_k / overlap.ep_chunks, as a balanced router sends them),
-    split evenly over the experts; the median of `repeats`, in `copies` processes at once."""
+    """FLOP/s of one thread running `expert_work` (this rank's routed experts forward +
+    backward on one dispatch chunk's rows), the median of `repeats`, in `copies` processes at
+    once."""
+    with one_thread():
+        work, flops = expert_work(cfg, lo)
+        took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
+    return flops / took
+
+
+def expert_work(cfg: Any, lo: Any) -> Tuple[Callable[[], None], float]:
+    """(work, its FLOPs): this rank's routed experts (`Experts`, E/ep of them, the model's
+    activation and expert width) forward + backward on one dispatch chunk's rows (the rank's
+    MoE tokens x top_k / overlap.ep_chunks, as a balanced router sends them), split evenly over
+    the experts. Run it with torch on one thread (`one_thread`)."""
     import torch
 
     from mpoverlap.moe.experts import Experts
@@ -238,19 +248,17 @@ def expert_rate(cfg: Any, lo: Any, repeats: int = 15, copies: int = 1) -> float:
     local = max(1, m.num_experts // max(1, lo.ep))
     chunks = max(1, int(cfg.overlap.ep_chunks))
     rows = max(local, int(moe_tokens(cfg, lo) * m.moe_top_k) // chunks)
-    with one_thread():
-        experts = Experts(local, m.hidden_size, expert_ffn(m), first_expert_index=0, name_prefix="rate", cfg=m,
-                          seed=0, activation=m.activation)
-        x = torch.randn(rows, m.hidden_size, requires_grad=True)
-        counts = [rows // local] * local
-        counts[-1] += rows - sum(counts)
+    experts = Experts(local, m.hidden_size, expert_ffn(m), first_expert_index=0, name_prefix="rate", cfg=m,
+                      seed=0, activation=m.activation)
+    x = torch.randn(rows, m.hidden_size, requires_grad=True)
+    counts = [rows // local] * local
+    counts[-1] += rows - sum(counts)
 
-        def work() -> None:
-            y = experts(x, counts)
-            y.backward(torch.randn_like(y))
+    def work() -> None:
+        y = experts(x, counts)
+        y.backward(torch.randn_like(y))
 
-        took = concurrently(lambda: statistics.median(thread_times(work, repeats)), copies)
-    return 3 * 2 * rows * mlp_mult(m) * m.hidden_size * expert_ffn(m) / took
+    return work, 3 * 2 * rows * mlp_mult(m) * m.hidden_size * expert_ffn(m)
 
 
 # ---- the loopback's achieved rate ------------------------------------------------------------
