@@ -9,9 +9,10 @@ around `work.wait()` plus the post itself (`post_span`: gloo writes what the soc
 inside the post, and the caller computes nothing meanwhile). On CUDA (NCCL) `work.wait()`
 does not block the host: it makes the compute stream wait for the communication stream.
 There the handle records CUDA events on the compute stream at issue and around the wait; the
-GPU-side stall (exposed time) is the elapsed time between the events around the wait, and the in-flight time runs from issue to
-the end of the wait (an upper bound when the transfer finished earlier). Events are read
-only when the ledger summarises (at log steps), never with a device-wide synchronize.
+GPU-side stall (exposed time) is the elapsed time between the events around the wait, and the
+in-flight time runs from issue to the end of the wait (an upper bound when the transfer
+finished earlier). Events are read only when the ledger summarises (at log steps), never with
+a device-wide synchronize.
 
 `wait_began_at` / `wait_ended_at` bound the blocked span of the wait (host clock on CPU; on
 CUDA mapped onto the host clock from the issue time once resolved). Both blocked spans lie
