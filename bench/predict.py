@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from bench.rate_probe import machine_of
+
 STEP_TOLERANCE, SHARE_TOLERANCE = 0.25, 0.15
 
 
@@ -48,12 +50,6 @@ def _compose(base: List[str], extra: List[str], more: List[str] = ()):
     return compose(list(base) + list(extra) + ["hardware=measured", "parallel.world_size=2"] + list(more))
 
 
-def _machine_key(cfg: Any) -> str:
-    """What the measured rates depend on: the model, the micro batch, the precision and the
-    layout (model_rate runs a rank's share of it)."""
-    return json.dumps([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision), str(cfg.parallel)])
-
-
 def time_machine(base: List[str], variants: Dict[str, Optional[List[str]]]) -> Dict[str, Dict[str, float]]:
     """This machine's rates (`hardware.measured_rates`), timed now, for every distinct machine of
     a benchmark's mpoverlap variants (peers, None, are skipped): {machine key: rates}.
@@ -67,7 +63,7 @@ def time_machine(base: List[str], variants: Dict[str, Optional[List[str]]]) -> D
         if extra is None:
             continue
         cfg = _compose(base, extra)
-        key = _machine_key(cfg)
+        key = machine_of(cfg)
         if key not in out:
             out[key] = measured_rates(cfg)
     return out
@@ -127,7 +123,7 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
     for scenario, mode, base, variants, timed, in_rounds in _scenarios(results):
         for name, (extra, measured) in variants.items():
             cfg = _compose(base, extra, [f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"] + lat)
-            key = _machine_key(cfg)
+            key = machine_of(cfg)
             if key not in machines:
                 # the rates timed beside this measurement (bench/run.py), else this machine now;
                 # the model rate timed in the benchmark's own rounds where there is one

@@ -50,7 +50,9 @@ class ModelRateSide:
 
 
 def machine_of(cfg: Any) -> str:
-    """What the model rate depends on (variants that share it share one probe)."""
+    """What this machine's measured rates depend on: the model, the micro batch, the precision
+    and the layout (`model_work` runs a rank's share). Variants with the same one share a probe
+    here, and bench/predict.py keys the rates timed before and after a benchmark by it."""
     return repr([str(cfg.model), cfg.train.micro_batch_size, str(cfg.train.precision), str(cfg.parallel)])
 
 

@@ -317,7 +317,7 @@ def test_bench_predict_uses_the_rates_timed_beside_the_measurement(monkeypatch):
     monkeypatch.setattr(hardware, "measured_rates", lambda cfg: timed_now.append(cfg) or rates(4e10, 1e10, 0.0))
     results = predict.quiet_results()
     pp = results["modes"]["pp"]
-    key = predict._machine_key(predict._compose(pp["base_overrides"], pp["variant_overrides"]["mpo_pp_overlap"]))
+    key = predict.machine_of(predict._compose(pp["base_overrides"], pp["variant_overrides"]["mpo_pp_overlap"]))
     pp["machine_rates"] = {key: [rates(6e10, 2e10, 2e-9), rates(8e10, 4e10, 4e-9)]}
     rows = {(r["scenario"], r["variant"]): r for r in predict.predict(results, "2gbit", probe=False)}
     for variant in ("mpo_pp_overlap", "mpo_pp_off"):

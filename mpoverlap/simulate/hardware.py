@@ -71,11 +71,6 @@ def from_config(cfg: Any, rates: Optional[Sequence[Dict[str, float]]] = None) ->
     return hw
 
 
-def measured(hw: Hardware, cfg: Any) -> Hardware:
-    """`hw` with this machine's rates for `cfg`, timed now (`measured_rates`, `with_rates`)."""
-    return with_rates(hw, cfg, [measured_rates(cfg)])
-
-
 def measured_rates(cfg: Any) -> Dict[str, float]:
     """This machine timed now for `cfg` (the rates in measure.py, thread CPU time, one torch
     thread as each benchmark worker runs); plain floats, to keep beside a measurement:

@@ -1,4 +1,5 @@
-"""This machine's rates for `hardware=measured` (hardware.measured puts them together).
+"""This machine's rates for `hardware=measured` (hardware.measured_rates times them,
+with_rates puts them together).
 
 Every rate is timed in the calling thread's CPU time (`time.thread_time`) with torch on one
 thread, as each benchmark worker runs, and the per-rank work in as many processes at once as
