@@ -2,8 +2,8 @@
 off) predicted with `hardware=measured` (this machine's rates, mpoverlap/simulate/measure.py:
 one-thread matmul peak, the model's forward + backward with both ranks' copies running, the
 optimizer step per parameter, ring attention's block math, the CPU cost of a byte sent; the link:
-what 2 gloo ranks achieve over the loopback inside bench/netns.sh at the run's rate, shared by
-the 2 ranks) and printed beside the measured median step and exposed share (quiet blocks where
+what 2 gloo ranks achieve over the loopback inside bench/netns.sh at the run's rate in an
+all-reduce, shared by the 2 ranks, and each other collective's rate over it) and printed beside the measured median step and exposed share (quiet blocks where
 there are any, as the tables above use).
 
     python -m bench.predict bench/results/<stamp>/results.json [--rate 2gbit] [--nominal-link]
@@ -86,24 +86,21 @@ def _measured_share(mode: str, row: Dict[str, Any]) -> Tuple[Optional[float], Op
     return median, c["exposed_share"]
 
 
-def shaped_link(rate: str) -> Optional[Tuple[float, float]]:
-    """(bytes/s that 2 gloo ranks move together, latency per collective step) over a loopback
-    shaped to `rate` by bench/netns.sh (mpoverlap.simulate.measure's probe run inside it), or
-    None when the namespace cannot be made. TCP over the tbf queue delivers less than the rate."""
-    import subprocess
-    import sys
-
-    from bench.common import ROOT, netns_prefix
+def shaped_link(rate: str) -> Optional[Dict[str, Any]]:
+    """`measure.loopback_rate` of 2 gloo ranks over a loopback shaped to `rate` by
+    bench/netns.sh (bytes_s they move together in an all-reduce, each collective's efficiency
+    over it, latency per collective step), or None when the namespace cannot be made. TCP over
+    the tbf queue delivers less than the rate."""
+    from bench.common import netns_prefix
+    from mpoverlap.simulate.hardware import loopback_probe
 
     prefix, _ = netns_prefix(rate, False)
     if not prefix:
         return None
-    proc = subprocess.run(prefix + [sys.executable, "-W", "ignore", "-m", "mpoverlap.simulate.measure", "--world", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise SystemExit(f"the loopback probe in bench/netns.sh failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    moved, _cpu, latency = proc.stdout.split()[-3:]
-    return float(moved), float(latency)
+    try:
+        return loopback_probe(2, tuple(prefix))
+    except RuntimeError as e:
+        raise SystemExit(f"the loopback probe in bench/netns.sh failed: {e}")
 
 
 def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict[str, Any]]:
@@ -117,8 +114,9 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
     from mpoverlap.simulate.hardware import from_config, measured_rates, parse_rate
 
     probed = shaped_link(rate) if probe else None
-    link, latency = probed or (parse_rate(f"rate {rate}"), None)
-    lat = [f"hardware.inter_latency={latency}", f"hardware.intra_latency={latency}"] if latency is not None else []
+    link = probed["bytes_s"] if probed else parse_rate(f"rate {rate}")
+    lat = [f"hardware.inter_latency={probed['latency']}", f"hardware.intra_latency={probed['latency']}"] + \
+        [f"hardware.collective_efficiency.{op}={x}" for op, x in probed["efficiency"].items()] if probed else []
     rows, machines = [], {}
     for scenario, mode, base, variants, timed, in_rounds in _scenarios(results):
         for name, (extra, measured) in variants.items():
@@ -148,7 +146,7 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
                          "model_gflops_timed": [t["model_flops"] / 1e9 for t in timed.get(key, [])],
                          "model_gflops_in_rounds": (in_rounds[name]["model_flops"] / 1e9 if name in in_rounds
                                                     else None),
-                         "link_mb_s": hw.inter.bandwidth / 1e6})
+                         "link_mb_s": hw.inter.bandwidth / 1e6, "link_efficiency": dict(hw.inter.efficiency)})
     return rows
 
 
@@ -185,6 +183,10 @@ def render(rows: List[Dict[str, Any]]) -> str:
                      f"{r['link_mb_s']:.0f} |")
     lines += ["", f"Step within {STEP_TOLERANCE:.0%}: {ok_step}/{len(rows)}; exposed share within "
                   f"{SHARE_TOLERANCE}: {ok_share}/{len(rows)} (median step), {ok_all}/{len(rows)} (all steps)."]
+    slower = rows[0].get("link_efficiency") or {}
+    if slower:
+        lines += ["", "The link's rate is the all-reduce's; the other collectives at their own fraction of it "
+                      "(probed): " + ", ".join(f"{op} {x:.2f}" for op, x in slower.items()) + "."]
     return "\n".join(lines)
 
 

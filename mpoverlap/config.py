@@ -171,6 +171,18 @@ class DataConfig:
 
 
 @dataclass
+class CollectiveEfficiency:
+    """The fraction of a link's bandwidth each collective reaches (hardware.collective_efficiency.<op>):
+    1.0 where a backend runs every collective at the link's rate. `measured` times each one (gloo
+    on CPU runs a reduce-scatter at about half the rate of its all-reduce)."""
+    all_reduce: float = 1.0
+    all_gather: float = 1.0
+    reduce_scatter: float = 1.0
+    all_to_all: float = 1.0
+    send_recv: float = 1.0
+
+
+@dataclass
 class HardwareConfig:
     """What `mpoverlap-check --simulate` and `--search` predict for (conf/hardware/*.yaml; each
     preset gives its sources). Rates per GPU; bandwidths in bytes/s each way, latencies in s."""
@@ -183,6 +195,7 @@ class HardwareConfig:
     intra_latency: float = 5e-6  # per collective step
     inter_bw: float = 50e9  # across nodes
     inter_latency: float = 10e-6
+    collective_efficiency: CollectiveEfficiency = field(default_factory=CollectiveEfficiency)
     # measured: time this machine's matmul and read the link rate of the namespace it runs in
     # (`tc qdisc show dev lo`), instead of the numbers above.
     measure: bool = False

@@ -12,7 +12,7 @@ from mpoverlap.simulate.collectives import collective_time, group_links
 from mpoverlap.simulate.engine import run_pipeline
 from mpoverlap.simulate.hardware import Hardware, Link, parse_rate
 from mpoverlap.simulate.overlap import (bucket_finish, buckets_over, cp_ring_exposed, ep_chunks_exposed,
-                                        gather_exposed, ring_exposed)
+                                        gather_exposed, ring_exposed, serial_link_exposed)
 
 # ---- each mode's rule, by hand --------------------------------------------------------------
 
@@ -51,14 +51,35 @@ def test_cp_ring_under_block_attention():
     assert cp_ring_exposed(9.0, 7.0, 8.0, 8.0, 4)[0] == pytest.approx(3.0)
 
 
+def test_serial_link_program():
+    # issue A (3) and B (2) at 0: the link runs A then B (done at 5); 4 of compute, then
+    # waiting A costs nothing and waiting B 1; C (1) issued at 5 is done at 6
+    prog = [("issue", "A", 3.0), ("issue", "B", 2.0), ("compute", 4.0), ("wait", "A"), ("wait", "B"),
+            ("issue", "C", 1.0), ("wait", "C")]
+    assert serial_link_exposed(prog) == pytest.approx(1.0 + 1.0)
+
+
 def test_ep_chunks_under_experts():
     # 4 chunks, dispatch and combine 1 ms each per chunk, experts 3 ms per chunk: the first
     # dispatch and the last combine are exposed (2 ms of 8)
     assert ep_chunks_exposed(4.0, 4.0, 12.0, 4) == pytest.approx(2.0)
     # a 1 ms shared expert hides the first dispatch
     assert ep_chunks_exposed(4.0, 4.0, 12.0, 4, shared=1.0) == pytest.approx(1.0)
-    # experts 1 ms per chunk: steady state exposes (1 + 1 - 1) per later chunk
-    assert ep_chunks_exposed(4.0, 4.0, 4.0, 4) == pytest.approx(1 + 3 + 1)
+    # experts 1 ms per chunk. Link: D0 0-1, D1 1-2; E0 1-2, C0 2-3, D2 3-4 (issued before
+    # waiting D1, queued behind C0); E1 2-3, C1 4-5, D3 5-6; wait D2 until 4 (1 exposed), E2 4-5,
+    # C2 6-7; wait D3 until 6 (1), E3 6-7, C3 7-8; wait C3 until 8 (1). With D0: 4.
+    assert ep_chunks_exposed(4.0, 4.0, 4.0, 4) == pytest.approx(4.0)
+
+
+def test_ep_chunks_backward_as_autograd_runs_it():
+    # 4 chunks, 1 ms reverse exchanges, experts' backward 3 ms per chunk. The four reverse
+    # combines go first (link 0-4); wait C3 until 1 (1 exposed); E3 1-4, D3 4-5; E2 4-7, D2
+    # 7-8; E1 7-10, D1 10-11; E0 10-13, D0 13-14: waiting D0 exposes 1. Total 2.
+    assert ep_chunks_exposed(4.0, 4.0, 12.0, 4, backward=True) == pytest.approx(2.0)
+    # the shared expert's backward (1 ms) runs under the last reverse dispatch
+    assert ep_chunks_exposed(4.0, 4.0, 12.0, 4, shared=1.0, backward=True) == pytest.approx(1.0)
+    # experts' backward 1 ms per chunk: the link (8 ms) outlasts compute (4 ms): exposed 4
+    assert ep_chunks_exposed(4.0, 4.0, 4.0, 4, backward=True) == pytest.approx(4.0)
 
 
 def test_ep_exchanges_hide_under_the_experts_at_their_own_rate():
@@ -93,7 +114,8 @@ def test_ep_exchanges_hide_under_the_experts_at_their_own_rate():
         layers = m.num_layers
         for kind, factor in (("F", 1), ("B", 2)):
             per_layer = cost.in_flight[kind]["ep"] / layers
-            want = layers * ep_chunks_exposed(per_layer / 2, per_layer / 2, factor * under, chunks)
+            want = layers * ep_chunks_exposed(per_layer / 2, per_layer / 2, factor * under, chunks,
+                                              backward=kind == "B")
             assert cost.exposed[kind]["ep"] == pytest.approx(want)
         if expert_flops:
             assert cost.exposed["F"]["ep"] < exposed_at_flops  # three times the cover hides more
@@ -148,6 +170,24 @@ def test_alpha_beta_collectives():
     # a send/receive pair counts both buffers; the sent half crosses the link once
     assert collective_time("send_recv", 2e9, 2, link) == pytest.approx(1e-6 + 1.0)
     assert collective_time("all_reduce", 1e9, 1, link) == 0.0
+
+
+def test_collectives_at_their_own_rate():
+    """hardware.collective_efficiency: a reduce-scatter at half the link's rate (gloo) takes
+    twice as long on the wire; carried by point-to-point ring steps (collective matmul) it moves
+    at their rate. A non-positive fraction is refused naming the key."""
+    from mpoverlap.config import ConfigError, compose
+    from mpoverlap.simulate import from_config
+
+    link = Link(1e9, 1e-6, efficiency=(("reduce_scatter", 0.5), ("send_recv", 0.8)))
+    assert collective_time("all_gather", 1e9, 4, link) == pytest.approx(3e-6 + 0.75)
+    assert collective_time("reduce_scatter", 1e9, 4, link) == pytest.approx(3e-6 + 1.5)
+    assert collective_time("reduce_scatter", 1e9, 4, link, carried_by="send_recv") == pytest.approx(3e-6 + 0.75 / 0.8)
+    hw = from_config(compose(["hardware=h100_sxm", "hardware.collective_efficiency.reduce_scatter=0.5"]))
+    assert hw.inter.op_bandwidth("reduce_scatter") == pytest.approx(hw.inter.bandwidth / 2)
+    assert hw.intra.op_bandwidth("all_gather") == hw.intra.bandwidth
+    with pytest.raises(ConfigError, match=r"hardware.collective_efficiency.all_to_all=0.0.*fix"):
+        from_config(compose(["hardware=h100_sxm", "hardware.collective_efficiency.all_to_all=0"]))
 
 
 def test_groups_run_on_the_slowest_link_they_span():
@@ -424,3 +464,29 @@ def test_measured_rates_on_a_tiny_model():
         assert model_rate(cfg, repeats=1, **share) > 0, share
     assert 0 < update_seconds_per_param(cfg, repeats=2) < 1e-5
     assert concurrently(lambda: 3.0, 2) == 3.0
+
+
+def test_measured_rates_put_together():
+    """with_rates: the mean of rates timed before and after a measurement; on a shaped loopback
+    the probe's bandwidth (shared by the world's ranks), latency and each collective's mean
+    efficiency; outside one the preset's link and efficiencies."""
+    from mpoverlap.config import compose
+    from mpoverlap.simulate.hardware import from_config, with_rates
+
+    cfg = compose(["hardware=measured", "parallel.world_size=2", "parallel.dp=2",
+                   "hardware.collective_efficiency.all_to_all=0.9"])
+
+    def rates(model, moved, rs):
+        eff = {"all_reduce": 1.0, "all_gather": 1.0, "reduce_scatter": rs, "all_to_all": 1.0, "send_recv": 1.0}
+        return {"peak_flops": 4e10, "model_flops": model, "update_s_per_param": 1e-9, "expert_flops": 0.0,
+                "comm_cpu_s_per_byte": 1e-9, "link_bytes_s": moved, "link_latency": 1e-4,
+                "link_efficiency": eff if moved else {}, "at": 0.0}
+
+    base = from_config(cfg, [rates(1e10, 0.0, 0.0)])
+    assert base.inter.bandwidth == pytest.approx(250e6 / 2)  # the preset's 2 Gbit/s over 2 ranks
+    assert base.inter.op_bandwidth("all_to_all") == pytest.approx(0.9 * 250e6 / 2)
+    hw = with_rates(base, cfg, [rates(1e10, 200e6, 0.4), rates(3e10, 300e6, 0.6)])
+    assert hw.flops == pytest.approx(2e10) and hw.inter.latency == pytest.approx(1e-4)
+    assert hw.inter.bandwidth == pytest.approx(125e6) and hw.intra.bandwidth == pytest.approx(125e6)
+    assert hw.inter.op_bandwidth("reduce_scatter") == pytest.approx(0.5 * 125e6)
+    assert hw.inter.op_bandwidth("all_to_all") == pytest.approx(125e6)  # the probe's, not the preset's

@@ -1,7 +1,7 @@
 """Alpha-beta cost of one collective on one link, and where each group of the grid sits.
 
-time = steps x latency + link bytes / bandwidth, where link bytes are what each rank sends
-for the algorithm (`estimate.link_factor`: ring all-reduce 2(n-1)/n of the buffer, all-gather,
+time = steps x latency + link bytes / (bandwidth x the op's efficiency on the link), where link
+bytes are what each rank sends for the algorithm (`estimate.link_factor`: ring all-reduce 2(n-1)/n of the buffer, all-gather,
 reduce-scatter and all-to-all (n-1)/n, point-to-point the sent half) and steps are the ring's
 2(n-1) or (n-1) hops (all-to-all: n-1 pairwise exchanges, p2p: one message).
 """
@@ -26,12 +26,16 @@ def steps(op: str, n: int) -> int:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def collective_time(op: str, buffer_bytes: float, n: int, link: Link, calls: float = 1.0) -> float:
+def collective_time(op: str, buffer_bytes: float, n: int, link: Link, calls: float = 1.0,
+                    carried_by: str = "") -> float:
     """Seconds for `calls` collectives moving `buffer_bytes` (the ledger's buffer view, summed over
-    the calls) over a group of `n` ranks on `link`."""
+    the calls) over a group of `n` ranks on `link`; `carried_by`: the op whose rate the bytes
+    move at when the collective is built from another (collective matmul's ring of
+    point-to-point exchanges for SP's gathers and scatters)."""
     if n <= 1 or buffer_bytes <= 0:
         return 0.0
-    return calls * steps(op, n) * link.latency + buffer_bytes * link_factor(op, n) / link.bandwidth
+    return calls * steps(op, n) * link.latency + \
+        buffer_bytes * link_factor(op, n) / link.op_bandwidth(carried_by or op)
 
 
 def group_links(lo: Layout, hw: Hardware) -> Dict[str, Link]:

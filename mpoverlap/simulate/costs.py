@@ -137,17 +137,27 @@ def _tp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, sp: boo
     if lo.tp <= 1:
         return
     kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
-    main = sum(o[2] for o in _mode_ops(base, "tp") if o[1] in kinds) / share
+    by_op = {k: sum(o[2] for o in _mode_ops(base, "tp") if o[1] == k) / share for k in kinds}
+    main = sum(by_op.values())
     fwd_calls, bwd_calls = (4, 6) if sp else (2, 2)
     fwd_bytes = main * fwd_calls / (fwd_calls + bwd_calls)
     bwd_bytes = main - fwd_bytes
     if replayed:  # full recompute replays the forward's collectives in backward
         bwd_bytes += sum(o[2] for o in _mode_ops(replay, "tp")) / share
-    op = "all_gather" if sp else "all_reduce"  # SP's gathers and scatters cost the same per byte
     gemm = (fl["attn_gemm"] + fl["mlp"]) / rate
+
+    ring = on and sp  # collective matmul: the gathers and scatters go as point-to-point ring steps
+
+    def time_of(nbytes: float, calls: int) -> float:
+        # the bytes and calls split between the ops as the step's volumes are (SP: gathers and
+        # scatters, which a backend may run at different rates)
+        return sum(collective_time(k, nbytes * v / main, lo.tp, link, calls * v / main,
+                                   carried_by="send_recv" if ring else "") for k, v in by_op.items()) \
+            if main > 0 else 0.0
+
     for kind, nbytes, calls, under in (("F", fwd_bytes, fwd_calls, gemm), ("B", bwd_bytes, bwd_calls, 2 * gemm)):
-        t = collective_time(op, nbytes, lo.tp, link, calls)
-        exposed = ring_exposed(t, under, calls * (lo.tp - 1), calls * lo.tp) if (on and sp) else t
+        t = time_of(nbytes, calls)
+        exposed = ring_exposed(t, under, calls * (lo.tp - 1), calls * lo.tp) if ring else t
         cost.add(kind, "tp", t, exposed)
 
 
@@ -188,7 +198,7 @@ def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks:
     again = sum(o[2] for o in _mode_ops(replay, "ep")) / share
     for kind, nbytes, under, sh in (("F", main / 2, experts, shared), ("B", main / 2 + again, 2 * experts, 2 * shared)):
         t = collective_time(op, nbytes, lo.ep, link, 2 * chunks)
-        exposed = ep_chunks_exposed(t / 2, t / 2, under, chunks, sh) if on else t
+        exposed = ep_chunks_exposed(t / 2, t / 2, under, chunks, sh, backward=kind == "B") if on else t
         cost.add(kind, "ep", t, exposed)
 
 

@@ -15,11 +15,21 @@ from functools import lru_cache
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
 @dataclass(frozen=True)
 class Link:
     bandwidth: float  # bytes/s each way, per GPU
     latency: float  # seconds per step of a collective (or per message)
     name: str = "intra"
+    # (op, fraction of `bandwidth` the collective reaches) for the ops that do not reach all of
+    # it (hardware.collective_efficiency); an op not listed reaches 1.0
+    efficiency: Tuple[Tuple[str, float], ...] = ()
+
+    def op_bandwidth(self, op: str) -> float:
+        """Bytes/s a rank sends at in collective `op` on this link."""
+        return self.bandwidth * dict(self.efficiency).get(op, 1.0)
 
 
 @dataclass(frozen=True)
@@ -62,13 +72,29 @@ def from_config(cfg: Any, rates: Optional[Sequence[Dict[str, float]]] = None) ->
     `rates` (`measured_rates` results taken earlier, e.g. before and after a benchmark), takes
     their mean (`with_rates`)."""
     h = cfg.hardware
+    eff = collective_efficiency(h)
     hw = Hardware(name=str(h.name), gpus_per_node=int(h.gpus_per_node), peak_flops=float(h.peak_flops),
                   gemm_efficiency=float(h.gemm_efficiency), hbm_bytes=float(h.hbm_gb) * 1e9,
-                  intra=Link(float(h.intra_bw), float(h.intra_latency), "intra"),
-                  inter=Link(float(h.inter_bw), float(h.inter_latency), "inter"))
+                  intra=Link(float(h.intra_bw), float(h.intra_latency), "intra", eff),
+                  inter=Link(float(h.inter_bw), float(h.inter_latency), "inter", eff))
     if bool(h.measure):
         hw = with_rates(hw, cfg, rates or [measured_rates(cfg)])
     return hw
+
+
+def collective_efficiency(h: Any) -> Tuple[Tuple[str, float], ...]:
+    """`hardware.collective_efficiency` as Link.efficiency; each fraction must be positive."""
+    from mpoverlap.config import ConfigError
+
+    out = []
+    for op in COLLECTIVES:
+        value = float(h.collective_efficiency[op])
+        if not value > 0:
+            raise ConfigError(f"hardware.collective_efficiency.{op}={value}: the fraction of the link's bandwidth "
+                              f"a collective reaches must be positive; fix: hardware.collective_efficiency.{op}=1.0")
+        if value != 1.0:
+            out.append((op, value))
+    return tuple(out)
 
 
 def measured_rates(cfg: Any) -> Dict[str, float]:
@@ -85,8 +111,9 @@ def measured_rates(cfg: Any) -> Dict[str, float]:
       experts at, forward + backward, on one dispatch chunk's rows (`expert_rate`);
     - comm_cpu_s_per_byte: CPU seconds (process time, gloo's threads and the kernel's
       loopback included) per byte a rank sends, from `loopback_rate`'s probe of `world` ranks;
-    - link_bytes_s, link_latency: what that probe's ranks moved together and its latency per
-      collective step, or 0 outside a namespace whose loopback carries a tbf rate;
+    - link_bytes_s, link_latency, link_efficiency: what that probe's ranks moved together in an
+      all-reduce, its latency per collective step and each collective's rate over the
+      all-reduce's, or 0 (and {}) outside a namespace whose loopback carries a tbf rate;
     - at: when (Unix seconds)."""
     import time
 
@@ -102,13 +129,14 @@ def measured_rates(cfg: Any) -> Dict[str, float]:
     copies = min(world, os.cpu_count() or 1)  # the ranks that compute at once on this machine
     ring = lo.cp if str(cfg.parallel.cp_comm) == "p2p" else 1
     rate = model_rate(cfg, copies=copies, pp=lo.pp, vpp=lo.vpp, cp=ring)
-    moved, cpu_per_byte, latency = loopback_probe(max(2, world))
+    probe = loopback_probe(max(2, world))
     shaped = tc_rate() is not None
     return {"peak_flops": peak, "model_flops": rate,
             "update_s_per_param": update_seconds_per_param(cfg, copies=copies),
             "expert_flops": expert_rate(cfg, lo, copies=copies) if m.num_experts else 0.0,
-            "comm_cpu_s_per_byte": cpu_per_byte, "link_bytes_s": moved if shaped else 0.0,
-            "link_latency": latency if shaped else 0.0, "at": at}
+            "comm_cpu_s_per_byte": probe["cpu_s_per_byte"], "link_bytes_s": probe["bytes_s"] if shaped else 0.0,
+            "link_latency": probe["latency"] if shaped else 0.0,
+            "link_efficiency": dict(probe["efficiency"]) if shaped else {}, "at": at}
 
 
 def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Hardware:
@@ -117,9 +145,10 @@ def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Har
       least that rate: a noisy peak below the model's own rate would cap the efficiency and
       slow the model);
     - update_s_per_param, expert_flops, comm_cpu_s_per_byte: their means;
-    - bandwidth and latency: the probe's (inside a namespace whose loopback carries a tbf rate,
-      as bench/netns.sh sets it), else the preset's inter_bw and inter_latency (bench/predict.py
-      sets them to that probe's results inside bench/netns.sh, or to the nominal rate); the
+    - bandwidth, latency and each collective's efficiency: the probe's (inside a namespace whose
+      loopback carries a tbf rate, as bench/netns.sh sets it), else the preset's inter_bw,
+      inter_latency and collective_efficiency (bench/predict.py sets them to that probe's
+      results inside bench/netns.sh, or to the nominal rate); the
       bandwidth divided by the world size: the loopback is one queue that every rank's sends
       pass through, and the symmetric collectives send from every rank at once."""
     from mpoverlap.overlap.layout import build_layout
@@ -136,24 +165,28 @@ def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Har
     shaped = all(r["link_bytes_s"] > 0 for r in rates)
     link = (mean("link_bytes_s") if shaped else hw.inter.bandwidth) / world
     latency = mean("link_latency") if shaped else hw.inter.latency
+    efficiency = hw.inter.efficiency
+    if shaped and all(r.get("link_efficiency") for r in rates):
+        efficiency = tuple((op, sum(r["link_efficiency"][op] for r in rates) / len(rates)) for op in COLLECTIVES)
     return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak, update_s_per_param=mean("update_s_per_param"),
                    expert_flops=mean("expert_flops"), comm_cpu_s_per_byte=mean("comm_cpu_s_per_byte"),
-                   intra=replace(hw.intra, bandwidth=link, latency=latency),
-                   inter=replace(hw.inter, bandwidth=link, latency=latency))
+                   intra=replace(hw.intra, bandwidth=link, latency=latency, efficiency=efficiency),
+                   inter=replace(hw.inter, bandwidth=link, latency=latency, efficiency=efficiency))
 
 
 @lru_cache(maxsize=None)
-def loopback_probe(world: int) -> Tuple[float, float, float]:
-    """measure.loopback_rate(world), once per process, run as `python -m
-    mpoverlap.simulate.measure` (its ranks are spawned from that module's own __main__)."""
+def loopback_probe(world: int, prefix: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """measure.loopback_rate(world), once per process and `prefix`, run as `python -m
+    mpoverlap.simulate.measure` (its ranks are spawned from that module's own __main__) after
+    the command `prefix` (e.g. bench/netns.sh, to run it on a shaped loopback)."""
+    import json
     import sys
 
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "mpoverlap.simulate.measure", "--world", str(world)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(list(prefix) + [sys.executable, "-W", "ignore", "-m", "mpoverlap.simulate.measure",
+                                          "--world", str(world)], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"loopback probe failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    moved, cpu, latency = proc.stdout.split()[-3:]
-    return float(moved), float(cpu), float(latency)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -183,4 +216,5 @@ def describe(hw: Hardware) -> str:
             f"({hw.intra.latency * 1e6:g} us), inter {hw.inter.bandwidth / 1e9:,.4g} GB/s ({hw.inter.latency * 1e6:g} us)"
             + (f", update {hw.update_s_per_param * 1e9:.2f} ns/parameter" if hw.update_s_per_param > 0 else "")
             + (f", communication CPU {hw.comm_cpu_s_per_byte * 1e9:.2f} ns/byte" if hw.comm_cpu_s_per_byte > 0 else "")
-            + (f", experts {hw.expert_flops / 1e12:,.4g} TFLOP/s" if hw.expert_flops > 0 else ""))
+            + (f", experts {hw.expert_flops / 1e12:,.4g} TFLOP/s" if hw.expert_flops > 0 else "")
+            + ("".join(f", {op} at {x:.2f} of the link" for op, x in hw.inter.efficiency)))

@@ -10,15 +10,16 @@ implements (DESIGN.md section 4); overlap off exposes every second of communicat
   tp GEMM chunks (`ring_exposed`).
 - CP: the ring passes K/V blocks (backward: K/V and dK/dV) while attention runs on the block
   already here (`cp_ring_exposed`).
-- EP: each microbatch's tokens go in chunks; a chunk's dispatch and the previous chunk's
-  combine are in flight while the experts compute (`ep_chunks_exposed`); the shared expert
-  runs under the first dispatch.
+- EP: each microbatch's tokens go in chunks; the next chunk's dispatch and the previous
+  chunk's combine are in flight while a chunk's experts compute, the shared expert runs under
+  the first dispatch; backward mirrors it (`ep_chunks_exposed`: the layer's programs run on
+  one serial link).
 - PP: sends and receives are posted ahead and run while the stage computes another
   microbatch: the discrete-event engine (engine.py) gives their cost.
 """
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 
 def ring_exposed(comm: float, compute: float, steps: int, chunks: int) -> float:
@@ -42,14 +43,65 @@ def cp_ring_exposed(comm_fwd: float, comm_bwd: float, attn_fwd: float, attn_bwd:
     return fwd, bwd
 
 
-def ep_chunks_exposed(dispatch: float, combine: float, experts: float, chunks: int, shared: float = 0.0) -> float:
-    """One layer pass of chunked expert dispatch: `chunks` chunks, each a dispatch, its experts
-    and a combine (the totals split evenly). The first dispatch runs under the shared expert
-    only; in steady state the next chunk's dispatch and the previous one's combine run under
-    one chunk's experts; the last combine has nothing under it."""
+def serial_link_exposed(program: Sequence[Tuple]) -> float:
+    """Seconds a program waits on one serial link: `program` runs in order ("compute", seconds),
+    ("issue", name, seconds) (the transfer starts when the link is free, first come first
+    served) and ("wait", name) (blocks until it is done); returns the summed waits."""
+    now = link_free = exposed = 0.0
+    done = {}
+    for step in program:
+        if step[0] == "compute":
+            now += step[1]
+        elif step[0] == "issue":
+            link_free = max(link_free, now) + step[2]
+            done[step[1]] = link_free
+        else:
+            end = done.pop(step[1])
+            exposed += max(0.0, end - now)
+            now = max(now, end)
+    return exposed
+
+
+def ep_forward_program(dispatch: float, combine: float, experts: float, chunks: int, shared: float = 0.0) -> List:
+    """moe/layer.py's forward with EP overlap, per layer pass: `chunks` chunks each a dispatch,
+    its experts and a combine (the totals split evenly). Issue D0; the shared expert; then per
+    chunk i: issue D(i+1), wait D(i), experts(i), issue C(i); wait every combine."""
     k = max(1, chunks)
     d, c, e = dispatch / k, combine / k, experts / k
-    return max(0.0, d - shared) + (k - 1) * max(0.0, d + c - e) + c
+    prog: List = [("issue", "D0", d)]
+    if shared > 0:
+        prog.append(("compute", shared))
+    for i in range(k):
+        if i + 1 < k:
+            prog.append(("issue", f"D{i + 1}", d))
+        prog += [("wait", f"D{i}"), ("compute", e), ("issue", f"C{i}", c)]
+    return prog + [("wait", f"C{i}") for i in range(k)]
+
+
+def ep_backward_program(dispatch: float, combine: float, experts: float, chunks: int, shared: float = 0.0) -> List:
+    """The backward of `ep_forward_program` as the autograd engine orders it (moe/dispatcher.py,
+    traced in tests/test_moe.py): every combine's reverse exchange first; then from the last chunk
+    down: wait its reverse combine, its experts' backward (`experts` / chunks), issue its
+    reverse dispatch, wait the later chunk's; the shared expert's backward runs under the
+    first chunk's reverse dispatch."""
+    k = max(1, chunks)
+    d, c, e = dispatch / k, combine / k, experts / k
+    prog: List = [("issue", f"C{i}", c) for i in reversed(range(k))]
+    for i in reversed(range(k)):
+        prog += [("wait", f"C{i}"), ("compute", e), ("issue", f"D{i}", d)]
+        if i + 1 < k:
+            prog.append(("wait", f"D{i + 1}"))
+    if shared > 0:
+        prog.append(("compute", shared))
+    return prog + [("wait", "D0")]
+
+
+def ep_chunks_exposed(dispatch: float, combine: float, experts: float, chunks: int, shared: float = 0.0,
+                      backward: bool = False) -> float:
+    """Exposed seconds of one layer pass of chunked expert dispatch with EP overlap (forward,
+    or with `backward` its backward), the exchanges on one serial link (`serial_link_exposed`)."""
+    build = ep_backward_program if backward else ep_forward_program
+    return serial_link_exposed(build(dispatch, combine, experts, chunks, shared))
 
 
 def bucket_finish(pieces: Iterable[Tuple[float, float]]) -> float:
