@@ -449,9 +449,30 @@ def test_hidden_communication_takes_cpu_by_hand():
     hw = dataclasses.replace(_hw(), comm_cpu_s_per_byte=2e-9)
     link = Link(1e8, 0.0)
     links = {k: link for k in ("dp", "tp", "cp", "ep", "pp_hop")}
-    assert hidden_comm_cpu(hw, links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": True}) == pytest.approx(1.2e-3)
-    assert hidden_comm_cpu(hw, links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": False}) == 0.0
-    assert hidden_comm_cpu(_hw(), links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": True}) == 0.0
+    assert hidden_comm_cpu(hw, links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": True}) == {"tp": pytest.approx(1.2e-3)}
+    assert hidden_comm_cpu(hw, links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": False}) == {}
+    assert hidden_comm_cpu(_hw(), links, {"tp": 10e-3}, {"tp": 4e-3}, {"tp": True}) == {}
+
+
+def test_pipeline_sends_cost_cpu_inside_the_post():
+    """gloo writes a p2p send inline: with overlap on, the CPU time of the hidden pipeline
+    transfers is spent in the post, which the ledger counts as exposed pp (not as compute, as
+    the collectives' CPU on gloo's threads is); the step grows by it either way."""
+    import dataclasses
+
+    from mpoverlap.config import compose
+    from mpoverlap.simulate import from_config
+    from mpoverlap.simulate.core import simulate
+
+    cfg = compose(["hardware=h100_sxm", "parallel.world_size=2", "parallel.pp=2", "overlap.pp=true",
+                   "train.micro_batch_size=1", "train.global_batch_size=8"])
+    base = from_config(cfg)
+    r0 = simulate(cfg, base)
+    r1 = simulate(cfg, dataclasses.replace(base, comm_cpu_s_per_byte=1e-9))
+    posted = r1.exposed_s["pp"] - r0.exposed_s["pp"]
+    assert posted > 0 and r1.comm_cpu_s == 0.0 and r1.compute_s == pytest.approx(r0.compute_s)
+    assert r1.step_s == pytest.approx(r0.step_s + posted)
+    assert r1.ledger_pp["exposed_s"] - r0.ledger_pp["exposed_s"] == pytest.approx(posted)
 
 
 def test_measured_rates_on_a_tiny_model():

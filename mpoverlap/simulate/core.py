@@ -10,7 +10,8 @@ Decomposition of the step on the stage that ends last:
   step = compute + exposed TP/CP/EP (inside the actions) + DP parameter-gather wait
          + bubble (idle with free p2p) + exposed PP (what real p2p adds) + DP tail
          + the update after the last backward (norm, clip, optimizer: `update_seconds`)
-         + the CPU time hidden communication takes from compute (`hidden_comm_cpu`).
+         + the CPU time hidden communication takes from compute (`hidden_comm_cpu`; for PP on
+           gloo it is spent inside the post, where the ledger counts it as exposed pp).
 """
 from __future__ import annotations
 
@@ -134,8 +135,13 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     # Communication hidden under compute still costs the CPU that sends it (gloo ranks): the
     # step grows by those seconds (0 on GPUs, where comm_cpu_s_per_byte is 0).
     on_wire = dict(in_flight, pp=real.p2p_in_flight[crit] + dp[crit]["pp_other"])
-    stolen = hidden_comm_cpu(hw, links, on_wire, exposed, enabled)
-    step += stolen
+    cpu = hidden_comm_cpu(hw, links, on_wire, exposed, enabled)
+    # gloo writes a point-to-point send inline: its CPU time is spent inside the post, where
+    # the ledger counts the caller as blocked (exposed pp); the collectives' runs on gloo's threads
+    posted = cpu.pop("pp", 0.0)
+    stolen = sum(cpu.values())
+    exposed["pp"] += posted
+    step += stolen + posted
     compute += stolen
     m, t = cfg.model, cfg.train
     tokens = t.global_batch_size * m.seq_length
@@ -151,7 +157,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
                        links={k: v.name for k, v in links.items() if k in ("tp", "cp", "dp", "ep", "pp")},
                        avg_compute_s=avg_compute, update_s=update[crit], comm_cpu_s=stolen,
                        ledger_pp={"in_flight_s": sum(real.ledger_in_flight) / lo.pp,
-                                  "exposed_s": sum(real.ledger_exposed) / lo.pp} if lo.pp > 1 else {}, useful_share=model_flops / run_flops if run_flops else 1.0)
+                                  "exposed_s": sum(real.ledger_exposed) / lo.pp + posted} if lo.pp > 1 else {},
+                       useful_share=model_flops / run_flops if run_flops else 1.0)
     return result
 
 
@@ -159,15 +166,15 @@ HIDDEN_LINK = {"dp": "dp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp_hop"}
 
 
 def hidden_comm_cpu(hw: Hardware, links, on_wire: Dict[str, float], exposed: Dict[str, float],
-                    enabled: Dict[str, bool]) -> float:
-    """CPU seconds that communication hidden under compute takes from it: per mode with overlap
-    on, its hidden seconds (`on_wire`, seconds on the link, - exposed) times the bytes its link moves per second
-    times `hw.comm_cpu_s_per_byte`. Exposed communication is waited for: its CPU work runs
-    while compute is stopped anyway."""
+                    enabled: Dict[str, bool]) -> Dict[str, float]:
+    """{mode: CPU seconds its communication hidden under compute takes from it}: per mode with
+    overlap on, its hidden seconds (`on_wire`, seconds on the link, - exposed) times the bytes its
+    link moves per second times `hw.comm_cpu_s_per_byte`. Exposed communication is waited for:
+    its CPU work runs while compute is stopped anyway. {} where communication costs no CPU."""
     if hw.comm_cpu_s_per_byte <= 0:
-        return 0.0
-    return sum(max(0.0, on_wire.get(m, 0.0) - exposed.get(m, 0.0)) * links[k].bandwidth * hw.comm_cpu_s_per_byte
-               for m, k in HIDDEN_LINK.items() if enabled.get(m))
+        return {}
+    return {m: max(0.0, on_wire.get(m, 0.0) - exposed.get(m, 0.0)) * links[k].bandwidth * hw.comm_cpu_s_per_byte
+            for m, k in HIDDEN_LINK.items() if enabled.get(m)}
 
 
 def update_seconds(cfg: Any, lo: Layout, hw: Hardware, stage: int) -> float:
