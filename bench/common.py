@@ -199,7 +199,11 @@ def log_round(prefix: str, r: int, quiet: Dict[str, int]) -> None:
 
 # ---- the spawned 2-rank worker ------------------------------------------------------------------
 def init_bench_worker(rank: int, port: int, world: int = 2) -> None:
-    """A spawned rank's setup: rendezvous env, one intra-op thread, a gloo process group."""
+    """A spawned rank's setup: rendezvous env, one intra-op thread, a gloo process group; a
+    crash in native code (SIGABRT, SIGSEGV) prints every Python thread's stack to stderr."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch.distributed as dist
