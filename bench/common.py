@@ -213,7 +213,7 @@ def init_bench_worker(rank: int, port: int, world: int = 2) -> None:
 
 
 def _worker_then_exit(rank: int, worker: Callable, *args: Any) -> None:
-    """`worker(rank, *args)`, then leave at once when it returned. On 2026-11-24, 3 of 7 bench
+    """`worker(rank, *args)`, then leave at once when it returned. On 2026-11-24, 3 of 8 bench.run
     runs lost a finished benchmark when a rank aborted after its worker had returned, its result
     written and its process group destroyed: "terminate called without an active exception",
     faulthandler showing no Python frame (a native thread at interpreter teardown; the thread
