@@ -3,8 +3,9 @@ off) predicted with `hardware=measured` (this machine's rates, mpoverlap/simulat
 one-thread matmul peak, the model's forward + backward with both ranks' copies running, the
 optimizer step per parameter, ring attention's block math, the CPU cost of a byte sent; the link:
 what 2 gloo ranks achieve over the loopback inside bench/netns.sh at the run's rate in an
-all-reduce, shared by the 2 ranks, and each other collective's rate over it) and printed beside the measured median step and exposed share (quiet blocks where
-there are any, as the tables above use).
+all-reduce, shared by the 2 ranks, and each other collective's rate over it) and printed beside
+the measured median step and exposed share (quiet blocks where there are any, as the tables
+above use).
 
     python -m bench.predict bench/results/<stamp>/results.json [--rate 2gbit] [--nominal-link]
     python -m bench.predict --quiet-2026-11-22      # the quiet medians docs/benchmarks.md publishes

@@ -1,9 +1,10 @@
 """Alpha-beta cost of one collective on one link, and where each group of the grid sits.
 
-time = steps x latency + link bytes / (bandwidth x the op's efficiency on the link), where link
-bytes are what each rank sends for the algorithm (`estimate.link_factor`: ring all-reduce 2(n-1)/n of the buffer, all-gather,
-reduce-scatter and all-to-all (n-1)/n, point-to-point the sent half) and steps are the ring's
-2(n-1) or (n-1) hops (all-to-all: n-1 pairwise exchanges, p2p: one message).
+time = steps x latency + link bytes / (bandwidth x the op's efficiency on the link), where
+link bytes are what each rank sends for the algorithm (`estimate.link_factor`: ring all-reduce
+2(n-1)/n of the buffer, all-gather, reduce-scatter and all-to-all (n-1)/n, point-to-point the
+sent half) and steps are the ring's 2(n-1) or (n-1) hops (all-to-all: n-1 pairwise exchanges,
+p2p: one message).
 """
 from __future__ import annotations
 

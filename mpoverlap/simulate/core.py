@@ -137,7 +137,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     on_wire = dict(in_flight, pp=real.p2p_in_flight[crit] + dp[crit]["pp_other"])
     cpu = hidden_comm_cpu(hw, links, on_wire, exposed, enabled)
     # gloo writes a point-to-point send inline: its CPU time is spent inside the post, where
-    # the ledger counts the caller as blocked (exposed pp); the collectives' runs on gloo's threads
+    # the ledger counts the caller as blocked (exposed pp); the collectives' CPU is spent on
+    # gloo's threads, beside compute
     posted = cpu.pop("pp", 0.0)
     stolen = sum(cpu.values())
     exposed["pp"] += posted

@@ -33,6 +33,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
+from mpoverlap.simulate.hardware import COLLECTIVES
+
 
 @contextmanager
 def one_thread() -> Iterator[None]:
@@ -263,7 +265,7 @@ def expert_work(cfg: Any, lo: Any) -> Tuple[Callable[[], None], float]:
 
 
 # ---- the loopback's achieved rate ------------------------------------------------------------
-LOOPBACK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+LOOPBACK_OPS = COLLECTIVES
 
 
 def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, out) -> None:
