@@ -265,9 +265,6 @@ def expert_work(cfg: Any, lo: Any) -> Tuple[Callable[[], None], float]:
 
 
 # ---- the loopback's achieved rate ------------------------------------------------------------
-LOOPBACK_OPS = COLLECTIVES
-
-
 def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, out) -> None:
     import torch
     import torch.distributed as dist
@@ -279,7 +276,9 @@ def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         n = nbytes // 4 // world * world
-        full, part, spare = torch.ones(n), torch.ones(n // world), torch.ones(n)
+        # gloo over the loopback: host buffers by design
+        full, part, spare = (torch.ones(n, device="cpu"), torch.ones(n // world, device="cpu"),
+                             torch.ones(n, device="cpu"))
         right, left = (rank + 1) % world, (rank - 1) % world
 
         def ring_exchange() -> None:  # each rank sends its buffer to the next and receives one
@@ -293,9 +292,9 @@ def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int
                  "all_to_all": lambda: dist.all_to_all_single(spare, full),
                  "send_recv": ring_exchange}
         # bytes each rank sends per call (send_recv: link_factor counts the send and the receive)
-        sent = {op: link_factor(op, world) * n * 4 * (2 if op == "send_recv" else 1) for op in LOOPBACK_OPS}
+        sent = {op: link_factor(op, world) * n * 4 * (2 if op == "send_recv" else 1) for op in COLLECTIVES}
         # latency: a one-element all-reduce (2(n-1) steps of the ring), median of 30
-        one = torch.ones(1)
+        one = torch.ones(1, device="cpu")
         tiny = []
         for i in range(31):
             dist.barrier()
@@ -305,11 +304,11 @@ def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int
                 tiny.append(time.perf_counter() - t0)
         barrier = statistics.median(tiny)
         latency = barrier / steps("all_reduce", world)
-        rates: dict = {op: [] for op in LOOPBACK_OPS}
+        rates: dict = {op: [] for op in COLLECTIVES}
         cpu = []
         for i in range(repeats + 1):
             used = 0.0
-            for op in LOOPBACK_OPS:
+            for op in COLLECTIVES:
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
                 calls[op]()
@@ -340,8 +339,9 @@ def loopback_rate(world: int = 2, nbytes: int = 2 << 20, repeats: int = 9, spawn
     - latency: per collective step, from a one-element all-reduce over its 2(n-1) ring steps.
     Each op moves `nbytes` per call, the median of `repeats` rounds, while the ranks do nothing
     else; the best of `spawns` sets of ranks (a set now and then runs one op at a fraction of its
-    rate through all its rounds). Inside a namespace whose loopback carries a tbf rate (bench/netns.sh) this is what
-    the rate delivers to gloo, which is below the rate: TCP over a shaped queue does not fill it."""
+    rate through all its rounds). Inside a namespace whose loopback carries a tbf rate
+    (bench/netns.sh) this is what the rate delivers to gloo, which is below the rate: TCP over a
+    shaped queue does not fill it."""
     import socket
 
     import torch.multiprocessing as mp
@@ -363,7 +363,7 @@ def loopback_rate(world: int = 2, nbytes: int = 2 << 20, repeats: int = 9, spawn
         if bad or out.empty():
             raise RuntimeError(f"loopback probe failed (worker exit codes {[p.exitcode for p in procs]})")
         runs.append(out.get())
-    rates = {op: max(r[0][op] for r in runs) for op in LOOPBACK_OPS}
+    rates = {op: max(r[0][op] for r in runs) for op in COLLECTIVES}
     base = rates["all_reduce"]
     return {"bytes_s": float(base), "efficiency": {op: float(r / base) for op, r in rates.items()},
             "cpu_s_per_byte": float(statistics.median(r[1] for r in runs)),
