@@ -5,6 +5,7 @@
   preset name appears in backticks on some page;
 - every `mpoverlap-check` command in a code block runs (in-process) and exits as documented:
   0, or 2 where its line says `# exit 2` (a slow one may say `# ... not run by the docs test`);
+  every concrete `mpoverlap-train` command's configuration composes and validates;
 - code quoted from a file (a fence whose info string is `python <path>`) is in that file verbatim;
 - every relative link (file, and #anchor on a page) resolves.
 
@@ -27,6 +28,7 @@ from markdown_it import MarkdownIt
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 CHECK = re.compile(r"^(?:\.venv/bin/)?mpoverlap-check(?:\s|$)")
+TRAIN = re.compile(r"^(?:\.venv/bin/)?mpoverlap-train\s")
 # A command too slow for the test (a full --search) says so in its comment, visibly.
 NOT_RUN = "not run by the docs test"
 
@@ -144,8 +146,9 @@ def test_every_config_key_and_preset_is_documented():
 
 # ---- commands -------------------------------------------------------------------------------------
 
-def documented_checks():
-    """(page, command line, expected exit code) of every `mpoverlap-check` line in a code block."""
+def documented_commands(command: re.Pattern):
+    """(page, command line, expected exit code) of every line in a code block that `command`
+    matches."""
     out = []
     for page in pages():
         for tok in tokens(page):
@@ -154,14 +157,26 @@ def documented_checks():
             for line in tok.content.replace("\\\n", " ").splitlines():
                 line = line.strip().removeprefix("$ ")
                 code, _, comment = line.partition(" #")
-                if CHECK.match(line) and NOT_RUN not in comment:
+                if command.match(line) and NOT_RUN not in comment:
                     expected = 2 if re.search(r"\bexit 2\b", comment) else 0
                     out.append((page.relative_to(ROOT).as_posix(), code.strip(), expected))
     return out
 
 
-def test_docs_show_check_commands():
+def documented_checks():
+    return documented_commands(CHECK)
+
+
+def documented_trainings():
+    """`mpoverlap-train` lines with concrete overrides (no <placeholder>, no -m sweep): too
+    expensive to run here, but their configuration must compose and validate."""
+    return [(page, code, expected) for page, code, expected in documented_commands(TRAIN)
+            if "<" not in code and " -m " not in code]
+
+
+def test_docs_show_commands():
     assert len(documented_checks()) >= 8, documented_checks()
+    assert len(documented_trainings()) >= 5, documented_trainings()
 
 
 @pytest.mark.parametrize("page,command,expected", documented_checks(),
@@ -175,6 +190,16 @@ def test_documented_check_command_exits_as_documented(page, command, expected):
         rc = main(args)
     assert rc == expected, f"{page}: `{command}` exited {rc}, documented {expected}\n{out.getvalue()[-2000:]}" \
                            f"\n{err.getvalue()[-2000:]}"
+
+
+@pytest.mark.parametrize("page,command,expected", documented_trainings(),
+                         ids=[f"{p}: {c}" for p, c, _ in documented_trainings()])
+def test_documented_training_command_validates(page, command, expected):
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.rules import validate
+
+    problems = [p.render() for p in validate(compose(shlex.split(command)[1:]))]
+    assert bool(problems) == (expected == 2), f"{page}: `{command}`: {problems}"
 
 
 # ---- links ----------------------------------------------------------------------------------------
