@@ -3,9 +3,10 @@
 - docs/rules.md is the rule registry's own text (`mpoverlap-check --rules --markdown`);
 - every config key (the schema in mpoverlap/config.py and every YAML file in conf/) and every
   preset name appears in backticks on some page;
-- every `mpoverlap-check` command in a code block runs (in-process) and exits as documented:
-  0, or 2 where its line says `# exit 2` (a slow one may say `# ... not run by the docs test`);
-  every concrete `mpoverlap-train` command's configuration composes and validates;
+- every concrete `mpoverlap-check` command in a code block (no <placeholder>) runs in-process
+  and exits as documented: 0, or 2 where its line says `# exit 2` (a slow one may say
+  `# ... not run by the docs test`); every concrete `mpoverlap-train` command's configuration
+  composes and validates;
 - code quoted from a file (a fence whose info string is `python <path>`) is in that file verbatim;
 - every relative link (file, and #anchor on a page) resolves.
 
@@ -163,15 +164,19 @@ def documented_commands(command: re.Pattern):
     return out
 
 
+def concrete(code: str) -> bool:
+    """A command a user can paste as it is: no <placeholder>, no `...` left to fill in."""
+    return "<" not in code and "..." not in code
+
+
 def documented_checks():
-    return documented_commands(CHECK)
+    return [c for c in documented_commands(CHECK) if concrete(c[1])]
 
 
 def documented_trainings():
-    """`mpoverlap-train` lines with concrete overrides (no <placeholder>, no -m sweep): too
-    expensive to run here, but their configuration must compose and validate."""
-    return [(page, code, expected) for page, code, expected in documented_commands(TRAIN)
-            if "<" not in code and " -m " not in code]
+    """Concrete `mpoverlap-train` lines (no -m sweep): too expensive to run here, but their
+    configuration must compose and validate."""
+    return [c for c in documented_commands(TRAIN) if concrete(c[1]) and " -m " not in c[1]]
 
 
 def test_docs_show_commands():
