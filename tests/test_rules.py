@@ -225,20 +225,6 @@ def test_check_cli_exit_codes_and_messages():
     assert rules.returncode == 0 and all(r.id in rules.stdout for r in all_rules())
 
 
-def test_readme_rule_reference_matches_registry():
-    from pathlib import Path
-
-    from mpoverlap.check import rules_table
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    from mpoverlap.check import README_MARKERS
-
-    start, end = README_MARKERS
-    assert start in readme and end in readme
-    block = readme.split(start, 1)[1].split(end, 1)[0]
-    assert block == rules_table(), "README rule reference is stale: run mpoverlap-check --rules --write-readme README.md"
-
-
 @pytest.mark.parametrize("overrides", [[], ["model=gpt_125m"], ["model.tie_embeddings=false", "model.norm=layernorm",
                                                                  "model.activation=gelu"]])
 def test_parameter_estimate_is_exact(overrides):
