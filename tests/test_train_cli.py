@@ -414,9 +414,9 @@ BF16_LAYOUTS = {
 }
 # The single-process references train 20 steps; the layouts the first 10 of them.
 BF16_STEPS = {"fp32": 20, "bf16": 20, "moe_bf16": 20}
-# fp32 twins of bf16 layouts, 1 step: only their bytes per step are compared.
-BF16_TWINS = {"dp2_on": "fp32_dp2_on", "tp2_sp_pp2_vpp2_on": "fp32_tp2_sp_pp2_vpp2_on",
-              "cp2_ring_zero": "fp32_cp2_ring_zero"}
+# fp32 twins of every multi-rank bf16 layout, 1 step: their bytes per step are compared (each
+# layout's dtype check: its activations / gradients travel in bf16).
+BF16_TWINS = {name: f"fp32_{name}" for name in BF16_LAYOUTS if name not in ("fp32", "bf16", "moe_bf16")}
 
 
 @pytest.fixture(scope="module")
@@ -432,23 +432,54 @@ def bf16_runs(tmp_path_factory):
     return train_layouts(specs, tmp_path_factory.mktemp("bf16"))
 
 
+def rel_gaps(got, want, key):
+    """Largest relative gap of `key` (loss or grad_norm) over the rows both runs have."""
+    n = min(len(got), len(want))
+    assert n
+    return max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(got[:n], want[:n]))
+
+
 def test_bf16_single_process_tracks_fp32(bf16_runs):
-    fp32, bf16 = [r["loss"] for r in bf16_runs["fp32"]], [r["loss"] for r in bf16_runs["bf16"]]
-    assert len(bf16) == 20 and bf16 != fp32  # autocast really ran
-    assert_close(bf16, fp32, rel=5e-2)
-    assert bf16[-1] < bf16[0]
+    fp32, bf16 = bf16_runs["fp32"], bf16_runs["bf16"]
+    assert len(bf16) == 20
+    gaps = {key: rel_gaps(bf16, fp32, key) for key in ("loss", "grad_norm")}
+    print(f"\nbf16 vs fp32 over 20 steps: {gaps}")
+    # autocast really ran (a difference), and bf16 rounding stays small (measured: loss 1e-4,
+    # grad norm 1e-3 over the 20 steps).
+    assert 1e-6 < gaps["loss"] <= 1e-3 and gaps["grad_norm"] <= 1e-2, gaps
+    assert bf16[-1]["loss"] < bf16[0]["loss"]
+
+
+# Largest relative gap to the single-process bf16 run of the same model over the layouts' 10
+# steps, on the loss and the grad norm. Measured on main: loss 1.8e-5 (dp2, cp2) to 5.2e-5
+# (tp2 + SP), grad norm 2.9e-4 (MoE ep2) to 9.7e-4 (dp2); bf16 vs fp32 is 1.6e-4 on the loss.
+BF16_TOL = {"loss": 5e-4, "grad_norm": 2e-3}
 
 
 def test_bf16_layouts_reproduce_single_process_bf16_curve(bf16_runs):
-    ref = [r["loss"] for r in bf16_runs["bf16"]]
+    """Each layout tracks the bf16 reference to about 1e-3 on loss and grad norm, and is closer
+    to it than to the fp32 run (a layout that silently computed in fp32 would sit on the fp32
+    curve instead)."""
+    report = {}
     for name in BF16_LAYOUTS:
-        if name not in ("fp32", "bf16") and not name.startswith("moe"):
-            got = [r["loss"] for r in bf16_runs[name]]
-            assert len(got) == 10
-            assert_close(got, ref[:10], rel=2e-2)
+        if name in ("fp32", "bf16", "moe_bf16"):
+            continue
+        ref, fp32 = ("moe_bf16", None) if name.startswith("moe") else ("bf16", "fp32")
+        got = bf16_runs[name]
+        assert len(got) == 10
+        gaps = {key: rel_gaps(got, bf16_runs[ref], key) for key in ("loss", "grad_norm")}
+        report[name] = gaps
+        if fp32 is not None:
+            to_fp32 = rel_gaps(got, bf16_runs[fp32], "loss")
+            report[name]["loss_to_fp32"] = to_fp32
+    print("\nbf16 layouts, largest relative gap to the bf16 reference: " + repr(report))
+    for name, gaps in report.items():
+        for key, tol in BF16_TOL.items():
+            assert gaps[key] <= tol, (name, key, gaps)
+        if "loss_to_fp32" in gaps:
+            assert gaps["loss"] < gaps["loss_to_fp32"], (name, gaps)
     moe_ref = [r["loss"] for r in bf16_runs["moe_bf16"]]
     assert len(moe_ref) == 20 and moe_ref[-1] < moe_ref[0]
-    assert_close([r["loss"] for r in bf16_runs["moe_dp2_ep2_bf16"]], moe_ref[:10], rel=2e-2)
 
 
 def test_bf16_overlap_on_off_identical(bf16_runs):
@@ -460,21 +491,29 @@ def test_bf16_overlap_on_off_identical(bf16_runs):
 
 
 def test_bf16_halves_activation_and_gradient_bytes(bf16_runs):
-    """tp, pp and cp move activations (and their gradients) in bf16: half the fp32 bytes, but
-    for the small reductions that stay fp32 (the loss statistics, the SP norm gradients, the
-    tied embedding's gradient). dp halves with train.grad_reduce_dtype=bf16."""
-    comm = {name: (bf16_runs[name][-1]["comm"], bf16_runs[twin][-1]["comm"])
-            for name, twin in BF16_TWINS.items()}
-    bf16, fp32 = comm["tp2_sp_pp2_vpp2_on"]
-    for mode in ("tp", "pp"):
-        assert 0.5 <= bf16[mode]["bytes"] / fp32[mode]["bytes"] <= 0.56, (mode, bf16[mode], fp32[mode])
-    bf16, fp32 = comm["cp2_ring_zero"]
-    assert bf16["cp"]["bytes"] * 2 == fp32["cp"]["bytes"]
-    bf16, fp32 = comm["dp2_on"]
-    assert bf16["dp"]["bytes"] * 2 == fp32["dp"]["bytes"]
+    """Every multi-rank bf16 layout against its fp32 twin: tp, pp, cp and ep move activations
+    (and their gradients) in bf16: half the fp32 bytes, but for the small reductions that stay
+    fp32 (the loss statistics, the SP norm gradients, the tied embedding's gradient, the
+    router's). dp halves with train.grad_reduce_dtype=bf16 and stays fp32 without it."""
+    ratios = {}
+    for name, twin in BF16_TWINS.items():
+        bf16, fp32 = bf16_runs[name][-1]["comm"], bf16_runs[twin][-1]["comm"]
+        assert set(bf16) == set(fp32), name
+        ratios[name] = {mode: bf16[mode]["bytes"] / fp32[mode]["bytes"] for mode in bf16}
+    print(f"\nbf16 / fp32 bytes: {ratios}")
+    for name, per_mode in ratios.items():
+        if "train.grad_reduce_dtype=bf16" in BF16_LAYOUTS[name]:
+            assert per_mode["dp"] == 0.5, (name, per_mode)
+        # (ZeRO-1's after-step gather is counted at the next forward: a 1-step twin's dp row
+        # is not comparable with a 10th step's, so dp is compared only where it halves.)
+        activations = {mode: ratio for mode, ratio in per_mode.items() if mode != "dp"}
+        for mode, ratio in activations.items():
+            assert 0.5 <= ratio <= 0.56, (name, mode, ratio)
+        assert activations or per_mode.get("dp") == 0.5, (name, per_mode)  # something halved
     # mpoverlap-check's dp estimate follows train.grad_reduce_dtype.
     from mpoverlap.config import compose
     from mpoverlap.overlap.estimate import estimate
 
+    measured = bf16_runs["dp2_on"][-1]["comm"]["dp"]["bytes"]
     est = estimate(compose([*SMALL, *BF16, *BF16_LAYOUTS["dp2_on"]]), 2).comm_bytes_per_step["dp"]
-    assert abs(bf16["dp"]["bytes"] - est) <= 0.03 * est, (bf16["dp"]["bytes"], est)
+    assert abs(measured - est) <= 0.03 * est, (measured, est)
