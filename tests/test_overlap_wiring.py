@@ -110,9 +110,9 @@ def _tp_deferred(trace) -> tuple:
 
 
 def _zero_probes(trainer) -> dict:
-    """Wrap the running Trainer's ZeRO machinery: at every unit's forward pre-hook, the units
-    whose gathers are still in flight once it is ready; after every reduce-scatter issue, how
-    many are in flight; the largest gradient bucket."""
+    """Wrap the running Trainer's ZeRO machinery: at every unit's forward pre-hook, the buckets
+    whose gathers are still in flight once the unit is ready; after every reduce-scatter issue,
+    how many are in flight."""
     ddp = trainer.ddp
     probes = {"forward_pending": [], "rs_in_flight": [], "units": 0}
     gatherer = ddp.gatherer
