@@ -197,7 +197,7 @@ def test_compositions_reproduce_single_process_curve(runs):
     assert {"dp", "tp", "pp"} <= set(comm)
 
 
-def test_moe_ep_layouts_reproduce_ep1_curve(runs):
+def test_moe_layouts_reproduce_single_process_curve(runs):
     """Dropless MoE: expert parallelism (2 and 4, overlap on and off, ZeRO-1, the all-gather
     dispatcher with a shared expert, and composed with dp2 x tp2 x pp2 + SP) reproduces the
     single-process run (losses and grad norms)."""
