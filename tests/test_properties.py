@@ -187,9 +187,54 @@ def test_every_fix_gives_an_accepted_config_whose_model_runs(assignment):
     except ConfigError:
         return
     cfg, _ = _apply_fixes(overrides, None)  # an accepted config has none: its model must run too
+    from mpoverlap.moe.experts import ExpertMLP
+
     torch.manual_seed(0)
     model = GPT(cfg.model)
+    # Tokens each expert computed: only an expert that got none may end without gradients.
+    routed = {}
+    for module in model.modules():
+        if isinstance(module, ExpertMLP):
+            routed[module] = 0
+            module.register_forward_hook(lambda m, args, out: routed.__setitem__(m, routed[m] + args[0].shape[0]))
     tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
     logits = model(tokens)
     model.loss(logits, tokens).backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad) or cfg.model.num_experts
+    idle = {id(p) for m, n in routed.items() if n == 0 for p in m.parameters()}
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None and id(p) not in idle]
+    assert not missing, missing
+    # Fixed configs with model parallelism are trained by test_fixed_layouts_train_like_one_process.
+
+
+# Problems whose fixes change the layout (tp, etp, cp and its variant, pp, sequence parallelism):
+# the fixed configs are trained, not only validated.
+LAYOUT_FIX_CASES = [
+    {"model.num_experts": 4, "model.moe_top_k": 2, "parallel.tp": 2, "parallel.etp": 3, "model.num_layers": 2,
+     "model.moe_ffn_hidden_size": 8},
+    {"model.num_attention_heads": 8, "model.hidden_size": 32, "model.num_query_groups": 3, "parallel.tp": 4,
+     "parallel.cp": 2, "parallel.cp_comm": "a2a", "overlap.tp": "true"},
+    {"model.num_attention_heads": 4, "model.num_query_groups": 1, "parallel.tp": 2, "parallel.cp": 2,
+     "parallel.cp_comm": "a2a"},
+    {"parallel.pp": 3, "model.num_layers": 4, "parallel.vpp": 2},
+    {"parallel.cp": 3, "model.seq_length": 24},
+]
+
+
+@pytest.mark.slow
+def test_fixed_layouts_train_like_one_process(tmp_path_factory):
+    """Each case's fixes applied until accepted: the fixed layout (more than one rank) trains
+    one step inside one spawn per world size, with the single-process loss of its model."""
+    from inproc_train import train_layouts
+
+    specs = {}
+    for i, case in enumerate(LAYOUT_FIX_CASES):
+        _, fixed = _apply_fixes({k: _fmt(v) for k, v in case.items()}, None)
+        overrides = [*TINY, *[f"{k}={v}" for k, v in fixed.items()]]
+        world = build_layout(compose(overrides)).world
+        assert world is not None and 1 < world <= 8, (case, fixed)
+        specs[f"fixed{i}"] = (world, overrides, 1)
+        specs[f"ref{i}"] = (1, _reference_overrides(overrides), 1)
+    got = train_layouts(specs, tmp_path_factory.mktemp("fixed"), timeout_s=600)
+    for i, case in enumerate(LAYOUT_FIX_CASES):
+        loss, ref = got[f"fixed{i}"][0]["loss"], got[f"ref{i}"][0]["loss"]
+        assert math.isfinite(loss) and abs(loss - ref) <= 1e-5 * abs(ref), (specs[f"fixed{i}"], loss, ref)

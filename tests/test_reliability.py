@@ -1,7 +1,6 @@
 """Failures end the run cleanly: a NaN stops or skips before the update, SIGTERM saves and
 stops at a step boundary, a killed, raising or hung worker brings every process down with a
 rank named, and the same command resumes a killed run on its curve."""
-import json
 import os
 import signal
 import subprocess
@@ -19,15 +18,13 @@ pytestmark = pytest.mark.slow
 DIVERGE = ["parallel.dp=2", "train.lr=1e30", "train.lr_warmup_steps=0", "checkpoint.interval=1"]
 
 
-def test_nonfinite_stop_and_skip(tmp_path):
+def test_nonfinite_stop(tmp_path):
+    """train.on_nonfinite=stop; `skip` (one step's NaN, the weights untouched by it) is
+    test_training_schedule.py::test_nonfinite_skip_leaves_the_weights_untouched."""
     proc = train(tmp_path / "stop", *DIVERGE, "train.on_nonfinite=stop", steps=4, expect=1)
     assert "non-finite gradient at step 2" in proc.stderr and "Traceback" not in proc.stderr
     ckpts = sorted(p.name for p in (tmp_path / "stop" / "checkpoints").iterdir())
     assert ckpts == ["step_00000001"]  # nothing saved once the gradient went bad
-    train(tmp_path / "skip", *DIVERGE, "train.on_nonfinite=skip", steps=4)
-    lines = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
-    events = [x["step"] for x in lines if x.get("nonfinite")]
-    assert events == [2, 3, 4]
 
 
 def _launch(run_dir, *overrides, fault=None):

@@ -403,11 +403,31 @@ def test_tp1_layers_are_plain_modules():
     x, gy = data(1)
     col = ColumnParallelLinear(H, 3 * H, name=QKV, cfg=CFG, seed=SEED, blocks=3)
     assert torch.equal(col.weight, full(QKV, (3 * H, H)))
-    xl = leaf(x)
+    # Forward and backward against torch.nn.Linear holding the same weight (its autograd, not
+    # the layers' hand-written backward): outputs, input and weight gradients, bias gradient.
+    plain = torch.nn.Linear(H, 3 * H, bias=False)
+    with torch.no_grad():
+        plain.weight.copy_(full(QKV, (3 * H, H)))
+    xl, xr = leaf(x), leaf(x)
+    gy3 = torch.randn(B, S, 3 * H, generator=torch.Generator().manual_seed(3))
     y = col(xl)
-    torch.testing.assert_close(y, F.linear(x, full(QKV, (3 * H, H))), rtol=0, atol=0)
-    (y.sum()).backward()
-    assert xl.grad is not None and col.weight.grad is not None
+    torch.testing.assert_close(y, plain(xr), rtol=0, atol=0)
+    y.backward(gy3)
+    plain(xr).backward(gy3)
+    torch.testing.assert_close(xl.grad, xr.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(col.weight.grad, plain.weight.grad, rtol=1e-6, atol=1e-7)
+    row = RowParallelLinear(H, H, name=PROJ, cfg=CFG, seed=SEED, bias=True)
+    plain_row = torch.nn.Linear(H, H)
+    with torch.no_grad():
+        plain_row.weight.copy_(row.weight)
+        plain_row.bias.copy_(row.bias)
+    xl, xr = leaf(x), leaf(x)
+    y = row(xl)
+    torch.testing.assert_close(y, plain_row(xr), rtol=1e-6, atol=1e-7)
+    y.backward(gy)
+    plain_row(xr).backward(gy)
+    for got, want in ((xl.grad, xr.grad), (row.weight.grad, plain_row.weight.grad), (row.bias.grad, plain_row.bias.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     emb = VocabParallelEmbedding(VPAD, H, name="embedding", cfg=CFG, seed=SEED, sequence_parallel=False)
     tokens = torch.randint(0, VOCAB, (B, S))
     torch.testing.assert_close(emb(tokens), F.embedding(tokens, full("embedding", (VPAD, H))))

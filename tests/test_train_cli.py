@@ -79,17 +79,17 @@ LAYOUTS = {
                            "overlap.dp=true", "overlap.tp=true", "overlap.pp=true"],
     "tp2_cp2_pp2_vpp2": ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.vpp=2",
                          "parallel.sequence_parallel=true", "model.num_layers=4"],
-    # Mixture of experts: each layout against the dp-only reference of the same dp.
+    # Mixture of experts: each layout against the single-process reference.
+    "moe_dp1": [*MOE],
     "moe_dp4": [*MOE, "parallel.dp=4"],
     "moe_dp4_ep2_on": [*MOE, "parallel.dp=4", "parallel.ep=2", "overlap.ep=true"],
     "moe_dp4_ep4_on": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=true"],
     "moe_dp4_ep4_off": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=false"],
     "moe_dp4_ep2_zero": [*MOE, "parallel.dp=4", "parallel.ep=2", "train.distributed_optimizer=true",
                          "overlap.dp_param_gather=true"],
-    "moe_shared_dp2": [*MOE, "model.shared_expert=true", "parallel.dp=2"],
+    "moe_shared_dp1": [*MOE, "model.shared_expert=true"],
     "moe_shared_dp2_ep2_allgather": [*MOE, "model.shared_expert=true", "parallel.dp=2", "parallel.ep=2",
                                      "model.moe_dispatcher=allgather", "overlap.ep=true"],
-    "moe_dp2": [*MOE, "parallel.dp=2"],
     "moe_dp2_ep2_tp2_pp2_all": [*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2",
                                 "parallel.sequence_parallel=true", "overlap.dp=true", "overlap.tp=true",
                                 "overlap.pp=true", "overlap.ep=true"],
@@ -121,9 +121,20 @@ def test_loss_falls_and_metrics_contract(cli_dp2, runs):
     # The in-process Trainers the other tests read train what the console script trains.
     assert_close([x["loss"] for x in r], [x["loss"] for x in runs["dp2_on"]])
     assert_close([x["grad_norm"] for x in r], [x["grad_norm"] for x in runs["dp2_on"]])
+    from mpoverlap.config import compose
+    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.training.lr import LRSchedule
+
+    cfg = compose([*SMALL, *LAYOUTS["dp2_on"], "train.steps=4"])
+    schedule = LRSchedule.from_config(cfg.train)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
     for row in r:
-        for key in ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm", "model_tflops_per_s"):
-            assert key in row
+        assert row["lr"] == schedule(row["step"] - 1) > 0  # warm-up: lr x step / warm-up steps
+        assert row["lr"] == pytest.approx(cfg.train.lr * row["step"] / cfg.train.lr_warmup_steps)
+        assert 0 < row["step_time_s"] < 60
+        assert row["tokens_per_s"] == pytest.approx(tokens / row["step_time_s"], rel=1e-9)
+        assert row["model_tflops_per_s"] == pytest.approx(
+            flops_per_token(cfg.model) * tokens / row["step_time_s"] / 2 / 1e12, rel=1e-9)
         # Two worker processes, each holding torch: tens of MB at least, well under the machine.
         assert len(row["peak_memory_bytes"]) == 2
         assert all(50e6 < m < 8e9 for m in row["peak_memory_bytes"])
@@ -131,8 +142,10 @@ def test_loss_falls_and_metrics_contract(cli_dp2, runs):
         assert dp["ops"] > 1 and dp["bytes"] > 0
         assert 0 <= dp["exposed_s"] <= dp["time_s"]
     assert runs["dp1"][0]["comm"] == {}  # one replica: nothing communicated
-    val = [json.loads(x) for x in (cli_dp2 / "metrics.jsonl").read_text().splitlines()]
-    assert any("val_loss" in x for x in val)
+    val = [x["val_loss"] for x in map(json.loads, (cli_dp2 / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in x]
+    # Once, after the last step: byte-level text near the training loss (within 10%).
+    assert len(val) == 1 and abs(val[0] - r[-1]["loss"]) <= 0.1 * r[-1]["loss"], (val, r[-1]["loss"])
 
 
 def test_dp_layouts_reproduce_single_process_curve(runs):
@@ -184,15 +197,19 @@ def test_compositions_reproduce_single_process_curve(runs):
     assert {"dp", "tp", "pp"} <= set(comm)
 
 
-def test_moe_ep_layouts_reproduce_ep1_curve(runs):
+def test_moe_layouts_reproduce_single_process_curve(runs):
     """Dropless MoE: expert parallelism (2 and 4, overlap on and off, ZeRO-1, the all-gather
     dispatcher with a shared expert, and composed with dp2 x tp2 x pp2 + SP) reproduces the
-    dp-only run of the same dp."""
-    ref = loss_of(runs["moe_dp4"])
-    for name in ("moe_dp4_ep2_on", "moe_dp4_ep4_on", "moe_dp4_ep4_off", "moe_dp4_ep2_zero"):
-        assert_close(loss_of(runs[name]), ref)
-    assert_close(loss_of(runs["moe_shared_dp2_ep2_allgather"]), loss_of(runs["moe_shared_dp2"]))
-    assert_close(loss_of(runs["moe_dp2_ep2_tp2_pp2_all"]), loss_of(runs["moe_dp2"]))
+    single-process run (losses and grad norms)."""
+    ref = runs["moe_dp1"]
+    for name in ("moe_dp4", "moe_dp4_ep2_on", "moe_dp4_ep4_on", "moe_dp4_ep4_off", "moe_dp4_ep2_zero",
+                 "moe_dp2_ep2_tp2_pp2_all"):
+        assert_close(loss_of(runs[name]), loss_of(ref))
+        assert_close([r["grad_norm"] for r in runs[name]], [r["grad_norm"] for r in ref])
+    assert_close(loss_of(runs["moe_shared_dp2_ep2_allgather"]), loss_of(runs["moe_shared_dp1"]))
+    assert_close([r["grad_norm"] for r in runs["moe_shared_dp2_ep2_allgather"]],
+                 [r["grad_norm"] for r in runs["moe_shared_dp1"]])
+    ref = loss_of(ref)
     assert {"dp", "tp", "pp", "ep"} <= set(runs["moe_dp2_ep2_tp2_pp2_all"][-1]["comm"])
     assert ref[-1] < ref[0]
 
@@ -227,6 +244,7 @@ def test_no_row_of_any_run_exposes_more_than_in_flight(runs, moe_sequence_runs, 
 MOE_SEQ = ["model=moe_tiny", "model.num_layers=4", "model.hidden_size=64", "model.num_experts=4",
            "model.moe_top_k=2", "model.seq_length=64", "train.global_batch_size=8", "parallel.dp=2"]
 MOE_SEQ_LAYOUTS = {
+    "ref_dp1": ["parallel.dp=1"],
     "ref_dp2": [],
     "tp2": ["parallel.tp=2"],
     "cp2": ["parallel.cp=2"],
@@ -239,7 +257,7 @@ MOE_SEQ_LAYOUTS = {
 }
 
 
-MOE_SEQ_WORLD = {"ref_dp2": 2, "tp2": 4, "cp2": 4, "tp2_sp": 4, "cp2_tp2_sp": 8, "ep2_tp2_sp_allgather": 4,
+MOE_SEQ_WORLD = {"ref_dp1": 1, "ref_dp2": 2, "tp2": 4, "cp2": 4, "tp2_sp": 4, "cp2_tp2_sp": 8, "ep2_tp2_sp_allgather": 4,
                  "ep2_tp2_pp2_sp_all": 8}
 
 
@@ -253,7 +271,7 @@ def moe_sequence_runs(tmp_path_factory):
 
 
 def test_moe_with_split_sequences_reproduces_the_dp_reference(moe_sequence_runs):
-    ref = moe_sequence_runs["ref_dp2"]
+    ref = moe_sequence_runs["ref_dp1"]  # the single-process run
     assert len(ref) == 6
     for name in MOE_SEQ_LAYOUTS:
         got = moe_sequence_runs[name]
@@ -272,16 +290,28 @@ def test_check_estimates_match_measured_comm(runs):
     from mpoverlap.overlap.estimate import estimate
     from mpoverlap.overlap.layout import build_layout
 
+    off = []
     for name in ("dp2_on", "dp4_zero_on", "tp2", "tp2_sp_on", "pp2_vpp2_on", "pp4_on", "cp4_ring_off", "cp2_a2a_on",
                  "dp2_tp2_pp2_sp_all", "moe_dp4_ep2_on", "moe_dp4_ep2_zero", "moe_dp2_ep2_tp2_pp2_all",
                  "moe_shared_dp2_ep2_allgather"):
         cfg = compose([*SMALL, *LAYOUTS[name]])
         est = estimate(cfg, build_layout(cfg).world).comm_bytes_per_step
         measured = runs[name][-1]["comm"]
-        for mode, got in measured.items():
-            # Exact for dp, pp and cp; tp leaves out the small loss and norm reductions;
-            # ZeRO-1 pads its buckets to a multiple of dp.
-            assert abs(got["bytes"] - est[mode]) <= 0.03 * est[mode], (name, mode, got["bytes"], est[mode])
+        # Every mode either side names: a mode the estimate predicts and the ledger misses (or
+        # the other way round) fails.
+        predicted = {mode for mode, b in est.items() if b > 0}
+        assert set(measured) == predicted, (name, sorted(measured), sorted(predicted))
+        for mode in predicted:
+            got = measured[mode]["bytes"]
+            if mode in ("pp", "cp") or (mode == "dp" and name == "dp2_on"):
+                # Exact for pp, cp and plain dp.
+                if got != est[mode]:
+                    off.append((name, mode, got, est[mode]))
+            elif abs(got - est[mode]) > 0.03 * est[mode]:
+                # tp leaves out the small loss and norm reductions; ZeRO-1 pads its buckets to a
+                # multiple of dp; dp composed with tp/pp/ep is within 0.2% (bucket padding).
+                off.append((name, mode, got, est[mode]))
+    assert not off, off
 
 
 def test_overlap_on_off_identical(runs):
@@ -414,9 +444,9 @@ BF16_LAYOUTS = {
 }
 # The single-process references train 20 steps; the layouts the first 10 of them.
 BF16_STEPS = {"fp32": 20, "bf16": 20, "moe_bf16": 20}
-# fp32 twins of bf16 layouts, 1 step: only their bytes per step are compared.
-BF16_TWINS = {"dp2_on": "fp32_dp2_on", "tp2_sp_pp2_vpp2_on": "fp32_tp2_sp_pp2_vpp2_on",
-              "cp2_ring_zero": "fp32_cp2_ring_zero"}
+# fp32 twins of every multi-rank bf16 layout, 1 step: their bytes per step are compared (each
+# layout's dtype check: its activations / gradients travel in bf16).
+BF16_TWINS = {name: f"fp32_{name}" for name in BF16_LAYOUTS if name not in ("fp32", "bf16", "moe_bf16")}
 
 
 @pytest.fixture(scope="module")
@@ -432,23 +462,54 @@ def bf16_runs(tmp_path_factory):
     return train_layouts(specs, tmp_path_factory.mktemp("bf16"))
 
 
+def rel_gaps(got, want, key):
+    """Largest relative gap of `key` (loss or grad_norm) over the rows both runs have."""
+    n = min(len(got), len(want))
+    assert n
+    return max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(got[:n], want[:n]))
+
+
 def test_bf16_single_process_tracks_fp32(bf16_runs):
-    fp32, bf16 = [r["loss"] for r in bf16_runs["fp32"]], [r["loss"] for r in bf16_runs["bf16"]]
-    assert len(bf16) == 20 and bf16 != fp32  # autocast really ran
-    assert_close(bf16, fp32, rel=5e-2)
-    assert bf16[-1] < bf16[0]
+    fp32, bf16 = bf16_runs["fp32"], bf16_runs["bf16"]
+    assert len(bf16) == 20
+    gaps = {key: rel_gaps(bf16, fp32, key) for key in ("loss", "grad_norm")}
+    print(f"\nbf16 vs fp32 over 20 steps: {gaps}")
+    # autocast really ran (a difference), and bf16 rounding stays small (measured: loss 1e-4,
+    # grad norm 1e-3 over the 20 steps).
+    assert 1e-6 < gaps["loss"] <= 1e-3 and gaps["grad_norm"] <= 1e-2, gaps
+    assert bf16[-1]["loss"] < bf16[0]["loss"]
+
+
+# Largest relative gap to the single-process bf16 run of the same model over the layouts' 10
+# steps, on the loss and the grad norm. Measured on main: loss 1.8e-5 (dp2, cp2) to 5.2e-5
+# (tp2 + SP), grad norm 2.9e-4 (MoE ep2) to 9.7e-4 (dp2); bf16 vs fp32 is 1.6e-4 on the loss.
+BF16_TOL = {"loss": 5e-4, "grad_norm": 2e-3}
 
 
 def test_bf16_layouts_reproduce_single_process_bf16_curve(bf16_runs):
-    ref = [r["loss"] for r in bf16_runs["bf16"]]
+    """Each layout tracks the bf16 reference to about 1e-3 on loss and grad norm, and is closer
+    to it than to the fp32 run (a layout that silently computed in fp32 would sit on the fp32
+    curve instead)."""
+    report = {}
     for name in BF16_LAYOUTS:
-        if name not in ("fp32", "bf16") and not name.startswith("moe"):
-            got = [r["loss"] for r in bf16_runs[name]]
-            assert len(got) == 10
-            assert_close(got, ref[:10], rel=2e-2)
+        if name in ("fp32", "bf16", "moe_bf16"):
+            continue
+        ref, fp32 = ("moe_bf16", None) if name.startswith("moe") else ("bf16", "fp32")
+        got = bf16_runs[name]
+        assert len(got) == 10
+        gaps = {key: rel_gaps(got, bf16_runs[ref], key) for key in ("loss", "grad_norm")}
+        report[name] = gaps
+        if fp32 is not None:
+            to_fp32 = rel_gaps(got, bf16_runs[fp32], "loss")
+            report[name]["loss_to_fp32"] = to_fp32
+    print("\nbf16 layouts, largest relative gap to the bf16 reference: " + repr(report))
+    for name, gaps in report.items():
+        for key, tol in BF16_TOL.items():
+            assert gaps[key] <= tol, (name, key, gaps)
+        if "loss_to_fp32" in gaps:
+            assert gaps["loss"] < gaps["loss_to_fp32"], (name, gaps)
     moe_ref = [r["loss"] for r in bf16_runs["moe_bf16"]]
     assert len(moe_ref) == 20 and moe_ref[-1] < moe_ref[0]
-    assert_close([r["loss"] for r in bf16_runs["moe_dp2_ep2_bf16"]], moe_ref[:10], rel=2e-2)
 
 
 def test_bf16_overlap_on_off_identical(bf16_runs):
@@ -460,21 +521,29 @@ def test_bf16_overlap_on_off_identical(bf16_runs):
 
 
 def test_bf16_halves_activation_and_gradient_bytes(bf16_runs):
-    """tp, pp and cp move activations (and their gradients) in bf16: half the fp32 bytes, but
-    for the small reductions that stay fp32 (the loss statistics, the SP norm gradients, the
-    tied embedding's gradient). dp halves with train.grad_reduce_dtype=bf16."""
-    comm = {name: (bf16_runs[name][-1]["comm"], bf16_runs[twin][-1]["comm"])
-            for name, twin in BF16_TWINS.items()}
-    bf16, fp32 = comm["tp2_sp_pp2_vpp2_on"]
-    for mode in ("tp", "pp"):
-        assert 0.5 <= bf16[mode]["bytes"] / fp32[mode]["bytes"] <= 0.56, (mode, bf16[mode], fp32[mode])
-    bf16, fp32 = comm["cp2_ring_zero"]
-    assert bf16["cp"]["bytes"] * 2 == fp32["cp"]["bytes"]
-    bf16, fp32 = comm["dp2_on"]
-    assert bf16["dp"]["bytes"] * 2 == fp32["dp"]["bytes"]
+    """Every multi-rank bf16 layout against its fp32 twin: tp, pp, cp and ep move activations
+    (and their gradients) in bf16: half the fp32 bytes, but for the small reductions that stay
+    fp32 (the loss statistics, the SP norm gradients, the tied embedding's gradient, the
+    router's). dp halves with train.grad_reduce_dtype=bf16 and stays fp32 without it."""
+    ratios = {}
+    for name, twin in BF16_TWINS.items():
+        bf16, fp32 = bf16_runs[name][-1]["comm"], bf16_runs[twin][-1]["comm"]
+        assert set(bf16) == set(fp32), name
+        ratios[name] = {mode: bf16[mode]["bytes"] / fp32[mode]["bytes"] for mode in bf16}
+    print(f"\nbf16 / fp32 bytes: {ratios}")
+    for name, per_mode in ratios.items():
+        if "train.grad_reduce_dtype=bf16" in BF16_LAYOUTS[name]:
+            assert per_mode["dp"] == 0.5, (name, per_mode)
+        # (ZeRO-1's after-step gather is counted at the next forward: a 1-step twin's dp row
+        # is not comparable with a 10th step's, so dp is compared only where it halves.)
+        activations = {mode: ratio for mode, ratio in per_mode.items() if mode != "dp"}
+        for mode, ratio in activations.items():
+            assert 0.5 <= ratio <= 0.56, (name, mode, ratio)
+        assert activations or per_mode.get("dp") == 0.5, (name, per_mode)  # something halved
     # mpoverlap-check's dp estimate follows train.grad_reduce_dtype.
     from mpoverlap.config import compose
     from mpoverlap.overlap.estimate import estimate
 
+    measured = bf16_runs["dp2_on"][-1]["comm"]["dp"]["bytes"]
     est = estimate(compose([*SMALL, *BF16, *BF16_LAYOUTS["dp2_on"]]), 2).comm_bytes_per_step["dp"]
-    assert abs(bf16["dp"]["bytes"] - est) <= 0.03 * est, (bf16["dp"]["bytes"], est)
+    assert abs(measured - est) <= 0.03 * est, (measured, est)
