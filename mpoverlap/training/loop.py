@@ -28,6 +28,7 @@ from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwar
 from mpoverlap.training.checkpoint import Checkpointer, checkpoint_io_group
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.faults import FaultInjector
+from mpoverlap.training.node_failure import lost_peer
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflops, moe_summary, peak_memory_bytes,
                                         throughput)
@@ -251,7 +252,8 @@ class Trainer(Resumable):
                                            coords=self.state.coords)
         if self.is_rank0:
             print(render_plan(cfg, self.state.world, num_parameters(self.model),
-                              f"{self.state.device.type}/{self.state.backend}"), flush=True)
+                              f"{self.state.device.type}/{self.state.backend}", hosts=list(self.state.hosts)),
+                  flush=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         self.maybe_resume()
         if self.step >= t.steps:
@@ -313,6 +315,11 @@ def run_worker(cfg: Any) -> Dict[str, Any]:
     try:
         run_dir = shared_run_dir(cfg)
         return Trainer(cfg, state, run_dir).run()
+    except RuntimeError as err:
+        lost = lost_peer(err, state.hosts, state.rank)
+        if lost is None:
+            raise
+        raise lost from err
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

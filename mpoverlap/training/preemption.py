@@ -27,4 +27,9 @@ class PreemptionFlag:
         return bool(flag.item())
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        """Back to the previous handler, unless the run stopped for a SIGTERM: then the process
+        is on its way out and a second SIGTERM (SLURM signals every process of the step, and
+        torchrun's agent forwards its own to the workers) must not kill it with the default
+        action, which its agent would report as a failed worker."""
+        if not self.raised:
+            signal.signal(signal.SIGTERM, self._previous)
