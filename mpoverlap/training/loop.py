@@ -32,7 +32,7 @@ from mpoverlap.training.node_failure import lost_peer
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflops, moe_summary, peak_memory_bytes,
                                         throughput)
-from mpoverlap.training.preemption import PreemptionFlag
+from mpoverlap.training.preemption import PREEMPTED_MARKER, PreemptionFlag
 from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
@@ -255,6 +255,7 @@ class Trainer(Resumable):
                               f"{self.state.device.type}/{self.state.backend}", hosts=list(self.state.hosts)),
                   flush=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # a previous run's stop
         self.maybe_resume()
         if self.step >= t.steps:
             self.log(f"nothing to do: the checkpoint is at step {self.step} >= train.steps={t.steps}")
@@ -293,6 +294,8 @@ class Trainer(Resumable):
                     if not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
                         self.save()
                     self.checkpointer.wait()  # an asynchronous save: written and renamed before exit
+                    if self.is_rank0:  # for launchers that cannot tell a preemption stop (slurm.sbatch)
+                        (self.run_dir / PREEMPTED_MARKER).write_text(f"{self.step}\n")
                     self.log(f"SIGTERM: saved a checkpoint at step {self.step} and stopped; rerun the same "
                              "command to continue")
                     return {"steps": self.step, "losses": losses, "preempted": True}

@@ -6,6 +6,11 @@ import signal
 import torch
 import torch.distributed as dist
 
+# Written into run.dir by rank 0 after a SIGTERM stop saved its checkpoint (the step, one
+# line), removed when a run starts. torchrun exits non-zero when it was signalled even though
+# every worker saved and exited 0: launch/slurm.sbatch reads this file to exit 0 instead.
+PREEMPTED_MARKER = "PREEMPTED"
+
 
 class PreemptionFlag:
     """SIGTERM (SLURM preemption, the launcher shutting down) sets the flag; the loop agrees on
