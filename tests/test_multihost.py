@@ -135,3 +135,28 @@ def test_two_hosts_train_fail_and_resume_on_the_single_process_curve(hosts, tmp_
     worst = max(abs(r["loss"] - ref[r["step"]]) / abs(ref[r["step"]]) for r in got)
     print(f"\ntwo hosts dp2 x tp2: {len(got)} logged steps up to step {steps}, worst relative loss "
           f"difference to the single-process run {worst:.1e}; " + "; ".join(report))
+
+
+def test_harness_cleans_up_after_a_failing_body_and_a_dead_creator(hosts):
+    """A body that raises leaves no namespace, no /etc/netns entry and no process behind; a
+    namespace left by a crashed run (its creator's pid is gone) is removed by the next run."""
+    import subprocess
+
+    from multihost import PREFIX, remove_stale
+
+    def namespaces():
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+    with pytest.raises(RuntimeError, match="the body failed"):
+        with TwoHosts() as two:
+            sleeper = two.popen(1, ["sleep", "1000"])
+            assert hosts.addrs == two.addrs and two.pids(1) == [sleeper.pid]
+            raise RuntimeError("the body failed")
+    assert sleeper.poll() is not None
+    assert not any(ns in namespaces() for ns in two.netns)
+    assert not any((Path("/etc/netns") / ns).exists() for ns in two.netns)
+    dead = 2 ** 22 + 1  # above pid_max's default: never a live process
+    stale = f"{PREFIX}{dead}-feed00-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    remove_stale()
+    assert stale not in namespaces()
