@@ -150,7 +150,10 @@ def test_harness_cleans_up_after_a_failing_body_and_a_dead_creator(hosts):
     with pytest.raises(RuntimeError, match="the body failed"):
         with TwoHosts() as two:
             sleeper = two.popen(1, ["sleep", "1000"])
-            assert hosts.addrs == two.addrs and two.pids(1) == [sleeper.pid]
+            deadline = time.time() + 30  # `ip netns exec` enters the namespace, then execs sleep
+            while sleeper.pid not in two.pids(1) and time.time() < deadline:
+                time.sleep(0.1)
+            assert hosts.addrs == two.addrs and sleeper.pid in two.pids(1)
             raise RuntimeError("the body failed")
     assert sleeper.poll() is not None
     assert not any(ns in namespaces() for ns in two.netns)
