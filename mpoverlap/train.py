@@ -27,7 +27,7 @@ EXIT_INVALID = 2
 EXIT_FAILED = 1
 
 # Errors a user can act on: printed as one paragraph, no traceback.
-_USER_ERRORS = ("DataError", "CheckpointError", "ConfigError", "NonFiniteError")
+_USER_ERRORS = ("DataError", "CheckpointError", "ConfigError", "NonFiniteError", "PeerLostError")
 
 
 def _free_port() -> int:
@@ -60,6 +60,10 @@ def _record(fn):
 @_record
 def worker_entry(overrides: List[str]) -> Any:
     """Runs inside each worker (elastic launcher or torchrun). Module-level so spawn can pickle it."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by an elastic agent: end with it
+        from mpoverlap.training.node_failure import die_with_parent
+
+        die_with_parent()
     world = world_size_from_env()
     cfg, code = _compose_and_validate(overrides, world)
     if code is not None:

@@ -7,6 +7,7 @@ from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.estimate import estimate, render_estimate
 from mpoverlap.overlap.estimate.params import etp_size, model_params, shared_expert_ffn
 from mpoverlap.overlap.layout import build_layout
+from mpoverlap.overlap.placement import placement_lines
 from mpoverlap.overlap.rules import Problem
 from mpoverlap.parallel.grid import RankGrid
 from mpoverlap.pipeline.actions import ScheduleError
@@ -26,9 +27,10 @@ def _abbrev(groups: List[List[int]], limit: int = 4) -> str:
 
 
 def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional[int] = None,
-                device: Optional[str] = None, conventions=None) -> str:
+                device: Optional[str] = None, conventions=None, hosts: Optional[List[str]] = None) -> str:
     """`conventions`: how activations are counted (`estimate.Conventions`; default: as this
-    code saves them, in the compute dtype)."""
+    code saves them, in the compute dtype). `hosts`: each rank's hostname (index = global rank),
+    gathered at start-up; the plan then says where each rank runs and which groups cross hosts."""
     lo = build_layout(cfg, world_size)
     ov = CommOverlapConfig.from_config(cfg, world_size)
     t, m = cfg.train, cfg.model
@@ -59,6 +61,8 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     lines.append("  rank groups:")
     for kind in _PLAN_KINDS:
         lines.append(f"    {kind:<4} {_abbrev(grid.groups(kind))}")
+    if hosts:
+        lines.extend(placement_lines(grid, hosts))
     return "\n".join(lines)
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, Optional, Sequence
+import socket
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ class ParallelState:
     # kind -> this rank's group (None when the group has a single member: nothing to talk to,
     # and on the embedding group for a middle pipeline stage).
     groups: Dict[str, Optional[Any]] = field(default_factory=dict)
+    # Each rank's hostname, index = global rank (gathered once in `create`): which ranks share
+    # a node, for the plan and for anything that must know what crosses the inter-node link.
+    hosts: Tuple[str, ...] = ()
 
     @property
     def coords(self) -> RankCoords:
@@ -90,4 +94,6 @@ class ParallelState:
                 pg = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
                 if rank in ranks:
                     groups[kind] = pg
-        return cls(grid=grid, rank=rank, device=device, backend=backend, groups=groups)
+        hosts: list = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname())
+        return cls(grid=grid, rank=rank, device=device, backend=backend, groups=groups, hosts=tuple(hosts))

@@ -28,10 +28,11 @@ from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwar
 from mpoverlap.training.checkpoint import Checkpointer, checkpoint_io_group
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.faults import FaultInjector
+from mpoverlap.training.node_failure import lost_peer
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflops, moe_summary, peak_memory_bytes,
                                         throughput)
-from mpoverlap.training.preemption import PreemptionFlag
+from mpoverlap.training.preemption import PREEMPTED_MARKER, PreemptionFlag
 from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
@@ -251,8 +252,10 @@ class Trainer(Resumable):
                                            coords=self.state.coords)
         if self.is_rank0:
             print(render_plan(cfg, self.state.world, num_parameters(self.model),
-                              f"{self.state.device.type}/{self.state.backend}"), flush=True)
+                              f"{self.state.device.type}/{self.state.backend}", hosts=list(self.state.hosts)),
+                  flush=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # a previous run's stop
         self.maybe_resume()
         if self.step >= t.steps:
             self.log(f"nothing to do: the checkpoint is at step {self.step} >= train.steps={t.steps}")
@@ -291,6 +294,8 @@ class Trainer(Resumable):
                     if not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
                         self.save()
                     self.checkpointer.wait()  # an asynchronous save: written and renamed before exit
+                    if self.is_rank0:  # for launchers that cannot tell a preemption stop (slurm.sbatch)
+                        (self.run_dir / PREEMPTED_MARKER).write_text(f"{self.step}\n")
                     self.log(f"SIGTERM: saved a checkpoint at step {self.step} and stopped; rerun the same "
                              "command to continue")
                     return {"steps": self.step, "losses": losses, "preempted": True}
@@ -313,6 +318,11 @@ def run_worker(cfg: Any) -> Dict[str, Any]:
     try:
         run_dir = shared_run_dir(cfg)
         return Trainer(cfg, state, run_dir).run()
+    except RuntimeError as err:
+        lost = lost_peer(err, state.hosts, state.rank)
+        if lost is None:
+            raise
+        raise lost from err
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -6,6 +6,11 @@ import signal
 import torch
 import torch.distributed as dist
 
+# Written into run.dir by rank 0 after a SIGTERM stop saved its checkpoint (the step, one
+# line), removed when a run starts. torchrun exits non-zero when it was signalled even though
+# every worker saved and exited 0: launch/slurm.sbatch reads this file to exit 0 instead.
+PREEMPTED_MARKER = "PREEMPTED"
+
 
 class PreemptionFlag:
     """SIGTERM (SLURM preemption, the launcher shutting down) sets the flag; the loop agrees on
@@ -27,4 +32,9 @@ class PreemptionFlag:
         return bool(flag.item())
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        """Back to the previous handler, unless the run stopped for a SIGTERM: then the process
+        is on its way out and a second SIGTERM (SLURM signals every process of the step, and
+        torchrun's agent forwards its own to the workers) must not kill it with the default
+        action, which its agent would report as a failed worker."""
+        if not self.raised:
+            signal.signal(signal.SIGTERM, self._previous)
