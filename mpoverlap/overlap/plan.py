@@ -67,7 +67,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
 def _attention_line(m: Any) -> str:
     """RoPE (and its scaling) and the attention options that imported checkpoints carry."""
     rs = rope_scaling_of(m)
-    rope = f"RoPE base {m.rope_base:g}" + (
+    rope = f"RoPE base {m.rope_base:.12g}" + (
         f", scaled {rs.rope_type} (factor {rs.factor:g}, low_freq_factor {rs.low_freq_factor:g}, high_freq_factor "
         f"{rs.high_freq_factor:g}, original_max_position_embeddings {rs.original_max_position_embeddings})"
         if rs is not None else ", not scaled")
