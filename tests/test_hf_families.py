@@ -43,6 +43,24 @@ HF_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidd
                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 
 
+# The new attention options through the modes, 3 steps against the dp-only reference of the same
+# model and global batch (DESIGN: the single-process or dp-only reference): q/k/v bias, per-head
+# q/k norm with a head wider than hidden / heads and llama3 rope scaling in one model; TP splits
+# the bias with its heads and sums the q/k norms' gradients (each rank saw its own heads, also
+# without SP); CP, PP and EP leave them alone.
+QWEN_ALL = ["model=qwen3_tiny", "model.qkv_bias=true", "model.rope_scaling.rope_type=llama3",
+            "model.rope_scaling.original_max_position_embeddings=16", "model.rope_scaling.factor=4"]
+CURVE_RUN = [o for o in RUN if not o.startswith("train.global_batch_size")] + ["train.global_batch_size=16", "train.lr=3e-3"]
+CURVES = {
+    "curve_ref": [*QWEN_ALL, "parallel.dp=8"],
+    "curve_tp2": [*QWEN_ALL, "parallel.tp=2", "parallel.dp=4"],
+    "curve_tp2_sp_cp2": [*QWEN_ALL, "parallel.tp=2", "parallel.cp=2", "parallel.dp=2", "parallel.sequence_parallel=true"],
+    "curve_tp2_sp_pp2": [*QWEN_ALL, "parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.sequence_parallel=true"],
+    "curve_moe_ref": ["model=qwen3_moe_tiny", "parallel.dp=8"],
+    "curve_moe_tp2_sp_pp2_ep2": ["model=qwen3_moe_tiny", *MOE_LAYOUT],
+}
+
+
 def _families():
     """{name: (transformers class, its config, our overrides, our layout)}."""
     t = transformers
@@ -85,6 +103,8 @@ def _worker(rank, world, specs, root):
 
     from omegaconf import OmegaConf
 
+    from mpoverlap.overlap.estimate.params import stage_params
+    from mpoverlap.overlap.layout import build_layout
     from mpoverlap.training.checkpoint import CheckpointError
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
@@ -97,11 +117,19 @@ def _worker(rank, world, specs, root):
         return Trainer(cfg, init_distributed(cfg), Path(run_dir))
 
     out = {}
+    for name, overrides in CURVES.items():  # 3 steps each, no import
+        t = trainer([*overrides, *CURVE_RUN], f"{root}/{name}", write_config=False)
+        out[name] = []
+        for _ in range(3):
+            res = t.train_step()
+            out[name].append((t._mean_over_replicas(res["loss_local"]), res["grad_norm"]))
     for name, overrides in specs.items():
         t = trainer(overrides, f"{root}/{name}")
         t.maybe_resume()
         held = sum(p.numel() * p.element_size() for p in t.params_by_name.values())
-        row = {"read": t.init_bytes_read, "held": held}
+        # mpoverlap-check's per-rank count of this rank's stage (q/k norms, biases, head_dim)
+        estimated = stage_params(t.cfg, build_layout(t.cfg, world), t.state.coords.pp)
+        row = {"read": t.init_bytes_read, "held": held, "estimated": estimated * 4}
         if not name.endswith("_tp4"):
             t.save()
             t.checkpointer.wait()
@@ -118,6 +146,8 @@ def _worker(rank, world, specs, root):
     t = trainer(["model=moe_fine_tiny", "parallel.tp=2", "parallel.dp=4", "parallel.sequence_parallel=true", *RUN],
                 f"{root}/shared")
     out["shared_numel"] = sum(p.numel() for n, p in t.params_by_name.items() if ".shared_expert." in n)
+    out["shared_held"] = (sum(p.numel() for p in t.params_by_name.values()),
+                          stage_params(t.cfg, build_layout(t.cfg, world), t.state.coords.pp))
     return out
 
 
@@ -173,6 +203,16 @@ def test_import_first_loss_and_export_logits_equal_transformers(families, name, 
     assert rel <= 1e-5
 
 
+@pytest.mark.parametrize("name,ref", [("curve_tp2", "curve_ref"), ("curve_tp2_sp_cp2", "curve_ref"),
+                                      ("curve_tp2_sp_pp2", "curve_ref"), ("curve_moe_tp2_sp_pp2_ep2", "curve_moe_ref")])
+def test_qkv_bias_qk_norm_rope_scaling_through_the_modes(families, name, ref):
+    got, want = families[2][0][name], families[2][0][ref]
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), start=1):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (name, step, loss, ref_loss)
+        assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (name, step, norm, ref_norm)
+    assert got[-1][0] < got[0][0]  # it trains
+
+
 def test_every_rank_reads_only_what_it_holds(families):
     """Sliced reads: each rank's bytes read from the safetensors files equal the bytes of the
     parameters it holds (its pipeline stage, its experts, its TP slice of each split tensor, the
@@ -180,7 +220,7 @@ def test_every_rank_reads_only_what_it_holds(families):
     made, _, per_rank = families
     for name in [*made, "qwen25_tp4"]:
         for rank, res in enumerate(per_rank):
-            assert res[name]["read"] == res[name]["held"], (name, rank, res[name])
+            assert res[name]["read"] == res[name]["held"] == res[name]["estimated"], (name, rank, res[name])
     from safetensors import safe_open
 
     with safe_open(str(made["qwen25"][1] / "model.safetensors"), framework="pt") as f:
@@ -205,6 +245,8 @@ def test_shared_expert_parameters_per_rank_halve_at_tp2(families):
     assert single > 0
     for res in families[2]:
         assert res["shared_numel"] * 2 == single, (res["shared_numel"], single)
+        held, estimated = res["shared_held"]
+        assert held == estimated  # mpoverlap-check's per-rank count splits it too
 
 
 def test_refused_rope_and_mismatched_scaling_name_the_key(families):
