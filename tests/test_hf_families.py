@@ -123,6 +123,10 @@ def _worker(rank, world, specs, root):
         for _ in range(3):
             res = t.train_step()
             out[name].append((t._mean_over_replicas(res["loss_local"]), res["grad_norm"]))
+        # The replicated q/k norm weights after the steps (AdamW's first steps move each element
+        # by about lr in the direction of its gradient's sign: a partial gradient shows here)
+        out[name + "/qk_norms"] = {n: p.detach().tolist() for n, p in t.params_by_name.items()
+                                   if n.endswith(("q_norm.weight", "k_norm.weight"))}
     for name, overrides in specs.items():
         t = trainer(overrides, f"{root}/{name}")
         t.maybe_resume()
@@ -211,6 +215,12 @@ def test_qkv_bias_qk_norm_rope_scaling_through_the_modes(families, name, ref):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (name, step, loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (name, step, norm, ref_norm)
     assert got[-1][0] < got[0][0]  # it trains
+    ref_norms = families[2][0][ref + "/qk_norms"]
+    for res in families[2]:
+        assert res[name + "/qk_norms"], "no q/k norm on this rank"
+        for n, value in res[name + "/qk_norms"].items():
+            torch.testing.assert_close(torch.tensor(value), torch.tensor(ref_norms[n]), rtol=0, atol=1e-5,
+                                       msg=lambda m, n=n: f"{name} {n}: {m}")
 
 
 def test_every_rank_reads_only_what_it_holds(families):
