@@ -175,7 +175,7 @@ class CheckpointConfig:
     # Stage a copy at the step boundary and write it in the background while training goes on
     # (at most one save in flight; the next save, SIGTERM and the end of the run wait for it).
     async_save: bool = False
-    # A Hugging Face Llama/Mixtral directory to start from (when checkpoint.dir holds no
+    # A Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE directory to start from (when checkpoint.dir holds no
     # checkpoint to resume, which takes precedence).
     init_from: Optional[str] = None
 

@@ -146,6 +146,22 @@ def _worker(rank, world, specs, root):
         out["resume_changed"] = None
     except CheckpointError as err:
         out["resume_changed"] = str(err)
+    # A checkpoint written before this issue's shape keys existed (its meta lacks them) still
+    # resumes: the missing keys count as their defaults.
+    import mpoverlap.training.resume as resume
+
+    old = ["model=llama_tiny", "model.num_layers=2", *CURVE_RUN]
+    keys, resume.SHAPE_KEYS = resume.SHAPE_KEYS, resume.SHAPE_KEYS[:15]  # the keys before issue 35
+    try:
+        t = trainer(old, f"{root}/old")
+        t.train_step()
+        t.save()
+        t.checkpointer.wait()
+    finally:
+        resume.SHAPE_KEYS = keys
+    t = trainer(old, f"{root}/old")
+    t.maybe_resume()
+    out["old_resumed_step"] = t.step
     # The shared expert's parameters on this rank at tp 2 (single process: GPT(cfg.model)).
     t = trainer(["model=moe_fine_tiny", "parallel.tp=2", "parallel.dp=4", "parallel.sequence_parallel=true", *RUN],
                 f"{root}/shared")
@@ -245,6 +261,10 @@ def test_resume_with_a_changed_moe_shape_key_is_refused_by_name(families):
     assert msg is not None, "the resume with model.moe_first_dense_layers=1 was accepted"
     assert "different model" in msg and "model.moe_first_dense_layers: saved 0, now 1" in msg, msg
     assert "model.moe_first_dense_layers=0" in msg, msg  # the fix
+
+
+def test_checkpoint_without_the_new_shape_keys_still_resumes(families):
+    assert all(res["old_resumed_step"] == 1 for res in families[2])
 
 
 def test_shared_expert_parameters_per_rank_halve_at_tp2(families):

@@ -15,6 +15,7 @@ import torch
 
 from mpoverlap.checkpoint import ShardedLoadPlanner, ShardedSavePlanner, TrainStateChunks
 from mpoverlap.moe.balance import expert_biases
+from mpoverlap.overlap.rules import _show
 from mpoverlap.training.checkpoint import CheckpointError
 
 # Model fields a checkpoint must agree on to be loadable into this model (every key that changes
@@ -39,12 +40,6 @@ def _shape_key_defaults() -> Dict[str, Any]:
     from mpoverlap.config import ModelConfig
 
     return shape_keys(OmegaConf.structured(ModelConfig))
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return "null" if value is None else str(value)
 
 
 def _fix(key: str, saved: Any) -> str:
@@ -103,7 +98,7 @@ class Resumable:
 
     @torch.no_grad()
     def _load(self, path, step: int) -> None:
-        state = {**self._state_chunks().for_load(step), **self._small_state()}
+        state = {**self._state_chunks().for_load(step), **self._small_state(), "meta": self._meta_template(path)}
         self.checkpointer.load(path, state, planner=ShardedLoadPlanner())
         # The parameters and moments were filled in place; ZeRO-3 gathers from the new shards.
         self.ddp.reshard()
