@@ -41,6 +41,6 @@ def test_other_rope_types_are_refused_by_name(capsys):
     out = capsys.readouterr()
     text = out.out + out.err
     assert "[model.rope_scaling] model.rope_scaling.rope_type=yarn" in text and "attention logits" in text
-    assert "fix: model.rope_scaling.rope_type=null" in text
+    assert "model.rope_scaling.factor=8.0" in text and "fix: model.rope_scaling.rope_type=null" in text
     assert main(["model.rope_scaling.rope_type=llama3", "model.rope_scaling.high_freq_factor=0.5"]) == 2
     assert "model.rope_scaling.high_freq_factor=0.5" in capsys.readouterr().err

@@ -17,8 +17,10 @@ _REFUSED = {
     "yarn": "YaRN also scales the attention logits (attention_factor) (not implemented)",
     "longrope": "LongRoPE keeps per-channel factor lists for short and long contexts (not implemented)",
 }
-LLAMA3_31 = ("model.rope_scaling.rope_type=llama3 model.rope_scaling.factor=8.0 model.rope_scaling.low_freq_factor=1.0 "
-             "model.rope_scaling.high_freq_factor=4.0 model.rope_scaling.original_max_position_embeddings=8192")
+# Llama 3.1's published values (Llama 3.2 1B/3B: factor 32).
+LLAMA3_31 = ["model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=8.0",
+             "model.rope_scaling.low_freq_factor=1.0", "model.rope_scaling.high_freq_factor=4.0",
+             "model.rope_scaling.original_max_position_embeddings=8192"]
 
 
 @rule("model.rope_scaling", "general", ("model.rope_scaling",),
@@ -32,7 +34,8 @@ def _rope_scaling(lo: Layout):
         why = _REFUSED.get(rs.rope_type, "not a rope type this model computes")
         yield Problem("model.rope_scaling", {"model.rope_scaling.rope_type": rs.rope_type},
                       f"only {', '.join(ROPE_TYPES)} scaling is computed exactly as transformers does; "
-                      f"{rs.rope_type!r}: {why}", ["model.rope_scaling.rope_type=null", "(or) " + LLAMA3_31])
+                      f"{rs.rope_type!r}: {why}. For Llama 3.1/3.2 checkpoints: {' '.join(LLAMA3_31)}",
+                      ["model.rope_scaling.rope_type=null"])
         return
     bad = {}
     if not rs.factor > 0:
@@ -46,7 +49,7 @@ def _rope_scaling(lo: Layout):
         yield Problem("model.rope_scaling", bad,
                       "llama3 scaling divides low frequencies by factor (> 0) and interpolates between "
                       "the wavelengths original_max_position_embeddings / low_freq_factor and / "
-                      "high_freq_factor (so high_freq_factor > low_freq_factor > 0)", [LLAMA3_31])
+                      "high_freq_factor (so high_freq_factor > low_freq_factor > 0)", LLAMA3_31)
 
 
 @rule("model.head_dim", "general", ("model.head_dim",),
