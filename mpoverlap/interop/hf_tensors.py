@@ -30,8 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from mpoverlap.interop.hf_mapping import (ARCH_MIXTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_QWEN3_MOE, ConversionError,
-                                          _qkv_rows, architecture, moe_ffn)
+from mpoverlap.interop.hf_mapping import ARCH_MIXTRAL, ConversionError, _qkv_rows, architecture
 
 
 @dataclass(frozen=True)
