@@ -27,7 +27,8 @@ from torch import nn
 
 from mpoverlap.models import layers
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
-from mpoverlap.models.init import qkv_rows, query_groups
+from mpoverlap.models.init import head_dim_of, qkv_rows, query_groups
+from mpoverlap.models.rope import apply_rope, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)
 from mpoverlap.recompute import recomputed, recomputed_layers
 
 def make_norm(cfg) -> nn.Module:
@@ -38,23 +39,6 @@ def make_norm(cfg) -> nn.Module:
         return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
     raise ValueError(f"model.norm={cfg.norm!r} is not supported; use model.norm=rmsnorm "
                      f"or model.norm=layernorm")
-
-
-def rope_cos_sin(position_ids_S: torch.Tensor, head_dim: int, base: float):
-    """cos_SD, sin_SD (fp32) for rotary embeddings at the given positions (rotate-half form)."""
-    # On the positions' device: a device-less arange would sit on the CPU beside CUDA positions.
-    dims_D2 = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids_S.device)
-    inv_freq_D2 = 1.0 / (base ** (dims_D2 / head_dim))
-    angles_SD2 = position_ids_S.to(torch.float32)[:, None] * inv_freq_D2[None, :]
-    angles_SD = torch.cat([angles_SD2, angles_SD2], dim=-1)
-    return angles_SD.cos(), angles_SD.sin()
-
-
-def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + D/2]) by the position angle."""
-    x1, x2 = x_BNSD.chunk(2, dim=-1)
-    rotated_BNSD = torch.cat([-x2, x1], dim=-1)
-    return (x_BNSD * cos_SD + rotated_BNSD * sin_SD).to(x_BNSD.dtype)
 
 
 def causal_sdpa(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> torch.Tensor:
@@ -77,16 +61,23 @@ class CausalSelfAttention(nn.Module):
         if cfg.num_attention_heads % query_groups(cfg):
             raise ValueError(f"model.num_query_groups={query_groups(cfg)} must divide "
                              f"model.num_attention_heads={cfg.num_attention_heads}")
-        self.head_dim = H // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         # q [B, N, S, D], k, v [B, G, S, D] -> y [B, N, S, D], causal over global positions. Context
         # parallelism hands in ring or all-to-all attention here; the model never sees a group.
         self.core_attention = core_attention
         # model.recompute=selective: the attention core keeps only q, k, v (recomputed in backward).
         self.recompute_core = getattr(cfg, "recompute", "none") == "selective"
         rows = qkv_rows(cfg)
+        # model.qkv_bias: the bias rows split over TP with their heads, like the weight's.
         self.qkv = layers.column(f"{prefix}.qkv", H, sum(rows), cfg, seed, tp,
-                                 blocks=3 if len(set(rows)) == 1 else rows)
-        self.proj = layers.row(f"{prefix}.proj", H, H, cfg, seed, tp)
+                                 blocks=3 if len(set(rows)) == 1 else rows, bias=bool(getattr(cfg, "qkv_bias", False)))
+        # model.qk_norm: one RMSNorm over D, shared by every head (so replicated over TP; each
+        # rank's gradient covers its own heads only: GPT.tp_partial_grad_params sums them).
+        self.q_norm = self.k_norm = None
+        if getattr(cfg, "qk_norm", False):
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+        self.proj = layers.row(f"{prefix}.proj", rows[0], H, cfg, seed, tp)
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
         """x_BSH -> y_BSH: qkv_BSq -> q_BNSD, k,v_BGSD -> RoPE(q, k) -> core attention -> proj.
@@ -96,9 +87,12 @@ class CausalSelfAttention(nn.Module):
         B, S, _ = qkv_BSq.shape
         h, g = self.num_heads * self.head_dim, self.num_groups * self.head_dim
         q_BShD, k_BSgD, v_BSgD = qkv_BSq.split([h, g, g], dim=-1)
-        q_BNSD = q_BShD.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BGSD, v_BGSD = (t.view(B, S, self.num_groups, self.head_dim).transpose(1, 2)
-                          for t in (k_BSgD, v_BSgD))
+        q_BSND = q_BShD.view(B, S, self.num_heads, self.head_dim)
+        k_BSGD = k_BSgD.view(B, S, self.num_groups, self.head_dim)
+        if self.q_norm is not None:
+            q_BSND, k_BSGD = self.q_norm(q_BSND), self.k_norm(k_BSGD)
+        q_BNSD, k_BGSD = q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2)
+        v_BGSD = v_BSgD.view(B, S, self.num_groups, self.head_dim).transpose(1, 2)
         q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
         k_BGSD = apply_rope(k_BGSD, cos_SD, sin_SD)
         if self.recompute_core:
@@ -152,8 +146,10 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         if is_moe_layer(cfg, layer_index):
             # Experts and router are not split over TP: under SP each TP rank routes its own
-            # S/tp tokens (their gradients are then summed over TP like the norms').
-            shared = (MLP(cfg, f"{prefix}.mlp.shared_expert", seed, None, layers.shared_expert_ffn(cfg))
+            # S/tp tokens (their gradients are then summed over TP like the norms'). The shared
+            # expert is a dense MLP and is split over TP like one (column- then row-parallel,
+            # with SP and collective matmul); its names do not depend on the layout.
+            shared = (MLP(cfg, f"{prefix}.mlp.shared_expert", seed, tp, layers.shared_expert_ffn(cfg))
                       if cfg.shared_expert else None)
             self.mlp = layers.moe_mlp(f"{prefix}.mlp", cfg, seed, moe, shared)
         else:
@@ -226,8 +222,8 @@ class GPT(nn.Module):
             if S is None:
                 raise ValueError("a pipeline chunk without the embedding needs position_ids")
             position_ids = torch.arange(S, device=tokens_BS.device)
-        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-        cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim, self.cfg.rope_base)
+        cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim_of(self.cfg), self.cfg.rope_base,
+                                      rope_scaling_of(self.cfg))
         x_BSH = self.embedding(tokens_BS) if self.pre_process else tokens_BS
         cos_SD, sin_SD = cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
         for j, layer in enumerate(self.layers.values()):
@@ -251,10 +247,15 @@ class GPT(nn.Module):
         return [b.mlp for b in self.layers.values() if not isinstance(b.mlp, MLP)]
 
     def sequence_parallel_params(self) -> list:
-        """Parameters replicated over TP whose gradients are partial under sequence
-        parallelism (norms): they need a sum over the TP group."""
-        if self.tp is None or not self.tp["sequence_parallel"]:
+        """Parameters replicated over TP whose gradients are partial on each TP rank: they need
+        a sum over the TP group. Under sequence parallelism every replicated one (norms: each
+        rank saw S/tp positions); without it the q/k norms of model.qk_norm (each rank saw its
+        own heads)."""
+        if self.tp is None:
             return []
+        if not self.tp["sequence_parallel"]:
+            return [p for b in self.layers.values() if b.attn.q_norm is not None
+                    for p in (*b.attn.q_norm.parameters(), *b.attn.k_norm.parameters())]
         return [p for p in self.parameters() if not getattr(p, "tensor_model_parallel", False)]
 
 
@@ -281,6 +282,7 @@ def flops_per_token(cfg) -> float:
     n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
     shared = layers.shared_expert_ffn(cfg) if cfg.num_experts > 0 and cfg.shared_expert else 0
     moe_mlp = m * H * (layers.moe_ffn(cfg) * cfg.moe_top_k + shared) + H * cfg.num_experts
-    attn = sum(qkv_rows(cfg)) * H + H * H
+    q_rows = qkv_rows(cfg)[0]  # N * D (= H unless model.head_dim says otherwise)
+    attn = sum(qkv_rows(cfg)) * H + q_rows * H
     n_matmul = L * attn + (L - n_moe) * m * H * Fh + n_moe * moe_mlp + H * vpad
-    return float(6 * n_matmul + 12 * L * H * S)
+    return float(6 * n_matmul + 12 * L * q_rows * S)

@@ -25,9 +25,14 @@ def query_groups(cfg) -> int:
     return int(getattr(cfg, "num_query_groups", None) or cfg.num_attention_heads)
 
 
+def head_dim_of(cfg) -> int:
+    """D, the width of each head: model.head_dim, default (null) hidden_size / heads."""
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def qkv_rows(cfg) -> tuple:
     """Rows of the fused attn.qkv.weight: (N*D, G*D, G*D) for [q | k | v]."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     groups = query_groups(cfg)
     return cfg.num_attention_heads * head_dim, groups * head_dim, groups * head_dim
 

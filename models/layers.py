@@ -18,13 +18,15 @@ def tp_size(tp: Optional[dict]) -> int:
 
 
 def column(name: str, in_features: int, out_features: int, cfg, seed: int, tp: Optional[dict],
-           blocks: int = 1) -> nn.Module:
-    """x [B, S(/tp with SP), in] -> y [B, S, out/tp]; `blocks` equal output blocks (qkv: 3)."""
+           blocks: int = 1, bias: bool = False) -> nn.Module:
+    """x [B, S(/tp with SP), in] -> y [B, S, out/tp]; `blocks` equal output blocks (qkv: 3) or
+    their sizes; a bias is split over TP with its rows."""
     if tp_size(tp) == 1:
-        return nn.Linear(in_features, out_features, bias=False)
+        return nn.Linear(in_features, out_features, bias=bias)
     from mpoverlap.tensor_parallel import ColumnParallelLinear
 
-    return ColumnParallelLinear(in_features, out_features, name=name, cfg=cfg, seed=seed, blocks=blocks, **tp)
+    return ColumnParallelLinear(in_features, out_features, name=name, cfg=cfg, seed=seed, blocks=blocks, bias=bias,
+                                **tp)
 
 
 def row(name: str, in_features: int, out_features: int, cfg, seed: int, tp: Optional[dict]) -> nn.Module:

@@ -16,6 +16,19 @@ from omegaconf import DictConfig, OmegaConf
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling (Llama 3.1 / 3.2: rope_type llama3). Frequencies whose wavelength
+    is longer than original_max_position_embeddings / low_freq_factor are divided by factor,
+    those shorter than original_max_position_embeddings / high_freq_factor are kept, and the
+    band between is interpolated (transformers' `_compute_llama3_parameters`)."""
+    rope_type: Optional[str] = None  # null = plain RoPE (the other fields are then unused)
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
 class ModelConfig:
     name: str = "gpt_tiny"
     num_layers: int = 4
@@ -30,6 +43,14 @@ class ModelConfig:
     norm: str = "rmsnorm"  # rmsnorm | layernorm
     activation: str = "swiglu"  # swiglu | gelu
     rope_base: float = 10000.0
+    # rope_type null = plain RoPE; rope_type llama3 with factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings = Llama 3.1/3.2's scaled frequencies.
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # Per-head width D of q, k and v (null = hidden_size / num_attention_heads; Qwen3 0.6B and
+    # 30B-A3B use 128 with narrower hidden sizes).
+    head_dim: Optional[int] = None
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2 / Qwen2.5)
+    qk_norm: bool = False  # RMSNorm over each head's D channels of q and k, before RoPE (Qwen3)
     tie_embeddings: bool = True
     init_std: float = 0.02
     norm_eps: float = 1e-5
@@ -154,7 +175,7 @@ class CheckpointConfig:
     # Stage a copy at the step boundary and write it in the background while training goes on
     # (at most one save in flight; the next save, SIGTERM and the end of the run wait for it).
     async_save: bool = False
-    # A Hugging Face Llama/Mixtral directory to start from (when checkpoint.dir holds no
+    # A Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE directory to start from (when checkpoint.dir holds no
     # checkpoint to resume, which takes precedence).
     init_from: Optional[str] = None
 

@@ -157,9 +157,36 @@ def test_presets_count_their_published_parameters(preset, capsys):
     assert f"parameters: {exact:,} " in capsys.readouterr().out
 
 
+# preset: (exact count, exact active, {what: (published figure, our matching count)})
+QWEN = {
+    "qwen3_0_6b": (596_049_920, 596_049_920, {"non-embedding 0.44B": (0.44e9, 596_049_920 - 151_936 * 1024)}),
+    "qwen3_moe_30b_a3b": (30_532_122_624, 3_353_032_704,
+                          {"total 30.5B": (30.5e9, 30_532_122_624),
+                           "non-embedding 29.9B": (29.9e9, 30_532_122_624 - 2 * 151_936 * 2048)}),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(QWEN))
+def test_qwen_presets_count_their_published_parameters(preset, capsys):
+    """The Qwen3 presets (head width 128 over narrower hidden sizes, q/k norms): mpoverlap-check
+    prints the exact count, and the published figures they are quoted with (Qwen's model
+    cards) are within 0.5%."""
+    from mpoverlap.check import main
+
+    exact, active, published = QWEN[preset]
+    est = estimate(compose([f"model={preset}"]), 1)
+    assert (est.total_params, est.active_params) == (exact, active)
+    for what, (figure, ours) in published.items():
+        assert abs(ours - figure) <= 0.005 * figure, what
+    assert main([f"model={preset}"]) == 0
+    assert f"parameters: {exact:,} " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("overrides", [["model=llama_tiny"], ["model=llama_tiny", "model.num_query_groups=1"],
                                        ["model=llama_tiny", "model.num_experts=4", "model.moe_top_k=2"],
-                                       ["model=moe_tiny", "model.num_query_groups=2"]])
+                                       ["model=moe_tiny", "model.num_query_groups=2"], ["model=qwen3_tiny"],
+                                       ["model=qwen3_tiny", "model.qk_norm=false", "model.qkv_bias=true"],
+                                       ["model=qwen3_moe_tiny"], ["model=moe_fine_tiny"]])
 def test_total_parameters_equal_the_model(overrides):
     from mpoverlap.models.gpt import GPT, num_parameters
 

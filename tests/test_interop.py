@@ -172,11 +172,11 @@ def _fake_checkpoint(root: Path, overrides) -> Path:
     """A complete one-process checkpoint (initial weights) of the model `overrides` describe."""
     import torch.distributed.checkpoint as dcp
 
-    from mpoverlap.training.resume import SHAPE_KEYS as _SHAPE_KEYS
+    from mpoverlap.training.resume import shape_keys
 
     cfg = compose(SMALL + list(overrides))
     step = root / "checkpoints" / "step_00000000"
-    meta = {"step": 0, "model": {k: cfg.model[k] for k in _SHAPE_KEYS}}
+    meta = {"step": 0, "model": shape_keys(cfg.model)}
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": GPT(cfg.model).state_dict(), "meta": meta}, checkpoint_id=str(step), no_dist=True)

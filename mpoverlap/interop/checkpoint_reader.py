@@ -107,4 +107,6 @@ def model_keys(step_dir: Path, meta: Dict[str, Any], config_path: str | Path | N
             + "): it belongs to another run; pass --config with the config.yaml of the run that saved it")
     for k in CONFIG_ONLY_KEYS:
         keys[k] = model.get(k)
+    for k, v in model.items():  # shape keys newer than the checkpoint: the run's config has them
+        keys.setdefault(k, v)
     return keys

@@ -13,7 +13,8 @@ from typing import List, Optional
 
 from mpoverlap.interop.checkpoint_reader import model_keys, read_checkpoint, resolve_step_dir
 from mpoverlap.interop.hf_dir import parse_size, write_hf_dir
-from mpoverlap.interop.hf_mapping import ConversionError, architecture, hf_config, to_hf
+from mpoverlap.interop.hf_mapping import ConversionError, architecture, hf_config
+from mpoverlap.interop.hf_tensors import to_hf
 
 EXIT_INVALID = 2
 

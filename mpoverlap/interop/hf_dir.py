@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -84,30 +84,55 @@ def read_hf_config(directory: str | Path) -> Dict[str, Any]:
         raise ConversionError(f"{path} is not valid JSON ({err})") from None
 
 
-def tensor_getter(directory: str | Path) -> Callable[[str], Optional[torch.Tensor]]:
-    """get(name) -> the tensor (read lazily from its shard) or None when the directory lacks it."""
-    from safetensors import safe_open
+class SliceReader:
+    """Reads tensors, or one rank's slice of them, from the directory's safetensors shards
+    (`safe_open(...).get_slice`: only the slice's bytes are copied out of the file).
+    `bytes_read` counts the bytes of every tensor handed out."""
 
-    d = Path(directory)
-    if (d / INDEX).is_file():
-        weight_map = json.loads((d / INDEX).read_text())["weight_map"]
-    elif (d / SINGLE).is_file():
-        with safe_open(str(d / SINGLE), framework="pt") as f:
-            weight_map = {k: SINGLE for k in f.keys()}
-    else:
-        raise ConversionError(f"{d} holds neither {SINGLE} nor {INDEX}; only safetensors weights are read "
-                              "(convert .bin weights with transformers' save_pretrained(safe_serialization=True))")
-    handles: Dict[str, Any] = {}
+    def __init__(self, directory: str | Path):
+        from safetensors import safe_open
 
-    def get(name: str) -> Optional[torch.Tensor]:
-        fname = weight_map.get(name)
-        if fname is None:
-            return None
-        if fname not in handles:
-            if not (d / fname).is_file():
-                raise ConversionError(f"{d / fname} (listed in {INDEX}) does not exist")
-            handles[fname] = safe_open(str(d / fname), framework="pt")
-        return handles[fname].get_tensor(name)
+        self._open = safe_open
+        self.dir = d = Path(directory)
+        if (d / INDEX).is_file():
+            self.weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+        elif (d / SINGLE).is_file():
+            with safe_open(str(d / SINGLE), framework="pt") as f:
+                self.weight_map = {k: SINGLE for k in f.keys()}
+        else:
+            raise ConversionError(f"{d} holds neither {SINGLE} nor {INDEX}; only safetensors weights are read "
+                                  "(convert .bin weights with transformers' save_pretrained(safe_serialization=True))")
+        self._handles: Dict[str, Any] = {}
+        self.bytes_read = 0
 
-    return get
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
 
+    def _slice(self, name: str):
+        fname = self.weight_map[name]
+        if fname not in self._handles:
+            if not (self.dir / fname).is_file():
+                raise ConversionError(f"{self.dir / fname} (listed in {INDEX}) does not exist")
+            self._handles[fname] = self._open(str(self.dir / fname), framework="pt")
+        return self._handles[fname].get_slice(name)
+
+    def shape(self, part) -> List[int]:
+        """The shape of `part` (a `hf_tensors.Part`: a tensor or one expert of a fused one)."""
+        shape = list(self._slice(part.name).get_shape())
+        return shape[1:] if part.index is not None else shape
+
+    def read(self, part, dim: Optional[int] = None, rank: int = 0, size: int = 1) -> torch.Tensor:
+        """`part` whole, or its `rank`-th of `size` equal slices along `dim` (0 or 1)."""
+        sl = self._slice(part.name)
+        lead = (slice(part.index, part.index + 1),) if part.index is not None else ()
+        index = [slice(None)] * (len(self.shape(part)))
+        if dim is not None:
+            n = self.shape(part)[dim]
+            if n % size:
+                raise ConversionError(f"{part.name}: dimension {dim} of size {n} does not split over {size} ranks")
+            index[dim] = slice(rank * (n // size), (rank + 1) * (n // size))
+        t = sl[lead + tuple(index)]
+        if part.index is not None:
+            t = t[0]
+        self.bytes_read += t.numel() * t.element_size()
+        return t

@@ -184,7 +184,7 @@ class MoELayer(nn.Module):
         if self.overlap:
             pending = [issue(0)]
             if self.shared_expert is not None:
-                shared = self.shared_expert(x_own)
+                shared = self.shared_expert(x_own.view(shape))
                 log(("shared", -1))
             combines = []
             for i in range(len(parts)):
@@ -194,7 +194,7 @@ class MoELayer(nn.Module):
             ys = [finish(i, c) for i, c in enumerate(combines)]
         else:
             if self.shared_expert is not None:
-                shared = self.shared_expert(x_own)
+                shared = self.shared_expert(x_own.view(shape))
                 log(("shared", -1))
             for i in range(len(parts)):
                 ys.append(finish(i, compute(i, issue(i))))
@@ -202,8 +202,8 @@ class MoELayer(nn.Module):
         d.backward_trace = None
         if self.expert_tp is not None:  # partial sums over the expert-tp group -> own tokens
             y = self.expert_tp.reduce(y)
-        if shared is not None:
-            y = y + shared
+        if shared is not None:  # [B, S, H] (split over TP like the dense MLP) -> rows of y
+            y = y + shared.reshape(y.shape)
         if self.training and torch.is_grad_enabled() and not self.recomputing:  # training forwards, once
             self._record(r)
         if self.aux_loss_scale is not None and torch.is_grad_enabled():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
+from mpoverlap.models.rope import rope_scaling_of
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.estimate import estimate, render_estimate
 from mpoverlap.overlap.estimate.params import etp_size, model_params, shared_expert_ffn
@@ -40,6 +41,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
         + (f" ({m.num_query_groups} K/V groups)" if m.num_query_groups not in (None, m.num_attention_heads) else "")
         + f", seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
+        _attention_line(m),
         _param_line(cfg),
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
         f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; dp sharding {_sharding(cfg)}",
@@ -64,6 +66,18 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     if hosts:
         lines.extend(placement_lines(grid, hosts))
     return "\n".join(lines)
+
+
+def _attention_line(m: Any) -> str:
+    """RoPE (and its scaling) and the attention options that imported checkpoints carry."""
+    rs = rope_scaling_of(m)
+    rope = f"RoPE base {m.rope_base:.12g}" + (
+        f", scaled {rs.rope_type} (factor {rs.factor:g}, low_freq_factor {rs.low_freq_factor:g}, high_freq_factor "
+        f"{rs.high_freq_factor:g}, original_max_position_embeddings {rs.original_max_position_embeddings})"
+        if rs is not None else ", not scaled")
+    extra = [f"head_dim {m.head_dim}" if m.head_dim is not None else "",
+             "q/k/v bias" if m.qkv_bias else "", "per-head q/k RMSNorm" if m.qk_norm else ""]
+    return "  attention: " + "; ".join([rope] + [e for e in extra if e])
 
 
 def _param_line(cfg: Any) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.overlap.estimate.params import shared_expert_ffn
 from mpoverlap.overlap.layout import Layout
 from mpoverlap.overlap.rules import Problem, divisors, next_multiple, rule
 
@@ -19,15 +20,20 @@ def _suggest_tp(lo: Layout, common: int) -> int:
 
 @rule("tp.divides_model", "tp", ("parallel.tp", "model.num_attention_heads", "model.hidden_size",
                                  "model.ffn_hidden_size"),
-      "tp divides the heads, the hidden size and the ffn hidden size")
+      "tp divides the heads, the hidden size, the ffn hidden size and the shared expert's width")
 def _divides(lo: Layout):
     m = lo.cfg.model
     if lo.tp is None or lo.tp == 1:
         return
-    for key, value in (("model.num_attention_heads", m.num_attention_heads), ("model.hidden_size", m.hidden_size),
-                       ("model.ffn_hidden_size", m.ffn_hidden_size)):
+    widths = [("model.num_attention_heads", m.num_attention_heads), ("model.hidden_size", m.hidden_size),
+              ("model.ffn_hidden_size", m.ffn_hidden_size)]
+    shared = shared_expert_ffn(m)
+    if shared:  # the shared expert is split over tp like a dense MLP
+        widths.append(("model.moe_shared_expert_ffn_hidden_size" if m.moe_shared_expert_ffn_hidden_size
+                       else "model.moe_ffn_hidden_size" if m.moe_ffn_hidden_size else "model.ffn_hidden_size", shared))
+    for key, value in widths:
         if value >= 1 and value % lo.tp:
-            common = math.gcd(math.gcd(m.num_attention_heads, m.hidden_size), m.ffn_hidden_size)
+            common = math.gcd(math.gcd(math.gcd(m.num_attention_heads, m.hidden_size), m.ffn_hidden_size), shared)
             yield Problem("tp.divides_model", {"parallel.tp": lo.tp, key: value},
                           f"each tensor-parallel rank holds {key.split('.')[1]} / tp; {value} does not divide by {lo.tp}",
                           [f"parallel.tp={_suggest_tp(lo, common)}"])

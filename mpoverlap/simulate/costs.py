@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
 from mpoverlap.overlap.estimate.comm import comm_ops, replayed_ops
-from mpoverlap.overlap.estimate.params import (chunk_layers, expert_ffn, is_moe_layer, mlp_mult, stage_layers,
-                                               stage_params)
+from mpoverlap.overlap.estimate.params import (chunk_layers, expert_ffn, is_moe_layer, mlp_mult, shared_expert_ffn,
+                                               stage_layers, stage_params)
 from mpoverlap.overlap.layout import Layout
 from mpoverlap.simulate.collectives import collective_time
 from mpoverlap.simulate.hardware import Hardware, Link
@@ -61,14 +61,14 @@ def layer_flops(cfg: Any, lo: Layout, i: int) -> Dict[str, float]:
     m = cfg.model
     H, s, tp = m.hidden_size, m.seq_length, lo.tp
     t = cfg.train.micro_batch_size * s / lo.cp
-    groups = getattr(m, "num_query_groups", None) or m.num_attention_heads
-    kv = H * groups / m.num_attention_heads
-    out = {"attn_gemm": 2 * t * (H * (H + 2 * kv) + H * H) / tp, "core": 4 * t * s * H / tp, "shared": 0.0}
+    q, kv, _ = qkv_rows(m)  # N D and G D (H and H G / N unless model.head_dim says otherwise)
+    out = {"attn_gemm": 2 * t * (H * (q + 2 * kv) + q * H) / tp, "core": 4 * t * s * q / tp, "shared": 0.0}
     if is_moe_layer(m, i):
         t_moe = moe_tokens(cfg, lo)
         fe = expert_ffn(m)
         out["mlp"] = 2 * t_moe * m.moe_top_k * mlp_mult(m) * H * fe + 2 * t_moe * H * m.num_experts
-        out["shared"] = 2 * t_moe * mlp_mult(m) * H * fe if m.shared_expert else 0.0
+        # the shared expert is split over tp like a dense MLP (every position, F/tp)
+        out["shared"] = 2 * t * mlp_mult(m) * H * shared_expert_ffn(m) / tp
     else:
         out["mlp"] = 2 * t * mlp_mult(m) * H * m.ffn_hidden_size / tp
     return out

@@ -15,13 +15,38 @@ import torch
 
 from mpoverlap.checkpoint import ShardedLoadPlanner, ShardedSavePlanner, TrainStateChunks
 from mpoverlap.moe.balance import expert_biases
-from mpoverlap.tensor_parallel.checkpoint import reshard_named
+from mpoverlap.overlap.rules import _show
 from mpoverlap.training.checkpoint import CheckpointError
 
-# Model fields a checkpoint must agree on to be loadable into this model.
+# Model fields a checkpoint must agree on to be loadable into this model (every key that changes
+# a parameter's shape or presence, or how the weights are read: RoPE scaling).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
               "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings", "num_experts",
-              "moe_top_k", "shared_expert", "moe_layer_freq", "moe_ffn_hidden_size")
+              "moe_top_k", "shared_expert", "moe_layer_freq", "moe_ffn_hidden_size", "moe_first_dense_layers",
+              "moe_shared_expert_ffn_hidden_size", "head_dim", "qkv_bias", "qk_norm", "rope_scaling")
+
+
+def shape_keys(model: Any) -> Dict[str, Any]:
+    """{key: plain value} of SHAPE_KEYS (model.rope_scaling as a plain dict)."""
+    from omegaconf import OmegaConf
+
+    return {k: OmegaConf.to_container(model[k]) if OmegaConf.is_config(model[k]) else model[k] for k in SHAPE_KEYS}
+
+
+def _shape_key_defaults() -> Dict[str, Any]:
+    """What a checkpoint written before a shape key existed had: the key's default."""
+    from omegaconf import OmegaConf
+
+    from mpoverlap.config import ModelConfig
+
+    return shape_keys(OmegaConf.structured(ModelConfig))
+
+
+def _fix(key: str, saved: Any) -> str:
+    """The override(s) that give back the saved value (a dict: one per field)."""
+    if isinstance(saved, dict):
+        return " ".join(f"model.{key}.{k}={_show(v)}" for k, v in saved.items())
+    return f"model.{key}={_show(saved)}"
 
 
 class Resumable:
@@ -30,13 +55,24 @@ class Resumable:
 
     def _meta(self) -> Dict[str, Any]:
         m = self.cfg.model
-        return {"step": self.step, "model": {k: m[k] for k in SHAPE_KEYS},
+        return {"step": self.step, "model": shape_keys(m),
                 # The data position: the sample order is a function of the seed alone.
                 "consumed_samples": self.step * int(self.cfg.train.global_batch_size),
                 "lr_schedule": {"lr": self.schedule.lr, "min_lr": self.schedule.min_lr,
                                 "warmup_steps": self.schedule.warmup_steps,
                                 "decay_steps": self.schedule.decay_steps},
                 "seed": int(self.cfg.train.seed), "global_batch_size": int(self.cfg.train.global_batch_size)}
+
+    def _meta_template(self, path) -> Dict[str, Any]:
+        """_meta() without the shape keys the checkpoint does not hold (written before they
+        existed), so loading it reads what is there and the comparison sees their defaults."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        meta = self._meta()
+        meta["model"] = {k: v for k, v in meta["model"].items()
+                         if any(s == f"meta.model.{k}" or s.startswith(f"meta.model.{k}.") for s in saved)}
+        return meta
 
     def _state_chunks(self) -> TrainStateChunks:
         return TrainStateChunks(self.ddp, self.optimizer, self.dp_names, self.state.coords.tp, self.state.grid.tp)
@@ -62,7 +98,7 @@ class Resumable:
 
     @torch.no_grad()
     def _load(self, path, step: int) -> None:
-        state = {**self._state_chunks().for_load(step), **self._small_state()}
+        state = {**self._state_chunks().for_load(step), **self._small_state(), "meta": self._meta_template(path)}
         self.checkpointer.load(path, state, planner=ShardedLoadPlanner())
         # The parameters and moments were filled in place; ZeRO-3 gathers from the new shards.
         self.ddp.reshard()
@@ -72,13 +108,14 @@ class Resumable:
     @torch.no_grad()
     def _init_from_hf(self, directory: str) -> None:
         """checkpoint.init_from: a Hugging Face directory's full tensors, resharded like a resume."""
-        from mpoverlap.interop.hf_import import read_full_state
+        from mpoverlap.interop.hf_import import read_state
 
         t0 = time.perf_counter()
-        full = read_full_state(directory, self.cfg.model, set(self.params_by_name))
+        # This rank's shards only: its stage's and experts' parameters, its TP slice of each.
+        shards, self.init_bytes_read = read_state(directory, self.cfg.model, self.params_by_name,
+                                                  self.state.coords.tp, self.state.grid.tp)
         with self.ddp.full_params(write_back=True):
-            for name, value in reshard_named(full, self.params_by_name, self.state.coords.tp,
-                                             self.state.grid.tp).items():
+            for name, value in shards.items():
                 if value.shape != self.params_by_name[name].shape:
                     raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape "
                                           f"{tuple(value.shape)} here, {tuple(self.params_by_name[name].shape)} expected")
@@ -96,14 +133,16 @@ class Resumable:
             self.log(f"checkpoint.init_from={init_from} not used: resuming from {path} takes precedence")
         # The small entries first: the model check, and AdamW's step (behind the trainer's
         # after skipped non-finite steps), which sizes the moments to read.
-        head = self.checkpointer.load(path, {"meta": self._meta(), "optimizer": {"step": 0}})
+        head = self.checkpointer.load(path, {"meta": self._meta_template(path), "optimizer": {"step": 0}})
         meta = head["meta"]
+        meta["model"] = {**_shape_key_defaults(), **meta["model"]}  # keys newer than the checkpoint
         ours = self._meta()
         if dict(meta["model"]) != ours["model"]:
             diff = {k: (meta["model"][k], ours["model"][k]) for k in ours["model"] if meta["model"][k] != ours["model"][k]}
             raise CheckpointError(
-                f"checkpoint {path} holds a different model ({', '.join(f'model.{k}: saved {a}, now {b}' for k, (a, b) in diff.items())}); "
-                "resume with the saved model shape, point checkpoint.dir elsewhere, or set checkpoint.resume=none")
+                f"checkpoint {path} holds a different model ({', '.join(f'model.{k}: saved {_show(a)}, now {_show(b)}' for k, (a, b) in diff.items())}); "
+                "resume with the saved model shape (fix: " + " ".join(_fix(k, a) for k, (a, _) in diff.items())
+                + "), point checkpoint.dir elsewhere, or set checkpoint.resume=none")
         if dict(meta["lr_schedule"]) != ours["lr_schedule"] or meta["seed"] != ours["seed"] \
                 or meta["global_batch_size"] != ours["global_batch_size"]:
             self.log(f"warning: resuming {path} with a different LR schedule, seed or global batch than it was "

@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from mpoverlap.models.init import padded_vocab_size, query_groups
+from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate.params import chunk_layers, etp_size, expert_ffn, is_moe_layer, shared_expert_ffn
 from mpoverlap.overlap.layout import Layout
 
@@ -85,14 +85,15 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
     norm_out = c
     residual = (2 * H * f + norm_extra + H * norm_out + H * (c if is_moe_layer(m, i) else norm_out)
                 + (2 * H if conv.dropout else 0))
-    # g = G D: the K/V width; g = H without grouped-query attention (the H terms of the doc).
-    g = H * query_groups(m) // N
+    # q = N D: the query width (H unless model.head_dim says otherwise; the H terms of the doc);
+    # g = G D: the K/V width (g = q without grouped-query attention).
+    q, g, _ = qkv_rows(m)
     if lo.cp > 1:
-        core = (3 * H + 2 * g if p.cp_comm == "a2a" else 4 * H + 3 * g) * c
+        core = (3 * q + 2 * g if p.cp_comm == "a2a" else 4 * q + 3 * g) * c
     else:
-        core = (3 * H + 3 * g) * c
+        core = (3 * q + 3 * g) * c
     if not conv.rope and p.cp_comm != "a2a":
-        core -= (H + g) * c
+        core -= (q + g) * c
     attn_tp = core + (0 if selective else N * f)  # the log-sum-exp per head (recomputed: none)
     if not conv.flash and lo.cp == 1 and not selective:
         # Math SDPA keeps the causal softmax over all S keys; with dropout also its mask
@@ -105,7 +106,9 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
         k, E, fe, etp = m.moe_top_k, m.num_experts, expert_ffn(m), etp_size(cfg)
         # With etp the experts run on the tp group's tokens (every position), F/etp wide.
         expert_tokens = tokens_tp if etp > 1 else tokens
-        total += tokens * (2 * E * 4 + 12 * k + 40 + mult * shared_expert_ffn(m) * c)
+        total += tokens * (2 * E * 4 + 12 * k + 40)
+        # the shared expert is split over TP like a dense MLP
+        total += tokens_tp * mult * shared_expert_ffn(m) * c // lo.tp
         total += expert_tokens * (3 * k * H * c + k * mult * (fe // etp) * c)
     else:
         total += tokens_tp * mult * m.ffn_hidden_size * c // lo.tp

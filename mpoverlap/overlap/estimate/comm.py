@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from mpoverlap.models.init import padded_vocab_size, query_groups
+from mpoverlap.models.init import head_dim_of, padded_vocab_size, query_groups
 from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer, layer_params,
                                                moe_dense_unsplit, norm_params, stage_layers)
 from mpoverlap.overlap.estimate.sharding import dp_ops
@@ -67,11 +67,11 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # and the head's. With SP: per layer 2 all-gathers + 2 reduce-scatters forward, the
         # re-gathered inputs and scattered gradients of backward (10 in all, half of each kind),
         # plus 5 around the embedding and head. The vocab-parallel loss and SP norm gradients
-        # are small and left out. An MoE MLP is not split over TP: an MoE layer has only its
-        # attention's half.
+        # are small and left out. Experts are not split over TP: an MoE layer without a shared
+        # expert has only its attention's half (a shared expert is split like a dense MLP).
         full = c * b * s_cp * H
         per_layer, ends = (10, 5) if p.sequence_parallel else (4, 2)
-        tp_layers = layers_here - moe_here / 2
+        tp_layers = layers_here - (0 if m.shared_expert else moe_here / 2)
         nbytes = full * micro * (per_layer * tp_layers + ends / lo.pp)
         if p.sequence_parallel:
             ops += [("tp", "all_gather", nbytes / 2, lo.tp), ("tp", "reduce_scatter", nbytes / 2, lo.tp)]
@@ -213,7 +213,7 @@ def cp_local_qkv_bytes(cfg: Any, lo: Layout, c: int) -> Tuple[int, int]:
     """(bytes of q, bytes of one of k, v) on one rank per microbatch: [b, N/tp or G/tp, S/cp, D]
     in the compute dtype (G = model.num_query_groups, N without grouped-query attention)."""
     m, b = cfg.model, cfg.train.micro_batch_size
-    head_dim, s_cp = m.hidden_size // m.num_attention_heads, m.seq_length // lo.cp
+    head_dim, s_cp = head_dim_of(m), m.seq_length // lo.cp
     return (c * b * m.num_attention_heads // lo.tp * s_cp * head_dim,
             c * b * query_groups(m) // lo.tp * s_cp * head_dim)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpoverlap.models.init import padded_vocab_size, qkv_rows
+from mpoverlap.models.init import head_dim_of, padded_vocab_size, qkv_rows
 from mpoverlap.overlap.layout import Layout
 
 
@@ -65,33 +65,42 @@ def model_params(cfg: Any) -> tuple:
             total, active = total + dense, active + dense
             continue
         one = mlp_mult(m) * H * expert_ffn(m)
-        base = common + moe_dense_unsplit(m)
+        base = common + moe_dense_unsplit(m) + shared_expert_params(m)
         total += base + m.num_experts * one
         active += base + m.moe_top_k * one
     return total, active
 
 
-def attention_params(m: Any) -> int:
-    """Weights of one attention: qkv [(N + 2G) D, H] and proj [H, H] (4 H^2 without GQA)."""
-    return sum(qkv_rows(m)) * m.hidden_size + m.hidden_size * m.hidden_size
+def attention_params(m: Any, tp: int = 1) -> int:
+    """Parameters of one attention on one of `tp` ranks: qkv [(N + 2G) D, H] (+ its bias with
+    model.qkv_bias) and proj [H, N D] (4 H^2 without GQA), split over tp; the two RMSNorms of
+    model.qk_norm (D each), replicated."""
+    rows = qkv_rows(m)
+    split = sum(rows) * m.hidden_size + rows[0] * m.hidden_size + (sum(rows) if m.qkv_bias else 0)
+    return split // tp + (2 * head_dim_of(m) if m.qk_norm else 0)
+
+
+def shared_expert_params(m: Any, tp: int = 1) -> int:
+    """The shared expert of one MoE layer (0 without one), split over tp like a dense MLP."""
+    return mlp_mult(m) * m.hidden_size * shared_expert_ffn(m) // tp
 
 
 def layer_params(cfg: Any, lo: Layout, i: int) -> tuple:
     """(dense, expert) parameters of layer i on one rank: attention and dense MLP split over
-    tp; an MoE MLP holds the router and the shared expert, not split over tp, and num_experts
+    tp; an MoE MLP holds the router (not split over tp), the shared expert (split over tp) and num_experts
     / ep experts, split over etp (experts are the `expert` part)."""
     m = cfg.model
     H, tp = m.hidden_size, lo.tp
-    dense = attention_params(m) // tp + 2 * norm_params(m)
+    dense = attention_params(m, tp) + 2 * norm_params(m)
     if not is_moe_layer(m, i):
         return dense + mlp_mult(m) * H * m.ffn_hidden_size // tp, 0
-    return (dense + moe_dense_unsplit(m),
+    return (dense + moe_dense_unsplit(m) + shared_expert_params(m, tp),
             m.num_experts // lo.ep * mlp_mult(m) * H * expert_ffn(m) // etp_size(cfg))
 
 
 def moe_dense_unsplit(m: Any) -> int:
-    """Router and shared expert of one MoE layer (replicated over TP)."""
-    return m.hidden_size * m.num_experts + mlp_mult(m) * m.hidden_size * shared_expert_ffn(m)
+    """The router of one MoE layer (replicated over TP)."""
+    return m.hidden_size * m.num_experts
 
 
 def stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) -> int:

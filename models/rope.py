@@ -1,0 +1,59 @@
+"""Rotary position embeddings (rotate-half form), with Llama 3.1/3.2's frequency scaling.
+
+Shape letters: S positions, D head dim.
+
+model.rope_scaling (rope_type null = plain RoPE, inv_freq_i = 1 / base^(2i/D)), rope_type llama3:
+  wavelength w_i = 2 pi / inv_freq_i, L = original_max_position_embeddings;
+  w_i > L / low_freq_factor   (low frequencies):  inv_freq_i / factor
+  w_i < L / high_freq_factor  (high frequencies): inv_freq_i unchanged
+  between: (1 - s) inv_freq_i / factor + s inv_freq_i, s = (L / w_i - low) / (high - low)
+This is transformers' `_compute_llama3_parameters` step for step (the same fp32 operations in
+the same order), so imported Llama 3.1/3.2 weights see exactly the angles they were trained with.
+Other rope types (linear, dynamic, yarn, longrope) are refused by the rule `model.rope_scaling`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+ROPE_TYPES = ("llama3",)
+
+
+def rope_scaling_of(cfg) -> Optional[Any]:
+    """model.rope_scaling when it scales (rope_type set), else None."""
+    rs = getattr(cfg, "rope_scaling", None)
+    return rs if rs is not None and getattr(rs, "rope_type", None) is not None else None
+
+
+def inv_frequencies(head_dim: int, base: float, scaling: Optional[Any], device) -> torch.Tensor:
+    """inv_freq_D2 (fp32): the rotation speed of each channel pair."""
+    dims_D2 = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+    inv_freq_D2 = 1.0 / (base ** (dims_D2 / head_dim))
+    if scaling is None:
+        return inv_freq_D2
+    factor, low, high = float(scaling.factor), float(scaling.low_freq_factor), float(scaling.high_freq_factor)
+    old_len = float(scaling.original_max_position_embeddings)
+    wavelen_D2 = 2 * math.pi / inv_freq_D2
+    scaled_D2 = torch.where(wavelen_D2 > old_len / low, inv_freq_D2 / factor, inv_freq_D2)
+    smooth_D2 = (old_len / wavelen_D2 - low) / (high - low)
+    smoothed_D2 = (1 - smooth_D2) * scaled_D2 / factor + smooth_D2 * scaled_D2
+    medium_D2 = ~(wavelen_D2 < old_len / high) * ~(wavelen_D2 > old_len / low)
+    return torch.where(medium_D2, smoothed_D2, scaled_D2)
+
+
+def rope_cos_sin(position_ids_S: torch.Tensor, head_dim: int, base: float, scaling: Optional[Any] = None):
+    """cos_SD, sin_SD (fp32) for rotary embeddings at the given positions (rotate-half form)."""
+    # On the positions' device: a device-less arange would sit on the CPU beside CUDA positions.
+    inv_freq_D2 = inv_frequencies(head_dim, base, scaling, position_ids_S.device)
+    angles_SD2 = position_ids_S.to(torch.float32)[:, None] * inv_freq_D2[None, :]
+    angles_SD = torch.cat([angles_SD2, angles_SD2], dim=-1)
+    return angles_SD.cos(), angles_SD.sin()
+
+
+def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + D/2]) by the position angle."""
+    x1, x2 = x_BNSD.chunk(2, dim=-1)
+    rotated_BNSD = torch.cat([-x2, x1], dim=-1)
+    return (x_BNSD * cos_SD + rotated_BNSD * sin_SD).to(x_BNSD.dtype)
