@@ -191,7 +191,14 @@ class MoELayer(nn.Module):
                 if i + 1 < len(parts):
                     pending.append(issue(i + 1))
                 combines.append(compute(i, pending[i]))
-            ys = [finish(i, c) for i, c in enumerate(combines)]
+                if self.recomputing:
+                    # A replay (model.recompute=full) ends where torch's non-reentrant
+                    # checkpoint has recomputed the region's last saved tensor: with the
+                    # all-gather dispatcher that is the last chunk's unpermute, before its
+                    # combine. Combines left in flight for later would be abandoned there,
+                    # never waited: in a replay each is waited before the next chunk.
+                    combines[i] = finish(i, combines[i])
+            ys = combines if self.recomputing else [finish(i, c) for i, c in enumerate(combines)]
         else:
             if self.shared_expert is not None:
                 shared = self.shared_expert(x_own)
