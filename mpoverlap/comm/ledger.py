@@ -35,7 +35,7 @@ the profiler's per-handle timeline; with it unset recording costs one attribute 
 from __future__ import annotations
 
 import os
-import traceback
+import sys
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -44,6 +44,7 @@ FIELDS = ("ops", "bytes", "time_s", "exposed_s")
 BACKGROUND_WAITERS = 16
 STRICT_ENV = "MPOVERLAP_STRICT_LEDGER"
 _STACK_FRAMES = 4  # issuing-site frames kept per handle in strict mode (outside comm/)
+_COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class UnwaitedCommError(RuntimeError):
@@ -57,10 +58,15 @@ def _cuda_timing_event():
 
 
 def issuing_site() -> str:
-    """The innermost frames outside mpoverlap/comm that led to this issue, innermost last."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    frames = [f for f in traceback.extract_stack()[:-1] if not os.path.abspath(f.filename).startswith(here)]
-    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-_STACK_FRAMES:]))
+    """The innermost frames outside mpoverlap/comm that led to this issue, innermost first
+    (a walk up the frames: no source lines read, a few microseconds)."""
+    parts, frame = [], sys._getframe(1)
+    while frame is not None and len(parts) < _STACK_FRAMES:
+        code = frame.f_code
+        if not code.co_filename.startswith(_COMM_DIR):
+            parts.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " <- ".join(parts)
 
 
 class EventPool:

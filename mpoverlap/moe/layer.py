@@ -196,9 +196,12 @@ class MoELayer(nn.Module):
                     # checkpoint has recomputed the region's last saved tensor: with the
                     # all-gather dispatcher that is the last chunk's unpermute, before its
                     # combine. Combines left in flight for later would be abandoned there,
-                    # never waited: in a replay each is waited before the next chunk.
-                    combines[i] = finish(i, combines[i])
-            ys = combines if self.recomputing else [finish(i, c) for i, c in enumerate(combines)]
+                    # never waited: in a replay each one's handles are waited before the next
+                    # chunk (only the handles: `finish` keeps its place, so the replay saves
+                    # its tensors in the forward's order, as the checkpoint requires).
+                    for handle in combines[i].handles:
+                        handle.wait()
+            ys = [finish(i, c) for i, c in enumerate(combines)]
         else:
             if self.shared_expert is not None:
                 shared = self.shared_expert(x_own)
