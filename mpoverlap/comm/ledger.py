@@ -152,11 +152,6 @@ class CommLedger:
             raise UnwaitedCommError(f"{len(unwaited)} communication handle(s) issued and never waited before the "
                                     "step ended (on NCCL nothing orders compute after them):\n" + "\n".join(lines))
 
-    @property
-    def open_handles(self) -> List[Any]:
-        """Strict mode: the handles issued and not yet waited."""
-        return list(self._open.values())
-
     def _add(self, handle) -> None:
         row = self._totals[handle.mode]
         row["ops"] += 1
