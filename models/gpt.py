@@ -30,28 +30,12 @@ from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_voc
 from mpoverlap.models.init import qkv_rows, query_groups
 from mpoverlap.recompute import recomputed, recomputed_layers
 
-class _Fp32Input:
-    """A norm computed in fp32 whatever its input's dtype (it returns fp32): CUDA autocast's
-    policy for norms, which CPU autocast does not apply to a bf16 residual stream."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.float() if x.dtype in (torch.bfloat16, torch.float16) else x)
-
-
-class RMSNorm(_Fp32Input, nn.RMSNorm):
-    pass
-
-
-class LayerNorm(_Fp32Input, nn.LayerNorm):
-    pass
-
-
 def make_norm(cfg) -> nn.Module:
-    """RMSNorm or LayerNorm over H, per `model.norm` (computed in fp32, see _Fp32Input)."""
+    """RMSNorm or LayerNorm over H, per `model.norm`."""
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
     if cfg.norm == "layernorm":
-        return LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
     raise ValueError(f"model.norm={cfg.norm!r} is not supported; use model.norm=rmsnorm "
                      f"or model.norm=layernorm")
 
@@ -245,16 +229,7 @@ class GPT(nn.Module):
         head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
         cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim, self.cfg.rope_base)
         x_BSH = self.embedding(tokens_BS) if self.pre_process else tokens_BS
-        # The rotary tables in the parameters' precision (fp32 under autocast, fp64 in fp64 tests).
-        cos_SD, sin_SD = cos_SD.to(self.layers_dtype()), sin_SD.to(self.layers_dtype())
-        device_type = x_BSH.device.type
-        if (self.pre_process and torch.amp.is_autocast_available(device_type)
-                and torch.is_autocast_enabled(device_type)):
-            # The residual stream is in the compute dtype (bf16) from the embedding on, as in
-            # Megatron without fp32_residual_connection: the same in every layout, so a
-            # pipeline boundary or the TP embedding reduction rounds nothing the single
-            # process keeps (pipeline stages receive it in that dtype).
-            x_BSH = x_BSH.to(torch.get_autocast_dtype(device_type))
+        cos_SD, sin_SD = cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
         for j, layer in enumerate(self.layers.values()):
             if j < self.num_recomputed:
                 x_BSH = recomputed(layer, x_BSH, cos_SD, sin_SD, replaying=[layer.mlp])
@@ -270,9 +245,6 @@ class GPT(nn.Module):
     def loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """Mean token cross entropy over B*S tokens, in fp32 (vocab-parallel under TP)."""
         return layers.token_loss(logits_BSV, targets_BS, self.tp)
-
-    def layers_dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
 
     def foreign_reads(self) -> list:
         """[(module, parameters)]: the parameters a module's forward reads although another

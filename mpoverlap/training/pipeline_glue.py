@@ -69,8 +69,7 @@ class PipelineRunner:
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
         # Activations and their gradients cross stages in the compute dtype (bf16 under
-        # train.precision=bf16: half the bytes), the residual stream's dtype in every chunk
-        # (models/gpt.py): the boundary rounds nothing.
+        # train.precision=bf16: half the bytes); the residual stream stays fp32 inside a chunk.
         self.comm_dtype = comm_dtype
         pp, vpp = state.grid.pp, len(chunks)
         self.stage = state.coords.pp
@@ -92,6 +91,9 @@ class PipelineRunner:
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
         tokens, targets, positions = self.inputs[mb]
+        if hidden is not None:
+            # The received bf16 leaf is upcast here, so its gradient (sent back) is bf16 too.
+            hidden = hidden.float()
         with self.autocast:
             out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions)
         if chunk.post_process:
