@@ -242,6 +242,15 @@ class GPT(nn.Module):
         """Mean token cross entropy over B*S tokens, in fp32 (vocab-parallel under TP)."""
         return layers.token_loss(logits_BSV, targets_BS, self.tp)
 
+    def foreign_reads(self) -> list:
+        """[(module, parameters)]: the parameters a module's forward reads although another
+        module owns them. The tied head (from the final norm on) reads `embedding.weight`
+        without calling the embedding: whatever waits a parameter's gather before its module
+        runs (ZeRO's param all-gather, FSDP units) must also wait it before the head."""
+        if self.post_process and self.output is None and self.embedding is not None:
+            return [(self.final_norm, list(self.embedding.parameters()))]
+        return []
+
     def moe_layers(self) -> list:
         """This model's (or chunk's) MoE layers, in layer order."""
         return [b.mlp for b in self.layers.values() if not isinstance(b.mlp, MLP)]

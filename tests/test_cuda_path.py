@@ -113,11 +113,11 @@ def test_cuda_handle_releases_buffers_at_wait(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: None)
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: None)
-    recorded = []
+    from mpoverlap.comm.ledger import CommLedger
 
-    class Ledger:
-        def record(self, handle):
-            recorded.append(handle)
+    recorded = []
+    ledger = CommLedger(strict=False, event_factory=_FakeEvent)
+    ledger.recorder = recorded.append
 
     buf = torch.ones(1024)
     alive = weakref.ref(buf)
@@ -126,7 +126,7 @@ def test_cuda_handle_releases_buffers_at_wait(monkeypatch):
     work_alive = weakref.ref(work)
     start = _FakeEvent()
     start.record()
-    h = CommHandle("tp", "all_gather", buf.numel() * 4, [work], Ledger(), keepalive=[buf], cuda_start=start)
+    h = CommHandle("tp", "all_gather", buf.numel() * 4, [work], ledger, keepalive=[buf], cuda_start=start)
     del buf, work
     gc.collect()
     assert alive() is not None, "the buffer must live while the collective is in flight"

@@ -24,12 +24,13 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _clock(tensor: torch.Tensor, communicates) -> dict:
+def _clock(tensor: torch.Tensor, communicates, ledger: Optional[CommLedger]) -> dict:
     """Issue-time clocks, taken before the collective is enqueued: host time, plus a CUDA
-    event on the compute stream when the tensor lives on a GPU and something is sent."""
+    event (from the ledger's pool) on the compute stream when the tensor lives on a GPU and
+    something is sent (without a ledger nobody reads it: a fresh event, never timed)."""
     start = None
     if tensor.is_cuda and communicates:
-        start = torch.cuda.Event(enable_timing=True)
+        start = ledger.events.take() if ledger is not None else torch.cuda.Event(enable_timing=True)
         start.record()
     return {"issued_at": now(), "cuda_start": start}
 
@@ -42,7 +43,7 @@ def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommL
                op=dist.ReduceOp.SUM, on_done=None) -> CommHandle:
     """In-place all-reduce of `tensor` over `group`; `on_done()` runs when the handle is
     waited (e.g. to copy a flat buffer's sums back to the tensors it was packed from)."""
-    clock = _clock(tensor, group)
+    clock = _clock(tensor, group, ledger)
     work = None
     if group is not None:
         with named_range("comm", mode, "all_reduce", cuda=tensor.is_cuda):
@@ -54,7 +55,7 @@ def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommL
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                    ledger: Optional[CommLedger], op=dist.ReduceOp.SUM) -> CommHandle:
     """output[n/g] = shard `rank` of sum over the group of input[n]."""
-    clock = _clock(input, group)
+    clock = _clock(input, group, ledger)
     if group is None:
         output.copy_(input)
         work = None
@@ -67,7 +68,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: st
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                ledger: Optional[CommLedger]) -> CommHandle:
     """output[g*n] = concat over the group of input[n]."""
-    clock = _clock(input, group)
+    clock = _clock(input, group, ledger)
     if group is None:
         output.copy_(input)
         work = None
@@ -81,7 +82,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                ledger: Optional[CommLedger], output_split_sizes: Optional[List[int]] = None,
                input_split_sizes: Optional[List[int]] = None) -> CommHandle:
     """all_to_all_single along dim 0, uneven splits allowed."""
-    clock = _clock(input, group)
+    clock = _clock(input, group, ledger)
     if group is None:
         output.copy_(input)
         work = None
@@ -97,7 +98,7 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: st
     """One batched set of point-to-point ops: sends [(tensor, global_peer)], recvs likewise."""
     tensors = [t for t, _ in sends] + [t for t, _ in recvs]
     # p2p peers are global ranks; group None here is the world, so anything listed is sent.
-    clock = _clock(tensors[0], True) if tensors else {}
+    clock = _clock(tensors[0], True, ledger) if tensors else {}
     ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
     with named_range("comm", mode, "send_recv", cuda=bool(tensors) and tensors[0].is_cuda):

@@ -84,7 +84,7 @@ class CommHandle:
     __slots__ = (
         "mode", "op", "nbytes", "issued_at", "completed_at", "blocked_s", "_works", "_ledger",
         "_waited", "_on_done", "_lock", "_keepalive", "_cuda_events", "wait_began_at", "wait_ended_at",
-        "_background", "posted_at", "post_span",
+        "_background", "posted_at", "post_span", "site", "carried", "crossed_boundary",
     )
 
     def __init__(self, mode: str, op: str, nbytes: int, works: List[Any], ledger: Optional["Any"],
@@ -118,6 +118,10 @@ class CommHandle:
         # (start, before_wait, after_wait) CUDA events, or None on CPU.
         self._cuda_events = [cuda_start, None, None] if cuda_start is not None else None
         self._background = None  # a future waiting the works on the ledger's pool
+        # Strict ledger: where it was issued; carried: allowed to be waited after the step ends.
+        self.site, self.carried, self.crossed_boundary = "", False, False
+        if ledger is not None:
+            ledger.issued(self)
         if self._cuda_events is None:
             self._watch_completion()
 
@@ -195,14 +199,24 @@ class CommHandle:
         self._finish()
         return self
 
+    def carry_over(self) -> "CommHandle":
+        """Declare that this handle is waited after the current step ends (before the next
+        one does): a strict ledger lets it cross one step boundary."""
+        self.carried = True
+        return self
+
     def _wait_cuda(self) -> None:
-        before = torch.cuda.Event(enable_timing=True)
-        after = torch.cuda.Event(enable_timing=True)
+        if self._ledger is not None:
+            before, after = self._ledger.events.take(), self._ledger.events.take()
+        else:  # nobody reads the timing: order the streams, record nothing
+            before = after = None
         with named_range("wait", self.mode, self.op, cuda=True):
-            before.record()
+            if before is not None:
+                before.record()
             for work in self._works:
                 work.wait()  # enqueues a stream wait; the host moves on
-            after.record()
+            if after is not None:
+                after.record()
         self._cuda_events[1:] = [before, after]
         self._waited = True
         # The buffers are released now, not when the ledger resolves the timing (up to
@@ -222,18 +236,26 @@ class CommHandle:
         if self._ledger is not None:
             self._ledger.record(self)
 
-    def resolve_timing(self) -> None:
-        """CUDA only: turn the recorded events into seconds (waits for the `after` event)."""
+    def resolve_timing(self, block: bool = True) -> bool:
+        """CUDA only: turn the recorded events into seconds and give them back to the ledger's
+        pool. `block=False`: only if the `after` event already completed (a query, no sync);
+        returns whether the timing is resolved."""
         if self._cuda_events is None or self._cuda_events[2] is None:
-            return
+            return self._cuda_events is None
         start, before, after = self._cuda_events
-        after.synchronize()
+        if block:
+            after.synchronize()
+        elif not after.query():
+            return False
         self.blocked_s = before.elapsed_time(after) / 1e3
         in_flight = start.elapsed_time(after) / 1e3
         self.completed_at = self.issued_at + in_flight
         self.wait_ended_at = self.completed_at
         self.wait_began_at = self.completed_at - self.blocked_s
         self._cuda_events = None
+        if self._ledger is not None:
+            self._ledger.events.give((start, before, after))
+        return True
 
     @property
     def uses_cuda_events(self) -> bool:

@@ -16,21 +16,81 @@ Their in-flight time so ends when the transfer ends, not at the wait (which coul
 compute phase later and would inflate time_s). Waiting a gloo work never drives its progress
 (sends and receives are posted at issue), so a queued background wait cannot deadlock.
 
+Strict mode (`CommLedger(strict=True)`, or the environment variable MPOVERLAP_STRICT_LEDGER=1,
+which the test suite sets and spawned workers inherit; off by default): the ledger also keeps
+every handle from its issue, with a short stack of the issuing site, and `end_step()` raises
+UnwaitedCommError naming the mode, op and site of each handle nobody waited. A handle that is
+meant to cross the step boundary (the parameter all-gathers a distributed optimizer leaves for
+the next forward) says so with `handle.carry_over()` and must be waited before the next one.
+
+CUDA timing events (three per handle: at issue, before and after the wait) come from a pool
+the ledger owns: `end_step()` resolves the handles whose last event has completed (a query,
+no synchronisation) and returns their events to the pool, so the events alive are about those
+of one step, not of every step since the last log step; `summary()` synchronises only on the
+handles still unresolved then.
+
 An optional `recorder` (a callable, None by default) sees every handle as it is recorded, for
 the profiler's per-handle timeline; with it unset recording costs one attribute test.
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 FIELDS = ("ops", "bytes", "time_s", "exposed_s")
 BACKGROUND_WAITERS = 16
+STRICT_ENV = "MPOVERLAP_STRICT_LEDGER"
+_STACK_FRAMES = 4  # issuing-site frames kept per handle in strict mode (outside comm/)
+_COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class UnwaitedCommError(RuntimeError):
+    """Strict ledger: handles issued in a step that nobody waited (a data race on NCCL)."""
+
+
+def _cuda_timing_event():
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
+def issuing_site() -> str:
+    """The innermost frames outside mpoverlap/comm that led to this issue, innermost first
+    (a walk up the frames: no source lines read, a few microseconds)."""
+    parts, frame = [], sys._getframe(1)
+    while frame is not None and len(parts) < _STACK_FRAMES:
+        code = frame.f_code
+        if not code.co_filename.startswith(_COMM_DIR):
+            parts.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " <- ".join(parts)
+
+
+class EventPool:
+    """CUDA timing events for reuse: `take()` one (made by `factory` when the pool is empty),
+    `give(events)` back once read. `created` counts the events ever made."""
+
+    def __init__(self, factory: Callable[[], Any] = _cuda_timing_event) -> None:
+        self.factory, self._free, self.created = factory, [], 0
+
+    def take(self):
+        if self._free:
+            return self._free.pop()
+        self.created += 1
+        return self.factory()
+
+    def give(self, events) -> None:
+        self._free.extend(e for e in events if e is not None)
 
 
 class CommLedger:
-    def __init__(self) -> None:
+    def __init__(self, strict: Optional[bool] = None, event_factory: Optional[Callable[[], Any]] = None) -> None:
+        self.strict = os.environ.get(STRICT_ENV, "0") == "1" if strict is None else bool(strict)
+        self._open: Dict[int, Any] = {}  # strict: id -> handle issued and not yet waited
+        self.events = EventPool(event_factory or _cuda_timing_event)
         self._totals: Dict[str, Dict[str, float]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0.0))
         self._intervals: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
         self._blocked: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
@@ -52,13 +112,45 @@ class CommLedger:
             on_complete()
         return self._waiters.submit(wait_all_works)
 
+    def issued(self, handle) -> None:
+        """Strict mode: remember `handle` (and where it was issued) until it is waited."""
+        if self.strict:
+            handle.site = issuing_site()
+            self._open[id(handle)] = handle
+
     def record(self, handle) -> None:
+        self._open.pop(id(handle), None)
         if self.recorder is not None:
             self.recorder(handle)
         if handle.uses_cuda_events:
             self._unresolved.append(handle)
             return
         self._add(handle)
+
+    def end_step(self) -> None:
+        """The step boundary: resolve the CUDA timings already complete (their events go back
+        to the pool) and, in strict mode, raise for every handle nobody waited. A handle marked
+        `carry_over()` may stay open across one boundary, not two."""
+        still = []
+        for handle in self._unresolved:
+            if handle.resolve_timing(block=False):
+                self._add(handle)
+            else:
+                still.append(handle)
+        self._unresolved = still
+        if not self.strict:
+            return
+        unwaited = []
+        for key, handle in list(self._open.items()):
+            if handle.carried and not handle.crossed_boundary:
+                handle.crossed_boundary = True
+                continue
+            unwaited.append(handle)
+            del self._open[key]
+        if unwaited:
+            lines = [f"  {h.mode}:{h.op} {h.nbytes} B issued at {h.site}" for h in unwaited]
+            raise UnwaitedCommError(f"{len(unwaited)} communication handle(s) issued and never waited before the "
+                                    "step ended (on NCCL nothing orders compute after them):\n" + "\n".join(lines))
 
     def _add(self, handle) -> None:
         row = self._totals[handle.mode]
@@ -75,7 +167,7 @@ class CommLedger:
         """{mode: {ops, bytes, time_s, exposed_s}} for the modes that communicated, divided by
         `per` (the number of steps recorded, for per-step figures)."""
         for handle in self._unresolved:
-            handle.resolve_timing()
+            handle.resolve_timing(block=True)
             self._add(handle)
         self._unresolved.clear()
         out = {}

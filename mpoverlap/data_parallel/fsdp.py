@@ -131,7 +131,10 @@ class UnitGatherer:
             self._wait(b)
 
     def _pre_forward(self, i: int, _module, _args) -> None:
-        self.ensure(i, +1)
+        # A recomputed forward runs inside the unit's backward: the units after it finished
+        # their backward and were freed, so prefetching "the next" units would gather them
+        # again for nobody. Look backwards, as the backward pre-hook does (already issued).
+        self.ensure(i, -1 if in_backward() else +1)
 
     def _post_forward(self, i: int, _module, _args, output) -> None:
         if in_backward():

@@ -191,6 +191,16 @@ class MoELayer(nn.Module):
                 if i + 1 < len(parts):
                     pending.append(issue(i + 1))
                 combines.append(compute(i, pending[i]))
+                if self.recomputing:
+                    # A replay (model.recompute=full) ends where torch's non-reentrant
+                    # checkpoint has recomputed the region's last saved tensor: with the
+                    # all-gather dispatcher that is the last chunk's unpermute, before its
+                    # combine. Combines left in flight for later would be abandoned there,
+                    # never waited: in a replay each one's handles are waited before the next
+                    # chunk (only the handles: `finish` keeps its place, so the replay saves
+                    # its tensors in the forward's order, as the checkpoint requires).
+                    for handle in combines[i].handles:
+                        handle.wait()
             ys = [finish(i, c) for i, c in enumerate(combines)]
         else:
             if self.shared_expert is not None:

@@ -166,6 +166,9 @@ class Trainer(Resumable):
         if not skipped:
             self.optimizer.step(lr)
         update_expert_biases(self.moe_layers, self.state, self.ledger, apply=not skipped)
+        # The step boundary: CUDA timings already complete are read (their events reused) and
+        # a strict ledger (the test suite's) raises for any handle issued and never waited.
+        self.ledger.end_step()
         step_time = time.perf_counter() - t0
         self.step += 1
         return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,

@@ -159,8 +159,10 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
     torch stops a replay once the region's last saved tensor is recomputed, so a collective
     after it is not issued again: the MLP's row all-reduce without SP, its reduce-scatter with
     SP unless collective matmul fuses it with the GEMM (which saves after communicating), and
-    the all-gather dispatcher's combine reduce-scatter (the all-to-all combine is followed by
-    the unpermute, which saves). Checked against the ledger of real runs."""
+    the all-gather dispatcher's combine reduce-scatter of the LAST chunk (its unpermute, the
+    last save, comes before it). The combines of the chunks before are issued and, in a replay,
+    waited at once (moe/layer.py), so they count; the all-to-all combine is followed by the
+    unpermute, which saves, and is reissued whole. Checked against the ledger of real runs."""
     from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -204,6 +206,10 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
             k = m.moe_top_k
             ops.append(("ep", "all_gather", (lo.ep * tokens * (H * c + 12 * k) + lo.ep * counts) * n_moe * micro,
                         lo.ep))
+            n = min(cfg.overlap.ep_chunks, tokens)  # the layer's chunks: bounds i * T // n
+            before_last = (n - 1) * tokens // n
+            if before_last:
+                ops.append(("ep", "reduce_scatter", lo.ep * before_last * H * c * n_moe * micro, lo.ep))
         else:
             ops.append(("ep", "all_to_all", (2 * tokens * m.moe_top_k * H * c + counts) * n_moe * micro, lo.ep))
     return ops
