@@ -65,7 +65,8 @@ class PipelineRunner:
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
                  ledger: Any, ddp: Any, split: Callable, autocast: Any,
                  comm_dtype: torch.dtype = torch.float32) -> None:
-        from mpoverlap.pipeline import PipelineExecutor, build_schedule, schedule_kind
+        from mpoverlap.pipeline import (PipelineExecutor, build_schedule, defers_weight_grads,
+                                        resolve_schedule)
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
         # Activations and their gradients cross stages in the compute dtype (bf16 under
@@ -79,14 +80,26 @@ class PipelineRunner:
             seq //= state.grid.tp
         self.hidden_shape = (cfg.train.micro_batch_size, seq, m.hidden_size)
         self.num_microbatches = num_microbatches
-        tables = build_schedule(schedule_kind(vpp), pp, vpp, num_microbatches)
+        self.schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
+        tables = build_schedule(self.schedule, pp, vpp, num_microbatches)
         self.inputs: List[tuple] = []
+        # Zero-bubble schedules: the chunks' linears defer their weight gradients to the W
+        # actions, and the data-parallel hooks learn which accumulate calls carry nothing.
+        weight_grads = None
+        if defers_weight_grads(self.schedule):
+            from mpoverlap.wgrad import WeightGradDeferral, attach_deferral
+
+            weight_grads = WeightGradDeferral()
+            for chunk in chunks:
+                attach_deferral(chunk, weight_grads)
+            ddp.weight_grads = weight_grads
         self.executor = PipelineExecutor(
             tables[self.stage], stage=self.stage, pp_ranks=list(state.ranks("pp")), group=state.group("pp"),
             overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=comm_dtype,
             device=state.device, forward_step=self._forward_step,
-            # A chunk's gradients are reduced over dp during its last backward of the step.
-            backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last))
+            # A chunk's gradients are reduced over dp during its last backward (B or W) of the step.
+            backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last),
+            weight_grads=weight_grads)
 
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
