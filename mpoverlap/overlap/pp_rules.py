@@ -36,13 +36,15 @@ def _schedule(lo: Layout):
     keys = {"parallel.pp_schedule": choice, "parallel.pp": lo.pp, "parallel.vpp": lo.vpp}
     if lo.pp == 1 and choice in ("1f1b", "interleaved", "zb1p"):
         yield Problem("pp.schedule", keys, f"the {choice} pipeline schedule needs pipeline stages; with pp=1 "
-                      "there is no pipeline to schedule", ["parallel.pp=2", "parallel.pp_schedule=auto"])
+                      "there is no pipeline to schedule (or set parallel.pp >= 2)",
+                      ["parallel.pp_schedule=auto"])
     elif choice == "1f1b" and lo.vpp > 1:
         yield Problem("pp.schedule", keys, "1F1B runs one model chunk per stage; vpp > 1 chunks need the "
-                      "interleaved (or zb1p) schedule", ["parallel.pp_schedule=interleaved", "parallel.vpp=1"])
+                      "interleaved (or zb1p) schedule (or set parallel.vpp=1)",
+                      ["parallel.pp_schedule=interleaved"])
     elif choice == "interleaved" and lo.vpp == 1:
-        yield Problem("pp.schedule", keys, "the interleaved schedule runs vpp > 1 model chunks per stage",
-                      ["parallel.vpp=2", "parallel.pp_schedule=1f1b"])
+        yield Problem("pp.schedule", keys, "the interleaved schedule runs vpp > 1 model chunks per stage "
+                      "(or set parallel.vpp >= 2)", ["parallel.pp_schedule=1f1b"])
 
 
 @rule("pp.interleaved_microbatches", "pp",
