@@ -24,6 +24,11 @@ send-only batches complete in the background (reaped when done, all waited at th
 Both modes post the same ops in the same order on both ends of every link (see
 program.py), so gloo's per-pair ordering can neither mismatch nor deadlock.
 
+`bubble_s` is the last run's pipeline bubble on this stage: the time spent blocked on a
+receive (the table's order is fixed, so no other action is runnable then). It counts the
+fill and the waits inside the step; the time an early-finishing stage then waits in the
+step's collectives (gradient reduction, norm) is not the executor's and is not in it.
+
 `trace` holds (event, action_index, time) of the last run: "post_recv" (index of the
 compute that consumes it), "post_send" (index of the producer), "wait_recv", "compute".
 
@@ -84,6 +89,7 @@ class PipelineExecutor:
         self.consumer = {a.recv: i for i, a in enumerate(self.actions) if a.recv is not None}
         self.producer = {a.send: i for i, a in enumerate(self.actions) if a.send is not None}
         self.trace: List[Tuple[str, int, float]] = []
+        self.bubble_s = 0.0
         self.steps_run = 0
 
     @property
@@ -97,6 +103,7 @@ class PipelineExecutor:
             raise ValueError(f"the table was built for {self.num_microbatches} microbatches, "
                              f"run() got {num_microbatches}")
         self.trace = []
+        self.bubble_s = 0.0
         self.p2p.calls = 0
         self._inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         self._outputs: Dict[Tuple[int, int], torch.Tensor] = {}
@@ -139,7 +146,7 @@ class PipelineExecutor:
                 self.trace.append(("post_recv", self.consumer[op.message], now()))
         handle = self.p2p.post(batch, tensors, self.steps_run)
         if not self.overlap:
-            handle.wait()
+            self._timed_wait(handle, any(op.op == RECV for op in batch))
         self._in_flight.append(handle)
         for op, tensor in zip(batch, tensors):
             if op.op == RECV:
@@ -148,8 +155,17 @@ class PipelineExecutor:
     def _take_received(self, index: int, message: Message) -> torch.Tensor:
         tensor, handle = self._received.pop(message)
         self.trace.append(("wait_recv", index, now()))
-        handle.wait()
+        self._timed_wait(handle, True)
         return tensor
+
+    def _timed_wait(self, handle: CommHandle, has_recv: bool) -> None:
+        """Wait; a wait on a receive not yet complete counts as bubble."""
+        if not has_recv or handle.waited:
+            handle.wait()
+            return
+        start = now()
+        handle.wait()
+        self.bubble_s += now() - start
 
     def _reap_sends(self) -> None:
         """Wait (free) the handles already complete; the rest stay in flight."""

@@ -83,6 +83,7 @@ class PipelineRunner:
         self.schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
         tables = build_schedule(self.schedule, pp, vpp, num_microbatches)
         self.inputs: List[tuple] = []
+        self.bubble_since_log = 0.0  # seconds this stage waited on receives (PipelineExecutor.bubble_s)
         # Zero-bubble schedules: the chunks' linears defer their weight gradients to the W
         # actions, and the data-parallel hooks learn which accumulate calls carry nothing.
         weight_grads = None
@@ -118,10 +119,16 @@ class PipelineRunner:
         global batch's mean on the last stage, 0 elsewhere)."""
         self.inputs = [self.split(mb) for mb in micro]
         losses = self.executor.run(len(micro))
+        self.bubble_since_log += self.executor.bubble_s
         total = torch.zeros((), device=self.state.device)
         for loss in losses:
             total += loss.detach()
         return total
+
+    def take_bubble(self, steps: int) -> float:
+        """This stage's mean bubble per step since the last call (seconds)."""
+        value, self.bubble_since_log = self.bubble_since_log / max(1, steps), 0.0
+        return value
 
     @torch.no_grad()
     def eval_microbatches(self, micro: List[torch.Tensor]) -> torch.Tensor:
