@@ -159,9 +159,11 @@ def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[
     return tables
 
 
-def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
-    """Theory: pipeline idle time over ideal compute time, (pp - 1) / (m * vpp)."""
-    return (pp - 1) / (num_microbatches * vpp)
+def bubble_fraction(pp: int, vpp: int, num_microbatches: int, kind: str = "1f1b") -> float:
+    """Theory: pipeline idle time over ideal compute time, (pp - 1) / (m * vpp); for zb1p a
+    third of it ((p-1)(F+B-W) over m(F+B+W) with F = B = W)."""
+    base = (pp - 1) / (num_microbatches * vpp)
+    return base / 3 if defers_weight_grads(kind) else base
 
 
 def _timed_run(tables: List[List[Action]], forward_cost: float, input_grad_cost: float,
