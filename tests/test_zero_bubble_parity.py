@@ -1,8 +1,8 @@
 """Zero-bubble pipeline (parallel.pp_schedule=zb1p, weight gradients deferred to W actions)
 against the single-process reference: the loss and gradient-norm curves over 6 fp32 steps,
 alone and composed with dp (sharding none and optim_grads_params), tp 2 + SP (collective
-matmul on and off), MoE ep 2 (against the dp-only reference of the same dp) and full
-recompute. One spawn per world size (tests/inproc_train.py)."""
+matmul on and off), cp 2 with selective recompute, MoE ep 2 (against the dp-only reference of
+the same dp) and full recompute. One spawn per world size (tests/inproc_train.py)."""
 import os
 import sys
 
@@ -36,6 +36,8 @@ LAYOUTS = {
                       "overlap.tp=false"],
     "zb_moe_dp2_ep2_pp2": [*ZB, *MOE, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
                            "overlap.ep=true"],
+    "zb_cp2_pp2_selective": [*ZB, "parallel.cp=2", "parallel.pp=2", "overlap.cp=true",
+                             "model.recompute=selective"],
 }
 REFS = {"zb_pp4": "ref_4layers", "zb_pp2_vpp2": "ref_4layers", "zb_moe_dp2_ep2_pp2": "moe_ref_dp2",
         "zb_dp2_pp2_zero3": "ref_untied"}
