@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# nn.Linear / nn.Embedding (same forward) whose weight gradient a zero-bubble pipeline can defer
+from mpoverlap.wgrad.functions import Embedding, Linear, linear
+
 
 def tp_size(tp: Optional[dict]) -> int:
     return 1 if tp is None else int(tp["tp_size"])
@@ -22,7 +25,7 @@ def column(name: str, in_features: int, out_features: int, cfg, seed: int, tp: O
     """x [B, S(/tp with SP), in] -> y [B, S, out/tp]; `blocks` equal output blocks (qkv: 3) or
     their sizes; a bias is split over TP with its rows."""
     if tp_size(tp) == 1:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     from mpoverlap.tensor_parallel import ColumnParallelLinear
 
     return ColumnParallelLinear(in_features, out_features, name=name, cfg=cfg, seed=seed, blocks=blocks, bias=bias,
@@ -32,7 +35,7 @@ def column(name: str, in_features: int, out_features: int, cfg, seed: int, tp: O
 def row(name: str, in_features: int, out_features: int, cfg, seed: int, tp: Optional[dict]) -> nn.Module:
     """x [B, S, in/tp] -> y [B, S(/tp with SP), out], reduced over the TP group."""
     if tp_size(tp) == 1:
-        return nn.Linear(in_features, out_features, bias=False)
+        return Linear(in_features, out_features, bias=False)
     from mpoverlap.tensor_parallel import RowParallelLinear
 
     return RowParallelLinear(in_features, out_features, name=name, cfg=cfg, seed=seed, **tp)
@@ -41,7 +44,7 @@ def row(name: str, in_features: int, out_features: int, cfg, seed: int, tp: Opti
 def embedding(vocab_padded: int, hidden: int, cfg, seed: int, tp: Optional[dict]) -> nn.Module:
     """tokens [B, S] -> x [B, S(/tp with SP), H]; rows split over TP."""
     if tp_size(tp) == 1:
-        return nn.Embedding(vocab_padded, hidden)
+        return Embedding(vocab_padded, hidden)
     from mpoverlap.tensor_parallel import VocabParallelEmbedding
 
     return VocabParallelEmbedding(vocab_padded, hidden, name="embedding", cfg=cfg, seed=seed, **tp)
@@ -50,7 +53,7 @@ def embedding(vocab_padded: int, hidden: int, cfg, seed: int, tp: Optional[dict]
 def tied_head(x_BSH: torch.Tensor, embedding_module: nn.Module, tp: Optional[dict]) -> torch.Tensor:
     """Logits through the embedding matrix: [B, S, V] (or [B, S, V/tp] under TP)."""
     if tp_size(tp) == 1:
-        return F.linear(x_BSH, embedding_module.weight)
+        return linear(x_BSH, embedding_module.weight, None, getattr(embedding_module, "wgrad", None))
     from mpoverlap.tensor_parallel import column_parallel_linear
 
     return column_parallel_linear(x_BSH, embedding_module.weight, None, embedding_module.comm)

@@ -94,6 +94,9 @@ class ParallelConfig:
     dp: Any = "auto"  # int, or auto = world / (tp x pp x cp)
     sequence_parallel: bool = False
     cp_comm: str = "p2p"  # p2p (ring attention) | a2a (Ulysses all-to-all)
+    # Pipeline schedule: auto (interleaved 1F1B when vpp > 1, else 1F1B) | 1f1b | interleaved |
+    # zb1p (ZB-H1 zero bubble: weight gradients deferred into the bubble; any vpp).
+    pp_schedule: str = "auto"
     # Total ranks, for dp=auto outside torchrun (self-launch, mpoverlap-check); under torchrun
     # WORLD_SIZE is used and must agree.
     world_size: Any = None

@@ -49,6 +49,8 @@ HOT_STEP_BUDGETS = {
     "tp2-sp-collective-matmul": (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1",
                                   "overlap.tp=true"], 1),
     "cp2-ring": (["parallel.cp=2", "overlap.cp=true"], 1),
+    # zero bubble: the W queues and the bubble timing read nothing from the device
+    "pp2-zb1p": (["parallel.pp=2", "parallel.pp_schedule=zb1p", "overlap.pp=true"], 1),
     "cp2-a2a": (["parallel.cp=2", "parallel.cp_comm=a2a", "overlap.cp=true"], 1),
     "cp2-ring-gqa": (["model.num_query_groups=2", "parallel.cp=2", "overlap.cp=true"], 1),
     "moe-ep2": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",

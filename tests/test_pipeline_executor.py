@@ -9,6 +9,7 @@ import contextlib
 import io
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -29,11 +30,13 @@ LAYOUTS = [(4, 1, 6), (4, 2, 6), (4, 2, 4), (2, 1, 5), (2, 2, 5)]
 RECEIVES_AHEAD = {(4, 1, 6): [3, 5, 5, 5], (4, 2, 6): [12, 11, 11, 16], (4, 2, 4): [7, 7, 7, 9],
                   (2, 1, 5): [1, 1, 4, 4], (2, 2, 5): [9, 9, 12, 12]}
 CONFIGS = [(pp, vpp, m, overlap) for pp, vpp, m in LAYOUTS for overlap in (False, True)]
+# zero bubble (zb1p): the layers defer their weight gradients to the W actions
+ZB_CONFIGS = [(4, 1, 6, True), (2, 2, 5, False)]
 
 
-def make_layers():
+def make_layers(linear=nn.Linear):
     torch.manual_seed(0)
-    return [nn.Linear(H, H) for _ in range(NUM_LAYERS)]
+    return [linear(H, H) for _ in range(NUM_LAYERS)]
 
 
 def make_data(dp_rank, m):
@@ -64,9 +67,16 @@ def reference(dp_rank, m):
     return losses, grads, xgrads
 
 
-def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1):
+def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None):
     stage, dp_rank, num_chunks = state.coords.pp, state.coords.dp, pp * vpp
-    layers = make_layers()
+    weight_grads = None
+    if schedule == "zb1p":
+        from mpoverlap.wgrad import Linear, WeightGradDeferral, attach_deferral
+
+        layers, weight_grads = make_layers(Linear), WeightGradDeferral()
+        attach_deferral(nn.ModuleList(layers), weight_grads)
+    else:
+        layers = make_layers()
     xs, ys = make_data(dp_rank, m)
     x_leaves, hook_calls = {}, []
 
@@ -80,12 +90,12 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1):
         return ((h - ys[mb]) ** 2).mean() / m if chunk == num_chunks - 1 else h
 
     ledger = CommLedger()
-    tables = build_schedule(schedule_kind(vpp), pp, vpp, m)
+    tables = build_schedule(schedule or schedule_kind(vpp), pp, vpp, m)
     executor = PipelineExecutor(
         tables[stage], stage=stage, pp_ranks=state.ranks("pp"), group=state.group("pp"),
         overlap=overlap, ledger=ledger, tensor_shape=(B, H), dtype=torch.float32, device="cpu",
         forward_step=forward_step, backward_hook=lambda *call: hook_calls.append(call),
-        verbose=verbose)
+        verbose=verbose, weight_grads=weight_grads)
     # An independent count of what reaches torch: batch_isend_irecv calls and their ops.
     torch_calls = []
     batch_isend_irecv = torch.distributed.batch_isend_irecv
@@ -101,7 +111,9 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1):
             x_leaves.clear(), hook_calls.clear(), torch_calls.clear()
             stderr = io.StringIO()
             with contextlib.redirect_stderr(stderr):
+                started = time.perf_counter()
                 losses = executor.run(m)
+                run_s = time.perf_counter() - started
     finally:
         torch.distributed.batch_isend_irecv = batch_isend_irecv
     trace = executor.trace
@@ -120,7 +132,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1):
         "torch_ops": sum(torch_calls),
         "receives": sum(1 for k, (event, i, _) in enumerate(trace) if event == "post_recv" and i > 0),
         "messages": sum((a.recv is not None) + (a.send is not None) for a in tables[stage]),
-        "posted_ahead": posted_ahead, "hooks": hook_calls,
+        "posted_ahead": posted_ahead, "hooks": hook_calls, "bubble_s": executor.bubble_s, "run_s": run_s,
         "times_ordered": all(t0 <= t1 for (_, _, t0), (_, _, t1) in zip(trace, trace[1:])),
         "verbose_lines": stderr.getvalue().splitlines(),
     }
@@ -133,6 +145,8 @@ def _worker(rank, world):
     for pp, vpp, m, overlap in CONFIGS:
         out[(pp, vpp, m, overlap)] = run_layout(states[pp], pp, vpp, m, overlap)
     out["verbose"] = run_layout(states[2], 2, 2, 5, True, verbose=True, steps=2)
+    for pp, vpp, m, overlap in ZB_CONFIGS:
+        out[("zb1p", pp, vpp, m, overlap)] = run_layout(states[pp], pp, vpp, m, overlap, schedule="zb1p")
     return out
 
 
@@ -147,10 +161,20 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("pp,vpp,m,overlap", CONFIGS)
-def test_matches_single_process_reference(reports, pp, vpp, m, overlap):
+def test_bubble_is_the_receive_wait_inside_the_step(reports, pp, vpp, m, overlap):
+    for r in reports:
+        got = r[(pp, vpp, m, overlap)]
+        assert 0 <= got["bubble_s"] <= got["run_s"]
+        if got["stage"] > 0:  # its first forward waits for the activations of every stage before
+            assert got["bubble_s"] > 0
+
+
+@pytest.mark.parametrize("key", CONFIGS + [("zb1p", *c) for c in ZB_CONFIGS], ids=str)
+def test_matches_single_process_reference(reports, key):
+    pp, vpp, m, overlap = key[-4:]
     seen_layers = {0: set(), 1: set()}
     for rank_report in reports:
-        r = rank_report[(pp, vpp, m, overlap)]
+        r = rank_report[key]
         ref_losses, ref_grads, ref_xgrads = reference(r["dp"], m)
         if r["stage"] == pp - 1:
             assert len(r["losses"]) == m
@@ -210,6 +234,18 @@ def test_backward_hook_marks_last_backward_of_each_chunk(reports, pp, vpp, m, ov
         for v in range(vpp):
             mine = [c for c in calls if c[0] == v]
             assert [c[2] for c in mine] == [False] * (m - 1) + [True]
+
+
+@pytest.mark.parametrize("pp,vpp,m,overlap", ZB_CONFIGS)
+def test_zb1p_hook_marks_the_last_b_and_the_last_w(reports, pp, vpp, m, overlap):
+    """Before each B and each W; True at the last B (norms and biases are final) and at the
+    last W (the deferred weights are) of each chunk, so DP issues its buckets from W."""
+    for rank_report in reports:
+        calls = rank_report[("zb1p", pp, vpp, m, overlap)]["hooks"]
+        assert len(calls) == 2 * m * vpp
+        for v in range(vpp):
+            flags = [c[2] for c in calls if c[0] == v]
+            assert flags[-1] and sum(flags) == 2
 
 
 def test_second_step_and_verbose_lines(reports):

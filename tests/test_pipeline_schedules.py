@@ -1,13 +1,16 @@
 """Pipeline schedules as pure tables (no processes): coverage, data flow, p2p matching,
-link order, deadlock freedom, the microbatch rule, broken tables, and the bubble."""
+link order, deadlock freedom, the microbatch rule, broken tables, and the bubble; the
+zero-bubble (zb1p) tables' W actions and the paper's bubble formulas."""
 import dataclasses
 
 import pytest
 
 from mpoverlap.pipeline import (ScheduleError, bubble_fraction, build_schedule,
-                                microbatch_groups, schedule_constraints, schedule_kind,
-                                simulated_bubble, validate_schedule)
+                                microbatch_groups, resolve_schedule, schedule_constraints,
+                                schedule_kind, simulated_bubble, simulated_bubble_time,
+                                validate_schedule)
 from mpoverlap.pipeline.actions import RECV, SEND
+from mpoverlap.pipeline.zero_bubble import peak_in_flight
 
 
 def microbatch_counts(pp, vpp):
@@ -148,3 +151,68 @@ def test_p2p_ops_name_peers_and_directions():
                     for op in b:
                         assert op.peer in ((stage - 1) % 4, (stage + 1) % 4)
                         assert op.op in (SEND, RECV)
+
+
+# ---------------------------------------------------------------- zero bubble (ZB-H1, zb1p)
+
+ZB_CASES = [(2, 1, 1), (2, 1, 4), (4, 1, 3), (4, 1, 8), (8, 1, 9), (2, 2, 2), (2, 2, 5), (4, 2, 8),
+            (4, 3, 5)]
+
+
+@pytest.mark.parametrize("pp,vpp,m", ZB_CASES)
+def test_zb1p_tables_validate_one_w_after_each_b(pp, vpp, m):
+    tables = build_schedule("zb1p", pp, vpp, m)
+    validate_schedule(tables)  # includes both posting programs' link order and deadlock checks
+    base = build_schedule(schedule_kind(vpp), pp, vpp, m)
+    for stage, actions in enumerate(tables):
+        seen = sorted((a.kind, a.microbatch, a.vchunk) for a in actions)
+        assert seen == sorted((k, mb, v) for k in "FBW" for mb in range(m) for v in range(vpp))
+        # the F/B order is the base schedule's; W's never carry p2p
+        assert [(a.kind, a.microbatch, a.vchunk) for a in actions if a.kind != "W"] == \
+            [(a.kind, a.microbatch, a.vchunk) for a in base[stage]]
+        assert all(a.recv is None and a.send is None for a in actions if a.kind == "W")
+        order = [(a.kind, a.microbatch, a.vchunk) for a in actions]
+        assert all(order.index(("W", mb, v)) > order.index(("B", mb, v))
+                   for mb in range(m) for v in range(vpp))
+    # activation memory (F done, W not done) stays within the base schedule's peak
+    peak = max(peak_in_flight([(a.kind, a.microbatch, a.vchunk) for a in t]) for t in base)
+    assert max(peak_in_flight([(a.kind, a.microbatch, a.vchunk) for a in t]) for t in tables) == peak
+
+
+@pytest.mark.parametrize("costs", [(1, 1, 1), (1, 1, 0.5), (2, 2, 1), (1.5, 1, 0.75)])
+def test_simulated_bubble_reproduces_the_paper_formulas(costs):
+    F, B, W = costs
+    for pp, m in [(2, 4), (4, 8), (4, 4), (8, 16)]:
+        one_f_one_b = simulated_bubble_time(build_schedule("1f1b", pp, 1, m), F, B, W)
+        zb1p = simulated_bubble_time(build_schedule("zb1p", pp, 1, m), F, B, W)
+        assert one_f_one_b == pytest.approx([(pp - 1) * (F + B + W)] * pp), (pp, m)
+        assert zb1p == pytest.approx([(pp - 1) * (F + B - W)] * pp), (pp, m)
+    # on interleaved chunks (costs per chunk) the same placement takes the bubble from
+    # (p-1)(F+B+W) to at most (p-1)(F+B-W)
+    inter = simulated_bubble_time(build_schedule("interleaved", 4, 2, 8), F, B, W)
+    zb_inter = simulated_bubble_time(build_schedule("zb1p", 4, 2, 8), F, B, W)
+    assert max(inter) == pytest.approx(3 * (F + B + W))
+    assert max(zb_inter) <= 3 * (F + B - W) + 1e-9
+
+
+def test_weight_action_before_its_b_or_missing_is_caught():
+    tables = build_schedule("zb1p", 2, 1, 2)
+    stage1 = [list(t) for t in tables]
+    w = next(i for i, a in enumerate(stage1[1]) if a.kind == "W")
+    b = next(i for i, a in enumerate(stage1[1]) if a.kind == "B" and a.microbatch == stage1[1][w].microbatch)
+    stage1[1][w], stage1[1][b] = stage1[1][b], stage1[1][w]
+    with pytest.raises(ScheduleError, match="weight gradients before their B"):
+        validate_schedule(stage1)
+    dropped = [list(t) for t in tables]
+    dropped[0] = [a for a in dropped[0] if not (a.kind == "W" and a.microbatch == 1)]
+    dropped[0][-1] = dataclasses.replace(dropped[0][-1], posts_after=tables[0][-1].posts_after)
+    with pytest.raises(ScheduleError, match=r"W\(mb1,v0\) appears 0 times"):
+        validate_schedule(dropped)
+
+
+def test_schedule_choice_rules():
+    assert resolve_schedule("auto", 1) == "1f1b" and resolve_schedule("auto", 2) == "interleaved"
+    assert resolve_schedule("zb1p", 2) == "zb1p"
+    assert "vpp > 1" in schedule_constraints("interleaved", 4, 1, 8)[0]
+    assert schedule_constraints("zb1p", 4, 1, 2) == [] and schedule_constraints("zb1p", 4, 2, 4) == []
+    assert "at least pp=4" in schedule_constraints("zb1p", 4, 2, 3)[0]

@@ -521,3 +521,36 @@ def test_measured_rates_put_together():
     assert hw.inter.bandwidth == pytest.approx(125e6) and hw.intra.bandwidth == pytest.approx(125e6)
     assert hw.inter.op_bandwidth("reduce_scatter") == pytest.approx(0.5 * 125e6)
     assert hw.inter.op_bandwidth("all_to_all") == pytest.approx(125e6)  # the probe's, not the preset's
+
+
+def test_pp_engine_zero_bubble_by_hand():
+    """pp=4, m=8, F = B = W = 1 ms per chunk, free p2p: 1F1B idles (p-1)(F+B+W) = 9 ms per
+    stage, zb1p (p-1)(F+B-W) = 3 ms (paper Table 2); the DP buckets of zb1p wait for the
+    last W, not the last B."""
+    from mpoverlap.simulate.engine import last_backward_spans
+
+    dur = {"F": 1.0, "B": 1.0, "W": 1.0}
+    one_f_one_b = run_pipeline(4, 1, 8, lambda k, c: 2.0 if k == "B" else dur[k], lambda a, b: 0.0, True)
+    zb1p = run_pipeline(4, 1, 8, lambda k, c: dur[k], lambda a, b: 0.0, True, schedule="zb1p")
+    for run, idle in ((one_f_one_b, 9.0), (zb1p, 3.0)):
+        assert [max(run.ends) - busy for busy in run.busy] == pytest.approx([idle] * 4)
+    for stage in range(4):
+        kinds = [k for k, _, _ in zb1p.orders[stage]]
+        last_w = max(i for i, k in enumerate(kinds) if k == "W")
+        assert last_backward_spans(zb1p, stage, 4) == {stage: zb1p.times[stage][last_w]}
+
+
+def test_check_knows_zb1p():
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+    from mpoverlap.simulate import from_config, simulate
+
+    common = ["model=gpt_125m", "parallel.world_size=4", "parallel.pp=4", "train.global_batch_size=32",
+              "train.micro_batch_size=4"]
+    base, zb = compose(common), compose(common + ["parallel.pp_schedule=zb1p"])
+    e_base, e_zb = estimate(base), estimate(zb)
+    assert e_zb.bubble == pytest.approx(e_base.bubble / 3) and e_base.bubble == pytest.approx(3 / 8)
+    # the same peak of microbatches in flight (activations counted until W)
+    assert [s.layers_in_flight for s in e_zb.stages] == [max(s.layers_in_flight for s in e_base.stages)] * 4
+    r_base, r_zb = simulate(base, from_config(base)), simulate(zb, from_config(zb))
+    assert r_zb.step_s < r_base.step_s and r_zb.bubble_s < r_base.bubble_s

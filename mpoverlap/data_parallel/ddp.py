@@ -28,6 +28,12 @@ Averaging: every bucket is divided by the dp x cp size right before the SUM coll
 collectives is identical on every rank even if a bucket is held back by a parameter that got
 no gradient (it is then issued, with everything after it, by `finish_grad_sync()`).
 
+Deferred weight gradients (zero-bubble pipelines, mpoverlap/wgrad): `weight_grads` is the
+model's WeightGradDeferral. A deferred weight's gradient reaches these hooks from the W action
+(which accumulates it through autograd), so a bucket is ready when its last W has run; the
+hook calls autograd makes in B for a weight whose gradient was withheld carry nothing and are
+skipped.
+
 Sharding levels (`levels.py`; the ZeRO-2/3 methods live in `sharded_grads.py`). `optim` is
 ZeRO-1 as above. With `optim_grads` (ZeRO-2) and
 `optim_grads_params` (ZeRO-3) only this rank's shard of each bucket's reduced gradient
@@ -133,6 +139,7 @@ class DataParallel(ShardedGrads):
         self._handles: Dict[int, CommHandle] = {}
         self._synced = False
         self._warned_unused = False
+        self.weight_grads = None  # a WeightGradDeferral under a zero-bubble pipeline schedule
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.buffer.params]
         self._rs_pending: Dict[int, torch.Tensor] = {}
@@ -261,6 +268,8 @@ class DataParallel(ShardedGrads):
 
     # ---- internals -----------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self.weight_grads is not None and self.weight_grads.withheld(param):
+            return  # B deferred this gradient to a W action: nothing was accumulated
         view = self.buffer.grad_view(param)
         grad = param.grad
         if grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:

@@ -123,6 +123,8 @@ class ShardedGrads:
         """Tensor hook of a parameter of bucket `b`, before its gradient accumulates: the
         bucket's previous reduce-scatter (still reading it) is finished and its storage is
         (re-)allocated and zeroed."""
+        if getattr(self, "weight_grads", None) is not None and _grad is None:
+            return None  # B deferred this gradient to a W action (mpoverlap/wgrad)
         if b in self._handles:
             self._complete(b)
         bucket = self.buffer.buckets[b]

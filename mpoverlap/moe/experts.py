@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from mpoverlap.models.init import init_tensor
 from mpoverlap.tensor_parallel.layers import shard_tensor
+from mpoverlap.wgrad.functions import Linear
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -46,8 +47,9 @@ class ExpertMLP(nn.Module):
         if ffn % etp_size:
             raise ValueError(f"expert ffn={ffn} is not divisible by etp={etp_size}")
         blocks = 2 if activation == "swiglu" else 1
-        setattr(self, first, nn.Linear(hidden, width // etp_size, bias=False))
-        self.down = nn.Linear(ffn // etp_size, hidden, bias=False)
+        # nn.Linear whose weight gradient a zero-bubble pipeline can defer (mpoverlap/wgrad)
+        setattr(self, first, Linear(hidden, width // etp_size, bias=False))
+        self.down = Linear(ffn // etp_size, hidden, bias=False)
         with torch.no_grad():
             self.w_in.copy_(shard_tensor(init_tensor(self.name_in, (width, hidden), cfg, seed), 0, etp_rank,
                                          etp_size, blocks))

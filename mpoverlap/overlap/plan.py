@@ -27,6 +27,16 @@ def _abbrev(groups: List[List[int]], limit: int = 4) -> str:
     return shown + more
 
 
+def _schedule(cfg: Any, lo) -> str:
+    """`, pp schedule zb1p` (parallel.pp_schedule resolved) for a pipelined layout."""
+    from mpoverlap.pipeline import SCHEDULE_CHOICES, resolve_schedule
+
+    choice = getattr(cfg.parallel, "pp_schedule", "auto")
+    if lo.pp in (None, 1) or lo.vpp is None or choice not in SCHEDULE_CHOICES:
+        return ""
+    return f", pp schedule {resolve_schedule(choice, lo.vpp)}"
+
+
 def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional[int] = None,
                 device: Optional[str] = None, conventions=None, hosts: Optional[List[str]] = None) -> str:
     """`conventions`: how activations are counted (`estimate.Conventions`; default: as this
@@ -37,7 +47,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     t, m = cfg.train, cfg.model
     lines = [
         f"mpoverlap plan: world {lo.world} = tp {lo.tp} x cp {lo.cp} x dp {lo.dp} x pp {lo.pp}"
-        f" (ep {lo.ep}, vpp {lo.vpp})" + (f" on {device}" if device else ""),
+        f" (ep {lo.ep}, vpp {lo.vpp})" + _schedule(cfg, lo) + (f" on {device}" if device else ""),
         f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
         + (f" ({m.num_query_groups} K/V groups)" if m.num_query_groups not in (None, m.num_attention_heads) else "")
         + f", seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),

@@ -1,4 +1,5 @@
-"""Pipeline rules: stage partitioning, the interleaved microbatch grouping, tied embeddings."""
+"""Pipeline rules: stage partitioning, the schedule choice, the interleaved microbatch
+grouping, tied embeddings."""
 from __future__ import annotations
 
 from mpoverlap.overlap.layout import Layout
@@ -26,17 +27,41 @@ def _vpp(lo: Layout):
                       "there is nothing to interleave", ["parallel.vpp=1"])
 
 
+@rule("pp.schedule", "pp", ("parallel.pp_schedule", "parallel.pp", "parallel.vpp"),
+      "the pipeline schedule fits the layout")
+def _schedule(lo: Layout):
+    choice = lo.cfg.parallel.pp_schedule
+    if None in (lo.pp, lo.vpp) or choice == "auto":
+        return
+    keys = {"parallel.pp_schedule": choice, "parallel.pp": lo.pp, "parallel.vpp": lo.vpp}
+    if lo.pp == 1 and choice in ("1f1b", "interleaved", "zb1p"):
+        yield Problem("pp.schedule", keys, f"the {choice} pipeline schedule needs pipeline stages; with pp=1 "
+                      "there is no pipeline to schedule (or set parallel.pp >= 2)",
+                      ["parallel.pp_schedule=auto"])
+    elif choice == "1f1b" and lo.vpp > 1:
+        yield Problem("pp.schedule", keys, "1F1B runs one model chunk per stage; vpp > 1 chunks need the "
+                      "interleaved (or zb1p) schedule (or set parallel.vpp=1)",
+                      ["parallel.pp_schedule=interleaved"])
+    elif choice == "interleaved" and lo.vpp == 1:
+        yield Problem("pp.schedule", keys, "the interleaved schedule runs vpp > 1 model chunks per stage "
+                      "(or set parallel.vpp >= 2)", ["parallel.pp_schedule=1f1b"])
+
+
 @rule("pp.interleaved_microbatches", "pp",
       ("train.global_batch_size", "train.micro_batch_size", "parallel.dp", "parallel.pp", "parallel.vpp"),
       "the interleaved schedule needs at least pp microbatches per step")
 def _interleaved(lo: Layout):
-    from mpoverlap.pipeline import schedule_constraints, schedule_kind
+    from mpoverlap.pipeline import SCHEDULE_CHOICES, resolve_schedule, schedule_constraints
 
     t = lo.cfg.train
     m = lo.num_microbatches
-    if None in (lo.pp, lo.vpp, m) or lo.vpp == 1 or lo.pp == 1:
+    choice = lo.cfg.parallel.pp_schedule
+    if None in (lo.pp, lo.vpp, m) or lo.vpp == 1 or lo.pp == 1 or choice not in SCHEDULE_CHOICES:
         return
-    for message in schedule_constraints(schedule_kind(lo.vpp), lo.pp, lo.vpp, m):
+    kind = resolve_schedule(choice, lo.vpp)
+    if kind == "1f1b":
+        return  # rule pp.schedule
+    for message in schedule_constraints(kind, lo.pp, lo.vpp, m):
         per = t.micro_batch_size * lo.dp * lo.pp
         yield Problem("pp.interleaved_microbatches",
                       {"train.global_batch_size": t.global_batch_size, "train.micro_batch_size": t.micro_batch_size,

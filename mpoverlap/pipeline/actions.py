@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-FORWARD, BACKWARD = "F", "B"
+# F: forward; B: backward (the full backward, or with a W action of its own only the input
+# gradient); W: the weight gradients the B of the same (microbatch, vchunk) deferred.
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 ACTIVATION, GRADIENT = "act", "grad"
 SEND, RECV = "send", "recv"
 
@@ -71,7 +73,7 @@ Batch = Tuple[P2POp, ...]
 class Action:
     """One compute step of one stage, with the p2p posted around it.
 
-    kind: "F" or "B"; microbatch; vchunk (local virtual chunk); chunk (model chunk index).
+    kind: "F", "B" or "W" (a W has no p2p: recv and send are None); microbatch; vchunk (local virtual chunk); chunk (model chunk index).
     recv: the message this compute consumes from another stage (None: data / the loss).
     send: the message it produces for another stage (None: the last / first model chunk).
     posts_before / posts_after: batches posted before / after this compute when p2p is not
@@ -104,6 +106,8 @@ class Action:
 
 def input_message(kind: str, microbatch: int, chunk: int, num_chunks: int) -> Optional[Message]:
     """The message the compute (kind, microbatch, chunk) consumes, or None."""
+    if kind == WEIGHT:
+        return None
     if kind == FORWARD:
         return Message(ACTIVATION, microbatch, chunk - 1, chunk) if chunk > 0 else None
     return Message(GRADIENT, microbatch, chunk + 1, chunk) if chunk < num_chunks - 1 else None
@@ -111,6 +115,8 @@ def input_message(kind: str, microbatch: int, chunk: int, num_chunks: int) -> Op
 
 def output_message(kind: str, microbatch: int, chunk: int, num_chunks: int) -> Optional[Message]:
     """The message the compute (kind, microbatch, chunk) produces, or None."""
+    if kind == WEIGHT:
+        return None
     if kind == FORWARD:
         return Message(ACTIVATION, microbatch, chunk, chunk + 1) if chunk < num_chunks - 1 else None
     return Message(GRADIENT, microbatch, chunk, chunk - 1) if chunk > 0 else None

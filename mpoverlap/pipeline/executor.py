@@ -8,9 +8,11 @@ Contract for the caller (the training loop):
   1/num_microbatches (backpropagated as is, grad None; returned per microbatch). On
   the first model chunk `input_tensor` is None and forward_step reads the data itself;
   elsewhere it is the received activation (a leaf with requires_grad).
-- `backward_hook(vchunk, microbatch, is_last)` runs right before each backward; `is_last` is
-  True for the last backward of that vchunk in this step, so a data-parallel wrapper can
-  issue its gradient reduction then: `ddp[vchunk].set_last_microbatch(is_last)`. After
+- `backward_hook(vchunk, microbatch, is_last)` runs right before each backward (B) and each
+  weight-gradient action (W); `is_last` is True for the last B and for the last W of that
+  vchunk in this step, so a data-parallel wrapper can issue its gradient reduction then:
+  `ddp[vchunk].set_last_microbatch(is_last)` (parameters B accumulates, norms, are final
+  after the last B; the deferred weights after the last W). After
   `run()` returns the caller calls `finish_grad_sync()` of each chunk's wrapper, then the
   optimizer.
 - `run(m)` returns the per-microbatch (scaled) loss tensors, detached, on the last stage and
@@ -22,8 +24,17 @@ send-only batches complete in the background (reaped when done, all waited at th
 Both modes post the same ops in the same order on both ends of every link (see
 program.py), so gloo's per-pair ordering can neither mismatch nor deadlock.
 
+`bubble_s` is the last run's pipeline bubble on this stage: the time spent blocked on a
+receive (the table's order is fixed, so no other action is runnable then). It counts the
+fill and the waits inside the step; the time an early-finishing stage then waits in the
+step's collectives (gradient reduction, norm) is not the executor's and is not in it.
+
 `trace` holds (event, action_index, time) of the last run: "post_recv" (index of the
 compute that consumes it), "post_send" (index of the producer), "wait_recv", "compute".
+
+Zero-bubble tables (W actions, e.g. zb1p): the B of a (vchunk, microbatch) that has a W runs
+inside `weight_grads.deferring(queue)` (mpoverlap/wgrad): the model's linears compute only
+their input gradients and queue their weight-gradient GEMMs, which the W action runs.
 
 Profiling: each action (its receive wait, compute and posts) runs inside a `pp/<action>` range,
 e.g. `pp/F(mb0,v1)`, in a torch profiler trace while one records, and as NVTX on CUDA.
@@ -35,7 +46,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mpoverlap.comm.handle import CommHandle, named_range, now
-from mpoverlap.pipeline.actions import BACKWARD, FORWARD, RECV, SEND, Action, Batch, Message
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, WEIGHT, Action, Batch,
+                                        Message)
 from mpoverlap.pipeline.p2p import StageP2P, verbose_from_env
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
@@ -46,7 +58,7 @@ class PipelineExecutor:
     def __init__(self, actions: Sequence[Action], *, stage: int, pp_ranks: Sequence[int], group,
                  overlap: bool, ledger, tensor_shape: Tuple[int, ...], dtype: torch.dtype,
                  device, forward_step: ForwardStep, backward_hook: Optional[BackwardHook] = None,
-                 verbose: Optional[bool] = None) -> None:
+                 verbose: Optional[bool] = None, weight_grads=None) -> None:
         self.actions = list(actions)
         pp = len(pp_ranks)
         bad = [a for a in self.actions if a.chunk % pp != stage]
@@ -66,11 +78,18 @@ class PipelineExecutor:
         vpp = 1 + max((a.vchunk for a in self.actions), default=-1)
         self.last_chunk = pp * vpp - 1
         self.is_last_stage = any(a.chunk == self.last_chunk for a in self.actions)
-        # Index of the last backward of each vchunk, and of each message's consumer/producer.
+        # Index of the last backward (and W) of each vchunk, and of each message's consumer/producer.
         self.last_backward = {a.vchunk: i for i, a in enumerate(self.actions) if a.kind == BACKWARD}
+        self.last_weight = {a.vchunk: i for i, a in enumerate(self.actions) if a.kind == WEIGHT}
+        self.deferred = {(a.vchunk, a.microbatch) for a in self.actions if a.kind == WEIGHT}
+        if self.deferred and weight_grads is None:
+            raise ValueError("the table has W actions (a zero-bubble schedule): pass weight_grads, "
+                             "the WeightGradDeferral attached to the model chunks")
+        self.weight_grads = weight_grads
         self.consumer = {a.recv: i for i, a in enumerate(self.actions) if a.recv is not None}
         self.producer = {a.send: i for i, a in enumerate(self.actions) if a.send is not None}
         self.trace: List[Tuple[str, int, float]] = []
+        self.bubble_s = 0.0
         self.steps_run = 0
 
     @property
@@ -84,12 +103,14 @@ class PipelineExecutor:
             raise ValueError(f"the table was built for {self.num_microbatches} microbatches, "
                              f"run() got {num_microbatches}")
         self.trace = []
+        self.bubble_s = 0.0
         self.p2p.calls = 0
         self._inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         self._outputs: Dict[Tuple[int, int], torch.Tensor] = {}
         self._to_send: Dict[Message, torch.Tensor] = {}
         self._received: Dict[Message, Tuple[torch.Tensor, CommHandle]] = {}
         self._in_flight: List[CommHandle] = []
+        self._weight_queues: Dict[Tuple[int, int], object] = {}
         losses: Dict[int, torch.Tensor] = {}
         try:
             for index, action in enumerate(self.actions):
@@ -109,6 +130,8 @@ class PipelineExecutor:
         if self._received or self._to_send or self._outputs:
             raise RuntimeError(f"stage {self.stage}: unconsumed p2p after the step: received "
                                f"{list(self._received)}, unsent {list(self._to_send)}")
+        if self._weight_queues:
+            raise RuntimeError(f"stage {self.stage}: weight gradients never run: {list(self._weight_queues)}")
         return [losses[mb] for mb in sorted(losses)] if self.is_last_stage else []
 
     # ---- p2p -----------------------------------------------------------------------------
@@ -123,7 +146,7 @@ class PipelineExecutor:
                 self.trace.append(("post_recv", self.consumer[op.message], now()))
         handle = self.p2p.post(batch, tensors, self.steps_run)
         if not self.overlap:
-            handle.wait()
+            self._timed_wait(handle, any(op.op == RECV for op in batch))
         self._in_flight.append(handle)
         for op, tensor in zip(batch, tensors):
             if op.op == RECV:
@@ -132,8 +155,17 @@ class PipelineExecutor:
     def _take_received(self, index: int, message: Message) -> torch.Tensor:
         tensor, handle = self._received.pop(message)
         self.trace.append(("wait_recv", index, now()))
-        handle.wait()
+        self._timed_wait(handle, True)
         return tensor
+
+    def _timed_wait(self, handle: CommHandle, has_recv: bool) -> None:
+        """Wait; a wait on a receive not yet complete counts as bubble."""
+        if not has_recv or handle.waited:
+            handle.wait()
+            return
+        start = now()
+        handle.wait()
+        self.bubble_s += now() - start
 
     def _reap_sends(self) -> None:
         """Wait (free) the handles already complete; the rest stay in flight."""
@@ -169,12 +201,25 @@ class PipelineExecutor:
             if action.send is not None:
                 self._to_send[action.send] = self._check_sendable(out, f"{action} output")
             return
+        if action.kind == WEIGHT:
+            if self.backward_hook is not None:
+                self.backward_hook(action.vchunk, action.microbatch, self.last_weight[action.vchunk] == index)
+            self.trace.append(("compute", index, now()))
+            self._weight_queues.pop(key).run()
+            return
         grad = self._take_received(index, action.recv) if action.recv is not None else None
         if self.backward_hook is not None:
             self.backward_hook(action.vchunk, action.microbatch, self.last_backward[action.vchunk] == index)
         self.trace.append(("compute", index, now()))
         out, inp = self._outputs.pop(key), self._inputs.pop(key)
-        torch.autograd.backward(out, grad_tensors=grad)
+        if key in self.deferred:
+            from mpoverlap.wgrad import WeightGradQueue
+
+            with self.weight_grads.deferring(WeightGradQueue()) as queue:
+                torch.autograd.backward(out, grad_tensors=grad)
+            self._weight_queues[key] = queue
+        else:
+            torch.autograd.backward(out, grad_tensors=grad)
         if action.send is not None:
             if inp is None or inp.grad is None:
                 raise RuntimeError(f"stage {self.stage}: {action}: the chunk's output does not "

@@ -3,8 +3,9 @@
 Three steps, all pure:
 
 1. `simulate_compute(orders, pp, vpp)`: a timed run of the per-stage compute orders with
-   zero-cost communication (forward 1, backward 2 time units per model chunk; a compute
-   starts when its stage is free and its input exists). It fails if the orders can deadlock
+   zero-cost communication (forward 1, backward 2 time units per model chunk; in orders with
+   W actions forward, input-gradient B and weight-gradient W 1 each; a compute starts when
+   its stage is free and its input exists). It fails if the orders can deadlock
    even with unlimited buffering; otherwise it gives every compute a start and end time.
 2. Global order: every message gets the key (time its producer ends, act before grad, dst
    chunk, microbatch). All stages post their p2p ops in increasing key order, so the two ends
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
-from mpoverlap.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, RECV, SEND, Batch,
+from mpoverlap.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, RECV, SEND, WEIGHT, Batch,
                                         Message, P2POp, ScheduleError, chunk_index,
                                         input_message, output_message, producer_of, stage_of)
 
@@ -30,20 +31,28 @@ ComputeOrder = List[Tuple[str, int, int]]  # per stage: (kind, microbatch, vchun
 FORWARD_COST, BACKWARD_COST = 1, 2
 
 
-def _dependencies(kind: str, mb: int, chunk: int, num_chunks: int) -> List[Tuple[str, int, int]]:
+def dependencies(kind: str, mb: int, chunk: int, num_chunks: int) -> List[Tuple[str, int, int]]:
     deps = []
     msg = input_message(kind, mb, chunk, num_chunks)
     if msg is not None:
         deps.append(producer_of(msg))
     if kind == BACKWARD:
         deps.append((FORWARD, mb, chunk))
+    if kind == WEIGHT:
+        deps.append((BACKWARD, mb, chunk))
     return deps
 
 
+def has_weight_actions(orders: Sequence[ComputeOrder]) -> bool:
+    return any(kind == WEIGHT for order in orders for kind, _, _ in order)
+
+
 def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
-                     forward_cost: float = FORWARD_COST, backward_cost: float = BACKWARD_COST
-                     ) -> List[List[Tuple[float, float]]]:
-    """(start, end) of every compute of every stage; ScheduleError if the orders deadlock."""
+                     forward_cost: float = FORWARD_COST, backward_cost: float = BACKWARD_COST,
+                     weight_cost: float = 0.0) -> List[List[Tuple[float, float]]]:
+    """(start, end) of every compute of every stage; ScheduleError if the orders deadlock.
+    `backward_cost` is what a B action costs (the full backward in orders without W)."""
+    costs = {FORWARD: forward_cost, BACKWARD: backward_cost, WEIGHT: weight_cost}
     num_chunks = pp * vpp
     end: Dict[Tuple[str, int, int], float] = {}
     times: List[List[Tuple[float, float]]] = [[] for _ in orders]
@@ -55,11 +64,11 @@ def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
             while len(times[stage]) < len(order):
                 kind, mb, vchunk = order[len(times[stage])]
                 chunk = chunk_index(stage, vchunk, pp)
-                deps = _dependencies(kind, mb, chunk, num_chunks)
+                deps = dependencies(kind, mb, chunk, num_chunks)
                 if any(d not in end for d in deps):
                     break
                 start = max([free[stage]] + [end[d] for d in deps])
-                finish = start + (forward_cost if kind == FORWARD else backward_cost)
+                finish = start + costs[kind]
                 end[(kind, mb, chunk)] = finish
                 times[stage].append((start, finish))
                 free[stage] = finish
@@ -130,7 +139,10 @@ def _batches_at_points(ops, points, num_points: int) -> List[List[Batch]]:
 def posting_programs(orders: Sequence[ComputeOrder], pp: int, vpp: int
                      ) -> Dict[bool, List[List[List[Batch]]]]:
     """{prefetch: per stage, per point 0..n, the batches posted there} for both modes."""
-    times = simulate_compute(orders, pp, vpp)
+    # Any timing consistent with the orders gives a deadlock-free global order; these are the
+    # unit costs the tables are built for.
+    times = (simulate_compute(orders, pp, vpp, 1, 1, 1) if has_weight_actions(orders)
+             else simulate_compute(orders, pp, vpp))
     num_chunks = pp * vpp
     keys: Dict[Message, tuple] = {}
     for stage, order in enumerate(orders):

@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure action tables: 1F1B and interleaved 1F1B.
+"""Pipeline schedules as pure action tables: 1F1B, interleaved 1F1B and zero-bubble ZB-H1.
 
 `build_schedule(kind, pp, vpp, m)` returns one list of `Action`s per stage. Compute order:
 
@@ -9,6 +9,10 @@
   group the stage runs every virtual chunk in turn (forwards: vchunk 0..vpp-1, backwards:
   vpp-1..0), each over the group's microbatches. Warm-up: 2(pp-s-1) + (vpp-1) * (size of the
   first group) forwards (capped at m*vpp), then one forward / one backward, then the drain.
+
+- "zb1p" (ZB-H1, zero_bubble.py): the 1F1B order (vpp = 1) or the interleaved order (vpp > 1)
+  with each backward split into B (input gradient) and a deferred W (weight gradients), the
+  W's placed where the stage would idle, activation memory capped at the base order's.
 
 Microbatch rule (`schedule_constraints`): 1F1B takes any m >= 1. Interleaved needs m >= pp
 but, unlike Megatron, not m % pp == 0. Why m >= pp: a microbatch comes back to stage 0 for
@@ -28,11 +32,24 @@ from __future__ import annotations
 
 from typing import List
 
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, Action, ScheduleError, chunk_index,
-                                        input_message, output_message)
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, WEIGHT, Action, ScheduleError,
+                                        chunk_index, input_message, output_message)
 from mpoverlap.pipeline.program import ComputeOrder, posting_programs, simulate_compute
+from mpoverlap.pipeline.zero_bubble import insert_weight_actions
 
-SCHEDULE_KINDS = ("1f1b", "interleaved")
+SCHEDULE_KINDS = ("1f1b", "interleaved", "zb1p")
+# `parallel.pp_schedule` values: auto = schedule_kind(vpp), or one of SCHEDULE_KINDS.
+SCHEDULE_CHOICES = ("auto",) + SCHEDULE_KINDS
+
+
+def resolve_schedule(choice: str, vpp: int) -> str:
+    """The schedule kind `parallel.pp_schedule=choice` runs with `vpp` chunks per stage."""
+    return schedule_kind(vpp) if choice == "auto" else choice
+
+
+def defers_weight_grads(kind: str) -> bool:
+    """Whether the schedule has W actions (its B computes only the input gradient)."""
+    return kind == "zb1p"
 
 
 def schedule_kind(vpp: int) -> str:
@@ -54,7 +71,10 @@ def schedule_constraints(kind: str, pp: int, vpp: int, num_microbatches: int) ->
     if kind == "1f1b" and vpp != 1:
         problems.append(f"1F1B runs one model chunk per stage (vpp=1), got vpp={vpp}; "
                         "use the interleaved schedule for vpp > 1")
-    if kind == "interleaved" and vpp > 1:
+    if kind == "interleaved" and vpp == 1:
+        problems.append("the interleaved schedule needs vpp > 1 model chunks per stage, got vpp=1; "
+                        "set vpp >= 2 or use the 1f1b schedule")
+    if kind in ("interleaved", "zb1p") and vpp > 1:
         if pp < 2:
             problems.append(f"virtual pipeline chunks (vpp={vpp}) need pp >= 2, got pp={pp}; "
                             "set vpp=1 or pp >= 2")
@@ -107,8 +127,12 @@ def compute_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[
     if problems:
         raise ScheduleError("; ".join(problems))
     if vpp == 1:
-        return [_one_f_one_b_order(pp, num_microbatches, s) for s in range(pp)]
-    return [_interleaved_order(pp, vpp, num_microbatches, s) for s in range(pp)]
+        orders = [_one_f_one_b_order(pp, num_microbatches, s) for s in range(pp)]
+    else:
+        orders = [_interleaved_order(pp, vpp, num_microbatches, s) for s in range(pp)]
+    if defers_weight_grads(kind):
+        orders = insert_weight_actions(orders, pp, vpp)
+    return orders
 
 
 def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[List[Action]]:
@@ -135,19 +159,41 @@ def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[
     return tables
 
 
-def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
-    """Theory: pipeline idle time over ideal compute time, (pp - 1) / (m * vpp)."""
-    return (pp - 1) / (num_microbatches * vpp)
+def bubble_fraction(pp: int, vpp: int, num_microbatches: int, kind: str = "1f1b") -> float:
+    """Theory: pipeline idle time over ideal compute time, (pp - 1) / (m * vpp); for zb1p a
+    third of it ((p-1)(F+B-W) over m(F+B+W) with F = B = W)."""
+    base = (pp - 1) / (num_microbatches * vpp)
+    return base / 3 if defers_weight_grads(kind) else base
+
+
+def _timed_run(tables: List[List[Action]], forward_cost: float, input_grad_cost: float,
+               weight_cost: float) -> List[List[tuple]]:
+    pp = len(tables)
+    vpp = 1 + max(a.vchunk for t in tables for a in t)
+    orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for table in tables]
+    if any(kind == WEIGHT for order in orders for kind, _, _ in order):
+        return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost, weight_cost)
+    return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost + weight_cost)
 
 
 def simulated_bubble(tables: List[List[Action]], forward_cost: float = 1.0,
                      backward_cost: float = 2.0) -> List[float]:
     """Per stage, idle time over busy time of a timed run of the tables' compute order with
-    free communication (compare with `bubble_fraction`)."""
-    pp = len(tables)
-    vpp = 1 + max(a.vchunk for t in tables for a in t)
-    orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for table in tables]
-    times = simulate_compute(orders, pp, vpp, forward_cost, backward_cost)
+    free communication (compare with `bubble_fraction`). `backward_cost` is the full
+    backward; in tables with W actions B and W take half of it each."""
+    half = backward_cost / 2
+    times = _timed_run(tables, forward_cost, half, backward_cost - half)
     makespan = max(t[-1][1] for t in times if t)
     busy = [sum(e - s for s, e in t) for t in times]
     return [(makespan - b) / b for b in busy]
+
+
+def simulated_bubble_time(tables: List[List[Action]], forward_cost: float, input_grad_cost: float,
+                          weight_cost: float) -> List[float]:
+    """Per stage, the idle time of one step (step time minus the stage's compute) in a timed
+    run with free communication, for per-chunk costs F, B (input gradient) and W (weight
+    gradients); a table without W actions runs B and W as one backward of cost B + W.
+    1F1B: (p-1)(F+B+W) on every stage; ZB-H1: (p-1)(F+B-W) (paper Table 2)."""
+    times = _timed_run(tables, forward_cost, input_grad_cost, weight_cost)
+    makespan = max(t[-1][1] for t in times if t)
+    return [makespan - sum(e - s for s, e in t) for t in times]

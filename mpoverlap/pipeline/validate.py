@@ -2,7 +2,9 @@
 
 Checked, for the whole table and for both posting programs (overlap off and on):
 
-1. Coverage: every stage runs exactly one F and one B per (microbatch, local vchunk), F first.
+1. Coverage: every stage runs exactly one F and one B per (microbatch, local vchunk), F first;
+   a table with W actions (zero-bubble) has exactly one W per B, after it, on the same stage
+   (W sends and receives nothing).
 2. Data flow: each compute's `recv` / `send` is the activation of the previous model chunk /
    the gradient of the next one for the same microbatch (chunk = vchunk * pp + stage).
 3. Matching: every receive posted is matched by exactly one send of the right peer, and
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Dict, List, Tuple
 
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, Action, Message,
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, WEIGHT, Action, Message,
                                         ScheduleError, chunk_index, input_message,
                                         output_message, stage_of)
 
@@ -43,11 +45,15 @@ def _check_structure(tables: List[List[Action]], problems: List[str]) -> None:
     vpp = 1 + max((a.vchunk for t in tables for a in t), default=0)
     mbs = 1 + max((a.microbatch for t in tables for a in t), default=-1)
     num_chunks = pp * vpp
+    kinds = (FORWARD, BACKWARD, WEIGHT) if any(a.kind == WEIGHT for t in tables for a in t) \
+        else (FORWARD, BACKWARD)
     for stage, actions in enumerate(tables):
         seen = Counter((a.kind, a.microbatch, a.vchunk) for a in actions)
+        for kind in set(seen_kind for seen_kind, _, _ in seen) - set(kinds):
+            problems.append(f"stage {stage}: unknown action kind {kind!r}")
         for mb in range(mbs):
             for v in range(vpp):
-                for kind in (FORWARD, BACKWARD):
+                for kind in kinds:
                     if seen[(kind, mb, v)] != 1:
                         count = seen[(kind, mb, v)]
                         problems.append(f"stage {stage}: {kind}(mb{mb},v{v}) appears {count} times")
@@ -58,6 +64,8 @@ def _check_structure(tables: List[List[Action]], problems: List[str]) -> None:
                 problems.append(f"stage {stage} action {index} {a}: chunk {a.chunk} != {chunk}")
             if a.kind == BACKWARD and (FORWARD, a.microbatch, a.vchunk) not in done:
                 problems.append(f"stage {stage} action {index} {a}: backward before its forward")
+            if a.kind == WEIGHT and (BACKWARD, a.microbatch, a.vchunk) not in done:
+                problems.append(f"stage {stage} action {index} {a}: weight gradients before their B")
             done.add((a.kind, a.microbatch, a.vchunk))
             if a.recv != input_message(a.kind, a.microbatch, chunk, num_chunks):
                 problems.append(f"stage {stage} action {index} {a}: consumes {a.recv}, expected "

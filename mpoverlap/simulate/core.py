@@ -75,8 +75,19 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
         a, b = sorted((src, dst))
         return collective_time("send_recv", 2 * pp_msg, 2, hw.group_link((b - a) * T, 2, first=a * T))
 
+    from mpoverlap.pipeline import defers_weight_grads, resolve_schedule
+
+    schedule = resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp) if lo.pp > 1 else None
+    zero_bubble = schedule is not None and defers_weight_grads(schedule)
+
     def duration(kind: str, chunk: int) -> float:
-        return costs[chunk].duration(kind)
+        if not zero_bubble or kind == "F":
+            return costs[chunk].duration(kind)
+        # Zero bubble: W = the weight-gradient GEMMs, one per forward GEMM (paper Table 1:
+        # T_W ~ T_F), at most half the backward; B keeps the rest (input gradient, recompute,
+        # the backward's communication).
+        weight = min(costs[chunk].compute["F"], costs[chunk].compute["B"] / 2)
+        return weight if kind == "W" else costs[chunk].duration("B") - weight
 
     # DP per stage: gradient buckets under the last backward, parameter gather under the first forward.
     dp = [_dp_stage(cfg, lo, hw, links, s, c) for s in range(lo.pp)]
@@ -84,12 +95,13 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     first_fwd = [sum(costs[v * lo.pp + s].duration("F") for v in range(lo.vpp)) for s in range(lo.pp)]
     gather_wait = [0.0] * lo.pp
     if ov.dp_param_gather.enabled:
-        probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True)
+        probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, schedule=schedule)
         starts = [probe.times[s][0][0] for s in range(lo.pp)]
         gather_wait = [max(0.0, gather_exposed(dp[s]["gather"], first_fwd[s], dp[s]["buckets"]) - starts[s])
                        for s in range(lo.pp)]
-    free = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, gather_wait)
-    real = run_pipeline(lo.pp, lo.vpp, micro, duration, hop, ov.pp.enabled, gather_wait) if lo.pp > 1 else free
+    free = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, gather_wait, schedule)
+    real = (run_pipeline(lo.pp, lo.vpp, micro, duration, hop, ov.pp.enabled, gather_wait, schedule)
+            if lo.pp > 1 else free)
     ends = []
     tails = []
     for s in range(lo.pp):

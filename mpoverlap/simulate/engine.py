@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mpoverlap.pipeline.actions import BACKWARD, FORWARD, RECV, SEND, ScheduleError, chunk_index
+from mpoverlap.pipeline.actions import BACKWARD, FORWARD, RECV, SEND, WEIGHT, ScheduleError, chunk_index
 from mpoverlap.pipeline.schedules import build_schedule, schedule_kind
 
 
@@ -37,10 +37,10 @@ class PipelineRun:
 
 
 @lru_cache(maxsize=256)
-def _programs(pp: int, vpp: int, microbatches: int, overlap: bool):
+def _programs(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Optional[str] = None):
     """Per stage, the executor's steps: ("post", batch id), ("wait", batch id) or
     ("compute", action index); with the batches (tuples of P2POp) and the actions."""
-    tables = build_schedule(schedule_kind(vpp), pp, vpp, microbatches)
+    tables = build_schedule(schedule or schedule_kind(vpp), pp, vpp, microbatches)
     out = []
     for table in tables:
         steps, batches = [], []
@@ -63,13 +63,15 @@ def _programs(pp: int, vpp: int, microbatches: int, overlap: bool):
 
 def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, int], float],
                  hop_time: Callable[[int, int], float], overlap: bool,
-                 first_extra: Sequence[float] = ()) -> PipelineRun:
-    """`duration(kind, chunk)`: seconds of one action; `hop_time(src_stage, dst_stage)`: seconds
-    of one message; `first_extra[s]`: seconds added to stage s's first action (a parameter
-    gather it waits for)."""
-    programs = _programs(pp, vpp, microbatches, bool(overlap))
+                 first_extra: Sequence[float] = (), schedule: Optional[str] = None) -> PipelineRun:
+    """`duration(kind, chunk)`: seconds of one action (kind "F", "B", and "W" for a zero-bubble
+    `schedule`, whose "B" is then the input gradient only); `hop_time(src_stage, dst_stage)`:
+    seconds of one message; `first_extra[s]`: seconds added to stage s's first action (a
+    parameter gather it waits for). `schedule`: a pipeline.SCHEDULE_KINDS value (None: from vpp)."""
+    programs = _programs(pp, vpp, microbatches, bool(overlap), schedule)
     num_chunks = pp * vpp
-    dur = {(k, c): duration(k, c) for k in (FORWARD, BACKWARD) for c in range(num_chunks)}
+    kinds = {a.kind for _, _, table in programs for a in table}
+    dur = {(k, c): duration(k, c) for k in kinds for c in range(num_chunks)}
     hops = {(a, b): hop_time(a, b) for a in range(pp) for b in range(pp) if a != b}
     posted: Dict[Tuple[str, object], float] = {}  # (SEND|RECV, message) -> post time
     done: Dict[object, float] = {}  # message -> when its transfer completed
@@ -140,9 +142,11 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
 
 def last_backward_spans(run: PipelineRun, stage: int, pp: int) -> Dict[int, Tuple[float, float]]:
     """Per model chunk of `stage`, (start, end) of its last backward: the one whose gradients the
-    DP buckets reduce (they fire on the last microbatch)."""
+    DP buckets reduce (they fire on the last microbatch); with W actions (zero bubble) the last
+    W, whose weight gradients complete the buckets."""
     spans: Dict[int, Tuple[float, float]] = {}
+    last = WEIGHT if any(kind == WEIGHT for kind, _, _ in run.orders[stage]) else BACKWARD
     for (kind, _mb, vchunk), span in zip(run.orders[stage], run.times[stage]):
-        if kind == BACKWARD:
+        if kind == last:
             spans[chunk_index(stage, vchunk, pp)] = span
     return spans

@@ -96,6 +96,14 @@ def _accumulate(acc_oH: Optional[torch.Tensor], g_2d: torch.Tensor, x_2d: torch.
     return acc_oH.add_(term)
 
 
+def _accumulate_all(pairs) -> torch.Tensor:
+    """The sum of g^T x over the (g_2d, x_2d) chunk pairs, in ring order (as the ring would)."""
+    acc = None
+    for g_2d, x_2d in pairs:
+        acc = _accumulate(acc, g_2d, x_2d)
+    return acc
+
+
 class ColumnParallelRingFn(torch.autograd.Function):
     """x_BsH -> y_BSo. Backward: one ring that passes the x chunks (for the weight gradient)
     and the dgrad partial sums (reduce-scatter) together; each step's transfer runs under the
@@ -104,6 +112,7 @@ class ColumnParallelRingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BsH, weight_oH, bias_o, comm: TPComm):
         ctx.comm, ctx.has_bias = comm, bias_o is not None
+        ctx.param = weight_oH  # W accumulates into the parameter (checkpointing unpacks an alias)
         ctx.dtype = dtype = compute_dtype(x_BsH)
         x_BsH = x_BsH.to(dtype)  # the chunks travel the ring in the compute dtype
         ctx.save_for_backward(x_BsH, weight_oH)
@@ -123,16 +132,19 @@ class ColumnParallelRingFn(torch.autograd.Function):
         x_BsH, weight_oH = ctx.saved_tensors
         with no_autocast(x_BsH):
             return ColumnParallelRingFn._backward(ctx, x_BsH, weight_oH.to(ctx.dtype),
-                                                  grad_y_BSo.to(ctx.dtype))
+                                                  grad_y_BSo.to(ctx.dtype), ctx.param)
 
     @staticmethod
-    def _backward(ctx, x_BsH, weight_oH, grad_y_BSo):
+    def _backward(ctx, x_BsH, weight_oH, grad_y_BSo, param):
         comm, s = ctx.comm, x_BsH.shape[1]
         need_dgrad = ctx.needs_input_grad[0]
         held, handle, incoming = x_BsH.contiguous(), None, None
         part: Optional[torch.Tensor] = None
         grad_w_oH: Optional[torch.Tensor] = None
         label = "column.bwd"
+        # Deferred (zero-bubble W): the ring still brings every x chunk (the dgrad partial sums
+        # travel with them); the (grad chunk, x chunk) pairs wait for the W action.
+        deferred = [] if comm.wgrad is not None and comm.wgrad.active else None
         for k in range(comm.size):
             if need_dgrad:
                 comm.mark(label, k, "gemm_start")
@@ -147,11 +159,16 @@ class ColumnParallelRingFn(torch.autograd.Function):
                 incoming, handle = ring_pass([held, part] if need_dgrad else [held], comm, label, k)
             else:
                 handle = None
-            comm.mark(label, k, "gemm_start")
             g_c = seq_chunk(grad_y_BSo, (comm.rank - k) % comm.size, s)
             g_2d, x_2d = g_c.reshape(-1, g_c.shape[-1]), held.reshape(-1, held.shape[-1])
+            if deferred is not None:
+                deferred.append((g_2d, x_2d))
+                continue
+            comm.mark(label, k, "gemm_start")
             grad_w_oH = _accumulate(grad_w_oH, g_2d, x_2d)
             comm.mark(label, k, "gemm_end")
+        if deferred is not None and not comm.defer_wgrad(param, lambda: _accumulate_all(deferred)):
+            grad_w_oH = _accumulate_all(deferred)
         grad_b_o = (grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
                     if ctx.has_bias else None)
         return part if need_dgrad else None, grad_w_oH, grad_b_o, None
@@ -164,6 +181,7 @@ class RowParallelRingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BSi, weight_Oi, comm: TPComm):
         ctx.comm = comm
+        ctx.param = weight_Oi  # W accumulates into the parameter (checkpointing unpacks an alias)
         ctx.dtype = dtype = compute_dtype(x_BSi)
         x_BSi = x_BSi.to(dtype)  # the partial sums travel the ring in the compute dtype
         ctx.save_for_backward(x_BSi, weight_Oi)
@@ -181,21 +199,28 @@ class RowParallelRingFn(torch.autograd.Function):
         x_BSi, weight_Oi = ctx.saved_tensors
         with no_autocast(x_BSi):
             return RowParallelRingFn._backward(ctx, x_BSi, weight_Oi.to(ctx.dtype),
-                                               grad_y_BsO.to(ctx.dtype))
+                                               grad_y_BsO.to(ctx.dtype), ctx.param)
 
     @staticmethod
-    def _backward(ctx, x_BSi, weight_Oi, grad_y_BsO):
+    def _backward(ctx, x_BSi, weight_Oi, grad_y_BsO, param):
         comm, s = ctx.comm, grad_y_BsO.shape[1]
         need_dgrad = ctx.needs_input_grad[0]
         grad_x_BSi = x_BSi.new_empty(x_BSi.shape) if need_dgrad else None
         acc: List[Optional[torch.Tensor]] = [None]
+        # Deferred (zero-bubble W): the arriving grad chunks are kept for the W action.
+        deferred = [] if comm.wgrad is not None and comm.wgrad.active else None
 
         def gemms(c, g_c):
             if need_dgrad:
                 seq_chunk(grad_x_BSi, c, s).copy_(g_c.matmul(weight_Oi))
             x_c = seq_chunk(x_BSi, c, s)
             g_2d, x_2d = g_c.reshape(-1, g_c.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
-            acc[0] = _accumulate(acc[0], g_2d, x_2d)
+            if deferred is not None:
+                deferred.append((g_2d, x_2d))
+            else:
+                acc[0] = _accumulate(acc[0], g_2d, x_2d)
 
         ring_all_gather_apply(grad_y_BsO, comm, gemms, "row.bwd")
+        if deferred is not None and not comm.defer_wgrad(param, lambda: _accumulate_all(deferred)):
+            acc[0] = _accumulate_all(deferred)
         return grad_x_BSi, acc[0], None

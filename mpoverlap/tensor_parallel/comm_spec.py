@@ -12,6 +12,9 @@ report to.
                         matmul rings of p2p steps (see collective_matmul.py).
     trace               debug: a list the ring steps append (label, step, event, time) to
                         (events: issue, wait, gemm_start, gemm_end; picotron's VERBOSE idea).
+    wgrad               the model's WeightGradDeferral (mpoverlap/wgrad) under a zero-bubble
+                        pipeline schedule, else None: inside its deferring region the
+                        backward queues the weight-gradient GEMM for the schedule's W action.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class TPComm:
     overlap: bool = False
     ledger: Optional[Any] = None
     trace: Optional[List[tuple]] = None
+    wgrad: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -50,6 +54,11 @@ class TPComm:
             self.ranks = tuple(int(r) for r in self.ranks)
             if len(self.ranks) != self.size:
                 raise ValueError(f"tp_ranks={list(self.ranks)} must list tp_size={self.size} ranks")
+
+    def defer_wgrad(self, param, compute) -> bool:
+        """Queue `compute` (param's weight gradient) for the W action if a deferring region
+        is active; False: the caller computes it now."""
+        return self.wgrad is not None and self.wgrad.defer(param, compute)
 
     @property
     def use_ring(self) -> bool:

@@ -26,6 +26,7 @@ from mpoverlap.tensor_parallel.comm_spec import make_comm
 from mpoverlap.tensor_parallel.linear_functions import column_parallel_linear, row_parallel_linear
 from mpoverlap.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel)
+from mpoverlap.wgrad.functions import embedding  # F.embedding unless a W deferral is attached
 
 
 def block_sizes(n: int, blocks) -> tuple:
@@ -165,11 +166,11 @@ class VocabParallelEmbedding(_TPModule):
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
-            x_BSH = nn.functional.embedding(tokens_BS, self.weight)
+            x_BSH = embedding(tokens_BS, self.weight, self.comm.wgrad)
         else:
             outside_BS = (tokens_BS < self.vocab_start) | (tokens_BS >= self.vocab_end)
             local_BS = (tokens_BS - self.vocab_start).masked_fill(outside_BS, 0)
-            x_BSH = nn.functional.embedding(local_BS, self.weight).masked_fill(outside_BS[..., None], 0.0)
+            x_BSH = embedding(local_BS, self.weight, self.comm.wgrad).masked_fill(outside_BS[..., None], 0.0)
         if self.comm.sequence_parallel:
             return reduce_scatter_to_sequence_parallel(x_BSH, self.comm)
         return reduce_from_tensor_parallel_region(x_BSH, self.comm)

@@ -16,6 +16,13 @@ same either way, so overlap on/off is bitwise identical on this path.
 
 With overlap=True, SP and tp >= 2 the functions in collective_matmul.py are used instead.
 
+Deferred weight gradients (a zero-bubble schedule, `comm.wgrad` inside its deferring region):
+the wgrad GEMM is queued for the schedule's W action (with the gathered x under SP, which the
+closure keeps alive until then), so the dgrad reduction has no GEMM left to run under in this
+backward: it is waited at the end of B, hidden only as far as the pipeline's other work on
+the other ranks hides it. The row-parallel GEMM (a plain op) goes through
+`mpoverlap.wgrad.linear` when a deferral is attached.
+
 Mixed precision: autocast does not reach inside a custom Function, so forward casts x, W and b
 to the compute dtype (`mpoverlap.precision.compute_dtype`: bf16 under autocast) itself, before
 the SP all-gather (activations travel in the compute dtype), and backward recasts W and the
@@ -45,6 +52,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_oH, bias_o, comm: TPComm):
         ctx.comm, ctx.has_bias = comm, bias_o is not None
+        ctx.param = weight_oH  # W accumulates into the parameter (checkpointing unpacks an alias)
         ctx.dtype = dtype = compute_dtype(x)
         x = x.to(dtype)  # before the all-gather: bf16 under autocast moves half the bytes
         # SP: the local chunk only, re-gathered in backward; W is recast there (not saved as a
@@ -59,10 +67,10 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         x, weight_oH = ctx.saved_tensors
         with no_autocast(x):
             return ColumnParallelLinearFn._backward(ctx, x, weight_oH.to(ctx.dtype),
-                                                    grad_y_BSo.to(ctx.dtype))
+                                                    grad_y_BSo.to(ctx.dtype), ctx.param)
 
     @staticmethod
-    def _backward(ctx, x, weight_oH, grad_y_BSo):
+    def _backward(ctx, x, weight_oH, grad_y_BSo, param):
         comm = ctx.comm
         need_dgrad = ctx.needs_input_grad[0]
         grad_y_BSo = grad_y_BSo.contiguous()
@@ -87,9 +95,11 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             if not comm.overlap:
                 _wait(reduce, comm, 1)
         total_x_BSH = gather.wait() if gather is not None else x
-        comm.mark(_BWD, 1, "gemm_start")
-        grad_w_oH = wgrad(grad_y_BSo, total_x_BSH)  # runs under the dgrad reduction
-        comm.mark(_BWD, 1, "gemm_end")
+        grad_w_oH = None
+        if not comm.defer_wgrad(param, lambda: wgrad(grad_y_BSo, total_x_BSH)):
+            comm.mark(_BWD, 1, "gemm_start")
+            grad_w_oH = wgrad(grad_y_BSo, total_x_BSH)  # runs under the dgrad reduction
+            comm.mark(_BWD, 1, "gemm_end")
         grad_b_o = (grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
                     if ctx.has_bias else None)
         grad_x = None
@@ -125,7 +135,12 @@ def row_parallel_linear(x_BSi: torch.Tensor, weight_Oi: torch.Tensor,
         from mpoverlap.tensor_parallel.collective_matmul import RowParallelRingFn
         y = RowParallelRingFn.apply(x_BSi, weight_Oi, comm)
     else:
-        partial = F.linear(x_BSi, weight_Oi)  # a plain op: autocast casts it
+        if comm.wgrad is not None:
+            from mpoverlap.wgrad import linear
+
+            partial = linear(x_BSi, weight_Oi, None, comm.wgrad)
+        else:
+            partial = F.linear(x_BSi, weight_Oi)  # a plain op: autocast casts it
         y = (reduce_scatter_to_sequence_parallel(partial, comm) if comm.sequence_parallel
              else reduce_from_tensor_parallel_region(partial, comm))
     return y if bias_O is None else y + bias_O

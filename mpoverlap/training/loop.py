@@ -202,7 +202,8 @@ class Trainer(Resumable):
         """The metrics row; `comm` holds per-step means over the steps since the last row."""
         moe = [layer.stats_since() for layer in self.moe_layers]
         moe_sums = {k: sum(st[k] for st in moe) for k in moe[0]} if moe else None
-        mine = (self.ledger.reset(per=steps_since_log), peak_memory_bytes(self.state.device), moe_sums)
+        bubble = (self.state.coords.pp, self.pipeline.take_bubble(steps_since_log)) if self.pipeline else None
+        mine = (self.ledger.reset(per=steps_since_log), peak_memory_bytes(self.state.device), moe_sums, bubble)
         gathered: List[Optional[tuple]] = [None] * self.state.world
         if self.state.world > 1:
             dist.all_gather_object(gathered, mine)
@@ -212,13 +213,17 @@ class Trainer(Resumable):
         tokens = t.global_batch_size * self.cfg.model.seq_length
         row = {"step": self.step, "loss": self._mean_over_replicas(out["loss_local"]), "lr": out["lr"],
                "grad_norm": out["grad_norm"], "step_time_s": out["step_time_s"],
-               "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _, _ in gathered]),
+               "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _, _, _ in gathered]),
                # Per rank, in rank order: RSS on CPU, max allocated on CUDA.
-               "peak_memory_bytes": [m for _, m, _ in gathered]}
+               "peak_memory_bytes": [m for _, m, _, _ in gathered]}
+        if self.pipeline is not None:
+            # Per pipeline stage: seconds per step blocked on a receive (mean over the stage's ranks).
+            per_stage = [[b for _, _, _, (s, b) in gathered if s == stage] for stage in range(self.pp)]
+            row["pp_bubble_s"] = [sum(v) / len(v) for v in per_stage]
         row.update(throughput(flops_per_token(self.cfg.model), tokens, out["step_time_s"], self.state.world,
                               bf16_peak_tflops(self.state.device)))
         if self.moe_layers:
-            row["moe"] = moe_summary([s for _, _, s in gathered if s is not None])
+            row["moe"] = moe_summary([s for _, _, s, _ in gathered if s is not None])
         return row
 
     @torch.no_grad()

@@ -108,8 +108,10 @@ class Progress:
         if not self.enabled:
             return
         mfu = f" MFU {row['mfu']:.1%}" if "mfu" in row else ""
+        bubble = (" pp bubble " + "/".join(f"{b * 1e3:.1f}" for b in row["pp_bubble_s"]) + "ms"
+                  if "pp_bubble_s" in row else "")
         text = (f"loss {row['loss']:.4f} lr {row['lr']:.2e} gnorm {row['grad_norm']:.3f} "
-                f"{row['tokens_per_s']:,.0f} tok/s{mfu} exposed comm: {format_comm(row['comm'])}")
+                f"{row['tokens_per_s']:,.0f} tok/s{mfu} exposed comm: {format_comm(row['comm'])}{bubble}")
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(row["step"] - self.bar.n)

@@ -65,7 +65,8 @@ class PipelineRunner:
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
                  ledger: Any, ddp: Any, split: Callable, autocast: Any,
                  comm_dtype: torch.dtype = torch.float32) -> None:
-        from mpoverlap.pipeline import PipelineExecutor, build_schedule, schedule_kind
+        from mpoverlap.pipeline import (PipelineExecutor, build_schedule, defers_weight_grads,
+                                        resolve_schedule)
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
         # Activations and their gradients cross stages in the compute dtype (bf16 under
@@ -79,14 +80,27 @@ class PipelineRunner:
             seq //= state.grid.tp
         self.hidden_shape = (cfg.train.micro_batch_size, seq, m.hidden_size)
         self.num_microbatches = num_microbatches
-        tables = build_schedule(schedule_kind(vpp), pp, vpp, num_microbatches)
+        self.schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
+        tables = build_schedule(self.schedule, pp, vpp, num_microbatches)
         self.inputs: List[tuple] = []
+        self.bubble_since_log = 0.0  # seconds this stage waited on receives (PipelineExecutor.bubble_s)
+        # Zero-bubble schedules: the chunks' linears defer their weight gradients to the W
+        # actions, and the data-parallel hooks learn which accumulate calls carry nothing.
+        weight_grads = None
+        if defers_weight_grads(self.schedule):
+            from mpoverlap.wgrad import WeightGradDeferral, attach_deferral
+
+            weight_grads = WeightGradDeferral()
+            for chunk in chunks:
+                attach_deferral(chunk, weight_grads)
+            ddp.weight_grads = weight_grads
         self.executor = PipelineExecutor(
             tables[self.stage], stage=self.stage, pp_ranks=list(state.ranks("pp")), group=state.group("pp"),
             overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=comm_dtype,
             device=state.device, forward_step=self._forward_step,
-            # A chunk's gradients are reduced over dp during its last backward of the step.
-            backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last))
+            # A chunk's gradients are reduced over dp during its last backward (B or W) of the step.
+            backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last),
+            weight_grads=weight_grads)
 
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
@@ -105,10 +119,16 @@ class PipelineRunner:
         global batch's mean on the last stage, 0 elsewhere)."""
         self.inputs = [self.split(mb) for mb in micro]
         losses = self.executor.run(len(micro))
+        self.bubble_since_log += self.executor.bubble_s
         total = torch.zeros((), device=self.state.device)
         for loss in losses:
             total += loss.detach()
         return total
+
+    def take_bubble(self, steps: int) -> float:
+        """This stage's mean bubble per step since the last call (seconds)."""
+        value, self.bubble_since_log = self.bubble_since_log / max(1, steps), 0.0
+        return value
 
     @torch.no_grad()
     def eval_microbatches(self, micro: List[torch.Tensor]) -> torch.Tensor:

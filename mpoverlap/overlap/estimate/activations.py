@@ -171,8 +171,8 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     stage 0 of a 96-layer pp 8, vpp 2 run (m >= 8) peaks at 23 chunks of 6 layers, 138
     layers, where 1F1B peaks at 8 microbatches of its 12 layers, 96 (Korthikanti's
     1 + (p-1)/(p v) factor)."""
-    from mpoverlap.pipeline import compute_orders, schedule_kind
-    from mpoverlap.pipeline.actions import FORWARD
+    from mpoverlap.pipeline import compute_orders, resolve_schedule
+    from mpoverlap.pipeline.actions import BACKWARD, FORWARD, WEIGHT
 
     mode = recompute_mode(cfg, recompute)
     per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch, mode) for k in range(lo.pp * lo.vpp)]
@@ -186,13 +186,16 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
         # One forward and its backward at a time (no pipeline): one microbatch alive.
         return [{"bytes": sum(per_chunk) + replay(0), "chunks_in_flight": lo.vpp,
                  "layers_in_flight": cfg.model.num_layers}]
-    orders = compute_orders(schedule_kind(lo.vpp), lo.pp, lo.vpp, micro)
+    orders = compute_orders(resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp), lo.pp, lo.vpp, micro)
     per = cfg.model.num_layers // (lo.pp * lo.vpp)
     out = []
     for stage, order in enumerate(orders):
+        # Zero bubble: a chunk's activations are counted until its W (the queued weight-gradient
+        # closures keep the linear inputs and output gradients; an upper bound).
+        frees = WEIGHT if any(kind == WEIGHT for kind, _, _ in order) else BACKWARD
         live = alive = peak = peak_alive = 0
         for kind, _mb, v in order:
-            sign = 1 if kind == FORWARD else -1
+            sign = 1 if kind == FORWARD else -1 if kind == frees else 0
             live += sign * per_chunk[v * lo.pp + stage]
             alive += sign
             if live > peak:

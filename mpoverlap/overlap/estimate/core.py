@@ -60,7 +60,7 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
     `conventions=Conventions.korthikanti()` counts activations as Korthikanti et al. 2022 do
     (16-bit, dropout, no flash) to compare with their Table 2."""
     from mpoverlap.models.gpt import flops_per_token
-    from mpoverlap.pipeline import bubble_fraction
+    from mpoverlap.pipeline import bubble_fraction, resolve_schedule
 
     lo = build_layout(cfg, world_size)
     m, t = cfg.model, cfg.train
@@ -90,7 +90,8 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
         layer_activation_bytes=layer_activation_bytes(cfg, lo, stage_layers(cfg, lo, 0)[0], conv,
                                                       t.micro_batch_size),
         model_flops_per_step=flops_per_token(m) * t.global_batch_size * m.seq_length,
-        bubble=bubble_fraction(lo.pp, lo.vpp, micro) if lo.pp > 1 else 0.0, conventions=conv,
+        bubble=(bubble_fraction(lo.pp, lo.vpp, micro, resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp))
+                if lo.pp > 1 else 0.0), conventions=conv,
         activations_by_recompute=by_recompute)
 
 

@@ -1,0 +1,127 @@
+"""Deferrable linear and embedding: the plain (non-tensor-parallel) projections of the model,
+the tied output head, the row-parallel GEMM and the experts run through these once a
+deferral is attached (`attach_deferral`); the tensor-parallel Functions defer in their own
+backward (linear_functions.py, collective_matmul.py) through `TPComm.wgrad`.
+
+    linear(x [..., in], weight [out, in], bias [out] | None, deferral) -> [..., out]
+    embedding(ids [...], weight [V, H], deferral) -> [..., H]
+
+With `deferral=None` these are F.linear / F.embedding (autograd's own backward, unchanged).
+With a deferral, backward computes the input gradient (and the bias gradient, a cheap sum
+that stays in B) and hands the weight gradient to `deferral.defer`; outside a deferring
+region it computes it at once.
+
+Mixed precision: autocast does not reach into a custom Function, so forward casts x, W and b
+to the compute dtype itself (as autocast would cast F.linear) and backward recasts W and the
+incoming gradient (see mpoverlap/precision.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
+
+
+def weight_grad_2d(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW [out, in] = sum over the leading dims of grad_y^T x."""
+    return grad_y.reshape(-1, grad_y.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+class DeferrableLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, deferral):
+        ctx.deferral, ctx.has_bias = deferral, bias is not None
+        # The parameter itself: under activation checkpointing the saved weight unpacks as a
+        # detached alias, which is not what the W action must accumulate into.
+        ctx.param = weight
+        ctx.dtype = dtype = compute_dtype(x)
+        x = x.to(dtype)
+        ctx.save_for_backward(x, weight)
+        with no_autocast(x):
+            return F.linear(x, weight.to(dtype), cast(bias, dtype))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        with no_autocast(x):
+            grad_y = grad_y.to(ctx.dtype)
+            grad_x = grad_y.matmul(weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
+            grad_w = None
+            if not ctx.deferral.defer(ctx.param, lambda: weight_grad_2d(grad_y, x)):
+                grad_w = weight_grad_2d(grad_y, x)
+            grad_b = (grad_y.reshape(-1, grad_y.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
+                      if ctx.has_bias else None)
+        return grad_x, grad_w, grad_b, None
+
+
+class DeferrableEmbeddingFn(torch.autograd.Function):
+    """The whole gradient of an embedding is its weight gradient: B does nothing, W scatters."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, deferral):
+        ctx.deferral, ctx.num_rows, ctx.param = deferral, weight.shape[0], weight
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        ids, _ = ctx.saved_tensors
+
+        def compute():  # autograd's own embedding backward (same summation order)
+            return torch.ops.aten.embedding_dense_backward(grad_y, ids, ctx.num_rows, -1, False)
+
+        return None, (None if ctx.deferral.defer(ctx.param, compute) else compute()), None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           deferral=None) -> torch.Tensor:
+    if deferral is None:
+        return F.linear(x, weight, bias)
+    return DeferrableLinearFn.apply(x, weight, bias, deferral)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, deferral=None) -> torch.Tensor:
+    if deferral is None:
+        return F.embedding(ids, weight)
+    return DeferrableEmbeddingFn.apply(ids, weight, deferral)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight gradient can be deferred (`wgrad`, set by attach_deferral)."""
+
+    wgrad = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.wgrad)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding (no padding_idx, max_norm, sparse) whose weight gradient can be deferred."""
+
+    wgrad = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.wgrad is None:
+            return super().forward(ids)
+        return embedding(ids, self.weight, self.wgrad)
+
+
+def attach_deferral(module: nn.Module, deferral) -> int:
+    """Hand `deferral` to every deferrable layer under `module` (Linear, Embedding, and the
+    tensor-parallel layers through their TPComm); returns how many got it. Layers that keep
+    their weight gradient in B: norms, the MoE router, biases."""
+    from mpoverlap.tensor_parallel.comm_spec import TPComm
+
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, (Linear, Embedding)):
+            sub.wgrad = deferral
+            count += 1
+        elif isinstance(getattr(sub, "comm", None), TPComm):
+            sub.comm.wgrad = deferral
+            count += 1
+    return count
