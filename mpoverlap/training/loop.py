@@ -71,14 +71,19 @@ class Trainer(Resumable):
         prefixed = len(self.chunks) > 1
         self.dp_names = {n: (n.split(".", 1)[1] if prefixed else n) for n, _ in self.model.named_parameters()}
         self.params_by_name = {self.dp_names[n]: p for n, p in self.model.named_parameters()}
-        self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()]
+        # Expert weights replicated over tp under SP (etp = 1) get partial gradients over tp too:
+        # their buckets reduce over tp x edp inside backward (RankGrid.expert_grad_kind), so they
+        # leave the flat SP reduction, which keeps the small replicated rest (norms, routers).
+        expert_kind = state.grid.expert_grad_kind(bool(cfg.parallel.sequence_parallel))
+        self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()
+                                         if not (expert_kind == "tp_edp" and getattr(p, "expert_parallel", False))]
         # The tied embedding lives on the first and the last stage: their gradients add up.
         self.tied_embedding = None
         if self.pp > 1 and cfg.model.tie_embeddings and state.group("embedding") is not None:
             self.tied_embedding = self.params_by_name.get("embedding.weight")
         self.sharding = resolve_level(t.dp_sharding, t.distributed_optimizer)
         self.ddp = DataParallel(
-            self.model, state, group_kind="dp_cp", overlap=self.overlap.dp.enabled,
+            self.model, state, group_kind="dp_cp", expert_group_kind=expert_kind, overlap=self.overlap.dp.enabled,
             bucket_mb=self.overlap.dp_bucket_mb, sharding=self.sharding,
             ledger=self.ledger, reduce_dtype=DTYPES[t.grad_reduce_dtype],
             units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,

@@ -18,10 +18,12 @@ from mpoverlap.parallel import ParallelState, RankGrid
 TRAINER_UNUSED_GROUPS = ("dp", "mp")
 
 
-def unused_group_kinds(router_spans_tp_and_cp: bool) -> tuple:
-    """The kinds the trainer does not create: TRAINER_UNUSED_GROUPS, and "tp_cp" unless the
-    MoE router's statistics need it (SP and CP both split the sequences)."""
-    return TRAINER_UNUSED_GROUPS + (() if router_spans_tp_and_cp else ("tp_cp",))
+def unused_group_kinds(router_spans_tp_and_cp: bool, expert_grads_span_tp: bool = False) -> tuple:
+    """The kinds the trainer does not create: TRAINER_UNUSED_GROUPS, "tp_cp" unless the
+    MoE router's statistics need it (SP and CP both split the sequences), and "tp_edp" unless
+    expert gradients are reduced over it (`RankGrid.expert_grad_kind`)."""
+    return (TRAINER_UNUSED_GROUPS + (() if router_spans_tp_and_cp else ("tp_cp",))
+            + (() if expert_grads_span_tp else ("tp_edp",)))
 
 
 def resolve_device(requested: str, world: Optional[int] = None) -> Tuple[torch.device, str]:
@@ -52,8 +54,9 @@ def init_distributed(cfg: Any) -> ParallelState:
     # The trainer reduces dense gradients over dp x cp ("dp_cp") and never talks over "dp"
     # alone or the model-parallel "mp" group: creating them would only cost communicators.
     # "tp_cp" carries only the MoE router's statistics when SP and CP both split sequences.
-    skip = unused_group_kinds(cfg.model.num_experts > 0 and lo.tp > 1 and lo.cp > 1
-                              and bool(cfg.parallel.sequence_parallel))
+    moe_sp = cfg.model.num_experts > 0 and bool(cfg.parallel.sequence_parallel)
+    skip = unused_group_kinds(moe_sp and lo.tp > 1 and lo.cp > 1,
+                              moe_sp and grid.expert_grad_kind(True) == "tp_edp")
     return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s), skip=skip)
 
 
