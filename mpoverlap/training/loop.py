@@ -74,7 +74,8 @@ class Trainer(Resumable):
         # Expert weights replicated over tp under SP (etp = 1) get partial gradients over tp too:
         # their buckets reduce over tp x edp inside backward (RankGrid.expert_grad_kind), so they
         # leave the flat SP reduction, which keeps the small replicated rest (norms, routers).
-        expert_kind = state.grid.expert_grad_kind(bool(cfg.parallel.sequence_parallel))
+        expert_kind = (state.grid.expert_grad_kind(bool(cfg.parallel.sequence_parallel)) if self.moe_layers
+                       else "edp")
         self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()
                                          if not (expert_kind == "tp_edp" and getattr(p, "expert_parallel", False))]
         # The tied embedding lives on the first and the last stage: their gradients add up.
