@@ -52,6 +52,14 @@ class CommLedger:
             on_complete()
         return self._waiters.submit(wait_all_works)
 
+    def close(self) -> None:
+        """Let the background waits still queued finish and stop the pool's threads (at the end
+        of a run, before its process groups are destroyed). A later wait_in_background makes a
+        new pool."""
+        if self._waiters is not None:
+            self._waiters.shutdown(wait=True)
+            self._waiters = None
+
     def record(self, handle) -> None:
         if self.recorder is not None:
             self.recorder(handle)

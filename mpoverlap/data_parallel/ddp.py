@@ -264,6 +264,18 @@ class DataParallel(ShardedGrads):
             h.remove()
         self._hooks.clear()
 
+    def close(self) -> None:
+        """Wait every collective still in flight and remove the hooks (end of a run). The
+        gradient hooks are bound methods that the parameters keep on their C++ side: a cycle
+        (parameter -> hook -> this wrapper -> buffer -> parameter) the garbage collector cannot
+        see, which kept the wrapper, its process groups and their gloo threads alive until
+        interpreter exit. Idempotent."""
+        self._wait_all()
+        if self.gatherer is not None:
+            self.gatherer.wait_pending()
+            self.gatherer.remove_hooks()
+        self.remove_hooks()
+
     # ---- internals -----------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         view = self.buffer.grad_view(param)

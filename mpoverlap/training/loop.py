@@ -35,7 +35,7 @@ from mpoverlap.training.preemption import PreemptionFlag
 from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
-from mpoverlap.training.setup import init_distributed, shared_run_dir
+from mpoverlap.training.setup import init_distributed, shared_run_dir, shutdown_distributed
 
 class NonFiniteError(FloatingPointError):
     """A NaN/Inf gradient with train.on_nonfinite=stop."""
@@ -134,6 +134,17 @@ class Trainer(Resumable):
         return (split_for_cp(tokens_BS, self.cp_rank, self.cp_size, seq_dim=1),
                 split_for_cp(targets_BS, self.cp_rank, self.cp_size, seq_dim=1),
                 positions_for_cp(S, self.cp_rank, self.cp_size, device=tokens_BS.device))
+
+    def close(self) -> None:
+        """End of the run: wait what is still in flight (a save, parameter gathers, gradient
+        reductions, the ledger's background waits) and remove the gradient hooks, the one link
+        to this trainer that Python's collector cannot see (DataParallel.close). Once the trainer
+        is unreachable, `shutdown_distributed` then frees its process groups, and joins their
+        threads, before interpreter exit. Idempotent."""
+        self.checkpointer.wait(raise_error=False)
+        self.optimizer.finish_param_sync()
+        self.ddp.close()
+        self.ledger.close()
 
     def train_step(self) -> Dict[str, Any]:
         t = self.cfg.train
@@ -315,10 +326,15 @@ class Trainer(Resumable):
 
 
 def run_worker(cfg: Any) -> Dict[str, Any]:
-    state = init_distributed(cfg)
     try:
-        run_dir = shared_run_dir(cfg)
-        return Trainer(cfg, state, run_dir).run()
+        return _train(cfg, init_distributed(cfg))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()  # the trainer and its groups are unreachable by now: freed here
+
+
+def _train(cfg: Any, state: ParallelState) -> Dict[str, Any]:
+    trainer = Trainer(cfg, state, shared_run_dir(cfg))
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
