@@ -334,7 +334,7 @@ def run_worker(cfg: Any) -> Dict[str, Any]:
 
 def _train(cfg: Any, state: ParallelState) -> Dict[str, Any]:
     trainer = Trainer(cfg, state, shared_run_dir(cfg))
-    try:
-        return trainer.run()
-    finally:
-        trainer.close()
+    result = trainer.run()
+    # Not on an error: waiting the collectives of a failed run could block until the timeout.
+    trainer.close()
+    return result
