@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 RUN_ARGS ?= parallel.dp=2 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true overlap.dp_bucket_mb=0.5 train.steps=200 train.log_interval=20 train.eval_interval=100 checkpoint.interval=100
 BENCH_ARGS ?=
 
-.PHONY: setup run test test-slurm bench clean
+.PHONY: setup run test test-slurm test-exits bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,10 @@ test: setup
 # slurm-wlm and munge with apt-get when missing): launch/slurm-testcluster.sh, tests/test_slurm.py.
 test-slurm: setup
 	MPOVERLAP_TEST_SLURM=1 $(VENV)/bin/pytest -q -rs tests/test_slurm.py
+
+# Back-to-back mpoverlap-train and bench runs, each must exit 0 without an abort (about 2 minutes).
+test-exits: setup
+	$(VENV)/bin/pytest -q -m exits tests/test_clean_exit.py
 
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)

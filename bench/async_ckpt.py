@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from bench.common import init_bench_worker, json_cli, spawn_ranks, stats
+from bench.common import close_trainers, init_bench_worker, json_cli, spawn_ranks, stats
 
 
 def add_args(p) -> None:
@@ -128,7 +128,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
                            "threads_per_rank": torch.get_num_threads(), "steps_per_cycle": steps_per_cycle}
         Path(args.json_tmp).write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    close_trainers([trainer])
 
 
 def _summarise(ranks: List[Dict[str, Any]], steps_per_cycle: int) -> Dict[str, Any]:

@@ -212,19 +212,27 @@ def init_bench_worker(rank: int, port: int, world: int = 2) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
 
 
-def _worker_then_exit(rank: int, worker: Callable, *args: Any) -> None:
-    """`worker(rank, *args)`, then leave at once when it returned. On 2026-11-24, 3 of 8 bench.run
-    runs lost a finished benchmark when a rank aborted after its worker had returned, its result
-    written and its process group destroyed: "terminate called without an active exception",
-    faulthandler showing no Python frame (a native thread at interpreter teardown; the thread
-    is not identified yet). Nothing is left to do by then, so the interpreter's teardown is
-    skipped; an exception inside the worker still fails the spawn as before."""
-    import sys
+def _worker_then_free(rank: int, worker: Callable, *args: Any) -> None:
+    """`worker(rank, *args)`, then free its process groups while the interpreter is alive
+    (shutdown_distributed: the worker closed its Trainers, and its frame, the last reference
+    to them, is gone). Before, their gloo threads lived to interpreter exit, and 3 of 8 bench.run
+    runs of 2026-11-24 lost a rank there: "terminate called without an active exception"
+    (issue 29, finding 8)."""
+    from mpoverlap.training.setup import shutdown_distributed
 
     worker(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    shutdown_distributed()
+
+
+def close_trainers(trainers) -> None:
+    """The end of a bench worker (its `finally`): close every mpoverlap Trainer it built
+    (Trainer.close) and destroy the process groups."""
+    import torch.distributed as dist
+
+    for trainer in trainers:
+        trainer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn_ranks(worker: Callable, args, prefix: str) -> Tuple[Dict[str, Any], float]:
@@ -236,7 +244,7 @@ def spawn_ranks(worker: Callable, args, prefix: str) -> Tuple[Dict[str, Any], fl
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         args.json_tmp = str(Path(tmp) / "result.json")
         t0 = time.perf_counter()
-        mp.start_processes(_worker_then_exit, args=(worker, free_port(), args, tmp), nprocs=2, start_method="spawn",
+        mp.start_processes(_worker_then_free, args=(worker, free_port(), args, tmp), nprocs=2, start_method="spawn",
                            join=True)
         return json.loads(Path(args.json_tmp).read_text()), t0
 

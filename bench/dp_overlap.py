@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from bench.common import add_block_args, adamw_groups, block_clocks, block_figures, gathered_foreign_cores, \
-    init_bench_worker, json_cli, log_round, rounds_done, spawn_ranks, stats, step_with_lr
+    close_trainers, init_bench_worker, json_cli, log_round, rounds_done, spawn_ranks, stats, step_with_lr
 
 VARIANTS = {
     "mpo_overlap": ["overlap.dp=true", "train.distributed_optimizer=false"],
@@ -162,9 +162,9 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
 
+    trainers: Dict[str, Any] = {}
     try:
         base = _base_overrides(args)
-        trainers: Dict[str, Any] = {}
         recorders: Dict[str, SpanRecorder] = {}
         state = None
         for name, extra in VARIANTS.items():
@@ -260,7 +260,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             res = summarize(gathered, order, args)
             Path(args.json_tmp).write_text(json.dumps(res, indent=2))
     finally:
-        dist.destroy_process_group()
+        close_trainers(trainers.values())
 
 
 def _variant_summary(name: str, blocks0: List[dict], blocks1: List[dict], per_rank, args_block: int) -> Dict[str, Any]:

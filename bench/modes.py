@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench.common import add_block_args, adamw_groups, init_bench_worker, json_cli, rotating_blocks, spawn_ranks, \
+from bench.common import add_block_args, adamw_groups, close_trainers, init_bench_worker, json_cli, rotating_blocks, spawn_ranks, \
     stats, plain_microbatches, step_with_lr
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
@@ -318,9 +318,9 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
 
+    sides: Dict[str, Any] = {}
     try:
         spec = scenario_overrides(args)
-        sides: Dict[str, Any] = {}
         state, any_cfg, any_trainer = None, None, None
         for name, extra in spec["variants"].items():
             if extra is None:
@@ -374,7 +374,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
                     res["model_rate_probe"].update({n: row for n in names})
             Path(args.json_tmp).write_text(json.dumps(res, indent=2))
     finally:
-        dist.destroy_process_group()
+        close_trainers(side.t for side in sides.values() if isinstance(side, MpoSide))
 
 
 def _summary(b0: List[dict], b1: List[dict], block: int) -> Dict[str, Any]:

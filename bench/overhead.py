@@ -86,6 +86,7 @@ def run(args) -> Dict[str, Any]:
     if owns_pg:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1, timeout=timedelta(seconds=120))
+    trainer, sides = None, None
     try:
         with tempfile.TemporaryDirectory(prefix="mpo-bench-overhead-") as tmp:
             cfg = compose(_overrides(args) + [f"run.dir={tmp}"])
@@ -166,8 +167,13 @@ def run(args) -> Dict[str, Any]:
                 "max_loss_diff_first5": max(diffs[:5]), "max_loss_diff": max(diffs), "steps_compared": n,
             }
     finally:
-        if owns_pg and dist.is_initialized():
-            dist.destroy_process_group()
+        if trainer is not None:
+            trainer.close()
+        if owns_pg:
+            from mpoverlap.training.setup import shutdown_distributed
+
+            del trainer, sides
+            shutdown_distributed()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

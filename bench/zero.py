@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from bench.common import (adamw_groups, add_block_args, init_bench_worker, json_cli, rotating_blocks, spawn_ranks,
+from bench.common import (adamw_groups, add_block_args, close_trainers, init_bench_worker, json_cli, rotating_blocks, spawn_ranks,
                           stats, step_with_lr)
 
 MPO = {"zero3_prefetch": ["overlap.dp=true", "overlap.dp_prefetch=1"],
@@ -152,8 +152,8 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
 
+    sides: Dict[str, Any] = {}
     try:
-        sides: Dict[str, Any] = {}
         state = None
         for name, extra in MPO.items():
             cfg = compose(_base(args) + extra + [f"run.dir={tmp}/{name}"])
@@ -176,7 +176,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
         if rank == 0:
             Path(args.json_tmp).write_text(json.dumps(summarize(gathered, list(sides), notes), indent=2))
     finally:
-        dist.destroy_process_group()
+        close_trainers(side.trainer for side in sides.values() if isinstance(side, MpoSide))
 
 
 def summarize(per_rank: List[Dict[str, Any]], order: List[str], notes: Dict[str, str]) -> Dict[str, Any]:

@@ -156,9 +156,10 @@ def _estimate(name):
 
 
 def test_expert_tp_and_dispatch_bytes_match_the_estimate(runs):
-    """What etp adds to the tp traffic (gathers and reductions of the group's tokens, minus the
-    expert gradients SP no longer sums over tp) and the ep dispatch of the tp group's tokens:
-    the ledger's bytes equal mpoverlap-check's estimate."""
+    """What etp adds to the tp traffic (gathers and reductions of the group's tokens; neither
+    layout sums expert gradients over tp: with etp 1 the dp buckets reduce them over tp x edp)
+    and the ep dispatch of the tp group's tokens: the ledger's bytes equal mpoverlap-check's
+    estimate."""
     measured = runs["etp2_sp"][-1]["comm"]["tp"]["bytes"] - runs["tp2_sp"][-1]["comm"]["tp"]["bytes"]
     est = _estimate("etp2_sp")["tp"] - _estimate("tp2_sp")["tp"]
     assert measured == pytest.approx(est, rel=1e-3)

@@ -30,7 +30,7 @@ def test_partitions_and_coords(grid):
         c = grid.coords(rank)
         assert grid.rank(c.tp, c.cp, c.dp, c.pp) == rank
     sizes = {"tp": grid.tp, "cp": grid.cp, "tp_cp": grid.tp * grid.cp, "dp": grid.dp, "dp_cp": grid.dp * grid.cp, "pp": grid.pp,
-             "ep": grid.ep, "edp": grid.edp, "mp": grid.tp * grid.pp}
+             "ep": grid.ep, "edp": grid.edp, "tp_edp": grid.tp * grid.edp, "mp": grid.tp * grid.pp}
     for kind in GROUP_KINDS:
         groups = grid.groups(kind)
         flat = sorted(r for g in groups for r in g)
@@ -55,6 +55,12 @@ def test_partitions_and_coords(grid):
         cs = [grid.coords(r) for r in g]
         assert len({(c.dp, c.pp) for c in cs}) == 1
         assert sorted((c.tp, c.cp) for c in cs) == [(t, c) for t in range(grid.tp) for c in range(grid.cp)]
+    # tp_edp: the ranks holding the same experts when they are replicated over tp (one ep rank
+    # and stage, every tp and edp rank).
+    for g in grid.groups("tp_edp"):
+        cs = [grid.coords(r) for r in g]
+        assert len({(c.ep, c.pp) for c in cs}) == 1
+        assert sorted((c.tp, c.edp) for c in cs) == [(t, k) for t in range(grid.tp) for k in range(grid.edp)]
     # ep x edp tiles exactly the dp x cp ranks of one (tp, pp) slice.
     for g in grid.groups("dp_cp"):
         eps = {r: frozenset(grid.group_of("ep", r)) for r in g}
@@ -71,6 +77,13 @@ def test_megatron_order_example():
     assert g.group_of("dp_cp", 0) == [0, 2, 4, 6]
     assert g.group_of("ep", 0) == [0, 2] and g.group_of("edp", 0) == [0, 4]
     assert g.group_of("embedding", 0) == [0, 8]
+
+
+def test_expert_gradients_span_tp_only_when_replicated_over_tp_under_sp():
+    assert RankGrid(tp=2, dp=2).expert_grad_kind(sequence_parallel=True) == "tp_edp"
+    assert RankGrid(tp=2, dp=2).expert_grad_kind(sequence_parallel=False) == "edp"  # each tp rank sees every token
+    assert RankGrid(tp=2, dp=2, etp=2).expert_grad_kind(sequence_parallel=True) == "edp"  # split, not replicated
+    assert RankGrid(dp=2).expert_grad_kind(sequence_parallel=True) == "edp"
 
 
 def test_invalid_grid_raises():

@@ -11,11 +11,13 @@ checkpoint does not depend on the layout that wrote it:
     optimizer.step                the step count (an int)
 
 Who writes what (each element once, by the rank that holds it; nothing is gathered):
-- each bucket is split over its reduction group (dp x cp, or edp for experts): under ZeRO-1/2/3
-  a rank writes its optimizer shard, without sharding an even split of the bucket;
+- each bucket is split over its reduction group (dp x cp, or edp for experts, tp x edp for
+  experts replicated over tp under SP): under ZeRO-1/2/3 a rank writes its optimizer shard,
+  without sharding an even split of the bucket;
 - a parameter replicated over tensor parallelism (norms, biases of row-parallel layers,
-  experts with etp = 1) is written by tp rank 0 alone, a tensor-parallel one by every tp rank
-  (its slice, placed by `Partition`);
+  experts with etp = 1) is written by tp rank 0 alone, unless its bucket's group spans the tp
+  ranks (then each writes its own split); a tensor-parallel one by every tp rank (its slice,
+  placed by `Partition`);
 - the tied embedding's second copy on the last pipeline stage is not written (the first
   stage's copy is the same tensor).
 
@@ -73,10 +75,10 @@ def _write_range(ddp, b: int) -> Tuple[int, int]:
     return lo, min(bucket.offset + bucket.numel, lo + per)
 
 
-def _writes(p: nn.Parameter, tp_rank: int) -> bool:
+def _writes(p: nn.Parameter, tp_rank: int, group_spans_tp: bool) -> bool:
     if getattr(p, "pipeline_duplicate", False):
         return False
-    return tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False))
+    return tp_rank == 0 or group_spans_tp or bool(getattr(p, "tensor_model_parallel", False))
 
 
 class TrainStateChunks:
@@ -113,7 +115,7 @@ class TrainStateChunks:
             for p in bucket.params:
                 start, end, _ = buf.index[p]
                 lo, hi = max(start, w_lo), min(end, w_hi)
-                if lo >= hi or not _writes(p, self.tp_rank):
+                if lo >= hi or not _writes(p, self.tp_rank, self.ddp.bucket_group(bucket.index).spans_tp):
                     continue
                 name = self._name(p)
                 params[name] = p

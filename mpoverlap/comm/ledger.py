@@ -118,6 +118,14 @@ class CommLedger:
             handle.site = issuing_site()
             self._open[id(handle)] = handle
 
+    def close(self) -> None:
+        """Let the background waits still queued finish and stop the pool's threads (at the end
+        of a run, before its process groups are destroyed). A later wait_in_background makes a
+        new pool."""
+        if self._waiters is not None:
+            self._waiters.shutdown(wait=True)
+            self._waiters = None
+
     def record(self, handle) -> None:
         self._open.pop(id(handle), None)
         if self.recorder is not None:

@@ -16,7 +16,10 @@ Expert weights (parameters marked `expert_parallel`) sit in buckets of their own
 over the expert-data-parallel group (`expert_group_kind`, ranks holding the same experts)
 instead of dp x cp. Each expert's local gradient already sums the contributions of every
 expert-parallel peer's tokens (the dispatch backward brought them), so the sum over edp
-covers all dp x cp ranks and is divided by the dp x cp size, like a dense bucket.
+covers all dp x cp ranks and is divided by the dp x cp size, like a dense bucket. With
+experts replicated over tp under sequence parallelism the group is tp x edp (`tp_edp`): the
+sum over it also adds the tp ranks' partial gradients (each routed S/tp positions), and the
+division stays by dp x cp.
 
 Reduction dtype (`train.grad_reduce_dtype`): gradients always accumulate in the fp32 buffer.
 With `reduce_dtype=torch.bfloat16` a bucket is averaged in fp32, copied into a bf16 scratch of
@@ -75,6 +78,7 @@ class ReduceGroup:
     group: Any
     size: int
     rank: int
+    spans_tp: bool = False  # members on several tp ranks (tp_edp): each holds a distinct shard
 
 
 def expert_key(param: nn.Parameter) -> str:
@@ -163,7 +167,8 @@ class DataParallel(ShardedGrads):
         if (group is None) != (len(ranks) == 1):
             raise RuntimeError(f"{kind!r} group object does not match its size {len(ranks)}")
         # Groups are built from sorted rank lists, so the group rank is the position in it.
-        return ReduceGroup(kind, group, len(ranks), ranks.index(state.rank))
+        spans_tp = len({state.grid.coords(r).tp for r in ranks}) > 1
+        return ReduceGroup(kind, group, len(ranks), ranks.index(state.rank), spans_tp)
 
     def bucket_group(self, bucket_index: int) -> ReduceGroup:
         """The group bucket `bucket_index` is reduced (and sharded) over."""
@@ -265,6 +270,18 @@ class DataParallel(ShardedGrads):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def close(self) -> None:
+        """Wait every collective still in flight and remove the hooks (end of a run). The
+        gradient hooks are bound methods that the parameters keep on their C++ side: a cycle
+        (parameter -> hook -> this wrapper -> buffer -> parameter) the garbage collector cannot
+        see, which kept the wrapper, its process groups and their gloo threads alive until
+        interpreter exit. Idempotent."""
+        self._wait_all()
+        if self.gatherer is not None:
+            self.gatherer.wait_pending()
+            self.gatherer.remove_hooks()
+        self.remove_hooks()
 
     # ---- internals -----------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:

@@ -163,8 +163,7 @@ class UnitGatherer:
         for b, sharded in enumerate(self.sharded):
             if sharded:
                 self._gather(b)
-        for b in list(self._pending):
-            self._wait(b)
+        self.wait_pending()
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -174,6 +173,11 @@ class UnitGatherer:
             if sharded and is_allocated(bucket.param_data):
                 lo, hi = self.ddp.shard_range(b)
                 self.ddp.param_shard(b).copy_(bucket.param_data[lo - bucket.offset:hi - bucket.offset])
+
+    def wait_pending(self) -> None:
+        """Wait every gather still in flight (prefetched units nobody used yet)."""
+        for b in list(self._pending):
+            self._wait(b)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

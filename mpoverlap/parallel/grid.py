@@ -14,13 +14,20 @@ tp group itself (kind `etp` lists those groups; one-rank groups when etp = 1), s
 edp groups, which never mix tp ranks, stay as above: world = etp x ep x edp x pp x (tp / etp),
 and an expert weight's gradient is reduced over edp = world / (ep * tp * pp) ranks holding the
 same slice of the same experts. No process group of its own: the layers use the tp group.
+
+With etp = 1 under sequence parallelism every tp rank holds the same whole experts but routes
+only its S/tp positions, so an expert's gradient is partial over tp as well as over edp. Kind
+`tp_edp` (Megatron's expert-data-parallel group when etp = 1: world / (ep x etp x pp) ranks)
+lists the tp x edp ranks holding the same experts; the trainer reduces those gradients over it
+in its overlapped data-parallel buckets (`expert_grad_kind`) instead of summing them over tp in
+a flat buffer after backward.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, List
 
-GROUP_KINDS = ("tp", "cp", "tp_cp", "dp", "dp_cp", "pp", "ep", "edp", "mp", "embedding")
+GROUP_KINDS = ("tp", "cp", "tp_cp", "dp", "dp_cp", "pp", "ep", "edp", "tp_edp", "mp", "embedding")
 # Kinds the grid describes whose communicators are another kind's (etp: the tp group).
 ALIAS_KINDS = ("etp",)
 
@@ -64,6 +71,12 @@ class RankGrid:
     @property
     def edp(self) -> int:
         return self.dp * self.cp // self.ep
+
+    def expert_grad_kind(self, sequence_parallel: bool) -> str:
+        """The group kind expert weights' gradients are reduced (and, under ZeRO, sharded) over:
+        `tp_edp` when they are partial over tp (etp = 1, tp > 1, sequence parallelism: each tp
+        rank routed only its S/tp positions through the same whole experts), else `edp`."""
+        return "tp_edp" if self.tp > 1 and self.etp == 1 and sequence_parallel else "edp"
 
     def rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
@@ -113,6 +126,11 @@ class RankGrid:
             out = [
                 [self._rank_from_c(t, e + E * k, p) for k in range(self.edp)]
                 for p in range(P) for t in range(T) for e in range(E)
+            ]
+        elif kind == "tp_edp":
+            out = [
+                [self._rank_from_c(t, e + E * k, p) for k in range(self.edp) for t in range(T)]
+                for p in range(P) for e in range(E)
             ]
         elif kind == "mp":
             out = [

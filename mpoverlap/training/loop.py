@@ -36,7 +36,7 @@ from mpoverlap.training.preemption import PREEMPTED_MARKER, PreemptionFlag
 from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
-from mpoverlap.training.setup import init_distributed, shared_run_dir
+from mpoverlap.training.setup import init_distributed, shared_run_dir, shutdown_distributed
 
 class NonFiniteError(FloatingPointError):
     """A NaN/Inf gradient with train.on_nonfinite=stop."""
@@ -72,14 +72,20 @@ class Trainer(Resumable):
         prefixed = len(self.chunks) > 1
         self.dp_names = {n: (n.split(".", 1)[1] if prefixed else n) for n, _ in self.model.named_parameters()}
         self.params_by_name = {self.dp_names[n]: p for n, p in self.model.named_parameters()}
-        self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()]
+        # Expert weights replicated over tp under SP (etp = 1) get partial gradients over tp too:
+        # their buckets reduce over tp x edp inside backward (RankGrid.expert_grad_kind), so they
+        # leave the flat SP reduction, which keeps the small replicated rest (norms, routers).
+        expert_kind = (state.grid.expert_grad_kind(bool(cfg.parallel.sequence_parallel)) if self.moe_layers
+                       else "edp")
+        self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()
+                                         if not (expert_kind == "tp_edp" and getattr(p, "expert_parallel", False))]
         # The tied embedding lives on the first and the last stage: their gradients add up.
         self.tied_embedding = None
         if self.pp > 1 and cfg.model.tie_embeddings and state.group("embedding") is not None:
             self.tied_embedding = self.params_by_name.get("embedding.weight")
         self.sharding = resolve_level(t.dp_sharding, t.distributed_optimizer)
         self.ddp = DataParallel(
-            self.model, state, group_kind="dp_cp", overlap=self.overlap.dp.enabled,
+            self.model, state, group_kind="dp_cp", expert_group_kind=expert_kind, overlap=self.overlap.dp.enabled,
             bucket_mb=self.overlap.dp_bucket_mb, sharding=self.sharding,
             ledger=self.ledger, reduce_dtype=DTYPES[t.grad_reduce_dtype],
             units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,
@@ -129,6 +135,17 @@ class Trainer(Resumable):
         return (split_for_cp(tokens_BS, self.cp_rank, self.cp_size, seq_dim=1),
                 split_for_cp(targets_BS, self.cp_rank, self.cp_size, seq_dim=1),
                 positions_for_cp(S, self.cp_rank, self.cp_size, device=tokens_BS.device))
+
+    def close(self) -> None:
+        """End of the run: wait what is still in flight (a save, parameter gathers, gradient
+        reductions, the ledger's background waits) and remove the gradient hooks, the one link
+        to this trainer that Python's collector cannot see (DataParallel.close). Once the trainer
+        is unreachable, `shutdown_distributed` then frees its process groups, and joins their
+        threads, before interpreter exit. Idempotent."""
+        self.checkpointer.wait(raise_error=False)
+        self.optimizer.finish_param_sync()
+        self.ddp.close()
+        self.ledger.close()
 
     def train_step(self) -> Dict[str, Any]:
         t = self.cfg.train
@@ -322,15 +339,22 @@ class Trainer(Resumable):
 
 
 def run_worker(cfg: Any) -> Dict[str, Any]:
-    state = init_distributed(cfg)
+    state = None
     try:
-        run_dir = shared_run_dir(cfg)
-        return Trainer(cfg, state, run_dir).run()
+        state = init_distributed(cfg)
+        return _train(cfg, state)
     except RuntimeError as err:
-        lost = lost_peer(err, state.hosts, state.rank)
+        lost = lost_peer(err, state.hosts, state.rank) if state is not None else None
         if lost is None:
             raise
         raise lost from err
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()  # the trainer and its groups are unreachable by now: freed here
+
+
+def _train(cfg: Any, state: ParallelState) -> Dict[str, Any]:
+    trainer = Trainer(cfg, state, shared_run_dir(cfg))
+    result = trainer.run()
+    # Not on an error: waiting the collectives of a failed run could block until the timeout.
+    trainer.close()
+    return result

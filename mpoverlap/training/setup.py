@@ -1,6 +1,7 @@
 """Per-process start-up: device, process group, ParallelState, run directory."""
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -18,10 +19,12 @@ from mpoverlap.parallel import ParallelState, RankGrid
 TRAINER_UNUSED_GROUPS = ("dp", "mp")
 
 
-def unused_group_kinds(router_spans_tp_and_cp: bool) -> tuple:
-    """The kinds the trainer does not create: TRAINER_UNUSED_GROUPS, and "tp_cp" unless the
-    MoE router's statistics need it (SP and CP both split the sequences)."""
-    return TRAINER_UNUSED_GROUPS + (() if router_spans_tp_and_cp else ("tp_cp",))
+def unused_group_kinds(router_spans_tp_and_cp: bool, expert_grads_span_tp: bool = False) -> tuple:
+    """The kinds the trainer does not create: TRAINER_UNUSED_GROUPS, "tp_cp" unless the
+    MoE router's statistics need it (SP and CP both split the sequences), and "tp_edp" unless
+    expert gradients are reduced over it (`RankGrid.expert_grad_kind`)."""
+    return (TRAINER_UNUSED_GROUPS + (() if router_spans_tp_and_cp else ("tp_cp",))
+            + (() if expert_grads_span_tp else ("tp_edp",)))
 
 
 def resolve_device(requested: str, world: Optional[int] = None) -> Tuple[torch.device, str]:
@@ -52,9 +55,24 @@ def init_distributed(cfg: Any) -> ParallelState:
     # The trainer reduces dense gradients over dp x cp ("dp_cp") and never talks over "dp"
     # alone or the model-parallel "mp" group: creating them would only cost communicators.
     # "tp_cp" carries only the MoE router's statistics when SP and CP both split sequences.
-    skip = unused_group_kinds(cfg.model.num_experts > 0 and lo.tp > 1 and lo.cp > 1
-                              and bool(cfg.parallel.sequence_parallel))
+    moe_sp = cfg.model.num_experts > 0 and bool(cfg.parallel.sequence_parallel)
+    skip = unused_group_kinds(moe_sp and lo.tp > 1 and lo.cp > 1,
+                              moe_sp and grid.expert_grad_kind(True) == "tp_edp")
     return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s), skip=skip)
+
+
+def shutdown_distributed() -> None:
+    """Destroy every process group, then free them while the interpreter is fully alive.
+    `destroy_process_group` only forgets the groups; each one's gloo threads (and the store's)
+    end when the last reference to it goes. Call it after every Trainer of the process was
+    closed (Trainer.close breaks the cycles Python's collector cannot see) and dropped: the
+    collection here frees the rest of their reference cycles, so every group is destroyed, its
+    threads joined, before interpreter exit. Left to interpreter exit, a gloo thread can need
+    the GIL of a finalizing interpreter, which ends it inside a destructor: "terminate called
+    without an active exception" (issue 29, finding 8)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def shared_run_dir(cfg: Any) -> Path:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from mpoverlap.models.init import head_dim_of, padded_vocab_size, query_groups
-from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer, layer_params,
+from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer,
                                                moe_dense_unsplit, norm_params, stage_layers)
-from mpoverlap.overlap.estimate.sharding import dp_ops
+from mpoverlap.overlap.estimate.sharding import dp_ops, expert_group_size
 from mpoverlap.overlap.layout import Layout
 
 PARAM_BYTES = 4  # gradients are reduced in fp32
@@ -54,11 +54,11 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
     here = stage_layers(cfg, lo, busiest)
     moe_here = sum(is_moe_layer(m, i) for i in here)
     ops: List[Op] = []
-    if replicas > 1:
+    if replicas > 1 or expert_group_size(cfg, lo) > 1:
         # All-reduce, or (train.dp_sharding) reduce-scatter the gradients and all-gather the
         # parameters (sharding.py). Dense weights over dp x cp; expert weights over
-        # edp = dp x cp / ep (none when 1). Gradients travel in train.grad_reduce_dtype; the
-        # parameter gathers stay fp32.
+        # edp = dp x cp / ep, or tp x edp when replicated over tp under SP (none when 1).
+        # Gradients travel in train.grad_reduce_dtype; the parameter gathers stay fp32.
         grad_bytes = 2 if getattr(t, "grad_reduce_dtype", "fp32") == "bf16" else PARAM_BYTES
         ops += dp_ops(cfg, lo, params, expert_params, grad_bytes)
     if lo.tp > 1:
@@ -76,10 +76,9 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         if p.sequence_parallel:
             ops += [("tp", "all_gather", nbytes / 2, lo.tp), ("tp", "reduce_scatter", nbytes / 2, lo.tp)]
             # Parameters not split over TP saw only S/tp positions: their gradients are summed
-            # over TP once per step (norms, and the MoE layers' routers and experts).
-            # Experts split over etp are not among them.
-            unsplit = sum(2 * norm_params(m) + ((layer_params(cfg, lo, i)[1] if etp_size(cfg) == 1 else 0)
-                                                + moe_dense_unsplit(m) if is_moe_layer(m, i) else 0)
+            # over TP once per step (norms, and the MoE layers' routers). Experts are not among
+            # them: split over etp, or reduced over tp x edp in the dp buckets (dp_ops).
+            unsplit = sum(2 * norm_params(m) + (moe_dense_unsplit(m) if is_moe_layer(m, i) else 0)
                           for i in here)
             ops.append(("tp", "all_reduce", unsplit * PARAM_BYTES, lo.tp))
         else:

@@ -2,7 +2,8 @@
 (`train.dp_sharding`, see mpoverlap/data_parallel/levels.py). Pure arithmetic on the config.
 
 A rank of a stage holding n parameters (n_e of them expert weights) shards dense state over
-g = dp x cp ranks and expert state over g_e = g / ep (fp32 everywhere, B = 4 bytes):
+g = dp x cp ranks and expert state over g_e = g / ep, times tp when the experts are replicated
+over tp under sequence parallelism (`expert_group_size`) (fp32 everywhere, B = 4 bytes):
 
     level               params                grads                 optimizer (AdamW: 2 moments)
     none                B n                   B n                   2 B n
@@ -28,17 +29,19 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from mpoverlap.models.init import padded_vocab_size
-from mpoverlap.overlap.estimate.params import layer_params, norm_params, stage_layers
+from mpoverlap.overlap.estimate.params import etp_size, layer_params, norm_params, stage_layers
 from mpoverlap.overlap.layout import Layout
 
 BYTES = 4
 
 
 def level_of(cfg: Any, lo: Layout) -> str:
-    """The sharding level in effect: `none` with a single replica (nothing to shard over)."""
+    """The sharding level in effect: `none` with a single replica (nothing to shard over),
+    unless expert weights are reduced over tp x edp (`expert_group_size`)."""
     from mpoverlap.overlap.dp_rules import sharding_level
 
-    return sharding_level(cfg) if lo.dp * lo.cp > 1 else "none"
+    experts_shard = cfg.model.num_experts > 0 and expert_group_size(cfg, lo) > 1
+    return sharding_level(cfg) if lo.dp * lo.cp > 1 or experts_shard else "none"
 
 
 def embedding_params(cfg: Any, lo: Layout) -> int:
@@ -63,6 +66,15 @@ def unit_params(cfg: Any, lo: Layout, stage: int) -> List[int]:
     return units
 
 
+def expert_group_size(cfg: Any, lo: Layout) -> int:
+    """The ranks expert gradients are reduced (and expert state sharded) over: edp = dp x cp / ep,
+    or tp x edp when the experts are replicated over tp (etp = 1) under sequence parallelism,
+    where each tp rank's gradient is partial (RankGrid.expert_grad_kind)."""
+    edp = max(1, lo.dp * lo.cp // lo.ep)
+    spans_tp = lo.tp > 1 and etp_size(cfg) == 1 and bool(cfg.parallel.sequence_parallel)
+    return edp * (lo.tp if spans_tp else 1)
+
+
 def gathered_working_set(cfg: Any, lo: Layout, stage: int, n: int) -> int:
     """U in bytes (see the module doc)."""
     if not bool(cfg.train.reshard_after_forward):
@@ -80,7 +92,7 @@ def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[s
     `gathered` (U, included in params) under ZeRO-3."""
     level = level_of(cfg, lo)
     g = lo.dp * lo.cp
-    g_e = max(1, g // lo.ep)
+    g_e = expert_group_size(cfg, lo)
     shard = (n - n_exp) // g + n_exp // g_e
     sharded = lambda on: shard if on else n  # noqa: E731
     gathered = gathered_working_set(cfg, lo, stage, n) if level == "optim_grads_params" else 0
@@ -95,10 +107,11 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: in
     size) tuples, as comm.comm_ops lists them)."""
     level = level_of(cfg, lo)
     replicas = lo.dp * lo.cp
-    edp = replicas // lo.ep
+    n_e = expert_group_size(cfg, lo)
     micro = lo.num_microbatches or 1
     ops = []
-    for n, count in ((replicas, params - expert_params), (edp, expert_params if edp > 1 else 0)):
+    for n, count, dense in ((replicas, params - expert_params if replicas > 1 else 0, True),
+                            (n_e, expert_params if n_e > 1 else 0, False)):
         if not count:
             continue
         if level == "none":
@@ -111,7 +124,7 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: in
             continue
         resharded = bool(cfg.train.reshard_after_forward)
         gathers = micro * (2 if resharded else 1) * count
-        if resharded and n == replicas and tied_on_one_chunk(cfg, lo):
+        if resharded and dense and tied_on_one_chunk(cfg, lo):
             gathers += micro * embedding_params(cfg, lo)
         ops.append(("dp", "all_gather", gathers * BYTES, n))
     return ops
