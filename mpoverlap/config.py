@@ -73,6 +73,9 @@ class ParallelConfig:
     dp: Any = "auto"  # int, or auto = world / (tp x pp x cp)
     sequence_parallel: bool = False
     cp_comm: str = "p2p"  # p2p (ring attention) | a2a (Ulysses all-to-all)
+    # The kernel of each CP attention block: auto (fused where one takes the device and dtype,
+    # explicit math otherwise) | fused (required) | explicit (fp32 math by hand) | cudnn (CUDA).
+    cp_attention_backend: str = "auto"
     # Total ranks, for dp=auto outside torchrun (self-launch, mpoverlap-check); under torchrun
     # WORLD_SIZE is used and must agree.
     world_size: Any = None

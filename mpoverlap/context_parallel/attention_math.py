@@ -107,6 +107,17 @@ def merge_partial(out_BNQD: Optional[torch.Tensor], lse_BNQ: Optional[torch.Tens
     return out_BNQD, new_lse_BNQ
 
 
+def merge_into(out_BNQD: torch.Tensor, lse_BNQ: torch.Tensor, block_out_BNQD: torch.Tensor,
+               block_lse_BNQ: torch.Tensor) -> None:
+    """merge_partial in place into accumulators (views of the rows the block covers; fp32, or
+    fp64): out is rescaled and added to, lse replaced. An empty row (lse -inf, out 0) takes the
+    block as is; the block's rows always have a finite lse (no -inf - -inf)."""
+    new_lse_BNQ = torch.logaddexp(lse_BNQ, block_lse_BNQ.to(lse_BNQ.dtype))
+    out_BNQD.mul_(torch.exp(lse_BNQ - new_lse_BNQ).unsqueeze(-1))
+    out_BNQD.add_(block_out_BNQD.to(out_BNQD.dtype) * torch.exp(block_lse_BNQ - new_lse_BNQ).unsqueeze(-1))
+    lse_BNQ.copy_(new_lse_BNQ)
+
+
 def softmax_delta(out_BNQD: torch.Tensor, dout_BNQD: torch.Tensor) -> torch.Tensor:
     """delta_BNQ = rowsum(dout * out) in fp32: the softmax backward's per-row correction,
     computed once from the final (merged) output."""

@@ -109,6 +109,7 @@ _CHOICES = {
     "data.name": ("stdlib", "indexed", "megatron"),
     "checkpoint.resume": ("auto", "none"),
     "parallel.cp_comm": ("p2p", "a2a"),
+    "parallel.cp_attention_backend": ("auto", "fused", "explicit", "cudnn"),
     "train.on_nonfinite": ("stop", "skip"),
     "train.precision": ("fp32", "bf16"),
     "train.grad_reduce_dtype": ("fp32", "bf16"),

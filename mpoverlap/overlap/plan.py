@@ -44,6 +44,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
         f"dp gradients reduced in {t.grad_reduce_dtype}",
     ]
+    lines.append(_attention_line(cfg, lo, device))
     try:
         lines.append(render_estimate(estimate(cfg, world_size, conventions=conventions), lo.world))
     except (ZeroDivisionError, TypeError, AttributeError, ValueError, ScheduleError):
@@ -60,6 +61,30 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     for kind in _PLAN_KINDS:
         lines.append(f"    {kind:<4} {_abbrev(grid.groups(kind))}")
     return "\n".join(lines)
+
+
+def _attention_line(cfg: Any, lo, device: Optional[str]) -> str:
+    """The attention kernel in use: the CP block kernel (parallel.cp_attention_backend) with
+    cp > 1, else what F.scaled_dot_product_attention picks."""
+    import torch
+
+    from mpoverlap.context_parallel.block_kernels import describe_block_backend, describe_sdpa_backend
+    from mpoverlap.models.init import query_groups
+
+    m = cfg.model
+    if device:
+        device_type = device.split("/")[0]
+    elif cfg.train.device == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device_type = str(cfg.train.device)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    heads, head_dim = m.num_attention_heads, m.hidden_size // m.num_attention_heads
+    if lo.cp > 1:
+        return (f"  attention: context-parallel {cfg.parallel.cp_comm} blocks on "
+                + describe_block_backend(cfg.parallel.cp_attention_backend, device_type, dtype, head_dim)
+                + f" (parallel.cp_attention_backend={cfg.parallel.cp_attention_backend})")
+    return f"  attention: {describe_sdpa_backend(device_type, dtype, heads, query_groups(m), head_dim)}"
 
 
 def _param_line(cfg: Any) -> str:
