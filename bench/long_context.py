@@ -4,8 +4,8 @@ the same blocks through SDPA alone.
 
 Three parts (each rank one torch thread, the bare loopback: compute and memory, not the link):
 
-1. Training runs (`mpoverlap-train`, a 2-layer tiny model: hidden 64, 2 heads of 32, cp 2,
-   micro batch 1) at each sequence length, `parallel.cp_attention_backend=fused` and
+1. Training runs (`mpoverlap-train`, model=gpt_long_tiny: 2 layers, hidden 64, 2 heads of 32,
+   cp 2, micro batch 1) at each sequence length, `parallel.cp_attention_backend=fused` and
    `=explicit` side by side: step time (median of the steps after the first), tokens/s and
    each rank's peak RSS. A side whose mpoverlap-check estimate, times the two ranks, exceeds
    the machine's available memory is not run (the table says so: the explicit path at 64K
@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from bench.common import ROOT, run_train
 
-MODEL = ["model=gpt_tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
-         "model.ffn_hidden_size=128", "parallel.cp=2", "train.micro_batch_size=1", "train.global_batch_size=1",
+# conf/model/gpt_long_tiny.yaml: 2 layers, hidden 64, 2 heads of 32, ffn 128.
+MODEL = ["model=gpt_long_tiny", "parallel.cp=2", "train.micro_batch_size=1", "train.global_batch_size=1",
          "train.eval_iters=1", "train.lr_warmup_steps=0"]
 BACKENDS = ("fused", "explicit")
 WORLD = 2
