@@ -234,3 +234,22 @@ def test_cuda_kernels_signatures_on_meta(name):
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, 0.125, causal)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert math.isclose(0.125, 1 / math.sqrt(64))
+
+
+def test_plan_names_the_attention_backend_and_cudnn_is_validated():
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.plan import render_plan
+    from mpoverlap.overlap.rules import validate
+
+    def line(*ov):
+        plan = render_plan(compose(["train.device=cpu", *ov]), None)
+        return next(x for x in plan.splitlines() if x.strip().startswith("attention:"))
+
+    assert "p2p blocks on flash_cpu (aten._scaled_dot_product_flash_attention_for_cpu)" in line("parallel.cp=2")
+    assert "a2a blocks on explicit" in line("parallel.cp=2", "parallel.cp_comm=a2a",
+                                            "parallel.cp_attention_backend=explicit")
+    assert line("train.precision=bf16").endswith("F.scaled_dot_product_attention -> flash_attention")
+    problems = validate(compose(["parallel.cp=2", "parallel.cp_attention_backend=cudnn", "train.device=cpu"]), 2)
+    assert [p.rule for p in problems] == ["cp.attention_backend_kernel"]
+    assert "parallel.cp_attention_backend=auto" in problems[0].fix
+    assert validate(compose(["parallel.cp=2", "parallel.cp_attention_backend=flash"]), 2)[0].rule == "value.choice"
