@@ -1,4 +1,6 @@
-"""Block attention math with log-sum-exp: the compute half of ring attention (no communication).
+"""Block attention math with log-sum-exp, by hand: the explicit fallback of the block kernels
+(block_kernels.py, parallel.cp_attention_backend=explicit) and the online-softmax merge every
+kernel's blocks use (no communication).
 
 One "block" is the attention of a query chunk against one key/value chunk. Blocks of the same
 query chunk merge exactly with their log-sum-exp (online softmax); the backward recomputes the
