@@ -44,10 +44,22 @@ KERNEL_CASES = [(FLASH_CPU, torch.float32, 1e-5), (EXPLICIT, torch.float64, 1e-1
 def test_block_kind_matches_sdpa(kind, Q, K, kernel, dtype, tol, groups):
     """Output, log-sum-exp and dq, dk, dv (the K/V groups') of one block equal SDPA with the
     block's mask on the same rows (fp64 reference), also with grouped-query K/V."""
+    _check_block(kind, Q, K, kernel, dtype, tol, groups, "cpu", D)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU (their calls: meta test below)")
+@pytest.mark.parametrize("kind,Q,K", BLOCKS)
+@pytest.mark.parametrize("name,dtype,tol", [("flash_cuda", torch.bfloat16, 2e-2), ("efficient_cuda", torch.float32, 1e-4),
+                                            ("efficient_cuda", torch.bfloat16, 2e-2), ("cudnn_cuda", torch.bfloat16, 2e-2)])
+def test_cuda_block_kind_matches_sdpa(kind, Q, K, name, dtype, tol):
+    _check_block(kind, Q, K, KERNELS[name], dtype, tol, 2, "cuda", 64)
+
+
+def _check_block(kind, Q, K, kernel, dtype, tol, groups, device, head_dim):
     g = torch.Generator().manual_seed(Q * 7 + K + groups)
-    q, dout = (torch.randn(B, N, Q, D, generator=g) for _ in range(2))
-    k, v = (torch.randn(B, groups, K, D, generator=g) for _ in range(2))
-    scale = D ** -0.5
+    q, dout = (torch.randn(B, N, Q, head_dim, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, groups, K, head_dim, generator=g) for _ in range(2))
+    scale = head_dim ** -0.5
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
     keep = _mask(Q, K, kind)
     ref = F.scaled_dot_product_attention(*ref_in, attn_mask=keep, scale=scale, enable_gqa=groups != N)
@@ -56,14 +68,14 @@ def test_block_kind_matches_sdpa(kind, Q, K, kernel, dtype, tol, groups):
     scores = (ref_in[0].detach() @ k_full.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
     ref_lse = torch.logsumexp(scores, dim=-1)
 
-    args = [t.to(dtype) for t in (q, k, v)]
+    args = [t.to(device, dtype) for t in (q, k, v)]
     out, lse = kernel.forward(*args, scale, kind == "causal")
     assert lse.dtype == torch.promote_types(dtype, torch.float32)
-    assert rel(out, ref) < tol and rel(lse, ref_lse) < tol
-    grads = kernel.backward(dout.to(dtype), *args, out.to(dtype), lse, scale, kind == "causal")
+    assert rel(out.cpu(), ref) < tol and rel(lse.cpu(), ref_lse) < tol
+    grads = kernel.backward(dout.to(device, dtype), *args, out.to(dtype), lse, scale, kind == "causal")
     assert [tuple(t.shape) for t in grads] == [tuple(t.shape) for t in ref_in]
     for got, want in zip(grads, ref_grads):
-        assert rel(got, want) < (tol * 4 if dtype == torch.bfloat16 else tol)
+        assert rel(got.cpu(), want) < (tol * 4 if dtype == torch.bfloat16 else tol)
 
 
 def _simulated_ring(q, k, v, dout, cp, kernel):
