@@ -79,5 +79,5 @@ def _attention_backend(lo: Layout):
         yield Problem("cp.attention_backend_kernel",
                       {"parallel.cp_attention_backend": "cudnn", "train.device": t.device,
                        "train.precision": t.precision},
-                      "the cuDNN attention kernel runs on CUDA with bf16 inputs only",
-                      ["parallel.cp_attention_backend=auto", "train.device=cuda train.precision=bf16"])
+                      "the cuDNN attention kernel runs on CUDA with bf16 inputs only (or set train.device=cuda "
+                      "and train.precision=bf16)", ["parallel.cp_attention_backend=auto"])
