@@ -64,7 +64,7 @@ def train_side(seq: int, backend: str, steps: int, out: Path, explicit_max_seq: 
     est = estimate_total(ov)
     if backend == "explicit" and seq > explicit_max_seq:
         return {"overrides": ov, "estimate_bytes": est, "skipped": f"above --explicit-max-seq {explicit_max_seq} "
-                f"(its c x c scores: {est / 2**30:.1f} GiB per rank estimated, and tens of minutes per step on two cores)"}
+                f"(estimated {est / 2**30:.1f} GiB per rank with its c x c scores, and tens of minutes per step on two cores)"}
     avail = available_bytes()
     # The runtime (~0.4 GiB per rank) and a margin on top of the estimate.
     if WORLD * (est + 2**29) > avail:
