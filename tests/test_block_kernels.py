@@ -3,7 +3,6 @@ in one process: each block kind against SDPA on the same rows, the ring's block 
 (every rank, every source, merged, backward with the final lse) against unsplit causal SDPA,
 and no c x c tensor per head on the fused path.
 """
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -245,7 +244,6 @@ def test_cuda_kernels_signatures_on_meta(name):
         assert out.shape == q.shape and lse.shape == (2, 8, 48) and lse.dtype == torch.float32
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, 0.125, causal)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-    assert math.isclose(0.125, 1 / math.sqrt(64))
 
 
 def test_plan_names_the_attention_backend_and_cudnn_is_validated():
