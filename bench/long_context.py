@@ -8,7 +8,7 @@ Three parts (each rank one torch thread, the bare loopback: compute and memory, 
    cp 2, micro batch 1) at each sequence length, `parallel.cp_attention_backend=fused` and
    `=explicit` side by side: step time (median of the steps after the first), tokens/s and
    each rank's peak RSS. The explicit side runs up to --explicit-max-seq (32K: at 64K its
-   c x c scores per head cost ~6 GiB per rank and tens of minutes per step on two cores), and a side
+   c x c scores per head cost ~6 GiB per rank and ~10 minutes or more per step on two cores (4x its 32K step)), and a side
    whose mpoverlap-check estimate, times the two ranks, exceeds the machine's available
    memory is not run; the table says which and why.
 2. Memory against the estimate, as bench/memory.py does: (peak RSS - baseline RSS) against
@@ -64,7 +64,7 @@ def train_side(seq: int, backend: str, steps: int, out: Path, explicit_max_seq: 
     est = estimate_total(ov)
     if backend == "explicit" and seq > explicit_max_seq:
         return {"overrides": ov, "estimate_bytes": est, "skipped": f"above --explicit-max-seq {explicit_max_seq} "
-                f"(estimated {est / 2**30:.1f} GiB per rank with its c x c scores, and tens of minutes per step on two cores)"}
+                f"(estimated {est / 2**30:.1f} GiB per rank with its c x c scores, and ~10 minutes or more per step on two cores (4x its 32K step))"}
     avail = available_bytes()
     # The runtime (~0.4 GiB per rank) and a margin on top of the estimate.
     if WORLD * (est + 2**29) > avail:
@@ -236,7 +236,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="steps per training run (default 3)")
     p.add_argument("--overhead-seq", type=int, default=16384, help="sequence of the ring-overhead part (0: skip it)")
     p.add_argument("--explicit-max-seq", type=int, default=32768,
-                   help="longest sequence the explicit side runs at (default 32768; 65536 takes tens of minutes per step here)")
+                   help="longest sequence the explicit side runs at (default 32768; 65536: ~4x its 32K step, 10+ minutes here)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "long_context"), help="run directories")
     args = p.parse_args()
