@@ -13,7 +13,7 @@ Writes bench/results/<timestamp>/results.json and results.md and prints the tabl
                         [--skip-scaling] [--scaling-worlds 1,2,4,8] [--scaling-steps 12]
                         [--skip-memory] [--memory-layouts dp2,...] [--memory-steps 3]
                         [--skip-timelines] [--timelines dp2,tp2,pp2,cp2,ep2] [--skip-zero]
-                        [--skip-async-ckpt]
+                        [--skip-async-ckpt] [--skip-long-context] [--long-context-seqs 16384,32768,65536]
 
 --modes runs bench/modes.py (TP/CP/PP overlap against DTensor and torch.distributed.pipelining,
 and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
@@ -21,6 +21,11 @@ and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
 Scaling (bench/scaling.py), memory (bench/memory.py) and timelines (bench/timelines.py) run
 `mpoverlap-train` itself, one run per world size / layout / scenario; scaling and timelines
 inside bench/netns.sh (probed once; the bare loopback otherwise, and the output says so).
+
+bench/long_context.py (issue 32): cp 2 ring attention at 16K, 32K and 64K tokens on a 2-layer
+tiny model, the fused block kernels against the explicit math (step time, tokens/s, peak RSS),
+peak memory against mpoverlap-check's estimate, and the ring's compute against the same blocks
+through SDPA alone. The longest part of `make bench` (tens of minutes on two cores).
 
 bench/async_ckpt.py (checkpoint.async_save: step time while a checkpoint is written in the
 background, against steps without saves and a synchronous save) runs on the bare loopback: it
@@ -46,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench import async_ckpt, dp_overlap, memory, modes, predict, scaling, timelines, zero
+from bench import async_ckpt, dp_overlap, long_context, memory, modes, predict, scaling, timelines, zero
 from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
 
 
@@ -415,6 +420,9 @@ def main() -> None:
     p.add_argument("--skip-async-ckpt", action="store_true", help="skip bench/async_ckpt.py (checkpoint.async_save)")
     p.add_argument("--timelines", default=",".join(timelines.SCENARIOS),
                    help=f"scenarios to profile and draw (default {','.join(timelines.SCENARIOS)})")
+    p.add_argument("--skip-long-context", action="store_true", help="skip bench/long_context.py (cp 2 at 16K-64K tokens)")
+    p.add_argument("--long-context-seqs", default="16384,32768,65536",
+                   help="sequence lengths of bench/long_context.py (default 16384,32768,65536)")
     p.add_argument("--out", help="output directory (default bench/results/<timestamp>)")
     args = p.parse_args()
     worlds = [int(x) for x in _names(args.scaling_worlds)]
@@ -449,6 +457,8 @@ def main() -> None:
         results["timelines"] = timelines.run(scenarios, args.bucket_mb, out, prefix, link)
     if not args.skip_async_ckpt:
         results["async_ckpt"] = async_ckpt.run_in_bench(out)
+    if not args.skip_long_context:
+        results["long_context"] = long_context.run_in_bench(out, args.long_context_seqs)
     if not args.no_netns and (results.get("dp") or results.get("modes")):
         # The simulator beside the measurements (issue 20), with this machine measured now.
         results["predicted"] = predict.predict(results, args.rate)
@@ -461,7 +471,7 @@ def main() -> None:
     if results.get("modes"):
         table += "\n" + render_modes(results)
     for section in (zero.render(results), scaling.render(results), memory.render(results), timelines.render(results),
-                    async_ckpt.render(results), predict.render(results.get("predicted") or [])):
+                    async_ckpt.render(results), long_context.render(results), predict.render(results.get("predicted") or [])):
         if section:
             table += "\n" + section
     (out / "results.md").write_text(table + "\n")

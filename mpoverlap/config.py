@@ -97,6 +97,9 @@ class ParallelConfig:
     # Pipeline schedule: auto (interleaved 1F1B when vpp > 1, else 1F1B) | 1f1b | interleaved |
     # zb1p (ZB-H1 zero bubble: weight gradients deferred into the bubble; any vpp).
     pp_schedule: str = "auto"
+    # The kernel of each CP attention block: auto (fused where one takes the device and dtype,
+    # explicit math otherwise) | fused (required) | explicit (fp32 math by hand) | cudnn (CUDA).
+    cp_attention_backend: str = "auto"
     # Total ranks, for dp=auto outside torchrun (self-launch, mpoverlap-check); under torchrun
     # WORLD_SIZE is used and must agree.
     world_size: Any = None

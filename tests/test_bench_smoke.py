@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not an installed package
 
-from bench import memory, scaling, timelines  # noqa: E402
+from bench import long_context, memory, scaling, timelines  # noqa: E402
 from mpoverlap.config import compose  # noqa: E402
 from mpoverlap.overlap.rules import validate  # noqa: E402
 
@@ -23,6 +23,9 @@ def _configs():
         yield overrides + memory.baseline_overrides(compose(overrides))
     for scenario in timelines.SCENARIOS.values():
         yield scenario + timelines.PROFILED
+    for seq in (64, 16384, 32768, 65536):
+        for backend in long_context.BACKENDS:
+            yield long_context.overrides(seq, backend, 3)
 
 
 def test_every_launched_configuration_validates():
@@ -153,3 +156,18 @@ def test_predict_judges_shares_on_the_median_step_and_shows_the_sums():
     assert "| -20% | 0.08 | 0.30 | 0.08 | +0.00 | -0.22 |" in text
     assert "| -30% | - | 0.30 | 0.08 | - | -0.22 |" in text
     assert "Step within 25%: 1/2; exposed share within 0.15: 1/2 (median step), 0/2 (all steps)." in text
+
+
+def test_long_context_ring_overhead_and_render():
+    """The ring-overhead part at a small sequence (really run: both ranks' ring compute and the
+    same blocks through SDPA), and the section renders a skipped side."""
+    ov = long_context.ring_overhead(256, repeats=1)
+    assert ov["ring_compute_s"] > 0 and ov["sdpa_s"] > 0
+    side = {"step_time_s": 2.0, "tokens_per_s": 100.0, "peak_rss_bytes": [2**30, 2**30]}
+    res = {"seqs": [256], "steps": 3, "loadavg_before_after": [["1", "1", "1"], ["2", "2", "2"]],
+           "sides": {"fused_256": side, "explicit_256": {"skipped": "estimate 9 GiB per rank x 2 ranks > 4 GiB"}},
+           "memory": {"seq": 256, "measured_bytes": [2**30, 2**30], "estimate_bytes": 2**30, "ratios": [1.0, 1.0]},
+           "ring_overhead": ov}
+    text = long_context.render({"long_context": res})
+    assert "| 256 | 2.0 | not run | - |" in text and "explicit_256: not run: estimate 9 GiB" in text
+    assert "Ring overhead at seq 256" in text

@@ -3,6 +3,7 @@
 One spawn of 4 gloo ranks (module fixture) runs every distributed check for cp=4 (grid cp=4)
 and cp=2 (grid cp=2 x dp=2: two rings side by side), ring and a2a, overlap on and off.
 """
+import functools
 import os
 import sys
 
@@ -22,7 +23,10 @@ from mpoverlap.context_parallel.attention_math import (block_backward, block_for
                                                        merge_partial, softmax_delta)
 
 B, N, S, D = 2, 4, 32, 8
-VARIANTS = {"ring": ring_attention, "a2a": a2a_attention}
+# ring and a2a run the default block kernel (parallel.cp_attention_backend=auto: the CPU flash
+# kernel); ring_explicit the fp32 fallback math.
+VARIANTS = {"ring": ring_attention, "a2a": a2a_attention,
+            "ring_explicit": functools.partial(ring_attention, backend="explicit")}
 
 
 def rel_err(a, b):
@@ -253,7 +257,8 @@ def test_overlap_on_off_bitwise_identical(cp_reports, cp):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_work_is_equal_on_every_rank(cp_reports, cp):
-    works = [rep[(cp, "ring", ov)]["work"] for rep in cp_reports for ov in (False, True)]
+    works = [rep[(cp, name, ov)]["work"] for rep in cp_reports for ov in (False, True)
+             for name in ("ring", "ring_explicit")]
     assert all(wk == works[0] for wk in works)
     wk = works[0]
     for phase in ("fwd", "bwd"):
@@ -301,7 +306,7 @@ def test_ring_transfer_issued_before_compute(cp_reports, cp):
 
 
 GQA_CASES = [(cp, name, groups) for cp in (2, 4) for name in sorted(VARIANTS) for groups in (1, 2, 4, GQA_N)
-             if name == "ring" or groups % cp == 0]
+             if name != "a2a" or groups % cp == 0]
 
 
 @pytest.mark.parametrize("cp,name,groups", GQA_CASES)

@@ -335,3 +335,29 @@ def test_pp2_vpp2_peak_activations_within_25pct(tmp_path):
     print(f"\n  pp2_vpp2 stage 0 activations: measured {stage0['measured'] / 2**20:.1f} MiB, "
           f"estimate {stage0['estimate'] / 2**20:.1f} MiB ({stage0['ratio']:.2f}x)")
     assert stage0["stage"] == 0 and 0.75 <= stage0["ratio"] <= 1.25, stage0
+
+
+def test_cp_attention_working_set_grows_with_the_sequence_not_its_square():
+    """mpoverlap-check counts the ring's transient buffers (K/V double buffer, out/lse and dQ/dKV
+    accumulators, kernel workspace) per rank: linear in the sequence on the fused kernels,
+    quadratic with the explicit math; in the total; absent without cp."""
+    from mpoverlap.overlap.estimate.attention_work import cp_attention_work_bytes
+
+    def work(seq, *extra):
+        cfg = compose(["parallel.cp=2", "model.num_layers=2", "train.micro_batch_size=1",
+                       "train.global_batch_size=1", f"model.seq_length={seq}", *extra])
+        est = estimate(cfg, 2)
+        assert est.memory_bytes["cp_attention_work"] == cp_attention_work_bytes(cfg, build_layout(cfg, 2), 4, 1)
+        return est.memory_bytes["cp_attention_work"]
+
+    for comm in ("p2p", "a2a"):
+        assert work(8192, f"parallel.cp_comm={comm}") == 2 * work(4096, f"parallel.cp_comm={comm}")
+        explicit = [work(s, f"parallel.cp_comm={comm}", "parallel.cp_attention_backend=explicit") for s in (4096, 8192)]
+        assert explicit[1] > 3.5 * explicit[0]
+    # ring, fp32 (c = a = 4), hidden 128 / 4 heads (D 32, G = N), 4,096 tokens per rank; the
+    # backward is the larger half: K/V double buffer, dQ + dK/dV accumulators, dK/dV in flight,
+    # the kernel's dq, dk, dv, its workspace.
+    T, N, G, D, c, a = 4096, 4, 4, 32, 4, 4
+    assert work(8192) == (2 * 2 * G * T * D * c + (N + 2 * G) * T * D * a + 2 * 2 * G * T * D * c
+                          + (N + 2 * G) * T * D * c + N * T * (D + 1) * a)
+    assert "cp_attention_work" not in estimate(compose(["model.seq_length=8192"]), 1).memory_bytes

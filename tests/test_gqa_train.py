@@ -3,9 +3,9 @@ curve, and context parallelism moves only the K/V groups.
 
 Trainers are built inside one spawn per world size (tests/inproc_train.py). A Llama-shaped
 model (8 heads, head dim 8) with model.num_query_groups = 1 (MQA), 2 and 8 (= the heads, MHA)
-trains 6 steps at tp 2 + SP, cp 2 (ring and all-to-all), pp 2 x vpp 2, and, on an MoE model with
-GQA, ep 2, ep 4 and the composed dp 2 x tp 2 x pp 2 x ep 2; each against the single-process run of the
-same model, seed and global batch (losses and grad norms within 1e-5 relative). tp 2 needs
+trains 6 steps at tp 2 + SP, cp 2 and cp 4 (ring and all-to-all, on the fused block kernels),
+cp 2 x tp 2 + SP, pp 2 x vpp 2, and, on an MoE model with GQA, ep 2, ep 4 and the composed
+dp 2 x tp 2 x pp 2 x ep 2; each against the single-process run of the same model, seed and global batch (losses and grad norms within 1e-5 relative). tp 2 needs
 tp | groups (K/V heads are never replicated: the rule tp.divides_query_groups), and all-to-all
 cp needs cp | groups: those cases are the validator's, not skipped silently (checked below).
 """
@@ -33,6 +33,11 @@ LAYOUTS = {  # name: (world, overrides, model family)
     "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_comm=p2p", "overlap.cp=true"], "dense"),
     "cp2_a2a": (2, ["parallel.cp=2", "parallel.cp_comm=a2a"], "dense"),
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "overlap.pp=true"], "dense"),
+    # cp 4 (ring and all-to-all) and cp 2 x tp 2 + SP: the fused block kernels at every cp layout.
+    "cp4_ring": (4, ["parallel.cp=4", "overlap.cp=true"], "dense"),
+    "cp4_a2a": (4, ["parallel.cp=4", "parallel.cp_comm=a2a"], "dense"),
+    "tp2_cp2_sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true", "overlap.cp=true"],
+                   "dense"),
     "ep2": (2, ["parallel.dp=2", "parallel.ep=2", "overlap.ep=true"], "moe"),
     "ep4": (4, ["parallel.dp=4", "parallel.ep=4", "overlap.ep=true"], "moe"),
     "dp2_tp2_pp2_ep2": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.ep=2",
@@ -84,9 +89,9 @@ def test_gqa_layouts_reproduce_the_single_process_reference(runs):
             assert_close([r["loss"] for r in runs[key]], [r["loss"] for r in ref])
             assert_close([r["grad_norm"] for r in runs[key]], [r["grad_norm"] for r in ref])
             trained += 1
-    # MQA runs everywhere but tp2, cp2 a2a and the composed layout (refused above); 2 groups
-    # and MHA everywhere.
-    assert trained == (len(LAYOUTS) - 3) + 2 * len(LAYOUTS)
+    # MQA runs everywhere but the tp 2 layouts (tp2_sp, tp2_cp2_sp, the composed one) and the
+    # all-to-all ones (cp2, cp4); 2 groups everywhere but cp4 a2a; MHA everywhere.
+    assert trained == (len(LAYOUTS) - 5) + (len(LAYOUTS) - 1) + len(LAYOUTS)
     # The models differ: fewer groups, fewer parameters, another curve.
     assert runs["ref_dense_g1"][0]["loss"] != runs["ref_dense_g8"][0]["loss"]
 

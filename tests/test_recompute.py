@@ -93,6 +93,9 @@ LAYOUTS = {
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=true"]),
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "overlap.pp=true"]),
     "cp2": (2, ["parallel.cp=2", "overlap.cp=true"]),
+    # all-to-all CP saves its heads' q, k, v, output and log-sum-exp through autograd (the
+    # recomputation hooks see them)
+    "cp2_a2a": (2, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
     "moe_ep2": (2, ["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
                     "overlap.ep=true"]),
 }
@@ -101,7 +104,7 @@ MODES_E2E = ("none", "selective", "full")
 
 @pytest.mark.slow
 def test_recompute_reproduces_none_bitwise_at_every_layout(tmp_path):
-    """6 steps at one rank, tp2 + SP, pp2 x vpp2, cp2 and MoE ep2: selective and full give
+    """6 steps at one rank, tp2 + SP, pp2 x vpp2, cp2 (ring, all-to-all) and MoE ep2: selective and full give
     bitwise the losses and grad norms of none; the replayed communication is counted and
     mpoverlap-check's estimate includes it (tp leaves out the small loss and norm reductions)."""
     specs = {f"{name}_{mode}": (world, [*SMALL, *overrides, *SMALL6, f"model.recompute={mode}"], 6)

@@ -1,7 +1,9 @@
 """Context parallelism: the sequence split over cp ranks, attention over the global sequence.
 
 - split.py: load-balanced split (rank r holds chunks r and 2cp-1-r), positions, inverse gather
-- ring_attention.py (+ ring_comm.py, attention_math.py): K/V around the ring by p2p
+- ring_attention.py (+ ring_comm.py): K/V around the ring by p2p
+- block_kernels.py: each attention block through a fused kernel returning its log-sum-exp
+  (CPU flash; CUDA flash / efficient / cuDNN), or attention_math.py's explicit fp32 fallback
 - a2a_attention.py (+ a2a_layout.py): Ulysses all-to-all, heads sharded over cp
 - stats.py: per-call work and event counters
 - attention.py: the core-attention callable the GPT is built with

@@ -5,7 +5,8 @@ G = N without it) in the load-balanced layout of split_for_cp; N and G divisible
 all_to_all (mode "cp") turns them into [B, N/cp, S, D] and [B, G/cp, S, D]: this rank's heads
 and the groups they read over the full sequence, chunks put back in natural order (only the G
 groups of k, v travel: with GQA q and k, v share one buffer per head group); local causal
-F.scaled_dot_product_attention (enable_gqa); a second all_to_all brings the output back to
+attention through the block kernel (block_kernels.py: a fused flash kernel, K/V groups read
+unexpanded where the kernel can); a second all_to_all brings the output back to
 [B, N, S_local, D]. Backward: d(out) goes, dq and the groups' dk, dv come back.
 
 The local heads are processed in G head groups (`head_chunks`; default 2 when N/cp is even,
@@ -21,24 +22,24 @@ attention of another. What `overlap` (overlap.cp) does here:
 overlap=False waits every all_to_all right after issuing it. G never depends on overlap, so
 on and off compute bitwise identical results.
 
-Backward reuses the autograd graph of each group's SDPA built in forward (no recompute).
+Backward calls the kernel's backward with each group's saved q, k, v, output and log-sum-exp
+(no [S, S] tensor is kept; the explicit fallback recomputes its scores).
 """
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from mpoverlap.comm.collectives import all_to_all
 from mpoverlap.context_parallel.a2a_layout import (pack_head_to_seq, pack_seq_to_head,
                                                     unpack_head_to_seq, unpack_seq_to_head)
 from mpoverlap.context_parallel.attention_math import check_qkv_shapes
+from mpoverlap.context_parallel.block_kernels import BlockKernel, select_block_kernel
 from mpoverlap.context_parallel.ring_comm import CPRing
 from mpoverlap.context_parallel.stats import CPStats, NullStats
-from mpoverlap.recompute import in_recompute_region
+from mpoverlap.precision import no_autocast
 
 
 def default_head_chunks(num_heads: int, cp_size: int, num_groups: Optional[int] = None) -> int:
@@ -120,68 +121,71 @@ def _exchange_groups(ring: CPRing, xs, groups: int, stats: CPStats, phase: str, 
 
 
 class A2AAttentionFunction(torch.autograd.Function):
+    """Each head group's causal attention over the full sequence is one call of the block
+    kernel (fused: O(S) memory, its log-sum-exp kept for backward); autocast is off inside,
+    the kernel computes in the inputs' dtype."""
+
     @staticmethod
     def forward(ctx, q_BNSD, k_BGSD, v_BGSD, ring: CPRing, scale: float, groups: int,
-                stats: CPStats):
-        graphs = []
+                stats: CPStats, kernel: BlockKernel):
+        saved = []
+        k_BGSD, v_BGSD = k_BGSD.to(q_BNSD.dtype), v_BGSD.to(q_BNSD.dtype)
         gqa = k_BGSD.shape[1] != q_BNSD.shape[1]
 
         def attend(g, received):
             # received: [q, k, v stacked [3, B, n, S, D]], or with GQA [q [1, ...], k|v [2, ...]]
-            leaves = [t.detach().requires_grad_() for r in received for t in r.unbind(0)]
-            # Inside an activation-recomputation region this inner graph keeps its own tensors
-            # (identity hooks): the region's hooks would drop them and replay the whole block
-            # once per torch.autograd.grad call in backward (each is a graph task of its own).
-            keep = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-                    if in_recompute_region() else nullcontext())
-            with torch.enable_grad(), keep:
-                y_BnSD = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale,
-                                                        enable_gqa=gqa)
-            graphs.append((leaves, y_BnSD))
+            q, k, v = [t for r in received for t in r.unbind(0)]
+            y_BnSD, lse_BnS = kernel.forward(q, k, v, scale, True)
+            saved.append((q, k, v, y_BnSD, lse_BnS))
             B, Ng, S, D = y_BnSD.shape
             stats.count_dense("fwd", B, Ng, S, D)
-            return [y_BnSD.detach().unsqueeze(0)]
+            return [y_BnSD.to(q.dtype).unsqueeze(0)]
 
         # Without GQA q, k, v travel as one stacked tensor; with it q and the (fewer) k, v
         # groups are packed side by side into the same all_to_all per head group.
         xs = ([torch.stack([q_BNSD, k_BGSD, v_BGSD])] if not gqa
               else [q_BNSD.unsqueeze(0), torch.stack([k_BGSD, v_BGSD])])
-        (out_1BNSD,) = _exchange_groups(ring, xs, groups, stats, "fwd", attend)
-        ctx.graphs, ctx.ring, ctx.groups, ctx.stats, ctx.gqa = graphs, ring, groups, stats, gqa
+        with no_autocast(q_BNSD):
+            (out_1BNSD,) = _exchange_groups(ring, xs, groups, stats, "fwd", attend)
+        # Saved through autograd (not as ctx attributes): saved-tensor hooks (activation
+        # recomputation, memory accounting) see them.
+        ctx.save_for_backward(*[t for group in saved for t in group])
+        ctx.ring, ctx.groups, ctx.stats, ctx.gqa = ring, groups, stats, gqa
+        ctx.scale, ctx.kernel = scale, kernel
         return out_1BNSD[0]
 
     @staticmethod
     def backward(ctx, dout_BNSD):
-        graphs, stats = ctx.graphs, ctx.stats
+        flat, stats = ctx.saved_tensors, ctx.stats
 
         def attend_backward(g, received):
-            leaves, y_BnSD = graphs[g]
-            dq, dk, dv = torch.autograd.grad(y_BnSD, leaves, received[0][0])
-            graphs[g] = None  # free the group's graph as soon as it is used
+            q, k, v, y_BnSD, lse_BnS = flat[5 * g:5 * g + 5]
+            dq, dk, dv = ctx.kernel.backward(received[0][0].to(q.dtype), q, k, v, y_BnSD, lse_BnS,
+                                             ctx.scale, True)
             B, Ng, S, D = y_BnSD.shape
             stats.count_dense("bwd", B, Ng, S, D)
             return [torch.stack([dq, dk, dv])] if not ctx.gqa else [dq.unsqueeze(0), torch.stack([dk, dv])]
 
-        outs = _exchange_groups(ctx.ring, [dout_BNSD.unsqueeze(0)], ctx.groups, stats, "bwd",
-                                attend_backward)
-        ctx.graphs = None
+        with no_autocast(dout_BNSD):
+            outs = _exchange_groups(ctx.ring, [dout_BNSD.unsqueeze(0)], ctx.groups, stats, "bwd",
+                                    attend_backward)
         if not ctx.gqa:
-            return outs[0][0], outs[0][1], outs[0][2], None, None, None, None
-        return outs[0][0], outs[1][0], outs[1][1], None, None, None, None
+            return outs[0][0], outs[0][1], outs[0][2], None, None, None, None, None
+        return outs[0][0], outs[1][0], outs[1][1], None, None, None, None, None
 
 
 def a2a_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
                   cp_group, cp_ranks: Sequence[int], cp_rank: int, cp_size: int,
                   overlap: bool, ledger=None, stats: Optional[CPStats] = None,
                   softmax_scale: Optional[float] = None,
-                  head_chunks: Optional[int] = None) -> torch.Tensor:
+                  head_chunks: Optional[int] = None, backend: str = "auto") -> torch.Tensor:
     """Causal attention over the global sequence via head sharding: out_BNSD [B, N, S_local, D].
 
     Same contract as ring_attention (layout of split_for_cp, RoPE at global positions, equal
     to full-sequence causal SDPA split the same way, collective over the cp group; k, v may
     hold G < N groups), plus: N and G divisible by cp * head_chunks (rank j then holds query
     heads j N/cp.. and the groups j G/cp.. they read). `cp_ranks` is accepted for a uniform
-    signature."""
+    signature. `backend`: parallel.cp_attention_backend (block_kernels.py)."""
     check_qkv_shapes(q_BNSD, k_BGSD, v_BGSD)
     B, N, S_local, D = q_BNSD.shape
     G = k_BGSD.shape[1]
@@ -194,4 +198,5 @@ def a2a_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tens
     ring = CPRing.make(cp_group, cp_ranks, cp_rank, cp_size, overlap, ledger)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     return A2AAttentionFunction.apply(q_BNSD, k_BGSD, v_BGSD, ring, float(scale), groups,
-                                      stats if stats is not None else NullStats())
+                                      stats if stats is not None else NullStats(),
+                                      select_block_kernel(backend, q_BNSD))

@@ -1,4 +1,6 @@
-"""Block attention math with log-sum-exp: the compute half of ring attention (no communication).
+"""Block attention math with log-sum-exp, by hand: the explicit fallback of the block kernels
+(block_kernels.py, parallel.cp_attention_backend=explicit) and the online-softmax merge every
+kernel's blocks use (no communication).
 
 One "block" is the attention of a query chunk against one key/value chunk. Blocks of the same
 query chunk merge exactly with their log-sum-exp (online softmax); the backward recomputes the
@@ -105,6 +107,17 @@ def merge_partial(out_BNQD: Optional[torch.Tensor], lse_BNQ: Optional[torch.Tens
     out_BNQD = (out_BNQD * torch.exp(lse_BNQ - new_lse_BNQ).unsqueeze(-1)
                 + block_out_BNQD * torch.exp(block_lse_BNQ - new_lse_BNQ).unsqueeze(-1))
     return out_BNQD, new_lse_BNQ
+
+
+def merge_into(out_BNQD: torch.Tensor, lse_BNQ: torch.Tensor, block_out_BNQD: torch.Tensor,
+               block_lse_BNQ: torch.Tensor) -> None:
+    """merge_partial in place into accumulators (views of the rows the block covers; fp32, or
+    fp64): out is rescaled and added to, lse replaced. An empty row (lse -inf, out 0) takes the
+    block as is; the block's rows always have a finite lse (no -inf - -inf)."""
+    new_lse_BNQ = torch.logaddexp(lse_BNQ, block_lse_BNQ.to(lse_BNQ.dtype))
+    out_BNQD.mul_(torch.exp(lse_BNQ - new_lse_BNQ).unsqueeze(-1))
+    out_BNQD.add_(block_out_BNQD.to(out_BNQD.dtype) * torch.exp(block_lse_BNQ - new_lse_BNQ).unsqueeze(-1))
+    lse_BNQ.copy_(new_lse_BNQ)
 
 
 def softmax_delta(out_BNQD: torch.Tensor, dout_BNQD: torch.Tensor) -> torch.Tensor:

@@ -9,39 +9,53 @@ its groups to the N heads locally (query head n reads group n // (N / G)).
 Forward, at ring step s = 0 .. cp-1 rank r holds the K/V block of rank (r - s) mod cp:
   1. issue the exchange that brings the next block (send this block on, receive the next one
      into the second buffer): double buffering;
-  2. attend the two local query chunks to the two key chunks of the block, pair by pair:
-     key chunk after query chunk -> skipped; same chunk -> causal mask; before -> no mask;
-     each pair's (out, lse) merges into the query chunk's accumulator (online softmax, fp32);
+  2. attend the local queries to the block (`_blocks`), each block through the attention
+     kernel (block_kernels.py), which returns the block's log-sum-exp; each block's (out, lse)
+     merges into the fp32 accumulators of its query rows (online softmax);
   3. wait the exchange (overlap.cp: it ran under step 2; without: it was waited in step 1).
-Backward recomputes each pair from the saved q, k, v, out, lse. K/V circulate again; the dK/dV
+With the load-balanced split a step is one kernel call (the load-balanced halves):
+  step 0 (own block)   all 2c queries x all 2c keys, causal: the two local chunks (r, 2cp-1-r)
+                       in local order ARE causal as one sequence (chunk r sees none of 2cp-1-r,
+                       2cp-1-r sees all of r), so one top-left causal call covers both diagonal
+                       blocks and the full one between them;
+  source < r           all 2c queries x the block's first chunk, no mask (its second chunk is
+                       later than both query chunks);
+  source > r           the second query chunk x all 2c keys of the block, no mask (the first
+                       query chunk is earlier than both key chunks).
+The explicit fallback keeps the chunk pairs (c x c blocks, the skipped ones skipped), the
+memory it always had.
+Backward runs every block's kernel backward with the FINAL lse and output of its query rows
+(so the blocks' gradients sum to the gradient of the forward). K/V circulate again; the dK/dV
 accumulator of each block travels with it (each rank adds its share, then sends it on); after
-cp exchanges every accumulator is back home, complete. dQ accumulates locally.
+cp exchanges every accumulator is back home, complete. dQ accumulates locally (fp32).
 
 Overlap changes only when handles are waited, never the arithmetic: on and off are bitwise
 identical.
 
-Mixed precision: q, k, v arrive in the compute dtype (bf16 under autocast) and K/V travel the
-ring in it; the block math runs with autocast OFF, in fp32 (attention_math upcasts). Left on,
-autocast would run the forward's score GEMMs in bf16 while the backward (where autocast is off)
-recomputes them in fp32 against an lse of the bf16 scores: the gradient would not be the
-gradient of the forward. Each rank's dK/dV share accumulates in fp32 and travels in the
+Mixed precision: q, k, v arrive in the compute dtype (bf16 under autocast); K/V travel the ring
+in it and the fused kernels compute in it (bf16 tensor cores), returning an fp32 lse; outputs
+merge in fp32. Autocast is off inside the function (explicit dtypes: the kernels are called
+with what the function was given, forward and backward alike); the explicit fallback
+upcasts to fp32 itself. Each rank's dK/dV share accumulates in fp32 and travels in the
 inputs' dtype.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from mpoverlap.context_parallel.attention_math import (SKIP, acc_dtype, block_backward,
-                                                        block_forward, check_qkv_shapes,
-                                                        chunk_relation, merge_partial, repeat_kv,
-                                                        softmax_delta, sum_kv_groups)
+from mpoverlap.context_parallel.attention_math import (SKIP, acc_dtype, check_qkv_shapes,
+                                                        chunk_relation, merge_into)
+from mpoverlap.context_parallel.block_kernels import BlockKernel, select_block_kernel
 from mpoverlap.context_parallel.ring_comm import CPRing
 from mpoverlap.context_parallel.split import cp_chunks_of_rank
 from mpoverlap.context_parallel.stats import CPStats, NullStats
 from mpoverlap.precision import no_autocast
+
+# A block: (query rows, key rows of the block in hand, causal), rows as local slices.
+Block = Tuple[slice, slice, bool]
 
 
 def _pairs(ring: CPRing, src: int):
@@ -53,9 +67,27 @@ def _pairs(ring: CPRing, src: int):
             for j, kc in enumerate(k_chunks)]
 
 
-def _kv_double_buffer(k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, ring: CPRing) -> list:
-    """[kv_2BNSD in hand, buffer the next block is received into (None when cp == 1)]."""
-    held = torch.stack([k_BNSD, v_BNSD])
+def _blocks(ring: CPRing, src: int, c: int, fused: bool) -> List[Block]:
+    """The kernel calls of one ring step against rank `src`'s K/V (see the module doc): one
+    load-balanced half for a fused kernel, the unskipped c x c chunk pairs for the explicit
+    math. Either way they cover exactly the unmasked (query, key) pairs."""
+    if not fused:
+        return [(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), rel != "full")
+                for i, j, rel in _pairs(ring, src) if rel != SKIP]
+    every, first, second = slice(0, 2 * c), slice(0, c), slice(c, 2 * c)
+    if src == ring.cp_rank:
+        return [(every, every, True)]
+    return [(every, first, False)] if src < ring.cp_rank else [(second, every, False)]
+
+
+def _count(ring: CPRing, src: int, stats: CPStats, phase: str, B: int, N: int, c: int, D: int) -> None:
+    for _i, _j, rel in _pairs(ring, src):
+        stats.count_pair(phase, rel, B, N, c, c, D)
+
+
+def _kv_double_buffer(k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, ring: CPRing) -> list:
+    """[kv_2BGSD in hand, buffer the next block is received into (None when cp == 1)]."""
+    held = torch.stack([k_BGSD, v_BGSD])
     return [held, torch.empty_like(held) if ring.cp_size > 1 else None]
 
 
@@ -73,72 +105,61 @@ def _issue_next_kv(ring: CPRing, buffers: list, step: int, stats: CPStats, phase
     return handle
 
 
-def ring_forward(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, ring: CPRing,
-                 scale: float, stats: CPStats):
+def ring_forward(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, ring: CPRing,
+                 scale: float, stats: CPStats, kernel: BlockKernel):
     """(out_BNSD in q's dtype, lse_BNS fp32) of causal attention over the global sequence."""
     B, N, S_local, D = q_BNSD.shape
-    c, rep = S_local // 2, N // k_BNSD.shape[1]
-    q_chunks = q_BNSD.chunk(2, dim=2)
-    out_acc = [None, None]
-    lse_acc = [None, None]
-    # kv_2BNSD: the block in hand; the other buffer receives the next one.
-    buffers = _kv_double_buffer(k_BNSD, v_BNSD, ring)
+    c = S_local // 2
+    acc = acc_dtype(q_BNSD.dtype)
+    # The online-softmax accumulators of every local query row (fp32): an empty row has
+    # lse -inf and out 0, and merges with its first block exactly.
+    out_acc_BNSD = torch.zeros(q_BNSD.shape, dtype=acc, device=q_BNSD.device)
+    lse_acc_BNS = torch.full((B, N, S_local), float("-inf"), dtype=acc, device=q_BNSD.device)
+    # kv_2BGSD: the block in hand; the other buffer receives the next one.
+    buffers = _kv_double_buffer(k_BGSD, v_BGSD, ring)
     for step in range(ring.cp_size):
-        kv_2BNSD = buffers[step % 2]
+        kv_2BGSD = buffers[step % 2]
         handle = _issue_next_kv(ring, buffers, step, stats, "fwd")
         stats.event("fwd", "compute_begin", step)
-        k_chunks = kv_2BNSD[0].chunk(2, dim=2)
-        v_chunks = kv_2BNSD[1].chunk(2, dim=2)
-        for i, j, rel in _pairs(ring, ring.source_of_step(step)):
-            stats.count_pair("fwd", rel, B, N, c, c, D)
-            if rel == SKIP:
-                continue
-            o, l = block_forward(q_chunks[i], repeat_kv(k_chunks[j], rep),
-                                 repeat_kv(v_chunks[j], rep), scale=scale, causal=(rel != "full"))
-            out_acc[i], lse_acc[i] = merge_partial(out_acc[i], lse_acc[i], o, l)
+        src = ring.source_of_step(step)
+        _count(ring, src, stats, "fwd", B, N, c, D)
+        for rows, keys, causal in _blocks(ring, src, c, kernel.fused):
+            o, l = kernel.forward(q_BNSD[:, :, rows], kv_2BGSD[0][:, :, keys], kv_2BGSD[1][:, :, keys],
+                                  scale, causal)
+            merge_into(out_acc_BNSD[:, :, rows], lse_acc_BNS[:, :, rows], o, l)
         stats.event("fwd", "compute_end", step)
         if handle is not None and ring.overlap:
             handle.wait()
             stats.event("fwd", "wait", step + 1)
-    out_BNSD = torch.cat(out_acc, dim=2).to(q_BNSD.dtype)
-    lse_BNS = torch.cat(lse_acc, dim=2)
-    return out_BNSD, lse_BNS
+    return out_acc_BNSD.to(q_BNSD.dtype), lse_acc_BNS
 
 
-def ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS, ring: CPRing,
-                  scale: float, stats: CPStats):
-    """(dq [B, N, S_local, D], dk, dv [B, G, S_local, D]) in the inputs' dtypes; fp32 (fp64 for fp64) accumulation,
-    also of the dK/dV that travel the ring."""
+def ring_backward(dout_BNSD, q_BNSD, k_BGSD, v_BGSD, out_BNSD, lse_BNS, ring: CPRing,
+                  scale: float, stats: CPStats, kernel: BlockKernel):
+    """(dq [B, N, S_local, D], dk, dv [B, G, S_local, D]) in the inputs' dtypes; fp32 (fp64
+    for fp64) accumulation, also of the dK/dV that travel the ring."""
     B, N, S_local, D = q_BNSD.shape
-    c, rep = S_local // 2, N // k_BNSD.shape[1]
-    delta_BNS = softmax_delta(out_BNSD, dout_BNSD)
-    q_chunks, dout_chunks = q_BNSD.chunk(2, dim=2), dout_BNSD.chunk(2, dim=2)
-    lse_chunks, delta_chunks = lse_BNS.chunk(2, dim=2), delta_BNS.chunk(2, dim=2)
-    dq_BNSD = torch.zeros(q_BNSD.shape, dtype=acc_dtype(q_BNSD.dtype), device=q_BNSD.device)
-    dq_chunks = dq_BNSD.chunk(2, dim=2)
-    buffers = _kv_double_buffer(k_BNSD, v_BNSD, ring)
-    dkv_handle, dkv_recv_2BNSD = None, None
+    c = S_local // 2
+    acc = acc_dtype(q_BNSD.dtype)
+    dout_BNSD = dout_BNSD.to(q_BNSD.dtype)
+    dq_BNSD = torch.zeros(q_BNSD.shape, dtype=acc, device=q_BNSD.device)
+    buffers = _kv_double_buffer(k_BGSD, v_BGSD, ring)
+    dkv_handle, dkv_recv_2BGSD = None, None
     for step in range(ring.cp_size):
-        kv_2BNSD = buffers[step % 2]
+        kv_2BGSD = buffers[step % 2]
         kv_handle = _issue_next_kv(ring, buffers, step, stats, "bwd")
         stats.event("bwd", "compute_begin", step)
-        k_chunks = kv_2BNSD[0].chunk(2, dim=2)
-        v_chunks = kv_2BNSD[1].chunk(2, dim=2)
-        # This rank's share of the gradient of the block in hand (chunk views write into it).
-        dkv_2BNSD = torch.zeros(kv_2BNSD.shape, dtype=acc_dtype(q_BNSD.dtype),
-                                device=q_BNSD.device)
-        dk_chunks, dv_chunks = dkv_2BNSD[0].chunk(2, dim=2), dkv_2BNSD[1].chunk(2, dim=2)
-        for i, j, rel in _pairs(ring, ring.source_of_step(step)):
-            stats.count_pair("bwd", rel, B, N, c, c, D)
-            if rel == SKIP:
-                continue
-            dq, dk, dv = block_backward(q_chunks[i], repeat_kv(k_chunks[j], rep),
-                                        repeat_kv(v_chunks[j], rep), dout_chunks[i],
-                                        lse_chunks[i], delta_chunks[i], scale=scale,
-                                        causal=(rel != "full"))
-            dq_chunks[i].add_(dq)
-            dk_chunks[j].add_(sum_kv_groups(dk, rep))
-            dv_chunks[j].add_(sum_kv_groups(dv, rep))
+        # This rank's share of the gradient of the block in hand.
+        dkv_2BGSD = torch.zeros(kv_2BGSD.shape, dtype=acc, device=q_BNSD.device)
+        src = ring.source_of_step(step)
+        _count(ring, src, stats, "bwd", B, N, c, D)
+        for rows, keys, causal in _blocks(ring, src, c, kernel.fused):
+            dq, dk, dv = kernel.backward(dout_BNSD[:, :, rows], q_BNSD[:, :, rows], kv_2BGSD[0][:, :, keys],
+                                         kv_2BGSD[1][:, :, keys], out_BNSD[:, :, rows], lse_BNS[:, :, rows],
+                                         scale, causal)
+            dq_BNSD[:, :, rows].add_(dq)
+            dkv_2BGSD[0][:, :, keys].add_(dk)
+            dkv_2BGSD[1][:, :, keys].add_(dv)
         stats.event("bwd", "compute_end", step)
         if dkv_handle is not None:
             # The accumulator of this block from the ranks before, sent at the previous step:
@@ -146,52 +167,56 @@ def ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS, ring: CP
             if not dkv_handle.waited:
                 dkv_handle.wait()
                 stats.event("bwd", "wait_dkv", step)
-            dkv_2BNSD.add_(dkv_recv_2BNSD)
+            dkv_2BGSD.add_(dkv_recv_2BGSD)
         if ring.cp_size > 1:
             # Sent in the inputs' dtype (bf16 under autocast: half the bytes; fp32 unchanged).
-            dkv_send_2BNSD = dkv_2BNSD.to(k_BNSD.dtype)
-            dkv_recv_2BNSD = torch.empty_like(dkv_send_2BNSD)
-            dkv_handle = ring.exchange(dkv_send_2BNSD, dkv_recv_2BNSD)
+            dkv_send_2BGSD = dkv_2BGSD.to(k_BGSD.dtype)
+            dkv_recv_2BGSD = torch.empty_like(dkv_send_2BGSD)
+            dkv_handle = ring.exchange(dkv_send_2BGSD, dkv_recv_2BGSD)
             stats.event("bwd", "issue_dkv", step + 1)
             if not ring.overlap:
                 dkv_handle.wait()
                 stats.event("bwd", "wait_dkv", step + 1)
         else:
-            dkv_recv_2BNSD = dkv_2BNSD
+            dkv_recv_2BGSD = dkv_2BGSD
         if kv_handle is not None and ring.overlap:
             kv_handle.wait()
             stats.event("bwd", "wait", step + 1)
     if dkv_handle is not None and not dkv_handle.waited:
         dkv_handle.wait()  # the last hop brings each rank its own, complete dK/dV
         stats.event("bwd", "wait_dkv", ring.cp_size)
-    return (dq_BNSD.to(q_BNSD.dtype), dkv_recv_2BNSD[0].to(k_BNSD.dtype),
-            dkv_recv_2BNSD[1].to(v_BNSD.dtype))
+    return (dq_BNSD.to(q_BNSD.dtype), dkv_recv_2BGSD[0].to(k_BGSD.dtype),
+            dkv_recv_2BGSD[1].to(v_BGSD.dtype))
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """autograd wrapper: forward saves q, k, v, out, lse; backward runs the ring again."""
+    """autograd wrapper: forward saves q, k, v, out, lse; backward runs the ring again.
+    Autocast is off inside both halves and k, v take q's dtype, so the kernels see one dtype
+    in forward and backward (the inputs' own: bf16 under autocast)."""
 
     @staticmethod
-    def forward(ctx, q_BNSD, k_BNSD, v_BNSD, ring: CPRing, scale: float, stats: CPStats):
-        with no_autocast(q_BNSD):  # fp32 block math: see the module docstring
-            out_BNSD, lse_BNS = ring_forward(q_BNSD, k_BNSD, v_BNSD, ring, scale, stats)
-        ctx.save_for_backward(q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS)
-        ctx.ring, ctx.scale, ctx.stats = ring, scale, stats
+    def forward(ctx, q_BNSD, k_BGSD, v_BGSD, ring: CPRing, scale: float, stats: CPStats,
+                kernel: BlockKernel):
+        k_BGSD, v_BGSD = k_BGSD.to(q_BNSD.dtype), v_BGSD.to(q_BNSD.dtype)
+        with no_autocast(q_BNSD):
+            out_BNSD, lse_BNS = ring_forward(q_BNSD, k_BGSD, v_BGSD, ring, scale, stats, kernel)
+        ctx.save_for_backward(q_BNSD, k_BGSD, v_BGSD, out_BNSD, lse_BNS)
+        ctx.ring, ctx.scale, ctx.stats, ctx.kernel = ring, scale, stats, kernel
         return out_BNSD
 
     @staticmethod
     def backward(ctx, dout_BNSD):
-        q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS = ctx.saved_tensors
+        q_BNSD, k_BGSD, v_BGSD, out_BNSD, lse_BNS = ctx.saved_tensors
         with no_autocast(q_BNSD):
-            dq, dk, dv = ring_backward(dout_BNSD, q_BNSD, k_BNSD, v_BNSD, out_BNSD, lse_BNS,
-                                       ctx.ring, ctx.scale, ctx.stats)
-        return dq, dk, dv, None, None, None
+            dq, dk, dv = ring_backward(dout_BNSD, q_BNSD, k_BGSD, v_BGSD, out_BNSD, lse_BNS,
+                                       ctx.ring, ctx.scale, ctx.stats, ctx.kernel)
+        return dq, dk, dv, None, None, None, None
 
 
-def ring_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, *,
+def ring_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
                    cp_group, cp_ranks: Sequence[int], cp_rank: int, cp_size: int,
                    overlap: bool, ledger=None, stats: Optional[CPStats] = None,
-                   softmax_scale: Optional[float] = None) -> torch.Tensor:
+                   softmax_scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
     """Causal attention over the global sequence, ring-parallel: out_BNSD [B, N, S_local, D].
 
     q: [B, N, S_local, D]; k, v: [B, G, S_local, D] (G divides N; G < N is grouped-query
@@ -200,11 +225,13 @@ def ring_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Ten
     F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G < N) on the full sequence,
     split the same way. Collective over the cp group: every cp rank calls it, also backward.
     softmax_scale defaults to 1/sqrt(D). `stats` (optional) collects work and event counters.
+    `backend`: parallel.cp_attention_backend (auto | fused | explicit | cudnn, block_kernels.py).
     """
-    check_qkv_shapes(q_BNSD, k_BNSD, v_BNSD)
+    check_qkv_shapes(q_BNSD, k_BGSD, v_BGSD)
     if q_BNSD.shape[2] % 2:
         raise ValueError(f"S_local={q_BNSD.shape[2]} must be even (two chunks per cp rank)")
     ring = CPRing.make(cp_group, cp_ranks, cp_rank, cp_size, overlap, ledger)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_BNSD.shape[-1])
-    return RingAttentionFunction.apply(q_BNSD, k_BNSD, v_BNSD, ring, float(scale),
-                                       stats if stats is not None else NullStats())
+    return RingAttentionFunction.apply(q_BNSD, k_BGSD, v_BGSD, ring, float(scale),
+                                       stats if stats is not None else NullStats(),
+                                       select_block_kernel(backend, q_BNSD))

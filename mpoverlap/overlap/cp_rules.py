@@ -67,3 +67,17 @@ def _a2a_overlap(lo: Layout):
                       f"{m.num_attention_heads // (lo.cp * lo.tp)} local head(s) and {G // (lo.cp * lo.tp)} local "
                       "K/V group(s) make one group, nothing to hide "
                       "(the ring variant overlaps at any head count)", ["parallel.cp_comm=p2p"])
+
+
+@rule("cp.attention_backend_kernel", "cp", ("parallel.cp_attention_backend", "train.device", "train.precision"),
+      "parallel.cp_attention_backend=cudnn needs CUDA and bf16 (the cuDNN kernel takes 16-bit inputs only)")
+def _attention_backend(lo: Layout):
+    p, t = lo.cfg.parallel, lo.cfg.train
+    if p.cp_attention_backend != "cudnn" or lo.cp is None or lo.cp < 2:
+        return
+    if t.device == "cpu" or t.precision != "bf16":
+        yield Problem("cp.attention_backend_kernel",
+                      {"parallel.cp_attention_backend": "cudnn", "train.device": t.device,
+                       "train.precision": t.precision},
+                      "the cuDNN attention kernel runs on CUDA with bf16 inputs only (or set train.device=cuda "
+                      "and train.precision=bf16)", ["parallel.cp_attention_backend=auto"])

@@ -110,6 +110,7 @@ _CHOICES = {
     "checkpoint.resume": ("auto", "none"),
     "parallel.cp_comm": ("p2p", "a2a"),
     "parallel.pp_schedule": ("auto", "1f1b", "interleaved", "zb1p"),  # = pipeline.SCHEDULE_CHOICES
+    "parallel.cp_attention_backend": ("auto", "fused", "explicit", "cudnn"),
     "train.on_nonfinite": ("stop", "skip"),
     "train.precision": ("fp32", "bf16"),
     "train.grad_reduce_dtype": ("fp32", "bf16"),

@@ -51,13 +51,14 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
         + (f" ({m.num_query_groups} K/V groups)" if m.num_query_groups not in (None, m.num_attention_heads) else "")
         + f", seq {m.seq_length}" + (f", {num_params / 1e6:.2f}M parameters" if num_params else ""),
-        _attention_line(m),
+        _attention_shape_line(m),
         _param_line(cfg),
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
         f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; dp sharding {_sharding(cfg)}",
         f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
         f"dp gradients reduced in {t.grad_reduce_dtype}",
     ]
+    lines.append(_attention_line(cfg, lo, device))
     try:
         lines.append(render_estimate(estimate(cfg, world_size, conventions=conventions), lo.world))
     except (ZeroDivisionError, TypeError, AttributeError, ValueError, ScheduleError):
@@ -78,7 +79,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     return "\n".join(lines)
 
 
-def _attention_line(m: Any) -> str:
+def _attention_shape_line(m: Any) -> str:
     """RoPE (and its scaling) and the attention options that imported checkpoints carry."""
     rs = rope_scaling_of(m)
     rope = f"RoPE base {m.rope_base:.12g}" + (
@@ -87,7 +88,31 @@ def _attention_line(m: Any) -> str:
         if rs is not None else ", not scaled")
     extra = [f"head_dim {m.head_dim}" if m.head_dim is not None else "",
              "q/k/v bias" if m.qkv_bias else "", "per-head q/k RMSNorm" if m.qk_norm else ""]
-    return "  attention: " + "; ".join([rope] + [e for e in extra if e])
+    return "  attention shape: " + "; ".join([rope] + [e for e in extra if e])
+
+
+def _attention_line(cfg: Any, lo, device: Optional[str]) -> str:
+    """The attention kernel in use: the CP block kernel (parallel.cp_attention_backend) with
+    cp > 1, else what F.scaled_dot_product_attention picks."""
+    import torch
+
+    from mpoverlap.context_parallel.block_kernels import describe_block_backend, describe_sdpa_backend
+    from mpoverlap.models.init import head_dim_of, query_groups
+
+    m = cfg.model
+    if device:
+        device_type = device.split("/")[0]
+    elif cfg.train.device == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device_type = str(cfg.train.device)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    heads, head_dim = m.num_attention_heads, head_dim_of(m)
+    if lo.cp > 1:
+        return (f"  attention: context-parallel {cfg.parallel.cp_comm} blocks on "
+                + describe_block_backend(cfg.parallel.cp_attention_backend, device_type, dtype, head_dim)
+                + f" (parallel.cp_attention_backend={cfg.parallel.cp_attention_backend})")
+    return f"  attention: {describe_sdpa_backend(device_type, dtype, heads, query_groups(m), head_dim)}"
 
 
 def _param_line(cfg: Any) -> str:

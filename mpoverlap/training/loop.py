@@ -53,7 +53,8 @@ class Trainer(Resumable):
         attention = {}
         if self.cp_size > 1:
             attention["core_attention"] = ContextParallelAttention(
-                state, cfg.parallel.cp_comm, overlap=self.overlap.cp.enabled, ledger=self.ledger)
+                state, cfg.parallel.cp_comm, overlap=self.overlap.cp.enabled, ledger=self.ledger,
+                backend=cfg.parallel.cp_attention_backend)
         self.tp = None
         if state.grid.tp > 1:
             self.tp = tp_kwargs(state, sequence_parallel=bool(cfg.parallel.sequence_parallel),

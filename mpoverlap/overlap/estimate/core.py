@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from mpoverlap.overlap.estimate.activations import (Conventions, layer_activation_bytes,
                                                     stage_activation_peak)
+from mpoverlap.overlap.estimate.attention_work import cp_attention_work_bytes
 from mpoverlap.overlap.estimate.comm import comm_ops, comm_views
 from mpoverlap.overlap.estimate.params import model_params, stage_layers, stage_params
 from mpoverlap.overlap.estimate.sharding import state_memory
@@ -77,6 +78,9 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
         mem = state_memory(cfg, lo, s, n, n_exp)
         gathered = mem.pop("gathered")
         mem["activations"] = peaks[s]["bytes"]
+        if lo.cp > 1:
+            # The attention layer in flight: ring buffers, accumulators, kernel workspace.
+            mem["cp_attention_work"] = cp_attention_work_bytes(cfg, lo, conv.compute_bytes, t.micro_batch_size)
         stages.append(StageEstimate(s, n, mem, peaks[s]["layers_in_flight"], gathered))
     heaviest = max(stages, key=lambda st: sum(st.memory_bytes.values()))
     by_recompute = {mode: max(p["bytes"] for p in stage_activation_peak(cfg, lo, conv, t.micro_batch_size, mode))
@@ -121,6 +125,9 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
         state = _mib(mem["params"] + mem["grads"] + mem["optimizer"])
         lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {state:>17} |"
                      f" {_mib(mem['activations']):>14} ({st.layers_in_flight:>3}) | {_mib(sum(mem.values()))}")
+    if "cp_attention_work" in heaviest.memory_bytes:
+        lines.append(f"    context-parallel attention working set (K/V double buffer, out/lse accumulators, "
+                     f"kernel workspace; in the total): {_mib(heaviest.memory_bytes['cp_attention_work'])}")
     if heaviest.gathered_bytes:
         lines.append(f"    ZeRO-3: parameters = this rank's shards + {_mib(heaviest.gathered_bytes)} of gathered units "
                      "in use or prefetched (train.reshard_after_forward, overlap.dp_prefetch)")
