@@ -236,7 +236,7 @@ def describe_sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, 
         return "F.scaled_dot_product_attention (torch picks flash / cuDNN / efficient per GPU and dtype)"
     from torch.nn.attention import SDPBackend
 
-    q = torch.empty(1, num_heads, 8, head_dim, dtype=dtype)
-    kv = torch.empty(1, num_groups, 8, head_dim, dtype=dtype)
+    q = torch.empty(1, num_heads, 8, head_dim, dtype=dtype, device="cpu")
+    kv = torch.empty(1, num_groups, 8, head_dim, dtype=dtype, device="cpu")
     choice = SDPBackend(torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=num_groups != num_heads))
     return f"F.scaled_dot_product_attention -> {choice.name.lower()}"
