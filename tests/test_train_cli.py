@@ -498,6 +498,11 @@ def test_bf16_layouts_reproduce_single_process_bf16_curve(bf16_runs):
         ref, fp32 = ("moe_bf16", None) if name.startswith("moe") else ("bf16", "fp32")
         got = bf16_runs[name]
         assert len(got) == BF16_STEPS.get(name, 10)
+        if len(got) > 10:  # CP's 20 steps: the whole curve within 2e-2 (issue 32), the tight
+            # bounds below over the first 10 steps as for every layout (over 20 the grad norm of
+            # cp2 ring drifts to 3.6e-3, its loss stays at 1.1e-4)
+            assert rel_gaps(got, bf16_runs[ref], "loss") <= 2e-2, name
+            got = got[:10]
         gaps = {key: rel_gaps(got, bf16_runs[ref], key) for key in ("loss", "grad_norm")}
         report[name] = gaps
         if fp32 is not None:

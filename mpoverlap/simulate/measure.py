@@ -157,6 +157,7 @@ def model_work(cfg: Any, pp: int = 1, vpp: int = 1, cp: int = 1) -> Tuple[Callab
 
     import torch
 
+    from mpoverlap.context_parallel.block_kernels import select_block_kernel
     from mpoverlap.context_parallel.ring_attention import RingAttentionFunction
     from mpoverlap.context_parallel.split import positions_for_cp, split_for_cp
     from mpoverlap.context_parallel.stats import NullStats
@@ -173,7 +174,9 @@ def model_work(cfg: Any, pp: int = 1, vpp: int = 1, cp: int = 1) -> Tuple[Callab
             ring = _local_ring(rank, cp)
 
             def attention(q, k, v):
-                return RingAttentionFunction.apply(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]), NullStats())
+                # the block kernel the run's layers use (parallel.cp_attention_backend)
+                return RingAttentionFunction.apply(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]), NullStats(),
+                                                   select_block_kernel(cfg.parallel.cp_attention_backend, q))
 
             return GPT(m, seed=0, core_attention=attention)
 
