@@ -32,7 +32,11 @@ step's collectives (gradient reduction, norm) is not the executor's and is not i
 `trace` holds (event, action_index, time) of the last run: "post_recv" (index of the
 compute that consumes it), "post_send" (index of the producer), "wait_recv", "compute".
 
-Zero-bubble tables (W actions, e.g. zb1p): the B of a (vchunk, microbatch) that has a W runs
+A local message (zbv's turn: chunk pp-1 hands its activation to chunk pp on the same stage,
+and the gradient back) is never posted: its producer stores the detached tensor, its
+consumer takes it (the activation as a fresh leaf, as a received one would be).
+
+Zero-bubble tables (W actions, zb1p and zbv): the B of a (vchunk, microbatch) that has a W runs
 inside `weight_grads.deferring(queue)` (mpoverlap/wgrad): the model's linears compute only
 their input gradients and queue their weight-gradient GEMMs, which the W action runs.
 
@@ -46,8 +50,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mpoverlap.comm.handle import CommHandle, named_range, now
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, WEIGHT, Action, Batch,
-                                        Message)
+from mpoverlap.pipeline.actions import (BACKWARD, CHUNK_LAYOUTS, FORWARD, RECV, SEND, WEIGHT, Action,
+                                        Batch, Message, chunk_index)
 from mpoverlap.pipeline.p2p import StageP2P, verbose_from_env
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
@@ -61,9 +65,14 @@ class PipelineExecutor:
                  verbose: Optional[bool] = None, weight_grads=None) -> None:
         self.actions = list(actions)
         pp = len(pp_ranks)
-        bad = [a for a in self.actions if a.chunk % pp != stage]
+        # Loop layout: chunk = vchunk * pp + stage; the zbv V: stage s holds chunks s and 2pp-1-s.
+        bad = [a for a in self.actions
+               if a.chunk not in (chunk_index(stage, a.vchunk, pp, layout) for layout in CHUNK_LAYOUTS)]
         if bad:
             raise ValueError(f"actions {bad[:3]} belong to another stage than {stage} (pp={pp})")
+        # Messages both produced and consumed here (the V's turn): handed over in memory.
+        chunks_here = {a.chunk for a in self.actions}
+        self.local = {a.send for a in self.actions if a.send is not None and a.send.dst_chunk in chunks_here}
         self.stage = int(stage)
         self.overlap = bool(overlap)
         self.tensor_shape = tuple(tensor_shape)
@@ -153,6 +162,8 @@ class PipelineExecutor:
                 self._received[op.message] = (tensor, handle)
 
     def _take_received(self, index: int, message: Message) -> torch.Tensor:
+        if message in self.local:
+            return self._to_send.pop(message)
         tensor, handle = self._received.pop(message)
         self.trace.append(("wait_recv", index, now()))
         self._timed_wait(handle, True)
