@@ -1,8 +1,10 @@
-"""Zero-bubble pipeline (parallel.pp_schedule=zb1p, weight gradients deferred to W actions)
-against the single-process reference: the loss and gradient-norm curves over 6 fp32 steps,
-alone and composed with dp (sharding none and optim_grads_params), tp 2 + SP (collective
-matmul on and off), cp 2 with selective recompute, MoE ep 2 (against the dp-only reference of
-the same dp) and full recompute. One spawn per world size (tests/inproc_train.py)."""
+"""Zero-bubble pipelines (parallel.pp_schedule=zb1p and zbv, weight gradients deferred to W
+actions) against the single-process reference: the loss and gradient-norm curves over 6 fp32
+steps, alone and composed with dp (sharding none and optim_grads_params), tp 2 + SP
+(collective matmul on and off), cp 2 with selective recompute, MoE ep 2 (against the dp-only
+reference of the same dp) and full recompute. zbv (two chunks per stage in a V, the tied
+embedding and head both on stage 0) at pp 2 and pp 4, with dp 2 (none and ZeRO-3, tied),
+tp 2 + SP, MoE ep 2 and full recompute. One spawn per world size (tests/inproc_train.py)."""
 import os
 import sys
 
@@ -39,8 +41,26 @@ LAYOUTS = {
     "zb_cp2_pp2_selective": [*ZB, "parallel.cp=2", "parallel.pp=2", "overlap.cp=true",
                              "model.recompute=selective"],
 }
+ZBV = ["parallel.pp_schedule=zbv", "parallel.vpp=2"]
+L8 = ["model.num_layers=8"]
+LAYOUTS.update({
+    "ref_8layers": L8,
+    "zbv_pp2": [*ZBV, *L4, "parallel.pp=2", "overlap.pp=true"],
+    "zbv_pp4": [*ZBV, *L8, "parallel.pp=4", "overlap.pp=false"],
+    "zbv_pp2_recompute_full": [*ZBV, *L4, "parallel.pp=2", "model.recompute=full"],
+    "zbv_dp2_pp2": [*ZBV, *L4, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true"],
+    # tied: the V keeps the embedding and the head on stage 0, ZeRO-3 gathers it for both
+    "zbv_dp2_pp2_zero3": [*ZBV, *L4, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true",
+                          "train.dp_sharding=optim_grads_params"],
+    "zbv_tp2_sp_pp2": [*ZBV, *L4, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                       "overlap.tp=true"],
+    "moe_ref_dp2_4layers": [*MOE, *L4, "parallel.dp=2"],
+    "zbv_moe_dp2_ep2_pp2": [*ZBV, *MOE, *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true"],
+})
 REFS = {"zb_pp4": "ref_4layers", "zb_pp2_vpp2": "ref_4layers", "zb_moe_dp2_ep2_pp2": "moe_ref_dp2",
-        "zb_dp2_pp2_zero3": "ref_untied"}
+        "zb_dp2_pp2_zero3": "ref_untied", "zbv_pp2": "ref_4layers", "zbv_pp4": "ref_8layers",
+        "zbv_pp2_recompute_full": "ref_4layers", "zbv_dp2_pp2": "ref_4layers", "zbv_dp2_pp2_zero3": "ref_4layers",
+        "zbv_tp2_sp_pp2": "ref_4layers", "zbv_moe_dp2_ep2_pp2": "moe_ref_dp2_4layers"}
 LAYOUTS["ref_untied"] = ["model.tie_embeddings=false"]
 
 
@@ -52,8 +72,8 @@ def runs(tmp_path_factory):
     return train_layouts(specs, tmp_path_factory.mktemp("zb"))
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith("zb_")])
-def test_zb1p_reproduces_the_reference_curve(runs, name):
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith(("zb_", "zbv_"))])
+def test_zero_bubble_reproduces_the_reference_curve(runs, name):
     ref, got = runs[REFS.get(name, "ref")], runs[name]
     assert len(got) == STEPS
     assert_close([r["loss"] for r in got], [r["loss"] for r in ref])
