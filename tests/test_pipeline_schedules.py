@@ -293,3 +293,29 @@ def test_zbv_local_hand_over_posted_or_misordered_is_caught():
     posted[1][0] = dataclasses.replace(posted[1][0], prefetch_after=posted[1][0].prefetch_after + (bogus,))
     with pytest.raises(ScheduleError, match="local hand-over"):
         validate_schedule(posted)
+
+
+def test_check_and_simulate_know_zbv():
+    """mpoverlap-check's estimate and --simulate on zbv: the bubble formula, the activation
+    memory of 1F1B (the same layers in flight, W closures counted), twice 1F1B's p2p bytes, and a
+    simulated step shorter than interleaved 1F1B's and zb1p's on the same chunks."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap import validate
+    from mpoverlap.overlap.estimate import estimate
+    from mpoverlap.simulate import from_config, simulate
+
+    common = ["model=gpt_125m", "model.num_layers=16", "parallel.world_size=4", "parallel.pp=4",
+              "train.global_batch_size=32", "train.micro_batch_size=4", "model.tie_embeddings=false"]
+    layouts = {"1f1b": [], "interleaved": ["parallel.vpp=2"],
+               "zb1p_v2": ["parallel.vpp=2", "parallel.pp_schedule=zb1p"],
+               "zbv": ["parallel.vpp=2", "parallel.pp_schedule=zbv"]}
+    cfgs = {name: compose(common + extra) for name, extra in layouts.items()}
+    assert not validate(cfgs["zbv"], 4)
+    est = {name: estimate(cfg) for name, cfg in cfgs.items()}
+    assert est["zbv"].bubble == pytest.approx(3 / (6 * 8))
+    peak_1f1b = max(s.layers_in_flight for s in est["1f1b"].stages)
+    assert [s.layers_in_flight for s in est["zbv"].stages] == [peak_1f1b] * 4
+    assert est["zbv"].comm_bytes_per_step["pp"] == 2 * est["1f1b"].comm_bytes_per_step["pp"]
+    sim = {name: simulate(cfg, from_config(cfg)) for name, cfg in cfgs.items()}
+    assert sim["zbv"].step_s < min(sim["interleaved"].step_s, sim["zb1p_v2"].step_s)
+    assert sim["zbv"].bubble_s < sim["interleaved"].bubble_s

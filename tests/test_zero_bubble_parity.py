@@ -78,3 +78,19 @@ def test_zero_bubble_reproduces_the_reference_curve(runs, name):
     assert len(got) == STEPS
     assert_close([r["loss"] for r in got], [r["loss"] for r in ref])
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+
+
+def test_zbv_pp_bytes_equal_the_estimate(runs):
+    """zbv's p2p: 2pp-1 chunk boundaries, the turn handed over in memory, so 2(pp-1) per
+    microbatch and direction: the estimate (twice 1F1B's bytes) equals the ledger exactly."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+    from mpoverlap.overlap.layout import build_layout
+
+    for name in [n for n in LAYOUTS if n.startswith("zbv_")]:
+        cfg = compose([*SMALL, *LAYOUTS[name]])
+        assert runs[name][-1]["comm"]["pp"]["bytes"] == estimate(cfg, build_layout(cfg).world).comm_bytes_per_step["pp"]
+    for pp in (2, 4):  # untied: 1F1B's pp bytes are its p2p alone (no embedding-group sum)
+        base = [*SMALL, *L8, "model.tie_embeddings=false", f"parallel.pp={pp}"]
+        one_f_one_b = estimate(compose(base), pp).comm_bytes_per_step["pp"]
+        assert estimate(compose([*base, *ZBV]), pp).comm_bytes_per_step["pp"] == 2 * one_f_one_b
