@@ -96,7 +96,7 @@ def test_zbv_pp_bytes_equal_the_estimate(runs):
         assert estimate(compose([*base, *ZBV]), pp).comm_bytes_per_step["pp"] == 2 * one_f_one_b
 
 
-def test_zbv_checkpoint_resumes_under_1f1b_and_back(tmp_path):
+def test_zbv_checkpoint_resumes_under_1f1b_and_back(runs, tmp_path):
     """A zbv checkpoint holds every layer under its global id and the tied embedding once (stage
     0 holds both ends of the V): resumed under 1F1B (where the last stage gets its copy of the
     embedding) and a 1F1B one resumed under zbv, both stay on the single-process curve."""
@@ -106,8 +106,8 @@ def test_zbv_checkpoint_resumes_under_1f1b_and_back(tmp_path):
     reshard = [*SMALL, *L4, "train.lr_decay_steps=6", "checkpoint.interval=3"]
     zbv = [*reshard, *ZBV, "parallel.pp=2"]
     one_f_one_b = [*reshard, "parallel.pp=2"]
-    run_chains({"ref": [(1, reshard, 6)], "zbv_to_1f1b": [(2, zbv, 3), (2, one_f_one_b, 6)],
+    run_chains({"zbv_to_1f1b": [(2, zbv, 3), (2, one_f_one_b, 6)],
                 "1f1b_to_zbv": [(2, one_f_one_b, 3), (2, zbv, 6)]}, tmp_path)
-    for name in ("zbv_to_1f1b", "1f1b_to_zbv"):
+    for name in ("zbv_to_1f1b", "1f1b_to_zbv"):  # the reference: a 6-step run decays over 6 steps
         assert [r["step"] for r in rows(tmp_path / name)] == [1, 2, 3, 4, 5, 6]
-        assert_close(losses(tmp_path / name), losses(tmp_path / "ref"))
+        assert_close(losses(tmp_path / name), [r["loss"] for r in runs["ref_4layers"]])
