@@ -5,6 +5,7 @@ steps, alone and composed with dp (sharding none and optim_grads_params), tp 2 +
 reference of the same dp) and full recompute. zbv (two chunks per stage in a V, the tied
 embedding and head both on stage 0) at pp 2 and pp 4, with dp 2 (none and ZeRO-3, tied),
 tp 2 + SP, MoE ep 2 and full recompute. One spawn per world size (tests/inproc_train.py)."""
+import json
 import os
 import sys
 
@@ -111,3 +112,12 @@ def test_zbv_checkpoint_resumes_under_1f1b_and_back(runs, tmp_path):
     for name in ("zbv_to_1f1b", "1f1b_to_zbv"):  # the reference: a 6-step run decays over 6 steps
         assert [r["step"] for r in rows(tmp_path / name)] == [1, 2, 3, 4, 5, 6]
         assert_close(losses(tmp_path / name), [r["loss"] for r in runs["ref_4layers"]])
+    # Each segment ends with an evaluation (forward-only through the pipeline): at step 3 and at
+    # step 6 one chain evaluates through the V (the turn handed over in memory), the other
+    # through 1F1B's stages, on the same weights.
+    def val_losses(name):
+        rows_ = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["val_loss"]) for r in rows_ if "val_loss" in r]
+    zbv_first, one_f_one_b_first = val_losses("zbv_to_1f1b"), val_losses("1f1b_to_zbv")
+    assert [s for s, _ in zbv_first] == [s for s, _ in one_f_one_b_first] == [3, 6]
+    assert_close([v for _, v in zbv_first], [v for _, v in one_f_one_b_first])
