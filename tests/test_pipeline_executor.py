@@ -37,6 +37,7 @@ ZB_CONFIGS = [(4, 1, 6, True), (2, 2, 5, False)]
 # zbv: two chunks per stage in a V (stage s: chunks s and 2pp-1-s; the loss on stage 0, the
 # turn chunk pp-1 -> pp handed over in memory on stage pp-1)
 ZBV_CONFIGS = [(4, 2, 6, True), (2, 2, 4, False)]
+ZBV_TIED = (2, 2, 4, True)  # layer 7 is layer 0: a weight both chunks of stage 0 use
 
 
 def make_layers(linear=nn.Linear):
@@ -54,9 +55,16 @@ def layers_of_chunk(chunk, num_chunks):
     return range(chunk * per, (chunk + 1) * per)
 
 
-def reference(dp_rank, m):
+def tie_ends(layers):
+    """The last layer is the first one (one module at both ends of the model, as a tied
+    embedding and head are): in zbv's V both sit on stage 0."""
+    layers[-1] = layers[0]
+    return layers
+
+
+def reference(dp_rank, m, tied=False):
     """Single process: per-microbatch backward in microbatch order (the pipeline's order)."""
-    layers = make_layers()
+    layers = tie_ends(make_layers()) if tied else make_layers()
     xs, ys = make_data(dp_rank, m)
     losses, xgrads = [], []
     for mb in range(m):
@@ -72,14 +80,21 @@ def reference(dp_rank, m):
     return losses, grads, xgrads
 
 
-def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None):
+def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None, tied=False):
     stage, dp_rank, num_chunks = state.coords.pp, state.coords.dp, pp * vpp
     layout = chunk_layout(schedule or schedule_kind(vpp))
-    weight_grads = None
+    weight_grads, shared, accumulations = None, [], []
     if schedule in ("zb1p", "zbv"):
         from mpoverlap.wgrad import Linear, WeightGradDeferral, attach_deferral
 
         layers, weight_grads = make_layers(Linear), WeightGradDeferral()
+        if tied:
+            layers = tie_ends(layers)
+            if stage == 0:  # the V's stage 0 runs both ends: one weight, two chunks' W's
+                shared = [layers[0].weight, layers[0].bias]
+                # counted as the data-parallel hooks count: B's empty calls for a deferred weight skipped
+                layers[0].weight.register_post_accumulate_grad_hook(
+                    lambda p: None if weight_grads.withheld(p) else accumulations.append(1))
         attach_deferral(nn.ModuleList(layers), weight_grads)
     else:
         layers = make_layers()
@@ -101,7 +116,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         tables[stage], stage=stage, pp_ranks=state.ranks("pp"), group=state.group("pp"),
         overlap=overlap, ledger=ledger, tensor_shape=(B, H), dtype=torch.float32, device="cpu",
         forward_step=forward_step, backward_hook=lambda *call: hook_calls.append(call),
-        verbose=verbose, weight_grads=weight_grads)
+        verbose=verbose, weight_grads=weight_grads, shared_params=shared)
     # An independent count of what reaches torch: batch_isend_irecv calls and their ops.
     torch_calls = []
     batch_isend_irecv = torch.distributed.batch_isend_irecv
@@ -114,7 +129,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         for _ in range(steps):  # the same executor runs every step; report the last one
             for layer in layers:
                 layer.zero_grad(set_to_none=True)
-            x_leaves.clear(), hook_calls.clear(), torch_calls.clear()
+            x_leaves.clear(), hook_calls.clear(), torch_calls.clear(), accumulations.clear()
             stderr = io.StringIO()
             with contextlib.redirect_stderr(stderr):
                 started = time.perf_counter()
@@ -142,7 +157,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         "loss_stage": 0 if layout == "v" else pp - 1,
         "posted_ahead": posted_ahead, "hooks": hook_calls, "bubble_s": executor.bubble_s, "run_s": run_s,
         "times_ordered": all(t0 <= t1 for (_, _, t0), (_, _, t1) in zip(trace, trace[1:])),
-        "verbose_lines": stderr.getvalue().splitlines(),
+        "verbose_lines": stderr.getvalue().splitlines(), "shared_accumulations": len(accumulations),
     }
 
 
@@ -157,6 +172,7 @@ def _worker(rank, world):
         out[("zb1p", pp, vpp, m, overlap)] = run_layout(states[pp], pp, vpp, m, overlap, schedule="zb1p")
     for pp, vpp, m, overlap in ZBV_CONFIGS:
         out[("zbv", pp, vpp, m, overlap)] = run_layout(states[pp], pp, vpp, m, overlap, schedule="zbv")
+    out["zbv_tied"] = run_layout(states[2], *ZBV_TIED, schedule="zbv", tied=True)
     return out
 
 
@@ -270,3 +286,20 @@ def test_second_step_and_verbose_lines(reports):
         assert all(line.startswith("[pp-p2p] step 1 call ") and f" rank {rank} " in line for line in lines)
         assert any(" send to rank " in line for line in lines) and any(" recv from rank " in line for line in lines)
         assert all(" mb " in line and " vchunk " in line for line in lines)
+
+
+def test_zbv_weight_shared_by_two_chunks_accumulates_once_per_microbatch(reports):
+    """A weight both chunks of stage 0 use (zbv's tied embedding and head): the executor folds
+    the earlier W's share into the microbatch's last W, so the parameter accumulates once per
+    microbatch (what the data-parallel hooks count on), and its gradient is the reference's."""
+    pp, vpp, m, _ = ZBV_TIED
+    for rank_report in reports:
+        r = rank_report["zbv_tied"]
+        ref_losses, ref_grads, _ = reference(r["dp"], m, tied=True)
+        for i, (w, b) in r["grads"].items():
+            assert rel_err(w, ref_grads[i][0]) < 1e-6 and rel_err(b, ref_grads[i][1]) < 1e-6, i
+        if r["stage"] == 0:
+            assert sorted(r["grads"]) == [0, 1, 6, 7]
+            assert r["shared_accumulations"] == m
+            for got, want in zip(r["losses"], ref_losses):
+                assert rel_err(got, want) < 1e-6
