@@ -4,7 +4,7 @@ One spawn of 2 ranks inside bench/netns.sh (tbf 2 Gbit/s); every variant is buil
 stepped in rotating blocks (`bench.common.rotating_blocks`, the bench.modes method: warmup,
 quiet-block filtering, slowest rank per step). Model: moe_tiny reshaped so that each
 microbatch's expert all-to-alls take about as long as its experts' forward and backward on
-this link (hidden 512, expert width 256, seq 256, micro batch 2, 2 MoE layers, 8 experts top-2),
+this link (hidden 512, expert width 320, seq 256, micro batch 2, 2 MoE layers, 8 experts top-2),
 parallel.ep=2 (dp 2), 4 microbatches per rank (pairing needs two; m-1 of them pair).
 
   none     overlap.ep=false overlap.ep_chunks=1    every exchange waited where it is issued
@@ -133,7 +133,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
         close_trainers(side.t for side in sides.values())
 
 
-DEFAULTS = dict(hidden=512, ffn=256, seq=256, layers=2, micro_batch=2, microbatches=4, chunks=2)
+DEFAULTS = dict(hidden=512, ffn=320, seq=256, layers=2, micro_batch=2, microbatches=4, chunks=2)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -153,7 +153,8 @@ def run(args) -> Dict[str, Any]:
 def run_in_bench(rate: str, out: Path, budget: float, no_netns: bool = False) -> Dict[str, Any]:
     """For bench/run.py: this benchmark in a subprocess inside bench/netns.sh at `rate` (the bare
     loopback if the namespace cannot be made, and the link line says so), this machine's
-    rates timed before and after it, and the simulator's prediction of every variant."""
+    rates timed before it (the peak, the update, the CPU per byte sent; the model's and the
+    experts' rates come from the rounds), and the simulator's prediction of every variant."""
     import subprocess
     import sys
 
@@ -172,8 +173,7 @@ def run_in_bench(rate: str, out: Path, budget: float, no_netns: bool = False) ->
     if proc.returncode != 0:
         raise SystemExit(f"bench.ep_pairing failed with exit status {proc.returncode}")
     res = json.loads(path.read_text())
-    after = predict.time_machine(base, variants)
-    res["machine_rates"] = {k: [before[k], after[k]] for k in before}
+    res["machine_rates"] = {k: [v] for k, v in before.items()}
     res["predicted"] = predict_variants(res, rate, probe=bool(prefix))
     return res
 

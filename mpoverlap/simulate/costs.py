@@ -129,8 +129,11 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
                 wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks,
                            gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe))
                 # pairing's sub-steps: the router before the dispatch, the GEMMs after it
-                passes = {k: _moe_pass(passes[k].pre, f * gemms, f * fl["shared"] / rate, wire.get(k, 0.0))
-                          for k, f in (("F", 1), ("B", 2))}
+                # the forward's counts exchange: every chunk's E token counts (int64), one call
+                counts = collective_time("all_to_all", min(cfg.overlap.ep_chunks, moe_tokens(cfg, lo)) * m.num_experts
+                                         * 8, lo.ep, links["ep"], 1) if wire else 0.0
+                passes = {k: _moe_pass(passes[k].pre, f * gemms, f * fl["shared"] / rate, wire.get(k, 0.0),
+                                       counts if k == "F" else 0.0) for k, f in (("F", 1), ("B", 2))}
             for k in ("F", "B"):
                 cost.layers[k].append(passes[k])
         if chunk == lo.pp * lo.vpp - 1:
@@ -194,12 +197,13 @@ def _cp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, cp_comm
     cost.add("B", "cp", bwd, eb)
 
 
-def _moe_pass(total: float, experts: float, shared: float, wire: float) -> LayerPass:
+def _moe_pass(total: float, experts: float, shared: float, wire: float, counts: float) -> LayerPass:
     """An MoE layer's pass of `total` compute seconds cut into sub-steps: the experts' seconds
     (at their own rate; at most what the total leaves after the shared expert), the shared
-    expert's, the rest before the dispatch; `wire` seconds of exchanges, half each way."""
+    expert's, the rest before the dispatch; `wire` seconds of exchanges, half each way;
+    `counts` seconds of the counts exchange."""
     experts = min(experts, max(0.0, total - shared))
-    return LayerPass(max(0.0, total - experts - shared), experts, shared, wire / 2, wire / 2)
+    return LayerPass(max(0.0, total - experts - shared), experts, shared, wire / 2, wire / 2, counts)
 
 
 def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks: int, experts: float,

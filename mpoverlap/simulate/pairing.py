@@ -1,30 +1,32 @@
 """Forward/backward pairing of MoE microbatches (`overlap.ep_pairing`, issue 31): what it hides.
 
 Megatron's combined 1F1B and DeepSeek's DualPipe hide one microbatch's expert all-to-alls
-under another microbatch's computation. At pp 1 with m microbatches: microbatch 0's forward
-runs alone, then the forward of microbatch i is paired with the backward of microbatch i-1
-(m-1 pairs), then the last backward runs alone. Within a pair, forward layer j runs beside
-backward layer L-1-j, each layer cut into four sub-steps (forward: pre-dispatch compute =
-attention, norms, router; dispatch; experts; combine; backward: the mirror), interleaved so
-that every exchange of one microbatch is in flight while the other computes:
+under another microbatch's computation. mpoverlap/pairing runs it at pp 1 with m
+microbatches: microbatch 0's forward alone, then the forward of microbatch i beside the
+backward of microbatch i-1 (m-1 pairs), then the last backward alone. Each microbatch is a
+program of sub-steps (per MoE layer, forward: pre-dispatch compute = the previous layer's
+combine segment, attention, norms, router and the counts exchange; the dispatches; the
+experts chunk by chunk, each chunk's combine issued after it; backward: the mirror), and the
+executor runs the two programs of a pair on one thread round-robin, each up to the point
+where it has just issued exchanges of its own (a YIELD). Forward layer j meets backward layer
+L-1-j; on the link:
 
-    link (exchanges)            compute
-    combine_bwd(B)          |   pre_dispatch_fwd(F)  (+ F's shared expert)
-    dispatch_fwd(F)         |   mlp_bwd(B)
-    dispatch_bwd(B)         |   mlp_fwd(F)           (+ B's shared expert backward)
-    combine_fwd(F)          |   pre_dispatch_bwd(B)  (and the next pair's pre_dispatch_fwd)
+    F's dispatches      under  B's post-combine backward (head backward first) / pre-dispatch backward
+    B's reverse combines under F's experts
+    F's combines        under  B's experts backward
+    B's reverse dispatches under F's combine segment and next pre-dispatch
 
-`pair_program` writes one pair as the single-threaded issue/compute/wait program a rank runs
-(the exchanges on one serial link, first come first served: `overlap.serial_link_waits`);
-with `overlap.ep_chunks` = k each exchange goes in k chunks, an expert chunk starting when its
-own chunk has arrived (the chunked programs of today's EP overlap, with the other
-microbatch's sub-steps between them). The unpaired first forward and last backward keep
-today's exposure (`overlap.ep_chunks_exposed`, in the chunk's costs already).
+`forward_program` / `backward_program` write those programs as mpoverlap/pairing/steps.py and
+tape.py run them (i31-pairing at 3d7c87f), `round_robin` interleaves them, and
+`overlap.serial_link_waits` runs the result on one serial link, first come first served (a
+transfer queues behind what the link still carries: the pre-dispatch's counts exchange too).
+The unpaired first forward and last backward are the same programs run alone
+(`alone_exposed`): in backward every reverse combine is waited before the experts' backward
+(one autograd call over the chunks), so the lone backward hides nothing of its own.
 
 `apply_pairing` turns the per-microbatch costs (costs.ChunkCost, one chunk at pp 1) into the
 per-microbatch average the pipeline engine adds up: exposed ep per forward =
-(unpaired + (m-1) x paired) / m, the same for the backward. Not modelled: pp > 1 (Megatron
-pairs there across virtual chunks with one more warm-up microbatch).
+(alone + (m-1) x paired) / m, the same for the backward. Not modelled: pp > 1.
 """
 from __future__ import annotations
 
@@ -42,12 +44,13 @@ class LayerPass:
     `pre` = the compute outside the experts (attention, norms, router, permutation; a dense
     layer's whole MLP; recomputation), `experts` and `shared` (the shared expert) compute, and
     the token exchanges `dispatch` and `combine` (0 for a dense layer; in backward the reverse
-    exchanges, named after the forward's they reverse)."""
+    exchanges, named after the forward's they reverse; `counts` the forward's counts exchange)."""
     pre: float
     experts: float = 0.0
     shared: float = 0.0
     dispatch: float = 0.0
     combine: float = 0.0
+    counts: float = 0.0  # the forward's exchange of the chunks' token counts (before the dispatch)
 
     @property
     def compute(self) -> float:
@@ -64,10 +67,20 @@ def requested(cfg: Any) -> str:
     return str(normalize_tristate(value))
 
 
-def pairing_state(cfg: Any, pp: int, vpp: int, ep: int, ep_overlap: bool, microbatches: int) -> Tuple[bool, str]:
-    """(whether the simulator pairs forward and backward microbatches, why): `overlap.ep_pairing`
-    true or auto, and where it applies: ep > 1 with EP overlap on (the exchanges asynchronous),
-    pp 1 (the only layout modelled), at least 2 microbatches (a pair needs two)."""
+def pairing_state(cfg: Any, pp: int, vpp: int, ep: int, ep_overlap: bool, microbatches: int,
+                  resolved: Any = None) -> Tuple[bool, str]:
+    """(whether the simulator pairs forward and backward microbatches, why). `resolved`: the
+    build's own resolution of `overlap.ep_pairing` (CommOverlapConfig's ModeState, where the
+    build has it: its rules say where pairing runs); without it, `overlap.ep_pairing` true or
+    auto where it applies: ep > 1 with EP overlap on (the exchanges asynchronous), pp 1 (the
+    only layout modelled), at least 2 microbatches (a pair needs two)."""
+    if resolved is not None:
+        if not resolved.enabled:
+            return False, f"off ({resolved.reason})"
+        if pp > 1 or vpp > 1:
+            return False, f"not modelled at pp {pp} x vpp {vpp} (pp 1 only)"
+        return True, (f"on: microbatch 0's forward alone, {microbatches - 1} forward/backward pair(s), the last "
+                      "backward alone")
     want = requested(cfg)
     if want not in ("true", "auto"):
         return False, "off (overlap.ep_pairing=false)" if want == "false" else f"off (overlap.ep_pairing={want})"
@@ -83,58 +96,104 @@ def pairing_state(cfg: Any, pp: int, vpp: int, ep: int, ep_overlap: bool, microb
                   "backward alone")
 
 
+YIELD = ("yield",)
+
+
+def forward_program(passes: Sequence[LayerPass], chunks: int, other_f: float = 0.0) -> List:
+    """One microbatch's forward as the pairing runs it (mpoverlap/pairing/steps.py), the steps of
+    `overlap.serial_link_waits` plus YIELD where it hands over to the other microbatch. Per MoE
+    layer j: wait the previous layer's combines (its combine segment is in `pre`), pre-dispatch
+    compute, the counts exchange (issued and waited: it queues behind whatever the link still
+    carries), issue the k dispatches, YIELD; the shared expert, then per chunk wait its
+    dispatch, its experts, issue its combine, YIELD. A dense layer: its compute. Last: wait the
+    last combines, `other_f` (embedding, head and loss)."""
+    k, prog, pending = max(1, chunks), [], []
+    for j, f in enumerate(passes):
+        prog += [("wait", name) for name in pending]
+        pending = []
+        prog.append(("compute", f.pre))
+        if f.dispatch <= 0:
+            continue
+        if f.counts > 0:
+            prog += [("issue", f"F:N{j}", f.counts), ("wait", f"F:N{j}")]
+        prog += [("issue", f"F:D{j}.{c}", f.dispatch / k) for c in range(k)] + [YIELD, ("compute", f.shared)]
+        for c in range(k):
+            prog += [("wait", f"F:D{j}.{c}"), ("compute", f.experts / k), ("issue", f"F:C{j}.{c}", f.combine / k)]
+        prog.append(YIELD)
+        pending = [f"F:C{j}.{c}" for c in range(k)]
+    return prog + [("wait", name) for name in pending] + [("compute", other_f)]
+
+
+def backward_program(passes: Sequence[LayerPass], chunks: int, other_b: float = 0.0) -> List:
+    """The mirror (the tape run backwards): `other_b` (loss and head backward) first, then per MoE
+    layer from the last: issue the k reverse combines, YIELD; wait them all, the experts'
+    backward (all chunks in one autograd call), issue the k reverse dispatches, the shared
+    expert's backward, YIELD; wait them all, the pre-dispatch backward. A dense layer: its
+    compute. `passes` in forward order."""
+    k, prog = max(1, chunks), [("compute", other_b)]
+    for j in reversed(range(len(passes))):
+        b = passes[j]
+        if b.combine > 0:
+            prog += [("issue", f"B:C{j}.{c}", b.combine / k) for c in range(k)] + [YIELD]
+            prog += [("wait", f"B:C{j}.{c}") for c in range(k)] + [("compute", b.experts)]
+            prog += [("issue", f"B:D{j}.{c}", b.dispatch / k) for c in range(k)] + [("compute", b.shared), YIELD]
+            prog += [("wait", f"B:D{j}.{c}") for c in range(k)]
+        else:
+            prog.append(("compute", b.experts + b.shared))
+        prog.append(("compute", b.pre))
+    return prog
+
+
+def round_robin(first: List, second: List) -> List:
+    """Two programs as the pairing executor runs them on one thread: `first` up to its next
+    YIELD, then `second` up to its next, and so on; the one left runs to its end."""
+    def pieces(prog: List) -> List[List]:
+        out: List[List] = [[]]
+        for step in prog:
+            if step == YIELD:
+                out.append([])
+            else:
+                out[-1].append(step)
+        return out
+
+    a, b = pieces(first), pieces(second)
+    merged: List = []
+    for i in range(max(len(a), len(b))):
+        merged += (a[i] if i < len(a) else []) + (b[i] if i < len(b) else [])
+    return merged
+
+
 def pair_program(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: int,
                  other_f: float = 0.0, other_b: float = 0.0) -> List:
-    """One pair as a rank runs it: the forward of one microbatch (`fwd`, layers in forward
-    order) beside the backward of the previous one (`bwd`, the same layers in forward order;
-    it runs them last to first). Steps as `overlap.serial_link_waits` takes them; exchange
-    names start with "F:" or "B:" (whose microbatch waits). `other_b`: the backward's compute
-    outside the layers (the loss and output head's backward, run first); `other_f`: the
-    forward's (embedding, head and loss, run last, after the last layer's combine)."""
-    k = max(1, chunks)
-    n = len(fwd)
-    if len(bwd) != n:
-        raise ValueError(f"a pair needs the same layers on both sides ({n} forward, {len(bwd)} backward)")
-    prog: List = [("compute", other_b)]
-    for j in range(n):
-        f, b = fwd[j], bwd[n - 1 - j]
-        if b.combine > 0:  # B's reverse combines first (autograd's order), under F's pre-dispatch
-            prog += [("issue", f"B:C{j}.{c}", b.combine / k) for c in reversed(range(k))]
-        if j > 0 and fwd[j - 1].combine > 0:  # F's layer input is the previous layer's combine
-            prog += [("wait", f"F:C{j - 1}.{c}") for c in range(k)]
-        prog.append(("compute", f.pre))
-        if f.dispatch > 0:
-            prog += [("issue", f"F:D{j}.{c}", f.dispatch / k) for c in range(k)]
-        prog.append(("compute", f.shared))
-        for c in reversed(range(k)):  # B's experts, chunk by chunk as its reverse combines land
-            if b.combine > 0:
-                prog.append(("wait", f"B:C{j}.{c}"))
-            prog.append(("compute", b.experts / k))
-            if b.dispatch > 0:
-                prog.append(("issue", f"B:D{j}.{c}", b.dispatch / k))
-        for c in range(k):  # F's experts under B's reverse dispatches
-            if f.dispatch > 0:
-                prog.append(("wait", f"F:D{j}.{c}"))
-            prog.append(("compute", f.experts / k))
-            if f.combine > 0:
-                prog.append(("issue", f"F:C{j}.{c}", f.combine / k))
-        prog.append(("compute", b.shared))
-        if b.dispatch > 0:
-            prog += [("wait", f"B:D{j}.{c}") for c in range(k)]
-        prog.append(("compute", b.pre))  # under F's combines
-    if n and fwd[-1].combine > 0:
-        prog += [("wait", f"F:C{n - 1}.{c}") for c in range(k)]
-    prog.append(("compute", other_f))
-    return prog
+    """One pair: the forward of a microbatch (`fwd`, layers in forward order; it runs first)
+    beside the backward of the previous one (`bwd`, the same layers in forward order; it runs
+    them last to first), round-robin at their YIELDs. Exchange names start with "F:" or "B:"
+    (whose microbatch waits)."""
+    if len(bwd) != len(fwd):
+        raise ValueError(f"a pair needs the same layers on both sides ({len(fwd)} forward, {len(bwd)} backward)")
+    return round_robin(forward_program(fwd, chunks, other_f), backward_program(bwd, chunks, other_b))
+
+
+def _by_side(program: List) -> Dict[str, float]:
+    out = {FORWARD: 0.0, BACKWARD: 0.0}
+    for name, waited in serial_link_waits(program).items():
+        out[name.split(":", 1)[0]] += waited
+    return out
 
 
 def pair_exposed(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: int, other_f: float = 0.0,
                  other_b: float = 0.0) -> Dict[str, float]:
     """{"F": seconds the pair waits on the forward's exchanges, "B": on the backward's}."""
-    out = {FORWARD: 0.0, BACKWARD: 0.0}
-    for name, waited in serial_link_waits(pair_program(fwd, bwd, chunks, other_f, other_b)).items():
-        out[name.split(":", 1)[0]] += waited
-    return out
+    return _by_side(pair_program(fwd, bwd, chunks, other_f, other_b))
+
+
+def alone_exposed(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: int, other_f: float = 0.0,
+                  other_b: float = 0.0) -> Dict[str, float]:
+    """{"F": the first forward's exposed seconds, "B": the last backward's}: the same programs,
+    each run with no other microbatch beside it (the executor runs them alone)."""
+    f = _by_side(round_robin(forward_program(fwd, chunks, other_f), []))[FORWARD]
+    b = _by_side(round_robin([], backward_program(bwd, chunks, other_b)))[BACKWARD]
+    return {FORWARD: f, BACKWARD: b}
 
 
 def apply_pairing(cost: Any, microbatches: int, chunks: int) -> Dict[str, float]:
@@ -148,7 +207,7 @@ def apply_pairing(cost: Any, microbatches: int, chunks: int) -> Dict[str, float]
     other_f = max(0.0, cost.compute[FORWARD] - sum(p.compute for p in layers_f))
     other_b = max(0.0, cost.compute[BACKWARD] - sum(p.compute for p in layers_b))
     paired = pair_exposed(layers_f, layers_b, chunks, other_f, other_b)
-    alone = {kind: cost.exposed[kind].get("ep", 0.0) for kind in (FORWARD, BACKWARD)}
+    alone = alone_exposed(layers_f, layers_b, chunks, other_f, other_b)
     for kind in (FORWARD, BACKWARD):
         cost.exposed[kind]["ep"] = (alone[kind] + (m - 1) * paired[kind]) / m
     return {**paired, "F_alone": alone[FORWARD], "B_alone": alone[BACKWARD]}
