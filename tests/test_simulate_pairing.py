@@ -38,6 +38,9 @@ def test_pair_hides_all_but_its_edges_at_one_to_one():
     assert pair_exposed([FWD, FWD], [BWD, BWD], 1) == pytest.approx({"F": 1.0, "B": 1.0})
     total = sum(step[1] for step in pair_program([FWD, FWD], [BWD, BWD], 1) if step[0] == "compute")
     assert total == pytest.approx(12.0)  # 2 x (1 + 1 + 2 + 2); the pair takes 14
+    # The steady state between the edges hides everything: 8 layers still expose 1 + 1, of
+    # 8 x 4 exchanges in flight
+    assert pair_exposed([FWD] * 8, [BWD] * 8, 1) == pytest.approx({"F": 1.0, "B": 1.0})
     # B's head backward (1) covers F's first dispatch; F's head (0.5) half of B's last dispatch:
     # D 1-2 under B's head 1-2; C_b 2-3 under E_f 2-3; C_f 3-4 under E_b 3-5; D_b 5-6 under
     # F's head 5-5.5: B waits 0.5.
