@@ -25,7 +25,7 @@ from mpoverlap.overlap.estimate.comm import comm_ops, replayed_ops
 from mpoverlap.overlap.estimate.params import (chunk_layers, expert_ffn, is_moe_layer, mlp_mult, shared_expert_ffn,
                                                stage_layers, stage_params)
 from mpoverlap.overlap.layout import Layout
-from mpoverlap.simulate.collectives import collective_time
+from mpoverlap.simulate.collectives import collective_time, steps
 from mpoverlap.simulate.hardware import Hardware, Link
 from mpoverlap.simulate.overlap import cp_ring_exposed, ep_chunks_exposed, ring_exposed
 from mpoverlap.simulate.pairing import LayerPass
@@ -128,10 +128,9 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
                 gemms = (fl["mlp"] - router) / (hw.expert_flops or rate)
                 wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks,
                            gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe))
-                # pairing's sub-steps: the router before the dispatch, the GEMMs after it
-                # the forward's counts exchange: every chunk's E token counts (int64), one call
-                counts = collective_time("all_to_all", min(cfg.overlap.ep_chunks, moe_tokens(cfg, lo)) * m.num_experts
-                                         * 8, lo.ep, links["ep"], 1) if wire else 0.0
+                # pairing's sub-steps: the router before the dispatch, the GEMMs after it; the
+                # forward's counts exchange (its few bytes are in the volume): one call's latency
+                counts = steps("all_to_all", lo.ep) * links["ep"].latency if wire else 0.0
                 passes = {k: _moe_pass(passes[k].pre, f * gemms, f * fl["shared"] / rate, wire.get(k, 0.0),
                                        counts if k == "F" else 0.0) for k, f in (("F", 1), ("B", 2))}
             for k in ("F", "B"):

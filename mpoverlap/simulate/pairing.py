@@ -26,7 +26,8 @@ The unpaired first forward and last backward are the same programs run alone
 
 `apply_pairing` turns the per-microbatch costs (costs.ChunkCost, one chunk at pp 1) into the
 per-microbatch average the pipeline engine adds up: exposed ep per forward =
-(alone + (m-1) x paired) / m, the same for the backward. Not modelled: pp > 1.
+(alone + (m-1) x paired) / m, the same for the backward; the counts exchanges' latency joins
+the forward's ep in flight. Not modelled: pp > 1.
 """
 from __future__ import annotations
 
@@ -114,8 +115,7 @@ def forward_program(passes: Sequence[LayerPass], chunks: int, other_f: float = 0
         prog.append(("compute", f.pre))
         if f.dispatch <= 0:
             continue
-        if f.counts > 0:
-            prog += [("issue", f"F:N{j}", f.counts), ("wait", f"F:N{j}")]
+        prog += [("issue", f"F:N{j}", f.counts), ("wait", f"F:N{j}")]  # queues behind the link's transfers
         prog += [("issue", f"F:D{j}.{c}", f.dispatch / k) for c in range(k)] + [YIELD, ("compute", f.shared)]
         for c in range(k):
             prog += [("wait", f"F:D{j}.{c}"), ("compute", f.experts / k), ("issue", f"F:C{j}.{c}", f.combine / k)]
@@ -198,10 +198,9 @@ def alone_exposed(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: in
 
 def apply_pairing(cost: Any, microbatches: int, chunks: int) -> Dict[str, float]:
     """Rewrites `cost` (a costs.ChunkCost of the one chunk at pp 1) so that its ep exposure per
-    forward and per backward is the step's average over `microbatches` with pairing: one
-    unpaired forward and backward (today's exposure, already in `cost`) and m-1 pairs
-    (`pair_exposed` of its layer passes). Returns {"F", "B": exposed per pair} and the unpaired
-    {"F_alone", "B_alone"}, for the report."""
+    forward and per backward is the step's average over `microbatches` with pairing: the lone
+    forward and backward (`alone_exposed`) and m-1 pairs (`pair_exposed` of its layer passes).
+    Returns {"F", "B": exposed per pair} and the lone {"F_alone", "B_alone"}, for the report."""
     m = microbatches
     layers_f, layers_b = cost.layers[FORWARD], cost.layers[BACKWARD]
     other_f = max(0.0, cost.compute[FORWARD] - sum(p.compute for p in layers_f))
@@ -210,4 +209,7 @@ def apply_pairing(cost: Any, microbatches: int, chunks: int) -> Dict[str, float]
     alone = alone_exposed(layers_f, layers_b, chunks, other_f, other_b)
     for kind in (FORWARD, BACKWARD):
         cost.exposed[kind]["ep"] = (alone[kind] + (m - 1) * paired[kind]) / m
+    # the counts exchanges' calls, on the link in these programs (the unpaired model leaves
+    # their latency out), are in flight too
+    cost.in_flight[FORWARD]["ep"] = cost.in_flight[FORWARD].get("ep", 0.0) + sum(p.counts for p in layers_f)
     return {**paired, "F_alone": alone[FORWARD], "B_alone": alone[BACKWARD]}
