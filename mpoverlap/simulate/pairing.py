@@ -77,7 +77,7 @@ def pairing_state(cfg: Any, pp: int, vpp: int, ep: int, ep_overlap: bool, microb
     only layout modelled), at least 2 microbatches (a pair needs two)."""
     if resolved is not None:
         if not resolved.enabled:
-            return False, f"off ({resolved.reason})"
+            return False, resolved.reason if resolved.reason.startswith("off") else f"off: {resolved.reason}"
         if pp > 1 or vpp > 1:
             return False, f"not modelled at pp {pp} x vpp {vpp} (pp 1 only)"
         return True, (f"on: microbatch 0's forward alone, {microbatches - 1} forward/backward pair(s), the last "
