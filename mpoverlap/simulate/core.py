@@ -28,6 +28,7 @@ from mpoverlap.simulate.collectives import collective_time, group_links
 from mpoverlap.simulate.costs import MODES, ChunkCost, chunk_costs, step_ops
 from mpoverlap.simulate.engine import last_backward_spans, run_pipeline
 from mpoverlap.simulate.hardware import Hardware
+from mpoverlap.simulate.pairing import apply_pairing, pairing_state
 from mpoverlap.simulate.plain import plain
 from mpoverlap.simulate.overlap import bucket_finish, buckets_over, gather_exposed
 
@@ -50,6 +51,10 @@ class SimResult:
     useful_share: float = 1.0  # model FLOPs / FLOPs run (recomputation, head, attention's causal half)
     update_s: float = 0.0  # the critical stage's work after the last backward (in compute_s)
     comm_cpu_s: float = 0.0  # CPU time its hidden communication took from compute (in compute_s)
+    # EP forward/backward pairing (overlap.ep_pairing, pairing.py): whether modelled and why,
+    # and per pair and unpaired pass the seconds of ep exposed ({"F", "B", "F_alone", "B_alone"})
+    ep_pairing: str = ""
+    ep_pairing_exposed: Dict[str, float] = field(default_factory=dict)
 
     @property
     def exposed_share(self) -> Dict[str, float]:
@@ -67,6 +72,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     links = group_links(lo, hw)
     micro = lo.num_microbatches or 1
     costs = chunk_costs(cfg, lo, hw, links, enabled, c)
+    paired, pairing_why = pairing_state(cfg, lo.pp, lo.vpp, lo.ep, enabled["ep"], micro, ov.modes().get("ep_pairing"))
+    pairing_exposed = apply_pairing(costs[0], micro, cfg.overlap.ep_chunks) if paired else {}
     K = lo.pp * lo.vpp
     pp_msg = _pp_message_bytes(cfg, lo, c)
     T = lo.tp * lo.cp * lo.dp
@@ -173,7 +180,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
                        avg_compute_s=avg_compute, update_s=update[crit], comm_cpu_s=stolen,
                        ledger_pp={"in_flight_s": sum(real.ledger_in_flight) / lo.pp,
                                   "exposed_s": sum(real.ledger_exposed) / lo.pp + posted} if lo.pp > 1 else {},
-                       useful_share=model_flops / run_flops if run_flops else 1.0)
+                       useful_share=model_flops / run_flops if run_flops else 1.0,
+                       ep_pairing=pairing_why if lo.ep > 1 else "", ep_pairing_exposed=pairing_exposed)
     return result
 
 
@@ -274,4 +282,10 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
         e = r.exposed_s.get(m, 0.0)
         lines.append(f"  {m:<4} | {'ON' if r.enabled[m] else 'off':<7} | {r.links.get(m, '-'):<5} | {t * 1e3:>19,.3f} | "
                      f"{e * 1e3:>17,.3f} | {e / t:>13.2f} | {e / r.step_s:>6.1%}")
+    if r.ep_pairing:
+        x = r.ep_pairing_exposed
+        lines.append(f"  ep forward/backward pairing (overlap.ep_pairing): {r.ep_pairing}" + (
+            f"; ep exposed per pair {(x['F'] + x['B']) * 1e3:,.3f} ms (forward's exchanges {x['F'] * 1e3:,.3f}, "
+            f"backward's {x['B'] * 1e3:,.3f}), unpaired forward {x['F_alone'] * 1e3:,.3f} ms, backward "
+            f"{x['B_alone'] * 1e3:,.3f} ms" if x else ""))
     return "\n".join(lines)

@@ -26,9 +26,10 @@ from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, ex
                                                shared_expert_ffn, stage_layers, stage_params)
 from mpoverlap.pipeline.actions import stage_of
 from mpoverlap.overlap.layout import Layout
-from mpoverlap.simulate.collectives import collective_time
+from mpoverlap.simulate.collectives import collective_time, steps
 from mpoverlap.simulate.hardware import Hardware, Link
 from mpoverlap.simulate.overlap import cp_ring_exposed, ep_chunks_exposed, ring_exposed
+from mpoverlap.simulate.pairing import LayerPass
 
 MODES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -40,6 +41,9 @@ class ChunkCost:
     compute: Dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     in_flight: Dict[str, Dict[str, float]] = field(default_factory=lambda: {"F": {}, "B": {}})
     exposed: Dict[str, Dict[str, float]] = field(default_factory=lambda: {"F": {}, "B": {}})
+    # per layer of the chunk, in forward order: its forward and its backward cut into the
+    # sub-steps EP pairing interleaves (pairing.py)
+    layers: Dict[str, List[LayerPass]] = field(default_factory=lambda: {"F": [], "B": []})
 
     def duration(self, kind: str) -> float:
         return self.compute[kind] + sum(self.exposed[kind].values())
@@ -116,15 +120,23 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             extra = fwd if i in replayed else (fl["core"] if recompute == "selective" else 0.0)
             cost.compute["F"] += fwd / rate
             cost.compute["B"] += (2 * fwd + extra) / rate
+            passes = {"F": LayerPass(fwd / rate), "B": LayerPass((2 * fwd + extra) / rate)}
             share = micro * max(1, n_layers)
             _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate, share, i in replayed)
             _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
             if is_moe_layer(m, i):
                 # the experts' GEMMs at the experts' own rate (the router's at the model's)
                 router = 2 * moe_tokens(cfg, lo) * m.hidden_size * m.num_experts
-                experts = (fl["mlp"] - router) / (hw.expert_flops or rate) + router / rate
-                _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks, experts,
-                    fl["shared"] / rate, micro * max(1, n_moe))
+                gemms = (fl["mlp"] - router) / (hw.expert_flops or rate)
+                wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks,
+                           gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe))
+                # pairing's sub-steps: the router before the dispatch, the GEMMs after it; the
+                # forward's counts exchange (its few bytes are in the volume): one call's latency
+                counts = steps("all_to_all", lo.ep) * links["ep"].latency if wire else 0.0
+                passes = {k: _moe_pass(passes[k].pre, f * gemms, f * fl["shared"] / rate, wire.get(k, 0.0),
+                                       counts if k == "F" else 0.0) for k, f in (("F", 1), ("B", 2))}
+            for k in ("F", "B"):
+                cost.layers[k].append(passes[k])
         if chunk == lo.pp * lo.vpp - 1:
             cost.compute["F"] += head_flops(cfg, lo) / rate
             cost.compute["B"] += 2 * head_flops(cfg, lo) / rate
@@ -186,15 +198,26 @@ def _cp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, cp_comm
     cost.add("B", "cp", bwd, eb)
 
 
+def _moe_pass(total: float, experts: float, shared: float, wire: float, counts: float) -> LayerPass:
+    """An MoE layer's pass of `total` compute seconds cut into sub-steps: the experts' seconds
+    (at their own rate; at most what the total leaves after the shared expert), the shared
+    expert's, the rest before the dispatch; `wire` seconds of exchanges, half each way;
+    `counts` seconds of the counts exchange."""
+    experts = min(experts, max(0.0, total - shared))
+    return LayerPass(max(0.0, total - experts - shared), experts, shared, wire / 2, wire / 2, counts)
+
+
 def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks: int, experts: float,
-        shared: float, share: int) -> None:
+        shared: float, share: int) -> Dict[str, float]:
     """EP per MoE layer pass: the token exchanges (dispatch and combine, ep_chunks each) under
-    the experts' `experts` seconds of forward (twice in backward) and the shared expert's."""
+    the experts' `experts` seconds of forward (twice in backward) and the shared expert's.
+    Returns the exchanges' seconds per pass ({"F", "B"}; {} without EP)."""
+    wire: Dict[str, float] = {}
     if lo.ep <= 1:
-        return
+        return wire
     ops = [o for o in _mode_ops(base, "ep")]
     if not ops:
-        return
+        return wire
     op = ops[0][1]
     main = sum(o[2] for o in ops) / share
     again = sum(o[2] for o in _mode_ops(replay, "ep")) / share
@@ -202,6 +225,8 @@ def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks:
         t = collective_time(op, nbytes, lo.ep, link, 2 * chunks)
         exposed = ep_chunks_exposed(t / 2, t / 2, under, chunks, sh, backward=kind == "B") if on else t
         cost.add(kind, "ep", t, exposed)
+        wire[kind] = t
+    return wire
 
 
 def step_ops(cfg: Any, lo: Layout, stage: int, c: int) -> List:
