@@ -580,16 +580,18 @@ def test_bf16_halves_activation_and_gradient_bytes(bf16_runs):
 def test_bf16_residual_stream_is_one_dtype_in_every_layout(bf16_runs):
     """Issue 29 finding 9: the residual stream is fp32 in every layout (pipeline p2p, TP
     embedding reduction). pp 2 x vpp 2 (and dp 2) compute the single process's first step up to
-    fp32 summation order (with bf16 pipeline boundaries: 1.1e-5 on the loss); the four layouts of
+    fp32 summation order; the four layouts of
     the finding stay within 2e-2 of the bf16 single process over 20 steps; the pp bytes are the
     estimate's, the tp bytes within 3% of it (fp32 embedding reduction, bf16 GEMM partial sums)."""
     from mpoverlap.config import compose
     from mpoverlap.overlap.estimate import estimate
 
     ref = bf16_runs["f9_ref"]
+    # Step 1, relative: pp 2 x vpp 2 measured loss 0, grad norm 7.5e-7 (the tied embedding's
+    # gradient summed over the stages in another order); with bf16 boundaries 3.7e-6 and 7.3e-5.
     for name in ("f9_pp2_vpp2", "f9_dp2"):
-        for key in ("loss", "grad_norm"):
-            assert abs(bf16_runs[name][0][key] - ref[0][key]) <= 1e-6 * ref[0][key], (name, key)
+        for key, tol in (("loss", 1e-6), ("grad_norm", 1e-5)):
+            assert abs(bf16_runs[name][0][key] - ref[0][key]) <= tol * ref[0][key], (name, key)
     floor = rel_gaps(bf16_runs["f9_mb1"], ref, "loss")
     gaps = {name: rel_gaps(bf16_runs[name], ref, "loss") for name in F9_LAYOUTS if name not in ("f9_ref", "f9_mb1")}
     print(f"\nfinding 9, 20 steps, largest relative loss gap to the bf16 single process: {gaps}; "
