@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.estimate.comm import comm_ops
 from mpoverlap.overlap.estimate.core import compute_bytes
-from mpoverlap.overlap.estimate.params import stage_params
+from mpoverlap.overlap.estimate.params import chunk_layout_of, stage_params
 from mpoverlap.overlap.layout import Layout, build_layout
 from mpoverlap.simulate.collectives import collective_time, group_links
 from mpoverlap.simulate.costs import MODES, ChunkCost, chunk_costs, step_ops
@@ -75,7 +75,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
         a, b = sorted((src, dst))
         return collective_time("send_recv", 2 * pp_msg, 2, hw.group_link((b - a) * T, 2, first=a * T))
 
-    from mpoverlap.pipeline import defers_weight_grads, resolve_schedule
+    from mpoverlap.pipeline import chunk_index, chunk_layout, defers_weight_grads, resolve_schedule
 
     schedule = resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp) if lo.pp > 1 else None
     zero_bubble = schedule is not None and defers_weight_grads(schedule)
@@ -92,7 +92,9 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     # DP per stage: gradient buckets under the last backward, parameter gather under the first forward.
     dp = [_dp_stage(cfg, lo, hw, links, s, c) for s in range(lo.pp)]
     update = [update_seconds(cfg, lo, hw, s) for s in range(lo.pp)]
-    first_fwd = [sum(costs[v * lo.pp + s].duration("F") for v in range(lo.vpp)) for s in range(lo.pp)]
+    layout = chunk_layout(schedule) if schedule else "loop"  # zbv: stage s holds chunks s and 2pp-1-s
+    first_fwd = [sum(costs[chunk_index(s, v, lo.pp, layout)].duration("F") for v in range(lo.vpp))
+                 for s in range(lo.pp)]
     gather_wait = [0.0] * lo.pp
     if ov.dp_param_gather.enabled:
         probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, schedule=schedule)
@@ -128,7 +130,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     exposed = {m: 0.0 for m in MODES}
     compute = update[crit]
     for v in range(lo.vpp):
-        cost: ChunkCost = costs[v * lo.pp + crit]
+        cost: ChunkCost = costs[chunk_index(crit, v, lo.pp, layout)]
         for kind in ("F", "B"):
             compute += micro * cost.compute[kind]
             for m, t in cost.in_flight[kind].items():
@@ -212,7 +214,8 @@ def _pp_message_bytes(cfg: Any, lo: Layout, c: int) -> float:
     micro = lo.num_microbatches or 1
     ops = comm_ops(cfg, lo, 0, stage_params(cfg, lo, 0), stage_params(cfg, lo, 0, expert_only=True), c)
     total = sum(o[2] for o in ops if o[0] == "pp" and o[1] == "send_recv")
-    return total / (4 * micro * (lo.pp * lo.vpp - 1) / lo.pp)
+    turn = 1 if chunk_layout_of(cfg, lo) == "v" else 0  # zbv's V: the turn stays on its stage
+    return total / (4 * micro * (lo.pp * lo.vpp - 1 - turn) / lo.pp)
 
 
 def _dp_stage(cfg: Any, lo: Layout, hw: Hardware, links, stage: int, c: int) -> Dict[str, float]:

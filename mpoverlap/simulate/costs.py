@@ -22,8 +22,9 @@ from typing import Any, Dict, List
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
 from mpoverlap.overlap.estimate.comm import comm_ops, replayed_ops
-from mpoverlap.overlap.estimate.params import (chunk_layers, expert_ffn, is_moe_layer, mlp_mult, shared_expert_ffn,
-                                               stage_layers, stage_params)
+from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, expert_ffn, is_moe_layer, mlp_mult,
+                                               shared_expert_ffn, stage_layers, stage_params)
+from mpoverlap.pipeline.actions import stage_of
 from mpoverlap.overlap.layout import Layout
 from mpoverlap.simulate.collectives import collective_time
 from mpoverlap.simulate.hardware import Hardware, Link
@@ -86,7 +87,7 @@ def _mode_ops(ops: List, mode: str) -> List:
 
 def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enabled: Dict[str, bool],
                 c: int) -> List[ChunkCost]:
-    """ChunkCost of every model chunk (index = vchunk * pp + stage); `enabled[mode]` says
+    """ChunkCost of every model chunk (its global index; on the stage `chunk_layout_of` places it); `enabled[mode]` says
     whether the mode's overlap is on; `c` bytes of the compute dtype."""
     m, p = cfg.model, cfg.parallel
     micro = lo.num_microbatches or 1
@@ -103,8 +104,9 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
         base = list(every[:len(every) - len(replay)]) if replay else list(every)
         per_stage[stage] = (base, replay, len(stage_layers(cfg, lo, stage)),
                             sum(is_moe_layer(m, i) for i in stage_layers(cfg, lo, stage)))
+    layout = chunk_layout_of(cfg, lo)
     for chunk in range(lo.pp * lo.vpp):
-        stage = chunk % lo.pp
+        stage = stage_of(chunk, lo.pp, layout)
         base, replay, n_layers, n_moe = per_stage[stage]
         cost = ChunkCost()
         replayed = set(recomputed_in_chunk(cfg, lo, chunk)) if recompute == "full" else set()

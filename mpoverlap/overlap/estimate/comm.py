@@ -90,10 +90,16 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
     if lo.pp > 1:
         # pp*vpp - 1 chunk boundaries, each an activation forward and a gradient backward,
         # counted at the sending and the receiving end; plus the tied embedding's gradient sum
-        # over the first and last stage (2 of pp ranks).
+        # over the first and last stage (2 of pp ranks). zbv's V: 2pp - 1 boundaries, the turn
+        # (chunk pp-1 -> pp, on stage pp-1) handed over in memory, so 2(pp-1): twice 1F1B's
+        # bytes; its tied head shares the embedding on stage 0, nothing to sum.
+        from mpoverlap.pipeline import chunk_layout, resolve_schedule
+
+        v_layout = chunk_layout(resolve_schedule(getattr(p, "pp_schedule", "auto"), lo.vpp)) == "v"
         hidden_bytes = f * b * s_hidden * H
-        ops.append(("pp", "send_recv", 4 * hidden_bytes * micro * (lo.pp * lo.vpp - 1) / lo.pp, 2))
-        if m.tie_embeddings:
+        boundaries = lo.pp * lo.vpp - 1 - (1 if v_layout else 0)
+        ops.append(("pp", "send_recv", 4 * hidden_bytes * micro * boundaries / lo.pp, 2))
+        if m.tie_embeddings and not v_layout:
             V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
             ops.append(("pp", "all_reduce", V * H // lo.tp * PARAM_BYTES * min(2, lo.pp) / lo.pp, 2))
     if lo.cp > 1:
