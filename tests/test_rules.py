@@ -225,6 +225,19 @@ def test_auto_says_why_off():
     assert not ov.dp.enabled and "waited at once" in ov.dp.reason
 
 
+
+def test_dp_overlap_applies_to_expert_buckets_over_tp_at_dp1():
+    """Issue 29 finding 4's follow-up: MoE + SP + parallel.etp=1 at tp 2, dp 1 reduces the expert
+    gradients over tp x edp in the dp buckets: overlap.dp=auto turns on and true is accepted;
+    without SP (whole-sequence expert gradients, nothing to reduce) true is still refused."""
+    moe_sp = ["model=moe_tiny", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"]
+    assert validate(compose([*moe_sp, "overlap.dp=true"]), 2) == []
+    ov = CommOverlapConfig.from_config(compose(moe_sp), 2)
+    assert ov.dp.enabled and "tp x edp" in ov.dp.reason
+    refused = validate(compose(["model=moe_tiny", "parallel.tp=2", "overlap.dp=true"]), 2)
+    assert [p.rule for p in refused] == ["dp.overlap_needs_replicas"]
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "mpoverlap.check", *args], capture_output=True, text=True,
                           timeout=60)

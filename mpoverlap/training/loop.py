@@ -124,7 +124,7 @@ class Trainer(Resumable):
         if self.pp > 1:
             m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
             self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
-                                           self.ddp, self._split, self.autocast, DTYPES[t.precision])
+                                           self.ddp, self._split, self.autocast)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _split(self, mb_BS1: torch.Tensor):

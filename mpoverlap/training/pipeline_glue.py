@@ -6,6 +6,12 @@ places chunk k on a stage: "loop" (k = vchunk * pp + stage, Megatron's interleav
 assignment) or zbv's "v" (stage s holds chunks s and 2pp-1-s). In the V stage 0 holds both the
 embedding and the head: a tied head then reuses the embedding chunk's module (one parameter,
 no copy on another stage, no embedding-group sum; `tie_spans_stages`).
+
+Activations and their gradients cross stages in the residual stream's dtype, fp32 under
+train.precision=bf16 too (autocast leaves the residual adds in fp32): the stream is rounded
+nowhere a single process does not round it, so the curve does not depend on where the stages
+are cut (docs/invariants.md, "The bf16 residual stream"). The cost: twice the pp bytes of a
+bf16 p2p.
 """
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ import torch.distributed as dist
 
 from mpoverlap.models.gpt import GPT
 from mpoverlap.pipeline.actions import LOOP, chunk_index, stage_of, vchunk_of
+
+# The residual stream's dtype in every layout and precision (the fp32 master parameters').
+RESIDUAL_DTYPE = torch.float32
 
 
 def chunk_layer_ids(num_layers: int, pp: int, vpp: int, stage: int, vchunk: int,
@@ -103,15 +112,11 @@ class PipelineRunner:
     executor, and evaluation forward-only. `split(mb)` gives (tokens, targets, positions)."""
 
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
-                 ledger: Any, ddp: Any, split: Callable, autocast: Any,
-                 comm_dtype: torch.dtype = torch.float32) -> None:
+                 ledger: Any, ddp: Any, split: Callable, autocast: Any) -> None:
         from mpoverlap.pipeline import (PipelineExecutor, build_schedule, chunk_layout,
                                         defers_weight_grads, resolve_schedule)
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
-        # Activations and their gradients cross stages in the compute dtype (bf16 under
-        # train.precision=bf16: half the bytes); the residual stream stays fp32 inside a chunk.
-        self.comm_dtype = comm_dtype
         pp, vpp = state.grid.pp, len(chunks)
         self.stage = state.coords.pp
         m, p = cfg.model, cfg.parallel
@@ -137,7 +142,7 @@ class PipelineRunner:
             ddp.weight_grads = weight_grads
         self.executor = PipelineExecutor(
             tables[self.stage], stage=self.stage, pp_ranks=list(state.ranks("pp")), group=state.group("pp"),
-            overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=comm_dtype,
+            overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=RESIDUAL_DTYPE,
             device=state.device, forward_step=self._forward_step,
             # A chunk's gradients are reduced over dp during its last backward (B or W) of the step.
             backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last),
@@ -146,14 +151,11 @@ class PipelineRunner:
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
         tokens, targets, positions = self.inputs[mb]
-        if hidden is not None:
-            # The received bf16 leaf is upcast here, so its gradient (sent back) is bf16 too.
-            hidden = hidden.float()
         with self.autocast:
             out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions)
         if chunk.post_process:
             return chunk.loss(out.float(), targets) / self.num_microbatches
-        return out.to(self.comm_dtype)
+        return out  # the residual stream as it is (the executor checks its dtype)
 
     def train_microbatches(self, micro: List[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch; returns this stage's summed loss (the
@@ -180,7 +182,7 @@ class PipelineRunner:
             return self._forward_step(vchunk, mb, hidden) * self.num_microbatches / n
 
         losses = forward_only(self.chunks, self.stage, list(self.state.ranks("pp")), n, run_chunk,
-                              self.hidden_shape, self.comm_dtype, self.state.device, pp_group=self.state.group("pp"),
+                              self.hidden_shape, RESIDUAL_DTYPE, self.state.device, pp_group=self.state.group("pp"),
                               layout=self.layout)
         total = torch.zeros((), device=self.state.device)
         for loss in losses:
