@@ -208,3 +208,82 @@ def _etp_divides(lo: Layout):
         yield Problem("etp.divides_expert_ffn", {"parallel.etp": etp, "model.moe_ffn_hidden_size": ffn},
                       f"each of the etp={etp} ranks holds ffn / etp columns of every expert",
                       [f"model.moe_ffn_hidden_size={next_multiple(ffn, etp)}"])
+
+
+# ---- forward/backward pairing (overlap.ep_pairing, mpoverlap/pairing) -------------------
+def pairing_obstacles(lo: Layout) -> list:
+    """[(rule id, {key: value}, reason, [fixes])]: why forward/backward pairing cannot run on
+    this layout (empty: it can). `overlap.ep_pairing=true` refuses each; `auto` resolves off
+    and the plan gives the first reason."""
+    m, p, out = lo.cfg.model, lo.cfg.parallel, []
+    if m.num_experts == 0 or lo.ep in (None, 1):
+        out.append(("ep_pairing.needs_expert_exchange", {"parallel.ep": lo.ep, "model.num_experts": m.num_experts},
+                    "pairing hides one microbatch's expert all-to-alls under another's computation; without "
+                    "expert parallelism (parallel.ep >= 2 and an MoE model) there is no exchange to hide",
+                    ["overlap.ep_pairing=auto"]))
+    if lo.pp not in (None, 1):
+        out.append(("ep_pairing.pp1_only", {"parallel.pp": lo.pp},
+                    "pairing runs at pp 1 (first forward alone, forward i+1 with backward i, last backward "
+                    "alone); pipelined pairing (overlapped F/B actions in the pipeline tables) is not built",
+                    ["parallel.pp=1", "overlap.ep_pairing=auto"]))
+    n = lo.num_microbatches
+    if n is not None and n < 2:
+        out.append(("ep_pairing.needs_two_microbatches",
+                    {"train.global_batch_size": lo.cfg.train.global_batch_size,
+                     "train.micro_batch_size": lo.cfg.train.micro_batch_size},
+                    f"{n} microbatch per step: there is no other microbatch to pair a forward with",
+                    [f"train.global_batch_size={2 * lo.cfg.train.global_batch_size}", "overlap.ep_pairing=auto"]))
+    if m.num_experts > 0 and m.moe_dispatcher != "alltoall":
+        out.append(("ep_pairing.needs_alltoall", {"model.moe_dispatcher": m.moe_dispatcher},
+                    "the paired sub-steps cut the layer at the all-to-all dispatcher's exchanges; the all-gather "
+                    "dispatcher's gather/reduce-scatter are not cut into sub-steps",
+                    ["model.moe_dispatcher=alltoall", "overlap.ep_pairing=auto"]))
+    if getattr(m, "recompute", "none") == "full":
+        out.append(("ep_pairing.no_full_recompute", {"model.recompute": "full"},
+                    "full recomputation replays a whole block, exchanges included, inside its backward, where "
+                    "the pairing runs that block as separate sub-steps with the other microbatch between them "
+                    "(Megatron refuses the same combination)",
+                    ["model.recompute=selective", "overlap.ep_pairing=auto"]))
+    if lo.cp not in (None, 1):
+        out.append(("ep_pairing.no_cp", {"parallel.cp": lo.cp},
+                    "context-parallel attention inside the paired sub-steps is not covered by the pairing's "
+                    "parity tests, so it is not offered",
+                    ["parallel.cp=1", "overlap.ep_pairing=auto"]))
+    if lo.mode("ep") == "false":
+        out.append(("ep_pairing.needs_ep_overlap", {"overlap.ep": "false"},
+                    "overlap.ep=false asks for every expert exchange to be waited at once; pairing keeps them "
+                    "in flight", ["overlap.ep=auto", "overlap.ep_pairing=false"]))
+    return out
+
+
+_PAIRING_RULES = {
+    "ep_pairing.needs_expert_exchange": (("overlap.ep_pairing", "parallel.ep", "model.num_experts"),
+                                         "overlap.ep_pairing=true needs expert parallelism (ep >= 2, an MoE model)"),
+    "ep_pairing.pp1_only": (("overlap.ep_pairing", "parallel.pp"), "overlap.ep_pairing=true runs at parallel.pp=1"),
+    "ep_pairing.needs_two_microbatches": (("overlap.ep_pairing", "train.global_batch_size", "train.micro_batch_size"),
+                                          "overlap.ep_pairing=true needs at least two microbatches per step"),
+    "ep_pairing.needs_alltoall": (("overlap.ep_pairing", "model.moe_dispatcher"),
+                                  "overlap.ep_pairing=true needs model.moe_dispatcher=alltoall"),
+    "ep_pairing.no_full_recompute": (("overlap.ep_pairing", "model.recompute"),
+                                     "overlap.ep_pairing=true is refused with model.recompute=full"),
+    "ep_pairing.no_cp": (("overlap.ep_pairing", "parallel.cp"), "overlap.ep_pairing=true runs at parallel.cp=1"),
+    "ep_pairing.needs_ep_overlap": (("overlap.ep_pairing", "overlap.ep"),
+                                    "overlap.ep_pairing=true needs overlap.ep not false"),
+}
+
+
+def _pairing_rule(rule_id: str):
+    keys, summary = _PAIRING_RULES[rule_id]
+
+    @rule(rule_id, "ep", keys, summary)
+    def check(lo: Layout):
+        if lo.mode("ep_pairing") != "true":
+            return
+        for rid, values, why, fixes in pairing_obstacles(lo):
+            if rid == rule_id:
+                yield Problem(rid, {"overlap.ep_pairing": "true", **values}, why, fixes)
+    return check
+
+
+for _rule_id in _PAIRING_RULES:
+    _pairing_rule(_rule_id)

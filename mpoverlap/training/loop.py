@@ -22,6 +22,7 @@ from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import update_expert_biases
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
+from mpoverlap.pairing import train_paired
 from mpoverlap.parallel import ParallelState
 from mpoverlap.precision import DTYPES, autocast_context
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
@@ -193,6 +194,8 @@ class Trainer(Resumable):
                 "skipped": skipped}
 
     def _train_microbatches(self, micro) -> torch.Tensor:
+        if self.overlap.ep_pairing.enabled:  # pp 1 (rule ep_pairing.pp1_only)
+            return train_paired(self.model, micro, self._split, self.ddp, autocast=self.autocast)
         loss_sum = torch.zeros((), device=self.state.device)
         for i, mb in enumerate(micro):
             tokens, targets, positions = self._split(mb)
