@@ -125,7 +125,8 @@ class OverlapConfig:
     # auto | true | false: forward/backward pairing at pp 1 (mpoverlap/pairing): the forward of
     # microbatch i+1 runs with the backward of microbatch i, each one's expert all-to-alls in
     # flight under the other's computation. Composes with ep_chunks (the chunks of each layer).
-    ep_pairing: Any = "auto"
+    # Default false: it holds one more microbatch of activations (mpoverlap-check states how much).
+    ep_pairing: Any = "false"
 
 
 @dataclass

@@ -1,11 +1,12 @@
 """Expert-parallel and mixture-of-experts rules: expert placement, routing, MoE keys.
 
-No rule ties EP overlap to the pipeline or to recomputation: the overlap chunks the tokens of
-one MoE layer's forward and backward and waits every handle before the layer returns (or its
-backward finishes), so nothing is in flight across a pipeline send or a layer boundary; full
-activation recomputation replays a whole block's forward, dispatch and combine included, with
-the same issue-and-wait order (Megatron's refusal concerns its overlap of one microbatch's
-all-to-all with another's compute across layers, which mpoverlap does not do).
+No rule ties EP overlap (overlap.ep, its chunks) to the pipeline or to recomputation: the
+overlap chunks the tokens of one MoE layer's forward and backward and waits every handle before
+the layer returns (or its backward finishes), so nothing is in flight across a pipeline send or
+a layer boundary; full activation recomputation replays a whole block's forward, dispatch and
+combine included, with the same issue-and-wait order. Forward/backward pairing
+(overlap.ep_pairing, the end of this file) does keep one microbatch's all-to-all in flight under
+another's computation across layers: there Megatron's refusal of full recomputation applies.
 """
 from __future__ import annotations
 
@@ -225,34 +226,34 @@ def pairing_obstacles(lo: Layout) -> list:
         out.append(("ep_pairing.pp1_only", {"parallel.pp": lo.pp},
                     "pairing runs at pp 1 (first forward alone, forward i+1 with backward i, last backward "
                     "alone); pipelined pairing (overlapped F/B actions in the pipeline tables) is not built",
-                    ["parallel.pp=1", "overlap.ep_pairing=auto"]))
+                    ["overlap.ep_pairing=auto"]))
     n = lo.num_microbatches
     if n is not None and n < 2:
         out.append(("ep_pairing.needs_two_microbatches",
                     {"train.global_batch_size": lo.cfg.train.global_batch_size,
                      "train.micro_batch_size": lo.cfg.train.micro_batch_size},
                     f"{n} microbatch per step: there is no other microbatch to pair a forward with",
-                    [f"train.global_batch_size={2 * lo.cfg.train.global_batch_size}", "overlap.ep_pairing=auto"]))
+                    [f"train.global_batch_size={2 * lo.cfg.train.global_batch_size}"]))
     if m.num_experts > 0 and m.moe_dispatcher != "alltoall":
         out.append(("ep_pairing.needs_alltoall", {"model.moe_dispatcher": m.moe_dispatcher},
                     "the paired sub-steps cut the layer at the all-to-all dispatcher's exchanges; the all-gather "
                     "dispatcher's gather/reduce-scatter are not cut into sub-steps",
-                    ["model.moe_dispatcher=alltoall", "overlap.ep_pairing=auto"]))
+                    ["model.moe_dispatcher=alltoall"]))
     if getattr(m, "recompute", "none") == "full":
         out.append(("ep_pairing.no_full_recompute", {"model.recompute": "full"},
                     "full recomputation replays a whole block, exchanges included, inside its backward, where "
                     "the pairing runs that block as separate sub-steps with the other microbatch between them "
                     "(Megatron refuses the same combination)",
-                    ["model.recompute=selective", "overlap.ep_pairing=auto"]))
+                    ["model.recompute=selective"]))
     if lo.cp not in (None, 1):
         out.append(("ep_pairing.no_cp", {"parallel.cp": lo.cp},
                     "context-parallel attention inside the paired sub-steps is not covered by the pairing's "
                     "parity tests, so it is not offered",
-                    ["parallel.cp=1", "overlap.ep_pairing=auto"]))
+                    ["overlap.ep_pairing=auto"]))
     if lo.mode("ep") == "false":
         out.append(("ep_pairing.needs_ep_overlap", {"overlap.ep": "false"},
                     "overlap.ep=false asks for every expert exchange to be waited at once; pairing keeps them "
-                    "in flight", ["overlap.ep=auto", "overlap.ep_pairing=false"]))
+                    "in flight", ["overlap.ep=auto"]))
     return out
 
 

@@ -118,6 +118,7 @@ class Trainer(Resumable):
         self.step = 0
         self.faults = FaultInjector(state.rank)
         self.pipeline = None
+        self.pairing_trace = None  # a list: the paired sub-steps' order (tests/test_pairing.py)
         if self.pp > 1:
             m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
             self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
@@ -195,7 +196,8 @@ class Trainer(Resumable):
 
     def _train_microbatches(self, micro) -> torch.Tensor:
         if self.overlap.ep_pairing.enabled:  # pp 1 (rule ep_pairing.pp1_only)
-            return train_paired(self.model, micro, self._split, self.ddp, autocast=self.autocast)
+            return train_paired(self.model, micro, self._split, self.ddp, autocast=self.autocast,
+                                trace=self.pairing_trace)
         loss_sum = torch.zeros((), device=self.state.device)
         for i, mb in enumerate(micro):
             tokens, targets, positions = self._split(mb)
