@@ -130,3 +130,23 @@ def test_exchanges_in_flight_under_the_other_microbatch_and_reads_unchanged():
         assert r["on"]["reads"] == r["off"]["reads"], (r["on"]["reads"], r["off"]["reads"])
         assert r["on"]["reads"]["tolist"] == 2 * m, r["on"]["reads"]
         assert r["zero3"]["held"] == (0, {}), r["zero3"]["held"]
+
+
+def test_check_states_the_extra_activation_memory_of_pairing():
+    """mpoverlap-check: pairing adds a second microbatch in flight (forward layer t beside
+    backward layer L-1-t): one layer and one head above one microbatch for uniform layers."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate, render_estimate
+    from mpoverlap.overlap.estimate.activations import Conventions, chunk_activation_bytes, layer_activation_bytes
+    from mpoverlap.overlap.layout import build_layout
+
+    layout = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2"]
+    off, on = (estimate(compose([*layout, f"overlap.ep_pairing={v}"])) for v in ("false", "true"))
+    assert off.pairing_extra_bytes == 0 and on.pairing_extra_bytes > 0
+    assert on.memory_bytes["activations"] == off.memory_bytes["activations"] + on.pairing_extra_bytes
+    cfg = compose(layout)
+    lo, conv = build_layout(cfg), Conventions.for_dtype(4)
+    layer = layer_activation_bytes(cfg, lo, 0, conv, cfg.train.micro_batch_size)
+    rest = chunk_activation_bytes(cfg, lo, 0, conv, cfg.train.micro_batch_size) - cfg.model.num_layers * layer
+    assert on.pairing_extra_bytes == layer + rest
+    assert "overlap.ep_pairing" in render_estimate(on) and "overlap.ep_pairing" not in render_estimate(off)
