@@ -1,9 +1,10 @@
 """Forward/backward pairing (overlap.ep_pairing, mpoverlap/pairing) at pp 1.
 
 Parity: each paired layout reproduces its SINGLE-PROCESS loss curve (fp32, 6 steps, 1e-5
-relative; the gradient norm and the router's aux loss too): moe_tiny at ep 2, edp 2 x ep 2,
-tp 2 + SP with etp 2, a shared expert, capacity, selective recompute, ZeRO-3, and
-moe_fine_tiny (dense first layer, aux-loss-free bias). All layouts of one world size train in
+relative; the gradient norm and the router's aux loss too): moe_tiny at ep 2 (one chunk with
+selective recompute too), edp 2 x ep 2, tp 2 + SP with etp 2 and with etp 1, a shared expert,
+capacity, ZeRO-1/2/3, bf16 (against the bf16 single-process run, 5e-3), and moe_fine_tiny
+(dense first layer, aux-loss-free bias; also with etp 2 without SP under ZeRO-3). All layouts of one world size train in
 one spawn (tests/inproc_train.py); the strict ledger (tests/conftest.py) checks that every
 handle is waited.
 
@@ -26,6 +27,7 @@ PAIR = ["overlap.ep_pairing=true"]
 SP_ETP = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2"]
 FINE = ["model=moe_fine_tiny", "model.moe_router_bias_update_rate=0.01"]
 CAPACITY = ["model.moe_capacity_factor=1.0"]
+BF16 = ["train.precision=bf16"]
 
 # name: (world, overrides, reference name)
 LAYOUTS = {
@@ -33,16 +35,29 @@ LAYOUTS = {
     "shared_ref": (1, ["parallel.dp=1", "model.shared_expert=true"], None),
     "fine_ref": (1, [*FINE, "parallel.dp=1"], None),
     "capacity_ref": (1, [*CAPACITY, "parallel.dp=1"], None),
+    "bf16_ref": (1, [*BF16, "parallel.dp=1"], None),
     "ep2": (2, ["parallel.dp=2", "parallel.ep=2", *PAIR], "ref"),
     "ep2_chunks1_selective": (2, ["parallel.dp=2", "parallel.ep=2", "overlap.ep_chunks=1",
                                   "model.recompute=selective", *PAIR], "ref"),
     "ep2_shared": (2, ["parallel.dp=2", "parallel.ep=2", "model.shared_expert=true", *PAIR], "shared_ref"),
     "ep2_capacity": (2, ["parallel.dp=2", "parallel.ep=2", *CAPACITY, *PAIR], "capacity_ref"),
     "ep2_zero3": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim_grads_params", *PAIR], "ref"),
+    "ep2_zero1": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim", "overlap.dp_param_gather=true",
+                      *PAIR], "ref"),
+    "ep2_zero2": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim_grads", *PAIR], "ref"),
+    "ep2_bf16": (2, [*BF16, "parallel.dp=2", "parallel.ep=2", *PAIR], "bf16_ref"),
     "fine_ep2": (2, [*FINE, "parallel.dp=2", "parallel.ep=2", *PAIR], "fine_ref"),
     "dp4_ep2": (4, ["parallel.dp=4", "parallel.ep=2", *PAIR], "ref"),
     "tp2_sp_etp2_dp2_ep2": (4, [*SP_ETP, "parallel.dp=2", "parallel.ep=2", *PAIR], "ref"),
+    "tp2_sp_dp2_ep2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.ep=2",
+                           *PAIR], "ref"),
+    "fine_tp2_etp2_nosp_dp2_ep2_zero3": (4, [*FINE, "parallel.tp=2", "parallel.etp=2", "parallel.dp=2",
+                                             "parallel.ep=2", "train.dp_sharding=optim_grads_params", *PAIR],
+                                         "fine_ref"),
 }
+# bf16 against the bf16 single-process run: the rounding of a different reduction order, as the
+# bf16 CP layouts (docs/benchmarks.md) are held to
+TOLERANCE = {"ep2_bf16": 5e-3}
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +77,12 @@ def _worst_gap(got, ref):
 def test_paired_layout_reproduces_the_single_process_curve(runs, name):
     ref, got = runs[LAYOUTS[name][2]], runs[name]
     assert len(got) == len(ref) == 6
-    for key in ("loss", "grad_norm"):
-        gap = _worst_gap([r[key] for r in got], [r[key] for r in ref])
-        assert gap <= 1e-5, f"{name} {key}: worst relative gap {gap:.2e}"
-    gap = _worst_gap([r["moe"]["aux_loss"] for r in got], [r["moe"]["aux_loss"] for r in ref])
-    assert gap <= 1e-5, f"{name} aux_loss: worst relative gap {gap:.2e}"
+    tol = TOLERANCE.get(name, 1e-5)
+    gaps = {key: _worst_gap([r[key] for r in got], [r[key] for r in ref]) for key in ("loss", "grad_norm")}
+    gaps["aux_loss"] = _worst_gap([r["moe"]["aux_loss"] for r in got], [r["moe"]["aux_loss"] for r in ref])
+    print(f"{name}: worst relative gaps " + ", ".join(f"{k} {v:.2e}" for k, v in gaps.items()))
+    for key, gap in gaps.items():
+        assert gap <= tol, f"{name} {key}: worst relative gap {gap:.2e}"
     assert ref[-1]["loss"] < ref[0]["loss"]
 
 
