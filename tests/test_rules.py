@@ -129,7 +129,6 @@ FAILING = {
                                     "overlap.ep_pairing=true"], None)],
     "ep_pairing.no_full_recompute": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "model.recompute=full",
                                        "overlap.ep_pairing=true"], None)],
-    "ep_pairing.no_cp": [(["model=moe_tiny", "parallel.cp=2", "parallel.ep=2", "overlap.ep_pairing=true"], None)],
     "ep_pairing.needs_ep_overlap": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep=false",
                                      "overlap.ep_pairing=true"], None)],
     "mode.required_applies": [(["overlap.tp=true"], None), (["overlap.pp=true"], None),

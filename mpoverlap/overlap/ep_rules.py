@@ -245,11 +245,6 @@ def pairing_obstacles(lo: Layout) -> list:
                     "the pairing runs that block as separate sub-steps with the other microbatch between them "
                     "(Megatron refuses the same combination)",
                     ["model.recompute=selective"]))
-    if lo.cp not in (None, 1):
-        out.append(("ep_pairing.no_cp", {"parallel.cp": lo.cp},
-                    "context-parallel attention inside the paired sub-steps is not covered by the pairing's "
-                    "parity tests, so it is not offered",
-                    ["overlap.ep_pairing=auto"]))
     if lo.mode("ep") == "false":
         out.append(("ep_pairing.needs_ep_overlap", {"overlap.ep": "false"},
                     "overlap.ep=false asks for every expert exchange to be waited at once; pairing keeps them "
@@ -267,7 +262,6 @@ _PAIRING_RULES = {
                                   "overlap.ep_pairing=true needs model.moe_dispatcher=alltoall"),
     "ep_pairing.no_full_recompute": (("overlap.ep_pairing", "model.recompute"),
                                      "overlap.ep_pairing=true is refused with model.recompute=full"),
-    "ep_pairing.no_cp": (("overlap.ep_pairing", "parallel.cp"), "overlap.ep_pairing=true runs at parallel.cp=1"),
     "ep_pairing.needs_ep_overlap": (("overlap.ep_pairing", "overlap.ep"),
                                     "overlap.ep_pairing=true needs overlap.ep not false"),
 }
