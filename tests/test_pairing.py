@@ -3,7 +3,7 @@
 Parity: each paired layout reproduces its SINGLE-PROCESS loss curve (fp32, 6 steps, 1e-5
 relative; the gradient norm and the router's aux loss too): moe_tiny at ep 2 (one chunk with
 selective recompute too), edp 2 x ep 2, tp 2 + SP with etp 2 and with etp 1, a shared expert,
-capacity, ZeRO-1/2/3, cp 2 (ring and a2a), bf16 (against the bf16 single-process run, 5e-3), and moe_fine_tiny
+capacity, the all-gather dispatcher, ZeRO-1/2/3, cp 2 (ring and a2a), bf16 (against the bf16 single-process run, 5e-3), and moe_fine_tiny
 (dense first layer, aux-loss-free bias; also with etp 2 without SP under ZeRO-3). All layouts of one world size train in
 one spawn (tests/inproc_train.py); the strict ledger (tests/conftest.py) checks that every
 handle is waited.
@@ -47,6 +47,7 @@ LAYOUTS = {
     "ep2_zero2": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim_grads", *PAIR], "ref"),
     "ep2_bf16": (2, [*BF16, "parallel.dp=2", "parallel.ep=2", *PAIR], "bf16_ref"),
     "fine_ep2": (2, [*FINE, "parallel.dp=2", "parallel.ep=2", *PAIR], "fine_ref"),
+    "ep2_allgather": (2, ["parallel.dp=2", "parallel.ep=2", "model.moe_dispatcher=allgather", *PAIR], "ref"),
     "cp2_ring_ep2": (2, ["parallel.dp=1", "parallel.cp=2", "parallel.ep=2", *PAIR], "ref"),
     "cp2_a2a_ep2": (2, ["parallel.dp=1", "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.ep=2", *PAIR], "ref"),
     "dp4_ep2": (4, ["parallel.dp=4", "parallel.ep=2", *PAIR], "ref"),

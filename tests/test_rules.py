@@ -125,8 +125,6 @@ FAILING = {
     "ep_pairing.needs_two_microbatches": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2",
                                            "train.global_batch_size=8", "train.micro_batch_size=4",
                                            "overlap.ep_pairing=true"], None)],
-    "ep_pairing.needs_alltoall": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "model.moe_dispatcher=allgather",
-                                    "overlap.ep_pairing=true"], None)],
     "ep_pairing.no_full_recompute": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "model.recompute=full",
                                        "overlap.ep_pairing=true"], None)],
     "ep_pairing.needs_ep_overlap": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep=false",
@@ -298,7 +296,6 @@ def test_ep_pairing_auto_resolves_off_with_the_reason_and_on_where_it_applies():
     on = CommOverlapConfig.from_config(compose(moe)).ep_pairing
     assert on.enabled and "paired" in on.reason
     for extra, why in ((["parallel.pp=2"], "parallel.pp=2"), (["model.recompute=full"], "model.recompute=full"),
-                       (["model.moe_dispatcher=allgather"], "model.moe_dispatcher=allgather"),
                        (["train.micro_batch_size=4", "train.global_batch_size=8"], "microbatch"), (["parallel.ep=1"], "parallel.ep=1")):
         cfg = compose([*moe, *extra])
         assert not [p for p in validate(cfg) if p.rule.startswith("ep_pairing")]

@@ -305,16 +305,26 @@ class AllGatherDispatcher(_Base):
     def dispatch_finish(self, p: Pending):
         """-> (tokens [N_local, H] grouped by local expert, rows per local expert, ctx)."""
         xs, ws = p.wait()
-        c, lo = p.ctx, self.first_expert
-        ids = c["ids"]
+        tokens, local_counts = self.gathered_to_experts(xs, ws, p.ctx)
+        return tokens, local_counts, p.ctx
+
+    def gathered_to_experts(self, xs_RTH, ws_RTk, ctx):
+        """The group's tokens [R*T, H] and weights -> (this rank's experts' slots [N_local, H]
+        grouped by local expert, rows per local expert). (Shared with mpoverlap/pairing.)"""
+        lo = self.first_expert
+        ids = ctx["ids"]
         mine = (ids >= lo) & (ids < lo + self.num_local)
         local_ids = torch.where(mine, ids - lo, torch.full_like(ids, -1))
-        tokens, order, _ = permute(xs, local_ids, self.num_local, c["counts"].num_kept)
-        c.update(order=order, weights=ws)
-        return tokens, c["counts"].local_counts, c
+        tokens, order, _ = permute(xs_RTH, local_ids, self.num_local, ctx["counts"].num_kept)
+        ctx.update(order=order, weights=ws_RTk)
+        return tokens, ctx["counts"].local_counts
+
+    def experts_to_partial_sums(self, expert_out_NH, ctx):
+        """Weighted partial sums of the group's tokens [R*T, H] (the reduce-scatter's input)."""
+        return unpermute(expert_out_NH, ctx["order"], self.size * ctx["T"], ctx["k"], ctx["weights"])
 
     def combine_start(self, expert_out_NH, ctx) -> Pending:
-        partial = unpermute(expert_out_NH, ctx["order"], self.size * ctx["T"], ctx["k"], ctx["weights"])
+        partial = self.experts_to_partial_sums(expert_out_NH, ctx)
         h, link = _scatter(partial, self.group, self.size, self.ledger, self._exchange())
         return Pending([h], [link], ctx)
 

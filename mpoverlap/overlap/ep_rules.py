@@ -234,11 +234,6 @@ def pairing_obstacles(lo: Layout) -> list:
                      "train.micro_batch_size": lo.cfg.train.micro_batch_size},
                     f"{n} microbatch per step: there is no other microbatch to pair a forward with",
                     [f"train.global_batch_size={2 * lo.cfg.train.global_batch_size}"]))
-    if m.num_experts > 0 and m.moe_dispatcher != "alltoall":
-        out.append(("ep_pairing.needs_alltoall", {"model.moe_dispatcher": m.moe_dispatcher},
-                    "the paired sub-steps cut the layer at the all-to-all dispatcher's exchanges; the all-gather "
-                    "dispatcher's gather/reduce-scatter are not cut into sub-steps",
-                    ["model.moe_dispatcher=alltoall"]))
     if getattr(m, "recompute", "none") == "full":
         out.append(("ep_pairing.no_full_recompute", {"model.recompute": "full"},
                     "full recomputation replays a whole block, exchanges included, inside its backward, where "
@@ -258,8 +253,6 @@ _PAIRING_RULES = {
     "ep_pairing.pp1_only": (("overlap.ep_pairing", "parallel.pp"), "overlap.ep_pairing=true runs at parallel.pp=1"),
     "ep_pairing.needs_two_microbatches": (("overlap.ep_pairing", "train.global_batch_size", "train.micro_batch_size"),
                                           "overlap.ep_pairing=true needs at least two microbatches per step"),
-    "ep_pairing.needs_alltoall": (("overlap.ep_pairing", "model.moe_dispatcher"),
-                                  "overlap.ep_pairing=true needs model.moe_dispatcher=alltoall"),
     "ep_pairing.no_full_recompute": (("overlap.ep_pairing", "model.recompute"),
                                      "overlap.ep_pairing=true is refused with model.recompute=full"),
     "ep_pairing.needs_ep_overlap": (("overlap.ep_pairing", "overlap.ep"),

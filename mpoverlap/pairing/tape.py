@@ -6,7 +6,8 @@ A `Tape` holds, in forward order, the entries of one microbatch:
                 its backward (`torch.autograd.backward(outputs, grads)`) stops at them and
                 leaves the gradients of its inputs in their `.grad`; the tape hands those to
                 the entries that produced the inputs.
-    Exchange    an all-to-all of the ep group between two segments, as two entries: the
+    Exchange    a collective of the ep group between two segments (the all-to-all, or the
+                all-gather dispatcher's gather and reduce-scatter), as two entries: the
                 issue and the wait. Its backward is the reverse all-to-all, issued where the
                 forward waited and waited where the forward issued (the tape mirrors itself).
     YIELD       a point where an exchange is in flight: the executor runs the other
@@ -27,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from mpoverlap.comm.collectives import all_to_all
+from mpoverlap.comm.collectives import all_gather, all_to_all, reduce_scatter
 
 YIELD = "yield"
 
@@ -109,17 +110,38 @@ class Segment:
         self.sources, self.leaves, self.outputs = [], [], []
 
 
-class Exchange:
-    """all_to_all of `send` [N_in, ...] over `group` (rows `in_splits` to each rank, `out_splits`
-    from each); the received buffer [N_out, ...] is the next segment's input."""
+def _collective(kind: str, send: torch.Tensor, group, ledger, out_splits=None, in_splits=None, size: int = 1):
+    """Issue one ep collective of `send` [N, ...] -> (handle, receive buffer): "a2a" (rows
+    `in_splits` to each rank, `out_splits` from each), "gather" (all_gather, [size N, ...]) or
+    "scatter" (reduce_scatter, [N / size, ...])."""
+    rest = tuple(send.shape[1:])
+    if kind == "a2a":
+        recv = send.new_empty((sum(out_splits),) + rest)
+        return all_to_all(recv, send, group, mode="ep", ledger=ledger, output_split_sizes=out_splits,
+                          input_split_sizes=in_splits), recv
+    if kind == "gather":
+        recv = send.new_empty((size * send.shape[0],) + rest)
+        return all_gather(recv, send, group, mode="ep", ledger=ledger), recv
+    recv = send.new_empty((send.shape[0] // size,) + rest)
+    return reduce_scatter(recv, send, group, mode="ep", ledger=ledger), recv
 
-    def __init__(self, tape: Tape, name: str, send: torch.Tensor, out_splits: List[int], in_splits: List[int],
-                 group, ledger, record: bool = True) -> None:
+
+REVERSE = {"a2a": "a2a", "gather": "scatter", "scatter": "gather"}
+
+
+class Exchange:
+    """One ep collective of `send` between two segments (`kind`: see `_collective`; an a2a
+    takes `splits=(out_splits, in_splits)`, a gather or scatter the group `size`); the received
+    buffer is the next segment's input. Its backward runs the reverse collective (a2a with the
+    splits swapped, gather <-> scatter), unless `send` carries no gradient (routing ids)."""
+
+    def __init__(self, tape: Tape, name: str, send: torch.Tensor, group, ledger, *, kind: str = "a2a",
+                 splits=(None, None), size: int = 1, record: bool = True) -> None:
         self.name, self.send, self.group, self.ledger = name, send, group, ledger
-        self.out_splits, self.in_splits = out_splits, in_splits
-        self.recv = send.new_empty((sum(out_splits),) + tuple(send.shape[1:]))
-        self.handle = all_to_all(self.recv, send.detach().contiguous(), group, mode="ep", ledger=ledger,
-                                 output_split_sizes=out_splits, input_split_sizes=in_splits)
+        self.kind, self.size = kind, size
+        self.out_splits, self.in_splits = splits
+        self.handle, self.recv = _collective(kind, send.detach().contiguous(), group, ledger, self.out_splits,
+                                             self.in_splits, size)
         self._grad_out = self._grad_handle = None
         tape.log("F", "issue", name)
         if record:
@@ -143,15 +165,18 @@ class Exchange:
 
     # ---- backward: the reverse exchange -----------------------------------------------------
     def backward_issue(self, tape: Tape) -> None:
+        if not self.send.requires_grad:  # the same on every rank: nothing to send back
+            return
         g = tape.take_grad(self.recv)
         if g is None:  # every rank issues the reverse exchange, used or not
             g = torch.zeros_like(self.recv)
-        self._grad_out = g.new_empty((sum(self.in_splits),) + tuple(g.shape[1:]))
-        self._grad_handle = all_to_all(self._grad_out, g.contiguous(), self.group, mode="ep", ledger=self.ledger,
-                                       output_split_sizes=self.in_splits, input_split_sizes=self.out_splits)
+        self._grad_handle, self._grad_out = _collective(REVERSE[self.kind], g.contiguous(), self.group, self.ledger,
+                                                        self.in_splits, self.out_splits, self.size)
         tape.log("B", "issue", self.name)
 
     def backward_wait(self, tape: Tape) -> None:
+        if self._grad_handle is None:
+            return
         self._grad_handle.wait()
         tape.log("B", "wait", self.name)
         if self.send.requires_grad:
