@@ -98,7 +98,7 @@ def _paired_steps(model, microbatches, split, ddp, pins, autocast, trace) -> tor
         if i < m:
             tokens, targets, positions = split(microbatches[i])
             tape = Tape(i, trace.append if trace is not None else None)
-            forward = microbatch_forward(tape, model, tokens, targets, positions, 1.0 / m, pins, result)
+            forward = microbatch_forward(tape, model, tokens, targets, positions, m, pins, result)
         backward = _then(previous.backward_steps(), ddp.release_ready) if previous is not None else None
         ddp.set_last_microbatch(i == m)  # the backward running now is microbatch m-1's
         run_pair(forward, backward, ctx)

@@ -38,9 +38,9 @@ def is_paired_moe(block) -> bool:
 
 
 def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: torch.Tensor,
-                       position_ids: torch.Tensor, loss_scale: float, pins=None, result: Optional[dict] = None):
+                       position_ids: torch.Tensor, num_microbatches: int, pins=None, result: Optional[dict] = None):
     """Generator: the forward of one microbatch on `tape`, yielding while its exchanges are in
-    flight. At the end `result["loss"]` holds the scaled loss (detached), and the tape holds
+    flight. At the end `result["loss"]` holds the loss / num_microbatches (detached), and the tape holds
     the loss's seed gradient, ready for `tape.backward_steps()`."""
     UnitUse.mark(tape, pins, "embedding", True)
     seg = tape.segment("embedding", [])
@@ -60,7 +60,9 @@ def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: t
     UnitUse.mark(tape, pins, "head", True)
     seg = tape.segment("head", [x])
     x_in, = seg.leaves
-    loss = model.loss(model.head(x_in).float(), targets_BS) * loss_scale
+    logits = model.head(x_in)
+    with torch.autocast(logits.device.type, enabled=False):  # as the unpaired loop: the loss outside autocast
+        loss = model.loss(logits.float(), targets_BS) / num_microbatches
     seg.close(tape, [loss])
     UnitUse.mark(tape, pins, "head", False)
     tape.add_grad(loss, torch.ones_like(loss))
