@@ -153,10 +153,12 @@ def test_exchanges_in_flight_under_the_other_microbatch_and_reads_unchanged():
 
 def test_check_states_the_extra_activation_memory_of_pairing():
     """mpoverlap-check: pairing adds a second microbatch in flight (forward layer t beside
-    backward layer L-1-t): one layer and one head above one microbatch for uniform layers."""
+    backward layer L-1-t): one layer and one head above one microbatch for uniform layers, and
+    the exchange buffers each MoE layer's sub-step boundaries hold."""
     from mpoverlap.config import compose
     from mpoverlap.overlap.estimate import estimate, render_estimate
-    from mpoverlap.overlap.estimate.activations import Conventions, chunk_activation_bytes, layer_activation_bytes
+    from mpoverlap.overlap.estimate.activations import (Conventions, chunk_activation_bytes, layer_activation_bytes,
+                                                        pairing_boundary_bytes)
     from mpoverlap.overlap.layout import build_layout
 
     layout = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2"]
@@ -167,5 +169,9 @@ def test_check_states_the_extra_activation_memory_of_pairing():
     lo, conv = build_layout(cfg), Conventions.for_dtype(4)
     layer = layer_activation_bytes(cfg, lo, 0, conv, cfg.train.micro_batch_size)
     rest = chunk_activation_bytes(cfg, lo, 0, conv, cfg.train.micro_batch_size) - cfg.model.num_layers * layer
-    assert on.pairing_extra_bytes == layer + rest
+    L, boundary = cfg.model.num_layers, pairing_boundary_bytes(cfg, lo, 0, conv, cfg.train.micro_batch_size)
+    m = cfg.model
+    assert boundary == cfg.train.micro_batch_size * m.seq_length * 4 * m.moe_top_k * m.hidden_size * 4
+    # (L + 1) layers with their boundary buffers and two heads, over one microbatch
+    assert on.pairing_extra_bytes == layer + rest + (L + 1) * boundary
     assert "overlap.ep_pairing" in render_estimate(on) and "overlap.ep_pairing" not in render_estimate(off)
