@@ -4,7 +4,8 @@ Parity: each paired layout reproduces its SINGLE-PROCESS loss curve (fp32, 6 ste
 relative; the gradient norm and the router's aux loss too): moe_tiny at ep 2 (one chunk with
 selective recompute too), edp 2 x ep 2, tp 2 + SP with etp 2 and with etp 1, a shared expert,
 capacity, the all-gather dispatcher, ZeRO-1/2/3, cp 2 (ring and a2a), bf16 (against the bf16 single-process run, 5e-3), and moe_fine_tiny
-(dense first layer, aux-loss-free bias; also with etp 2 without SP under ZeRO-3). All layouts of one world size train in
+(dense first layer, aux-loss-free bias, shared experts split over tp; with tp 2 + SP and etp
+2, and with etp 2 without SP under ZeRO-3). All layouts of one world size train in
 one spawn (tests/inproc_train.py); the strict ledger (tests/conftest.py) checks that every
 handle is waited.
 
@@ -54,6 +55,7 @@ LAYOUTS = {
     "tp2_sp_etp2_dp2_ep2": (4, [*SP_ETP, "parallel.dp=2", "parallel.ep=2", *PAIR], "ref"),
     "tp2_sp_dp2_ep2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.ep=2",
                            *PAIR], "ref"),
+    "fine_tp2_sp_etp2_dp2_ep2": (4, [*FINE, *SP_ETP, "parallel.dp=2", "parallel.ep=2", *PAIR], "fine_ref"),
     "fine_tp2_etp2_nosp_dp2_ep2_zero3": (4, [*FINE, "parallel.tp=2", "parallel.etp=2", "parallel.dp=2",
                                              "parallel.ep=2", "train.dp_sharding=optim_grads_params", *PAIR],
                                          "fine_ref"),
