@@ -60,6 +60,12 @@ def _layouts():
         out[f"gpt_pp2_zbv_tied_{level}"] = (4, ["model=gpt_tiny", *ZERO[level], "parallel.dp=2", "parallel.pp=2",
                                                 "parallel.vpp=2", "parallel.pp_schedule=zbv", "overlap.pp=true",
                                                 "model.num_layers=4", "model.tie_embeddings=true"])
+    # forward/backward pairing (mpoverlap/pairing): two units in use at once under ZeRO-3, the
+    # post-step gathers of ZeRO-1 read by the paired sub-steps
+    for level in ("z1", "z3"):
+        # 3 layers: the middle one is the forward's and the backward's at once
+        out[f"moe_pairing_ep2_{level}"] = (2, [*MOE, *ZERO[level], "parallel.dp=2", "parallel.ep=2",
+                                               "overlap.ep_pairing=true", "model.num_layers=3"])
     # finding 3: the all-gather dispatcher's replay under overlap.ep (plain dp: the ep bytes
     # are compared with mpoverlap-check's estimate, with and without the replay).
     for rc in ("none", "full"):
@@ -164,9 +170,15 @@ def _invariants(rank, world, layouts, root):
         trainer.train_step()  # leaves the post-step parameter gathers in flight (ZeRO-1/2)
         in_flight = sorted(trainer.optimizer._pending)
         late, read, gathers, held = _check_step(trainer)
+        g = trainer.ddp.gatherer
         out[name] = {"late": late, "read": sorted(read), "buckets": len(trainer.ddp.buffer.buckets),
                      "in_flight_at_start": in_flight, "gathers": gathers, "held_after_backward": held,
-                     "zero3": trainer.ddp.gatherer is not None, "comm": trainer.ledger.reset(per=2)}
+                     "zero3": g is not None, "comm": trainer.ledger.reset(per=2),
+                     "paired": trainer.overlap.ep_pairing.enabled,
+                     "held_at_end": g.held_bytes if g is not None else 0,
+                     "largest_unit": max((sum(trainer.ddp.buffer.buckets[b].param_data.numel() * 4 for b in bs)
+                                          for bs in g.buckets_of), default=0) if g is not None else 0,
+                     "prefetch": g.prefetch if g is not None else 0}
     return out
 
 
@@ -182,7 +194,14 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
             assert len(r["read"]) == r["buckets"], f"{where}: the check saw {len(r['read'])} of {r['buckets']} buckets"
             if "overlap.dp_param_gather=true" in LAYOUTS[name][1]:
                 assert r["in_flight_at_start"], f"{where}: no parameter gather left in flight: nothing checked"
-            if r["zero3"]:
+            if r["zero3"] and r["paired"]:
+                # A paired step runs each backward as several autograd calls while the other
+                # microbatch's forward holds its unit: at most two units (and their prefetch)
+                # are gathered at once, and nothing once the step is done.
+                assert r["gathers"] > 0 and r["held_at_end"] == 0, (where, r["held_at_end"])
+                bound = 2 * (1 + r["prefetch"]) * r["largest_unit"]
+                assert max(r["held_after_backward"]) <= bound, (where, max(r["held_after_backward"]), bound)
+            elif r["zero3"]:
                 assert r["gathers"] > 0 and r["held_after_backward"], where
                 held = r["held_after_backward"]
                 if "parallel.pp_schedule=zbv" in LAYOUTS[name][1]:
