@@ -1,7 +1,7 @@
 """Zero-bubble pipeline schedules (issue 30) on 2 gloo ranks, against torch.distributed.pipelining.
 
 Scenario `schedules`: pp 2 (one rank per core), m = 4 and 8 microbatches, one GPT
-(hidden 256, 8 layers, seq 256, micro batch 2: F, B and W of a 4-layer stage each tens of ms
+(hidden 256, 8 layers, seq 128, micro batch 2: F, B and W of a 4-layer stage each tens of ms
 on one thread). Sides, all built once in the same two processes and stepped in rotating blocks
 (`bench.common.rotating_blocks`):
 
@@ -24,6 +24,10 @@ measured per-action costs.
 Scenario `tp_wgrad` (4 ranks, 2 per core): tp 2 + SP with collective matmul (overlap.tp=true)
 at pp 2, 1f1b against zb1p: the exposed tp communication (the ledger's `comm.tp.exposed_s`)
 with and without W deferral.
+
+Activation memory (`bench.run` runs it after the scenarios, `memory_runs` in
+bench/zero_bubble_report.py): one short `mpoverlap-train` per schedule kind at m = 4 and its
+near-empty baseline, bench/memory.py's method, beside the estimate.
 
     python -m bench.zero_bubble --scenario schedules [--block 3] [--repeats 4] [--json F]
 """
@@ -302,8 +306,8 @@ def spawn(args) -> Dict[str, Any]:
 
 
 DEFAULTS = {  # scenario: hidden, ffn, seq, layers, heads, micro batch, microbatches
-    "schedules": dict(hidden=256, ffn=1024, seq=256, layers=8, heads=8, micro_batch=2, microbatches="4,8"),
-    "tp_wgrad": dict(hidden=256, ffn=1024, seq=256, layers=4, heads=8, micro_batch=2, microbatches="4"),
+    "schedules": dict(hidden=256, ffn=1024, seq=128, layers=8, heads=8, micro_batch=2, microbatches="4,8"),
+    "tp_wgrad": dict(hidden=256, ffn=1024, seq=128, layers=4, heads=8, micro_batch=2, microbatches="4"),
 }
 
 
@@ -323,6 +327,10 @@ def fill_defaults(args) -> None:
             setattr(args, k, v)
     if isinstance(args.microbatches, str):
         args.microbatches = [int(x) for x in args.microbatches.split(",") if x.strip()]
+    if args.scenario == "tp_wgrad":
+        # 4 ranks: the blocks' "quiet" test counts ranks 2 and 3 as other processes, so no
+        # block is quiet; run --repeats rounds (every block is reported, medians and IQR).
+        args.min_quiet = 0
     if isinstance(args.torch, str):
         args.torch = [x.strip() for x in args.torch.split(",") if x.strip() in TORCH_KINDS]
 
@@ -334,6 +342,36 @@ def run(args) -> Dict[str, Any]:
     res.update(benchmark="zero_bubble", scenario=args.scenario, link=args.link, wall_s=time.perf_counter() - t0,
                setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", "hidden", "ffn", "seq",
                                                    "layers", "heads", "micro_batch", "microbatches")})
+    return res
+
+
+def run_in_bench(prefix: List[str], link: str, out: Path, budget: float, scenarios: List[str],
+                 memory_m: int = 4) -> Dict[str, Any]:
+    """For bench/run.py: each scenario in a subprocess (inside bench/netns.sh when `prefix` has
+    it), then the activation-memory runs at `memory_m` microbatches (bare loopback; 0: none)."""
+    import subprocess
+    import sys
+
+    from bench.common import ROOT
+
+    res: Dict[str, Any] = {}
+    for scenario in scenarios:
+        path = out / f"zero_bubble_{scenario}.json"
+        cmd = prefix + [sys.executable, "-m", "bench.zero_bubble", "--scenario", scenario, "--json", str(path),
+                        "--link", link, "--time-budget", str(budget)]
+        print("$ " + " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise SystemExit(f"bench.zero_bubble --scenario {scenario} failed with exit status {proc.returncode}")
+        res[scenario] = json.loads(path.read_text())
+    if memory_m:
+        from bench.zero_bubble_report import memory_runs
+
+        p = argparse.ArgumentParser()
+        add_args(p)
+        args = p.parse_args(["--scenario", "schedules"])
+        fill_defaults(args)
+        res["memory"] = {"m": memory_m, "runs": memory_runs(args, out, memory_m)}
     return res
 
 

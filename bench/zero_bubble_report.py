@@ -132,26 +132,32 @@ def args_overrides(args, name: str) -> List[str]:
 
 
 # ---- activation memory (bench/memory.py's method) ----------------------------------------------
+def memory_layouts(args, m: int) -> Dict[str, List[str]]:
+    """{name: mpoverlap-train overrides} of the activation-memory runs: one per schedule kind
+    pp 2 can run at `m` microbatches, on the benchmark's model."""
+    from bench.zero_bubble import COMMON, model_overrides, schedule_vpp
+    from mpoverlap.pipeline.schedules import SCHEDULE_KINDS
+
+    run_keys = ("train.steps", "checkpoint", "data.", "train.progress")  # bench.common.run_train sets these
+    layouts = {}
+    for kind in SCHEDULE_KINDS:
+        vpp = schedule_vpp(kind, 2, m, args.layers)
+        if vpp is not None:
+            layouts[f"zb_{kind}_m{m}"] = [o for o in COMMON if not o.startswith(run_keys)] + [
+                "parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.pp_schedule={kind}",
+                f"train.global_batch_size={args.micro_batch * m}"] + model_overrides(args)
+    return layouts
+
+
 def memory_runs(args, out: Path, m: int, steps: int = 3) -> Dict[str, Any]:
     """Peak RSS of one short mpoverlap-train run per schedule kind at `m` microbatches and of
     its near-empty baseline (bench/memory.py), the activations per rank against the estimate."""
     from bench import memory
-    from bench.zero_bubble import COMMON, model_overrides, schedule_vpp
-    from mpoverlap.pipeline.schedules import SCHEDULE_KINDS
 
-    names = []
-    for kind in SCHEDULE_KINDS:
-        vpp = schedule_vpp(kind, 2, m, args.layers)
-        if vpp is None:
-            continue
-        name = f"zb_{kind}_m{m}"
-        # memory.run takes its layouts by name from memory.LAYOUTS
-        memory.LAYOUTS[name] = [o for o in COMMON if not o.startswith(("train.steps", "checkpoint", "data.", "train.progress"))] \
-            + ["parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.pp_schedule={kind}",
-               f"train.global_batch_size={args.micro_batch * m}"] + model_overrides(args)
-        names.append(name)
-    res = memory.run(names, steps, out)
-    for name, r in res["layouts"].items():
+    layouts = memory_layouts(args, m)
+    memory.LAYOUTS.update(layouts)  # memory.run takes its layouts by name from memory.LAYOUTS
+    res = memory.run(list(layouts), steps, out)
+    for r in res["layouts"].values():
         r["activations"] = memory.activation_rows(r)
     return res
 
@@ -218,7 +224,7 @@ def render(results: Dict[str, Any]) -> str:
                 vs = _ratio(a["measured"], ref[a["rank"]]["measured"]) if ref else "-"
                 lines.append(f"| {name[3:].rsplit('_m', 1)[0]} | {a['rank']} ({a['stage']}) | {a['measured'] / 2**20:.1f} | "
                              f"{a['estimate'] / 2**20:.1f} | {a['ratio']:.2f} | {vs} |")
-        lines.append("")
+        lines += ["", peak_line(rows, mem["m"]), ""]
     tpw = zb.get("tp_wgrad")
     if tpw:
         v = tpw["variants"]
@@ -234,6 +240,25 @@ def render(results: Dict[str, Any]) -> str:
                          f"{_ms(tp.get('in_flight_ms'))} | {' / '.join(_ms(x['bubble_ms']) for x in row.get('stages', []))} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def peak_line(rows: Dict[str, Any], m: int) -> str:
+    """The pipeline's activation peak (the larger rank) of each schedule against 1F1B's, measured
+    and estimated (goal for the zero-bubble kinds: within 10% of 1F1B's)."""
+    ref = rows.get(f"zb_1f1b_m{m}")
+    if not ref:
+        return ""
+    def peak(r, key):
+        return max(a[key] for a in r["activations"])
+    parts = []
+    for name, r in rows.items():
+        kind = name[3:].rsplit("_m", 1)[0]
+        if kind == "1f1b":
+            continue
+        ratio = peak(r, "measured") / max(peak(ref, "measured"), 1)
+        goal = f" (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})" if kind.startswith("zb") else ""
+        parts.append(f"{kind} {ratio:.2f}{goal}, estimate {peak(r, 'estimate') / max(peak(ref, 'estimate'), 1):.2f}")
+    return "Activation peak over the ranks against 1F1B's (measured; estimated): " + "; ".join(parts) + "."
 
 
 def _ratios_line(v: Dict[str, Any]) -> str:
