@@ -206,7 +206,7 @@ def render(results: Dict[str, Any]) -> str:
                 f"{' / '.join(_ms(x) for x in bub)} | {' / '.join(_ms(x) for x in table) if table else tt.get('error', '-')}"
                 f" | {ratio} | {' / '.join(_ms(x['makespan_idle_ms']) for x in row['stages'])} | "
                 f"{_ms(row.get('closed_form_ms'))} |")
-        lines += ["", _ratios_line(v), ""]
+        lines += ["", _ratios_line(v), "", _bubble_line(v), ""]
         fl = sched.get("first_loss", {})
         if fl:
             last = {k: max(vals, key=abs) for k, vals in fl.items()}
@@ -259,6 +259,21 @@ def peak_line(rows: Dict[str, Any], m: int) -> str:
         goal = f" (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})" if kind.startswith("zb") else ""
         parts.append(f"{kind} {ratio:.2f}{goal}, estimate {peak(r, 'estimate') / max(peak(ref, 'estimate'), 1):.2f}")
     return "Activation peak over the ranks against 1F1B's (measured; estimated): " + "; ".join(parts) + "."
+
+
+def _bubble_line(v: Dict[str, Any]) -> str:
+    """Measured pp_bubble_s against the timed table at the measured F, B, W, per stage (goal:
+    within 25%)."""
+    parts = []
+    for name, row in v.items():
+        table = row.get("timed_table_ms", {}).get("in_window_s")
+        if not table:
+            continue
+        ratios = [st["bubble_ms"] / t for st, t in zip(row["stages"], table) if t > 1e-6]
+        ok = all(abs(r - 1) <= 0.25 for r in ratios)
+        parts.append(f"{name[4:]} {' / '.join(f'{r:.2f}' for r in ratios)} ({'met' if ok else 'NOT met'})")
+    return ("Measured bubble over the timed table's, per stage (goal: within 25%): " + "; ".join(parts) + ".") \
+        if parts else ""
 
 
 def _ratios_line(v: Dict[str, Any]) -> str:
