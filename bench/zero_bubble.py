@@ -41,8 +41,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench.common import (add_block_args, adamw_groups, close_trainers, free_port, init_bench_worker, json_cli,
-                          rotating_blocks, step_with_lr)
+from bench.common import add_block_args, adamw_groups, close_trainers, free_port, init_bench_worker, json_cli, \
+    rotating_blocks
+from bench.modes import BubbleProbe, TorchInterleaved
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
           "data.max_bytes=2000000", "overlap.dp=false", "overlap.pp=true", "model.tie_embeddings=false"]
@@ -100,40 +101,29 @@ def scenario_overrides(args) -> Dict[str, Any]:
 
 
 # ---- mpoverlap sides ---------------------------------------------------------------------------
-class ActionProbe:
+class ActionProbe(BubbleProbe):
     """Per run of one executor: each action kind's compute seconds (F, B, W: from its trace
-    "compute" stamp, after its receive, to its end), the window of `run` and `bubble_s`.
-    Wraps `_compute` and `run` on the instance; mpoverlap is not modified."""
+    "compute" stamp, after its receive, to its end: bench.modes.BubbleProbe's busy time, split
+    by kind), the window of `run` and `bubble_s`. Wraps the instance; mpoverlap is unchanged."""
 
     def __init__(self, executor) -> None:
-        from mpoverlap.comm.handle import now
-
+        super().__init__(executor)
         self.ex = executor
         self.spent: Dict[str, List[float]] = {}
-        self.window = 0.0
-        compute, run = executor._compute, executor.run
+        timed = executor._compute  # BubbleProbe's: adds each action's compute to self.busy
 
-        def timed_compute(index, action, losses):
-            n = len(executor.trace)
-            compute(index, action, losses)
-            end = now()
-            starts = [t for ev, i, t in executor.trace[n:] if ev == "compute" and i == index]
-            if starts:
-                self.spent.setdefault(action.kind, []).append(end - starts[-1])
+        def by_kind(index, action, losses):
+            before = self.busy
+            timed(index, action, losses)
+            if self.busy > before:
+                self.spent.setdefault(action.kind, []).append(self.busy - before)
 
-        def timed_run(m):
-            t0 = now()
-            out = run(m)
-            self.window = now() - t0
-            return out
-
-        executor._compute = timed_compute
-        executor.run = timed_run
+        executor._compute = by_kind
 
     def take(self) -> Dict[str, Any]:
-        out = {"window_s": self.window, "bubble_s": self.ex.bubble_s,
+        out = {"window_s": super().take()["window_s"], "bubble_s": self.ex.bubble_s,
                "actions": {k: [sum(v), len(v)] for k, v in self.spent.items()}}
-        self.spent, self.window = {}, 0.0
+        self.spent = {}
         return out
 
 
@@ -162,9 +152,10 @@ def _stage_indices(cls_name: str, rank: int, pp: int) -> List[int]:
     return [rank]
 
 
-class TorchPipeline:
+class TorchPipeline(TorchInterleaved):
     """A torch.distributed.pipelining schedule over plain nn.Module stages: mpoverlap's GPT
-    chunks (tp 1, the same seed, so the same weights as the mpoverlap sides), AdamW."""
+    chunks (tp 1, the same seed, so the same weights as the mpoverlap sides), AdamW. The step
+    is bench.modes.TorchInterleaved's (batch, schedule step, clip over the stages, AdamW)."""
 
     def __init__(self, cfg, dataset, rank: int, pp: int, cls_name: str, group=None) -> None:
         import torch
@@ -211,36 +202,6 @@ class TorchPipeline:
         self.optimizer = torch.optim.AdamW(adamw_groups(nn.ModuleList(self.chunks), t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=True)
         self.schedule = LRSchedule.from_config(t)
-
-    def settle(self) -> None:
-        pass
-
-    def collect(self, keep: bool) -> Dict[str, Any]:
-        return {}
-
-    def train_step(self):
-        import torch
-
-        from bench.modes import _clip_
-        from mpoverlap.training.data import global_batch
-
-        t = self.cfg.train
-        lr = self.schedule(self.step)
-        batch = global_batch(self.dataset, self.step, t.global_batch_size, t.seed)
-        self.optimizer.zero_grad(set_to_none=True)
-        kwargs: Dict[str, Any] = {}
-        if self.last:
-            losses: List[Any] = []
-            kwargs = {"target": batch[:, 1:], "losses": losses}
-        if self.first:
-            self.schedule_pp.step(batch[:, :-1], **kwargs)
-        else:
-            self.schedule_pp.step(**kwargs)
-        loss = torch.stack(kwargs["losses"]).mean().detach() if self.last else torch.zeros(())
-        _clip_(self.params, [], t.grad_clip)  # every stage's gradients differ: squares summed
-        step_with_lr(self.optimizer, lr)
-        self.step += 1
-        return {"loss_local": loss}
 
 
 # ---- worker ------------------------------------------------------------------------------------

@@ -28,14 +28,18 @@ def _env():
     return env
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("profiled")
-    args = [str(BIN / "mpoverlap-train"), *TINY, "train.steps=3", f"run.dir={out}", "parallel.world_size=2",
-            "overlap.dp=true", "train.profile=true", "train.profile_start_step=1", "train.profile_steps=2"]
+def _profiled_run(out, *layout):
+    """A 3-step 2-rank run of TINY with `layout`, steps 1 and 2 profiled, into `out`."""
+    args = [str(BIN / "mpoverlap-train"), *TINY, "train.steps=3", f"run.dir={out}", *layout,
+            "train.profile=true", "train.profile_start_step=1", "train.profile_steps=2"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=_env())
     assert proc.returncode == 0, f"{args}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return _profiled_run(tmp_path_factory.mktemp("profiled"), "parallel.world_size=2", "overlap.dp=true")
 
 
 def _timeline(run_dir, rank):
@@ -118,12 +122,7 @@ def test_timeline_command_without_timeline_exits_2(tmp_path):
 @pytest.fixture(scope="module")
 def zb1p_run_dir(tmp_path_factory):
     """A profiled zero-bubble run: pp 2, zb1p, 4 microbatches."""
-    out = tmp_path_factory.mktemp("profiled_zb1p")
-    args = [str(BIN / "mpoverlap-train"), *TINY, "train.steps=3", f"run.dir={out}", "parallel.pp=2",
-            "parallel.pp_schedule=zb1p", "train.profile=true", "train.profile_start_step=1", "train.profile_steps=2"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=_env())
-    assert proc.returncode == 0, f"{args}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    return out
+    return _profiled_run(tmp_path_factory.mktemp("profiled_zb1p"), "parallel.pp=2", "parallel.pp_schedule=zb1p")
 
 
 @pytest.mark.slow
