@@ -360,6 +360,27 @@ def test_search_considers_the_pipeline_schedules(capsys):
     assert {c.values["parallel.pp_schedule"] for c in search(cfg, from_config(cfg), flat, 8).ranked} == {"auto"}
 
 
+def test_search_drops_a_schedule_the_simulator_cannot_cost(monkeypatch):
+    from mpoverlap.config import compose
+    from mpoverlap.simulate import from_config, planner
+
+    real = planner.simulate
+
+    def simulate(cfg, hw):
+        if cfg.parallel.pp_schedule == "zb1p":
+            raise NotImplementedError("no cost model for zb1p")
+        return real(cfg, hw)
+
+    monkeypatch.setattr(planner, "simulate", simulate)
+    overrides = ["hardware=h100_sxm", "model=gpt_125m", "parallel.world_size=8", "train.global_batch_size=16",
+                 "parallel.tp=1", "parallel.cp=1", "parallel.pp=4", "parallel.vpp=1", "train.micro_batch_size=1",
+                 "train.distributed_optimizer=false"]
+    cfg = compose(overrides)
+    res = planner.search(cfg, from_config(cfg), overrides, 8)
+    assert {c.values["parallel.pp_schedule"] for c in res.ranked} == {"1f1b"}
+    assert res.dropped["simulator: cannot cost parallel.pp_schedule=zb1p (NotImplementedError)"] == 1
+
+
 def test_bench_predict_covers_every_scenario(monkeypatch):
     """bench/predict.py reads both result shapes (dp_overlap, modes) and predicts every mpoverlap
     variant, overlap on and off (the machine's rates fixed here instead of measured)."""
