@@ -415,6 +415,7 @@ def main() -> None:
     p.add_argument("--modes-block", type=int, default=4, help="steps per block in bench.modes (default 4)")
     p.add_argument("--modes-budget", type=float, default=150.0, help="seconds of measuring per scenario (default 150)")
     p.add_argument("--skip-zero", action="store_true", help="skip bench/zero.py (ZeRO-3 prefetch vs torch FSDP2)")
+    p.add_argument("--skip-ep-pairing", action="store_true", help="skip bench/ep_pairing.py (EP at 1:1, issue 31)")
     p.add_argument("--zero-budget", type=float, default=150.0, help="seconds of ZeRO-3 measuring at most (default 150)")
     p.add_argument("--skip-zero-bubble", action="store_true", help="skip bench/zero_bubble.py (issue 30)")
     p.add_argument("--zero-bubble", default="schedules,tp_wgrad",
@@ -456,6 +457,9 @@ def main() -> None:
         results["dp"] = run_dp(args, out)
     for scenario in [x.strip() for x in args.modes.split(",") if x.strip() and x.strip() != "none"]:
         results.setdefault("modes", {})[scenario] = run_modes(args, out, scenario)
+    if not args.skip_ep_pairing:  # issue 31: EP at 1:1, none / chunks / pairing / both, with the simulator
+        from bench import ep_pairing
+        results["ep_pairing"] = ep_pairing.run_in_bench(args.rate, out, args.modes_budget, args.no_netns)
     # One namespace probe for the scaling and timeline runs.
     prefix, link = (([], "") if args.skip_scaling and args.skip_timelines and args.skip_zero and args.skip_zero_bubble
                     else netns_prefix(args.rate, args.no_netns))
@@ -485,6 +489,9 @@ def main() -> None:
     table = render(results)
     if results.get("modes"):
         table += "\n" + render_modes(results)
+    if results.get("ep_pairing"):
+        from bench import ep_pairing
+        table += "\n" + ep_pairing.render(results)
     for section in (zero.render(results), zero_bubble_report.render(results), scaling.render(results), memory.render(results), timelines.render(results),
                     async_ckpt.render(results), long_context.render(results), predict.render(results.get("predicted") or [])):
         if section:

@@ -228,3 +228,41 @@ def test_zero_bubble_bench_plumbing(tmp_path):
         rows[f"zb_{kind}_m4"] = {"activations": acts}
     assert "zb1p 1.00 (goal <= 1.10: met)" in zero_bubble_report.peak_line(rows, 4)
     assert memory.render({}) == ""
+
+
+def test_ep_pairing_bench_plans_renders_and_names_a_build_without_pairing():
+    """bench.ep_pairing (issue 31): the variants it runs validate at 2 ranks; without the
+    `overlap.ep_pairing` key the pairing columns are reported as not available instead of
+    failing (with the key, all four run, none and chunks with pairing off); the table renders
+    from the shape its workers write, with the prediction beside each measurement."""
+    from types import SimpleNamespace
+
+    from bench import ep_pairing
+
+    args = SimpleNamespace(**ep_pairing.DEFAULTS)
+    base, run, skipped = ep_pairing.planned(args)
+    have, why = ep_pairing.pairing_available()
+    for extra in run.values():
+        assert validate(compose(base + extra), 2) == []
+    if have:
+        assert set(run) == set(ep_pairing.VARIANTS) and "overlap.ep_pairing=false" in run["chunks"]
+    else:
+        assert set(run) == {"none", "chunks"} and skipped == {"pairing": why, "both": why}
+        assert why == "pairing: not available in this build (no overlap.ep_pairing key)"
+    step = {"n": 6, "median_s": 0.8, "min_s": 0.7, "q1_s": 0.75, "q3_s": 0.85}
+    rows = {"none": {"blocks": 4, "step": dict(step, median_s=1.0),
+                     "comm": {"ep": {"in_flight_ms_median": 250.0, "exposed_ms_median": 245.0}}},
+            "chunks": {"blocks": 4, "step": step, "comm": {"ep": {"in_flight_ms_median": 260.0,
+                                                                  "exposed_ms_median": 130.0}}}}
+    res = {"setup": dict(ep_pairing.DEFAULTS, block=3, block_warmup=1), "link": "test link", "variants": rows,
+           "variants_quiet": rows, "quiet_threshold_cores": 0.1, "base_overrides": base,
+           "variant_overrides": {n: run[n] for n in ("none", "chunks")},
+           "skipped": {"pairing": ep_pairing.UNAVAILABLE, "both": ep_pairing.UNAVAILABLE},
+           "predicted": {"none": {"step_s": 0.9, "share": 1.0, "exchanges_over_experts": 1.02, "pairing": "off"},
+                         "chunks": {"step_s": 0.84, "share": 0.45, "pairing": "off"}}}
+    text = ep_pairing.render({"ep_pairing": res})
+    assert "| none | `overlap.ep=false overlap.ep_chunks=1" in text and "| 1000.0 | 750.0-850.0 | 1.250 |" in text
+    assert "| 0.98 | 900.0 | -10% | 1.00 | +0.02 |" in text  # share 245 / 250; predicted 0.9 s of 1.0
+    assert "| 0.50 | 840.0 | +5% | 0.45 | -0.05 |" in text
+    assert "simulated 1.02" in text and f"Not run: pairing, both ({ep_pairing.UNAVAILABLE})." in text
+    assert ep_pairing.render({}) == ""

@@ -152,6 +152,46 @@ def _tp_checks(state):
     return out
 
 
+def _embedding_checks(state):
+    """Finding 7: the vocab-parallel embedding at tp=2 (SP on/off, overlap on/off) under bf16
+    autocast against the single process's embedding (models/layers.py at tp=1, autocast leaves
+    it fp32): the output (the residual stream's start) and the weight gradient, each rank's
+    part, bitwise; the reduction moves fp32 (the bytes of the fp32 run)."""
+    from mpoverlap.comm.ledger import CommLedger
+    from mpoverlap.models.layers import embedding
+    from mpoverlap.tensor_parallel import VocabParallelEmbedding, shard_tensor, tp_kwargs
+
+    r, tp, V = state.coords.tp, state.size("tp"), 64
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, V, (B, S), generator=g)
+    gy = torch.randn(B, S, H, generator=g)
+
+    def run(module, loc, precision):
+        with autocast_context(precision, CPU):
+            y = module(tokens)
+        (y * loc(gy)).sum().backward()
+        return y.detach(), module.weight.grad
+
+    ref = {}
+    for precision in ("fp32", "bf16"):
+        single = embedding(V, H, CFG, SEED, None)
+        with torch.no_grad():
+            single.weight.copy_(init_tensor("embedding.weight", (V, H), CFG, SEED))
+        ref[precision] = run(single, lambda t: t, precision)
+    out = {}
+    for sp, ov, precision in itertools.product((False, True), (False, True), ("fp32", "bf16")):
+        loc = (lambda t: t[:, r * (S // tp):(r + 1) * (S // tp)]) if sp else (lambda t: t)
+        ledger = CommLedger()
+        emb = VocabParallelEmbedding(V, H, name="embedding", cfg=CFG, seed=SEED,
+                                     **tp_kwargs(state, sequence_parallel=sp, overlap=ov, ledger=ledger))
+        y, grad = run(emb, loc, precision)
+        y_ref, grad_ref = ref[precision]
+        out[(sp, ov, precision)] = dict(dtype=str(y.dtype), y_equal=torch.equal(y, loc(y_ref)),
+                                        grad_equal=torch.equal(grad, shard_tensor(grad_ref, 0, r, tp)),
+                                        y_err=rel(y, loc(y_ref)), tp_bytes=ledger.summary()["tp"]["bytes"])
+    return out
+
+
 def _cp_checks(state):
     from mpoverlap.comm.ledger import CommLedger
 
@@ -203,7 +243,8 @@ def _worker(rank, world):
     from mpoverlap.parallel import ParallelState, RankGrid
 
     torch.manual_seed(0)
-    return dict(tp=_tp_checks(ParallelState.create(RankGrid(tp=2), CPU)),
+    tp_state = ParallelState.create(RankGrid(tp=2), CPU)
+    return dict(tp=_tp_checks(tp_state), embedding=_embedding_checks(tp_state),
                 cp=_cp_checks(ParallelState.create(RankGrid(cp=2), CPU)),
                 dp=_dp_checks(ParallelState.create(RankGrid(dp=2), CPU)))
 
@@ -229,6 +270,19 @@ def test_tp_functions_under_bf16_autocast(reports, sp, ov):
 def test_tp_activations_travel_in_bf16(reports, sp, ov):
     for rep in reports:
         assert rep["tp"][(sp, ov, "bf16")]["tp_bytes"] * 2 == rep["tp"][(sp, ov, "fp32")]["tp_bytes"]
+
+
+@pytest.mark.parametrize("sp,ov", list(itertools.product((False, True), repeat=2)))
+def test_tp_embedding_keeps_the_fp32_residual_stream(reports, sp, ov):
+    """Issue 29 finding 7: under bf16 autocast the tp=2 embedding output and weight gradient
+    are bitwise those of tp=1 (fp32: the residual stream is rounded in no layout where the
+    single process keeps it); its reduction moves the fp32 bytes."""
+    for rep in reports:
+        for precision in ("fp32", "bf16"):
+            got = rep["embedding"][(sp, ov, precision)]
+            assert got["dtype"] == str(torch.float32), (precision, got)
+            assert got["y_equal"] and got["grad_equal"], (precision, got)
+        assert rep["embedding"][(sp, ov, "bf16")]["tp_bytes"] == rep["embedding"][(sp, ov, "fp32")]["tp_bytes"]
 
 
 def test_ring_attention_cp2_under_autocast(reports):

@@ -49,6 +49,10 @@ ZERO = {
     "zero3_off": [*ZERO3[:-1], "overlap.dp=false", "overlap.dp_prefetch=2"],
     "zero2": ["parallel.dp=2", "train.dp_sharding=optim_grads", "model.num_layers=4", "overlap.dp=true"],
 }
+# Issue 29 finding 4's follow-up: MoE under SP with parallel.etp=1 at tp 2 and dp 1: the expert
+# gradients are partial over tp and their buckets reduce over tp x edp (2 ranks) although there is
+# a single data-parallel replica.
+MOE_TP_EDP = [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1", "overlap.dp=auto"]
 
 
 def _switches(trainer) -> dict:
@@ -175,6 +179,7 @@ def probed(tmp_path_factory):
         for on in (True, False):
             specs[f"{mode}_{'on' if on else 'off'}"] = [*SMALL, *layout, f"{switch}={str(on).lower()}"]
     specs.update({name: [*SMALL, *ov] for name, ov in ZERO.items()})
+    specs["moe_tp2_sp_dp1"] = [*SMALL, *MOE_TP_EDP]
     return run_distributed(_probe, 2, specs, str(tmp_path_factory.mktemp("wiring")), timeout_s=600)[0]
 
 
@@ -225,3 +230,13 @@ def test_zero_reduce_scatters_in_flight_and_bucket_memory(probed):
         sizes = got["grad_bucket_bytes"]
         print(f"\n{name}: peak {got['peak_grad_bucket_bytes']} bucket bytes {sizes}")
         assert 0 < got["peak_grad_bucket_bytes"] <= sum(sizes[-(in_flight + 1):]), name
+
+
+def test_expert_buckets_over_tp_overlap_at_dp1(probed):
+    """dp 1, MoE + SP + etp 1 at tp 2: overlap.dp=auto is on (the tp x edp expert buckets are
+    a reduction) and those buckets' all-reduces stay in flight under the rest of backward."""
+    row = probed["moe_tp2_sp_dp1"]
+    assert row["switches"]["dp"] == [True], row["switches"]
+    total, deferred = row["deferred"]["dp"]
+    print(f"\nmoe tp2 sp dp1: dp handles {total}, deferred {deferred}")
+    assert deferred >= MIN_DEFERRED["dp"] * total > 0, row["deferred"]

@@ -20,7 +20,9 @@ from dist_harness import run_distributed  # noqa: E402
 
 from mpoverlap.comm.ledger import CommLedger  # noqa: E402
 from mpoverlap.parallel import ParallelState, RankGrid  # noqa: E402
-from mpoverlap.pipeline import PipelineExecutor, build_schedule, schedule_kind  # noqa: E402
+from mpoverlap.pipeline import (PipelineExecutor, build_schedule, chunk_index, chunk_layout,  # noqa: E402
+                                schedule_kind)
+from mpoverlap.pipeline.actions import is_local  # noqa: E402
 
 H, B, NUM_LAYERS = 16, 4, 8
 # (pp, vpp, microbatches): m is not a multiple of pp in every layout but one.
@@ -32,6 +34,10 @@ RECEIVES_AHEAD = {(4, 1, 6): [3, 5, 5, 5], (4, 2, 6): [12, 11, 11, 16], (4, 2, 4
 CONFIGS = [(pp, vpp, m, overlap) for pp, vpp, m in LAYOUTS for overlap in (False, True)]
 # zero bubble (zb1p): the layers defer their weight gradients to the W actions
 ZB_CONFIGS = [(4, 1, 6, True), (2, 2, 5, False)]
+# zbv: two chunks per stage in a V (stage s: chunks s and 2pp-1-s; the loss on stage 0, the
+# turn chunk pp-1 -> pp handed over in memory on stage pp-1)
+ZBV_CONFIGS = [(4, 2, 6, True), (2, 2, 4, False)]
+ZBV_TIED = (2, 2, 4, True)  # layer 7 is layer 0: a weight both chunks of stage 0 use
 
 
 def make_layers(linear=nn.Linear):
@@ -49,9 +55,16 @@ def layers_of_chunk(chunk, num_chunks):
     return range(chunk * per, (chunk + 1) * per)
 
 
-def reference(dp_rank, m):
+def tie_ends(layers):
+    """The last layer is the first one (one module at both ends of the model, as a tied
+    embedding and head are): in zbv's V both sit on stage 0."""
+    layers[-1] = layers[0]
+    return layers
+
+
+def reference(dp_rank, m, tied=False):
     """Single process: per-microbatch backward in microbatch order (the pipeline's order)."""
-    layers = make_layers()
+    layers = tie_ends(make_layers()) if tied else make_layers()
     xs, ys = make_data(dp_rank, m)
     losses, xgrads = [], []
     for mb in range(m):
@@ -67,13 +80,21 @@ def reference(dp_rank, m):
     return losses, grads, xgrads
 
 
-def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None):
+def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None, tied=False):
     stage, dp_rank, num_chunks = state.coords.pp, state.coords.dp, pp * vpp
-    weight_grads = None
-    if schedule == "zb1p":
+    layout = chunk_layout(schedule or schedule_kind(vpp))
+    weight_grads, shared, accumulations = None, [], []
+    if schedule in ("zb1p", "zbv"):
         from mpoverlap.wgrad import Linear, WeightGradDeferral, attach_deferral
 
         layers, weight_grads = make_layers(Linear), WeightGradDeferral()
+        if tied:
+            layers = tie_ends(layers)
+            if stage == 0:  # the V's stage 0 runs both ends: one weight, two chunks' W's
+                shared = [layers[0].weight, layers[0].bias]
+                # counted as the data-parallel hooks count: B's empty calls for a deferred weight skipped
+                layers[0].weight.register_post_accumulate_grad_hook(
+                    lambda p: None if weight_grads.withheld(p) else accumulations.append(1))
         attach_deferral(nn.ModuleList(layers), weight_grads)
     else:
         layers = make_layers()
@@ -81,7 +102,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
     x_leaves, hook_calls = {}, []
 
     def forward_step(vchunk, mb, input_tensor):
-        chunk = vchunk * pp + stage
+        chunk = chunk_index(stage, vchunk, pp, layout)
         if input_tensor is None:
             input_tensor = x_leaves[mb] = xs[mb].clone().requires_grad_()
         h = input_tensor
@@ -95,7 +116,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         tables[stage], stage=stage, pp_ranks=state.ranks("pp"), group=state.group("pp"),
         overlap=overlap, ledger=ledger, tensor_shape=(B, H), dtype=torch.float32, device="cpu",
         forward_step=forward_step, backward_hook=lambda *call: hook_calls.append(call),
-        verbose=verbose, weight_grads=weight_grads)
+        verbose=verbose, weight_grads=weight_grads, shared_params=shared)
     # An independent count of what reaches torch: batch_isend_irecv calls and their ops.
     torch_calls = []
     batch_isend_irecv = torch.distributed.batch_isend_irecv
@@ -108,7 +129,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         for _ in range(steps):  # the same executor runs every step; report the last one
             for layer in layers:
                 layer.zero_grad(set_to_none=True)
-            x_leaves.clear(), hook_calls.clear(), torch_calls.clear()
+            x_leaves.clear(), hook_calls.clear(), torch_calls.clear(), accumulations.clear()
             stderr = io.StringIO()
             with contextlib.redirect_stderr(stderr):
                 started = time.perf_counter()
@@ -120,7 +141,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
     compute_at = {i: k for k, (event, i, _) in enumerate(trace) if event == "compute"}
     posted_ahead = sum(1 for k, (event, i, _) in enumerate(trace)
                        if event == "post_recv" and i > 0 and k < compute_at[i - 1])
-    own = [i for v in range(vpp) for i in layers_of_chunk(v * pp + stage, num_chunks)]
+    own = [i for v in range(vpp) for i in layers_of_chunk(chunk_index(stage, v, pp, layout), num_chunks)]
     summary = ledger.summary()
     return {
         # Plain lists: tensors would travel through shared memory that dies with the worker.
@@ -131,10 +152,12 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         "pp_bytes": summary.get("pp", {}).get("bytes", 0), "torch_calls": len(torch_calls),
         "torch_ops": sum(torch_calls),
         "receives": sum(1 for k, (event, i, _) in enumerate(trace) if event == "post_recv" and i > 0),
-        "messages": sum((a.recv is not None) + (a.send is not None) for a in tables[stage]),
+        "messages": sum(msg is not None and not is_local(msg, pp, layout)
+                        for a in tables[stage] for msg in (a.recv, a.send)),
+        "loss_stage": 0 if layout == "v" else pp - 1,
         "posted_ahead": posted_ahead, "hooks": hook_calls, "bubble_s": executor.bubble_s, "run_s": run_s,
         "times_ordered": all(t0 <= t1 for (_, _, t0), (_, _, t1) in zip(trace, trace[1:])),
-        "verbose_lines": stderr.getvalue().splitlines(),
+        "verbose_lines": stderr.getvalue().splitlines(), "shared_accumulations": len(accumulations),
     }
 
 
@@ -147,6 +170,9 @@ def _worker(rank, world):
     out["verbose"] = run_layout(states[2], 2, 2, 5, True, verbose=True, steps=2)
     for pp, vpp, m, overlap in ZB_CONFIGS:
         out[("zb1p", pp, vpp, m, overlap)] = run_layout(states[pp], pp, vpp, m, overlap, schedule="zb1p")
+    for pp, vpp, m, overlap in ZBV_CONFIGS:
+        out[("zbv", pp, vpp, m, overlap)] = run_layout(states[pp], pp, vpp, m, overlap, schedule="zbv")
+    out["zbv_tied"] = run_layout(states[2], *ZBV_TIED, schedule="zbv", tied=True)
     return out
 
 
@@ -169,14 +195,15 @@ def test_bubble_is_the_receive_wait_inside_the_step(reports, pp, vpp, m, overlap
             assert got["bubble_s"] > 0
 
 
-@pytest.mark.parametrize("key", CONFIGS + [("zb1p", *c) for c in ZB_CONFIGS], ids=str)
+@pytest.mark.parametrize("key", CONFIGS + [("zb1p", *c) for c in ZB_CONFIGS] + [("zbv", *c) for c in ZBV_CONFIGS],
+                         ids=str)
 def test_matches_single_process_reference(reports, key):
     pp, vpp, m, overlap = key[-4:]
     seen_layers = {0: set(), 1: set()}
     for rank_report in reports:
         r = rank_report[key]
         ref_losses, ref_grads, ref_xgrads = reference(r["dp"], m)
-        if r["stage"] == pp - 1:
+        if r["stage"] == r["loss_stage"]:
             assert len(r["losses"]) == m
             for got, want in zip(r["losses"], ref_losses):
                 assert rel_err(got, want) < 1e-6
@@ -202,12 +229,12 @@ def test_overlap_on_off_bitwise_identical(reports, pp, vpp, m):
         assert off["grads"] == on["grads"] and off["xgrads"] == on["xgrads"]
 
 
-@pytest.mark.parametrize("pp,vpp,m,overlap", CONFIGS)
-def test_ledger_counts_pp_ops(reports, pp, vpp, m, overlap):
+@pytest.mark.parametrize("key", CONFIGS + [("zbv", *c) for c in ZBV_CONFIGS], ids=str)
+def test_ledger_counts_pp_ops(reports, key):
     for rank_report in reports:
-        r = rank_report[(pp, vpp, m, overlap)]
+        r = rank_report[key]
         # The ledger against what reached torch: one handle per batch_isend_irecv call, one op per
-        # message of the action table, each message a [B, H] fp32 tensor.
+        # message of the action table (zbv's turn: none), each message a [B, H] fp32 tensor.
         assert r["pp_ops"] == r["torch_calls"] == r["expected_ops"] > 0
         assert r["torch_ops"] == r["messages"]
         assert r["pp_bytes"] == r["messages"] * B * H * 4
@@ -259,3 +286,20 @@ def test_second_step_and_verbose_lines(reports):
         assert all(line.startswith("[pp-p2p] step 1 call ") and f" rank {rank} " in line for line in lines)
         assert any(" send to rank " in line for line in lines) and any(" recv from rank " in line for line in lines)
         assert all(" mb " in line and " vchunk " in line for line in lines)
+
+
+def test_zbv_weight_shared_by_two_chunks_accumulates_once_per_microbatch(reports):
+    """A weight both chunks of stage 0 use (zbv's tied embedding and head): the executor folds
+    the earlier W's share into the microbatch's last W, so the parameter accumulates once per
+    microbatch (what the data-parallel hooks count on), and its gradient is the reference's."""
+    pp, vpp, m, _ = ZBV_TIED
+    for rank_report in reports:
+        r = rank_report["zbv_tied"]
+        ref_losses, ref_grads, _ = reference(r["dp"], m, tied=True)
+        for i, (w, b) in r["grads"].items():
+            assert rel_err(w, ref_grads[i][0]) < 1e-6 and rel_err(b, ref_grads[i][1]) < 1e-6, i
+        if r["stage"] == 0:
+            assert sorted(r["grads"]) == [0, 1, 6, 7]
+            assert r["shared_accumulations"] == m
+            for got, want in zip(r["losses"], ref_losses):
+                assert rel_err(got, want) < 1e-6

@@ -1,6 +1,6 @@
 """Pipeline schedules as pure tables (no processes): coverage, data flow, p2p matching,
 link order, deadlock freedom, the microbatch rule, broken tables, and the bubble; the
-zero-bubble (zb1p) tables' W actions and the paper's bubble formulas."""
+zero-bubble (zb1p, zbv) tables' W actions, zbv's V layout, and the paper's bubble formulas."""
 import dataclasses
 
 import pytest
@@ -9,7 +9,7 @@ from mpoverlap.pipeline import (ScheduleError, bubble_fraction, build_schedule,
                                 microbatch_groups, resolve_schedule, schedule_constraints,
                                 schedule_kind, simulated_bubble, simulated_bubble_time,
                                 validate_schedule)
-from mpoverlap.pipeline.actions import RECV, SEND
+from mpoverlap.pipeline.actions import RECV, SEND, is_local
 from mpoverlap.pipeline.zero_bubble import peak_in_flight
 
 
@@ -216,3 +216,106 @@ def test_schedule_choice_rules():
     assert "vpp > 1" in schedule_constraints("interleaved", 4, 1, 8)[0]
     assert schedule_constraints("zb1p", 4, 1, 2) == [] and schedule_constraints("zb1p", 4, 2, 4) == []
     assert "at least pp=4" in schedule_constraints("zb1p", 4, 2, 3)[0]
+
+
+# ---------------------------------------------------------------- ZB-V (zbv): two chunks in a V
+
+ZBV_CASES = [(2, 2), (2, 3), (2, 8), (3, 4), (4, 6), (4, 7), (4, 8), (4, 13), (8, 14), (8, 16)]
+
+
+@pytest.mark.parametrize("pp,m", ZBV_CASES)
+def test_zbv_tables_validate_in_a_v(pp, m):
+    tables = build_schedule("zbv", pp, 2, m)
+    validate_schedule(tables)  # coverage, W after B, data flow, both posting programs, deadlock
+    for stage, actions in enumerate(tables):
+        seen = sorted((a.kind, a.microbatch, a.vchunk) for a in actions)
+        assert seen == sorted((k, mb, v) for k in "FBW" for mb in range(m) for v in (0, 1))
+        assert {(a.vchunk, a.chunk) for a in actions} == {(0, stage), (1, 2 * pp - 1 - stage)}
+        assert all(a.recv is None and a.send is None for a in actions if a.kind == "W")
+        order = [(a.kind, a.microbatch, a.vchunk) for a in actions]
+        assert all(order.index(("W", mb, v)) > order.index(("B", mb, v)) for mb in range(m) for v in (0, 1))
+        posted = {op.message for a in actions for prefetch in (False, True)
+                  for part in a.batches(prefetch) for b in part for op in b}
+        local = {msg for a in actions for msg in (a.recv, a.send) if msg is not None and is_local(msg, pp, "v")}
+        # the turn of the V (chunk pp-1 -> pp) is the only local hand-over, on stage pp-1, never posted
+        assert bool(local) == (stage == pp - 1) and not (local & posted)
+        assert all(msg.src_chunk + msg.dst_chunk == 2 * pp - 1 for msg in local)
+        for a in actions:  # every posted op goes to a neighbour (the V has no wrap-around link)
+            assert all(abs(op.peer - stage) == 1 for part in a.batches(True) for b in part for op in b)
+    # stage 0 runs the embedding chunk and the loss chunk
+    assert {a.chunk for a in tables[0]} == {0, 2 * pp - 1}
+    # activation memory: at most 2pp chunk-microbatches between F and W = 1F1B's p stage-sized ones
+    assert max(peak_in_flight([(a.kind, a.microbatch, a.vchunk) for a in t]) for t in tables) <= 2 * pp
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 6), (4, 6), (4, 8), (4, 12), (8, 14), (8, 24)])
+def test_zbv_bubble_is_the_fill_only(pp, m):
+    """F = B = W (per chunk): each stage idles (pp-1) F, the first forward's wait for the chunks
+    above it - "zero bubble" beyond the fill (paper section 6), against 1F1B's (pp-1)(F+B+W)
+    per stage-sized cost = 6 (pp-1) F here. The order is built for B = W: with B = W >= F the
+    bubble is (pp-1) B; for other costs it is at least the fill."""
+    tables = build_schedule("zbv", pp, 2, m)
+    assert simulated_bubble_time(tables, 1, 1, 1) == pytest.approx([pp - 1] * pp)
+    assert max(simulated_bubble(tables)) == pytest.approx(bubble_fraction(pp, 2, m, "zbv"))
+    assert bubble_fraction(pp, 2, m, "zbv") == pytest.approx((pp - 1) / (6 * m))
+    for F, B in [(1, 2), (1, 3), (2, 3), (0.5, 0.75)]:
+        assert simulated_bubble_time(tables, F, B, B) == pytest.approx([(pp - 1) * B] * pp), (F, B)
+    for F, B, W in [(1, 1, 0.5), (1.5, 1, 0.75), (2, 1, 1)]:
+        assert min(simulated_bubble_time(tables, F, B, W)) >= (pp - 1) * F - 1e-9
+    one_f_one_b = simulated_bubble_time(build_schedule("1f1b", pp, 1, m), 2, 2, 2)  # a stage = 2 chunks
+    assert max(one_f_one_b) == pytest.approx(6 * (pp - 1))
+
+
+def test_zbv_microbatch_threshold():
+    """Below m = 2(pp-1) the 1F-1B-1W steady state never forms (the rule's reason): the
+    schedule is refused; at the threshold the bubble is already the fill."""
+    assert schedule_constraints("zbv", 4, 2, 6) == []
+    assert "at least 2(pp-1) = 6 microbatches" in schedule_constraints("zbv", 4, 2, 5)[0]
+    assert "exactly two model chunks" in schedule_constraints("zbv", 4, 1, 8)[0]
+    assert "exactly two model chunks" in schedule_constraints("zbv", 4, 3, 8)[0]
+    assert "pp >= 2" in schedule_constraints("zbv", 1, 2, 8)[0]
+    with pytest.raises(ScheduleError):
+        build_schedule("zbv", 4, 2, 5)
+    assert resolve_schedule("zbv", 2) == "zbv"
+
+
+def test_zbv_local_hand_over_posted_or_misordered_is_caught():
+    tables = build_schedule("zbv", 2, 2, 2)
+    stage = [list(t) for t in tables]
+    turn = next(i for i, a in enumerate(stage[1]) if a.kind == "F" and a.vchunk == 1)
+    producer = next(i for i, a in enumerate(stage[1]) if a.send == stage[1][turn].recv)
+    stage[1][turn], stage[1][producer] = stage[1][producer], stage[1][turn]
+    with pytest.raises(ScheduleError, match="runs before"):
+        validate_schedule(stage)
+    posted = [list(t) for t in tables]
+    bogus = (dataclasses.replace(next(op for a in tables[1] for b in a.prefetch_after for op in b),
+                                 message=tables[1][turn].recv),)
+    posted[1][0] = dataclasses.replace(posted[1][0], prefetch_after=posted[1][0].prefetch_after + (bogus,))
+    with pytest.raises(ScheduleError, match="local hand-over"):
+        validate_schedule(posted)
+
+
+def test_check_and_simulate_know_zbv():
+    """mpoverlap-check's estimate and --simulate on zbv: the bubble formula, the activation
+    memory of 1F1B (the same layers in flight, W closures counted), twice 1F1B's p2p bytes, and a
+    simulated step shorter than interleaved 1F1B's and zb1p's on the same chunks."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap import validate
+    from mpoverlap.overlap.estimate import estimate
+    from mpoverlap.simulate import from_config, simulate
+
+    common = ["model=gpt_125m", "model.num_layers=16", "parallel.world_size=4", "parallel.pp=4",
+              "train.global_batch_size=32", "train.micro_batch_size=4", "model.tie_embeddings=false"]
+    layouts = {"1f1b": [], "interleaved": ["parallel.vpp=2"],
+               "zb1p_v2": ["parallel.vpp=2", "parallel.pp_schedule=zb1p"],
+               "zbv": ["parallel.vpp=2", "parallel.pp_schedule=zbv"]}
+    cfgs = {name: compose(common + extra) for name, extra in layouts.items()}
+    assert not validate(cfgs["zbv"], 4)
+    est = {name: estimate(cfg) for name, cfg in cfgs.items()}
+    assert est["zbv"].bubble == pytest.approx(3 / (6 * 8))
+    peak_1f1b = max(s.layers_in_flight for s in est["1f1b"].stages)
+    assert [s.layers_in_flight for s in est["zbv"].stages] == [peak_1f1b] * 4
+    assert est["zbv"].comm_bytes_per_step["pp"] == 2 * est["1f1b"].comm_bytes_per_step["pp"]
+    sim = {name: simulate(cfg, from_config(cfg)) for name, cfg in cfgs.items()}
+    assert sim["zbv"].step_s < min(sim["interleaved"].step_s, sim["zb1p_v2"].step_s)
+    assert sim["zbv"].bubble_s < sim["interleaved"].bubble_s

@@ -20,7 +20,7 @@ FAILING = {
                      (["train.dp_sharding=zero3"], None),
                      (["train.device=tpu"], None), (["checkpoint.resume=maybe"], None),
                      (["parallel.cp_comm=ring"], None), (["train.precision=fp16"], None),
-                     (["parallel.pp=2", "parallel.pp_schedule=zbv"], None),
+                     (["parallel.pp=2", "parallel.pp_schedule=zb2p"], None),
                      (["train.grad_reduce_dtype=fp8"], None)],
     "model.heads_divide_hidden": [(["model.num_attention_heads=3"], None),
                                   (["model.hidden_size=5140", "model.num_attention_heads=40"], None)],
@@ -69,7 +69,12 @@ FAILING = {
     "pp.vpp_needs_pp": [(["parallel.vpp=2"], None)],
     "pp.schedule": [(["parallel.pp_schedule=zb1p"], None),
                     (["parallel.pp=2", "parallel.pp_schedule=interleaved"], None),
-                    (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "parallel.pp_schedule=1f1b"], None)],
+                    (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "parallel.pp_schedule=1f1b"], None),
+                    (["parallel.pp=2", "parallel.pp_schedule=zbv"], None),
+                    (["parallel.pp=2", "parallel.vpp=3", "model.num_layers=6", "parallel.pp_schedule=zbv"], None),
+                    (["parallel.pp_schedule=zbv"], None)],
+    "pp.zbv_microbatches": [(["parallel.pp=4", "parallel.vpp=2", "model.num_layers=8", "train.global_batch_size=8",
+                              "train.micro_batch_size=2", "parallel.pp_schedule=zbv"], None)],
     "pp.interleaved_microbatches": [(["parallel.pp=4", "parallel.vpp=1", "train.global_batch_size=8",
                                       "train.micro_batch_size=4", "parallel.vpp=2", "model.num_layers=8"], None),
                                     (["parallel.pp=4", "parallel.vpp=2", "train.global_batch_size=8",
@@ -218,6 +223,19 @@ def test_auto_says_why_off():
     assert not ov.dp.enabled and "single replica" in ov.dp.reason
     ov = CommOverlapConfig.from_config(compose(["overlap.dp=false", "parallel.dp=2"]))
     assert not ov.dp.enabled and "waited at once" in ov.dp.reason
+
+
+
+def test_dp_overlap_applies_to_expert_buckets_over_tp_at_dp1():
+    """Issue 29 finding 4's follow-up: MoE + SP + parallel.etp=1 at tp 2, dp 1 reduces the expert
+    gradients over tp x edp in the dp buckets: overlap.dp=auto turns on and true is accepted;
+    without SP (whole-sequence expert gradients, nothing to reduce) true is still refused."""
+    moe_sp = ["model=moe_tiny", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"]
+    assert validate(compose([*moe_sp, "overlap.dp=true"]), 2) == []
+    ov = CommOverlapConfig.from_config(compose(moe_sp), 2)
+    assert ov.dp.enabled and "tp x edp" in ov.dp.reason
+    refused = validate(compose(["model=moe_tiny", "parallel.tp=2", "overlap.dp=true"]), 2)
+    assert [p.rule for p in refused] == ["dp.overlap_needs_replicas"]
 
 
 def _cli(*args):

@@ -1,8 +1,11 @@
-"""Zero-bubble pipeline (parallel.pp_schedule=zb1p, weight gradients deferred to W actions)
-against the single-process reference: the loss and gradient-norm curves over 6 fp32 steps,
-alone and composed with dp (sharding none and optim_grads_params), tp 2 + SP (collective
-matmul on and off), cp 2 with selective recompute, MoE ep 2 (against the dp-only reference of
-the same dp) and full recompute. One spawn per world size (tests/inproc_train.py)."""
+"""Zero-bubble pipelines (parallel.pp_schedule=zb1p and zbv, weight gradients deferred to W
+actions) against the single-process reference: the loss and gradient-norm curves over 6 fp32
+steps, alone and composed with dp (sharding none and optim_grads_params), tp 2 + SP
+(collective matmul on and off), cp 2 with selective recompute, MoE ep 2 (against the dp-only
+reference of the same dp) and full recompute. zbv (two chunks per stage in a V, the tied
+embedding and head both on stage 0) at pp 2 and pp 4, with dp 2 (none and ZeRO-3, tied),
+tp 2 + SP, MoE ep 2 and full recompute. One spawn per world size (tests/inproc_train.py)."""
+import json
 import os
 import sys
 
@@ -39,8 +42,26 @@ LAYOUTS = {
     "zb_cp2_pp2_selective": [*ZB, "parallel.cp=2", "parallel.pp=2", "overlap.cp=true",
                              "model.recompute=selective"],
 }
+ZBV = ["parallel.pp_schedule=zbv", "parallel.vpp=2"]
+L8 = ["model.num_layers=8"]
+LAYOUTS.update({
+    "ref_8layers": L8,
+    "zbv_pp2": [*ZBV, *L4, "parallel.pp=2", "overlap.pp=true"],
+    "zbv_pp4": [*ZBV, *L8, "parallel.pp=4", "overlap.pp=false"],
+    "zbv_pp2_recompute_full": [*ZBV, *L4, "parallel.pp=2", "model.recompute=full"],
+    "zbv_dp2_pp2": [*ZBV, *L4, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true"],
+    # tied: the V keeps the embedding and the head on stage 0, ZeRO-3 gathers it for both
+    "zbv_dp2_pp2_zero3": [*ZBV, *L4, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true",
+                          "train.dp_sharding=optim_grads_params"],
+    "zbv_tp2_sp_pp2": [*ZBV, *L4, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                       "overlap.tp=true"],
+    "moe_ref_dp2_4layers": [*MOE, *L4, "parallel.dp=2"],
+    "zbv_moe_dp2_ep2_pp2": [*ZBV, *MOE, *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true"],
+})
 REFS = {"zb_pp4": "ref_4layers", "zb_pp2_vpp2": "ref_4layers", "zb_moe_dp2_ep2_pp2": "moe_ref_dp2",
-        "zb_dp2_pp2_zero3": "ref_untied"}
+        "zb_dp2_pp2_zero3": "ref_untied", "zbv_pp2": "ref_4layers", "zbv_pp4": "ref_8layers",
+        "zbv_pp2_recompute_full": "ref_4layers", "zbv_dp2_pp2": "ref_4layers", "zbv_dp2_pp2_zero3": "ref_4layers",
+        "zbv_tp2_sp_pp2": "ref_4layers", "zbv_moe_dp2_ep2_pp2": "moe_ref_dp2_4layers"}
 LAYOUTS["ref_untied"] = ["model.tie_embeddings=false"]
 
 
@@ -52,9 +73,51 @@ def runs(tmp_path_factory):
     return train_layouts(specs, tmp_path_factory.mktemp("zb"))
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith("zb_")])
-def test_zb1p_reproduces_the_reference_curve(runs, name):
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith(("zb_", "zbv_"))])
+def test_zero_bubble_reproduces_the_reference_curve(runs, name):
     ref, got = runs[REFS.get(name, "ref")], runs[name]
     assert len(got) == STEPS
     assert_close([r["loss"] for r in got], [r["loss"] for r in ref])
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+
+
+def test_zbv_pp_bytes_equal_the_estimate(runs):
+    """zbv's p2p: 2pp-1 chunk boundaries, the turn handed over in memory, so 2(pp-1) per
+    microbatch and direction: the estimate (twice 1F1B's bytes) equals the ledger exactly."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+    from mpoverlap.overlap.layout import build_layout
+
+    for name in [n for n in LAYOUTS if n.startswith("zbv_")]:
+        cfg = compose([*SMALL, *LAYOUTS[name]])
+        assert runs[name][-1]["comm"]["pp"]["bytes"] == estimate(cfg, build_layout(cfg).world).comm_bytes_per_step["pp"]
+    for pp in (2, 4):  # untied: 1F1B's pp bytes are its p2p alone (no embedding-group sum)
+        base = [*SMALL, *L8, "model.tie_embeddings=false", f"parallel.pp={pp}"]
+        one_f_one_b = estimate(compose(base), pp).comm_bytes_per_step["pp"]
+        assert estimate(compose([*base, *ZBV]), pp).comm_bytes_per_step["pp"] == 2 * one_f_one_b
+
+
+def test_zbv_checkpoint_resumes_under_1f1b_and_back(runs, tmp_path):
+    """A zbv checkpoint holds every layer under its global id and the tied embedding once (stage
+    0 holds both ends of the V): resumed under 1F1B (where the last stage gets its copy of the
+    embedding) and a 1F1B one resumed under zbv, both stay on the single-process curve."""
+    from inproc_train import run_chains
+    from test_train_cli import losses, rows
+
+    reshard = [*SMALL, *L4, "train.lr_decay_steps=6", "checkpoint.interval=3"]
+    zbv = [*reshard, *ZBV, "parallel.pp=2"]
+    one_f_one_b = [*reshard, "parallel.pp=2"]
+    run_chains({"zbv_to_1f1b": [(2, zbv, 3), (2, one_f_one_b, 6)],
+                "1f1b_to_zbv": [(2, one_f_one_b, 3), (2, zbv, 6)]}, tmp_path)
+    for name in ("zbv_to_1f1b", "1f1b_to_zbv"):  # the reference: a 6-step run decays over 6 steps
+        assert [r["step"] for r in rows(tmp_path / name)] == [1, 2, 3, 4, 5, 6]
+        assert_close(losses(tmp_path / name), [r["loss"] for r in runs["ref_4layers"]])
+    # Each segment ends with an evaluation (forward-only through the pipeline): at step 3 and at
+    # step 6 one chain evaluates through the V (the turn handed over in memory), the other
+    # through 1F1B's stages, on the same weights.
+    def val_losses(name):
+        rows_ = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["val_loss"]) for r in rows_ if "val_loss" in r]
+    zbv_first, one_f_one_b_first = val_losses("zbv_to_1f1b"), val_losses("1f1b_to_zbv")
+    assert [s for s, _ in zbv_first] == [s for s, _ in one_f_one_b_first] == [3, 6]
+    assert_close([v for _, v in zbv_first], [v for _, v in one_f_one_b_first])

@@ -202,7 +202,9 @@ def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
             if chunk.output is not None:
                 owned += list(chunk.output.parameters())
             elif chunk.embedding is not None:
-                if chunk.pre_process:
+                # The embedding's own unit (this chunk's, or another chunk's on this stage: the
+                # zbv V) owns it; only a copy of it on a later stage belongs to the head.
+                if chunk.pre_process or any(u.start is chunk.embedding for u in units):
                     shared = list(chunk.embedding.parameters())
                 else:  # the last stage's copy of a tied embedding: only the head uses it
                     owned += list(chunk.embedding.parameters())

@@ -42,7 +42,7 @@ class CommOverlapConfig:
         conflict = max_connections_conflict(cfg, lo.world) if lo.degrees_ok else None
         blocked = max_connections_reason(conflict) if conflict is not None else None
         return cls(
-            dp=_resolve(lo, "dp", lo.dp_cp > 1, _dp_what(lo),
+            dp=_resolve(lo, "dp", lo.dp_cp > 1 or expert_grad_ranks(lo) > 1, _dp_what(lo),
                         f"dp x cp = {lo.dp_cp}: a single replica has no gradient reduction"),
             tp=_resolve(lo, "tp", lo.tp > 1 and bool(cfg.parallel.sequence_parallel),
                         "collective matmul: the SP all-gather / reduce-scatter in ring steps under GEMM "
@@ -115,9 +115,22 @@ def _resolve_param_gather(lo: Layout) -> ModeState:
                                       "each waited by the first forward that needs it")
 
 
+def expert_grad_ranks(lo: Layout) -> int:
+    """The ranks the expert gradient buckets are reduced over: tp x edp when the experts are
+    replicated over tp under SP (etp = 1), else edp; 1 without experts. Above 1 at dp x cp = 1
+    too (tp 2, dp 1): the data-parallel buckets then have a reduction to overlap."""
+    from mpoverlap.overlap.estimate.sharding import expert_group_size
+
+    return expert_group_size(lo.cfg, lo) if lo.cfg.model.num_experts > 0 else 1
+
+
 def _dp_what(lo: Layout) -> str:
     from mpoverlap.overlap.dp_rules import sharding_level
 
+    if lo.dp_cp == 1:
+        return (f"expert-gradient all-reduce per bucket over tp x edp ({expert_grad_ranks(lo)} ranks: the "
+                "experts are replicated over tp under SP), issued from backward hooks on the last "
+                "microbatch and waited just before the optimizer")
     level = sharding_level(lo.cfg)
     if level in ("optim_grads", "optim_grads_params"):
         what = ("gradient reduce-scatter per bucket in every microbatch, issued from backward hooks under "

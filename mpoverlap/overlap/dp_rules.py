@@ -28,9 +28,12 @@ def _sharding_conflict(lo: Layout):
 
 
 @rule("dp.overlap_needs_replicas", "dp", ("overlap.dp", "parallel.dp", "parallel.cp"),
-      "overlap.dp=true needs more than one data-parallel replica (dp x cp > 1)")
+      "overlap.dp=true needs more than one data-parallel replica (dp x cp > 1), or expert "
+      "gradients reduced over tp (MoE, sequence parallelism, parallel.etp=1, tp > 1)")
 def _needs_replicas(lo: Layout):
-    if lo.mode("dp") == "true" and lo.dp_cp == 1:
+    from mpoverlap.overlap.config import expert_grad_ranks
+
+    if lo.mode("dp") == "true" and lo.dp_cp == 1 and expert_grad_ranks(lo) == 1:
         yield Problem("dp.overlap_needs_replicas",
                       {"overlap.dp": "true", "parallel.dp": lo.dp, "parallel.cp": lo.cp},
                       "with a single replica there is no gradient reduction to overlap "

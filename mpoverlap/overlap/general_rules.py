@@ -109,7 +109,7 @@ _CHOICES = {
     "data.name": ("stdlib", "indexed", "megatron"),
     "checkpoint.resume": ("auto", "none"),
     "parallel.cp_comm": ("p2p", "a2a"),
-    "parallel.pp_schedule": ("auto", "1f1b", "interleaved", "zb1p"),  # = pipeline.SCHEDULE_CHOICES
+    "parallel.pp_schedule": ("auto", "1f1b", "interleaved", "zb1p", "zbv"),  # = pipeline.SCHEDULE_CHOICES
     "parallel.cp_attention_backend": ("auto", "fused", "explicit", "cudnn"),
     "train.on_nonfinite": ("stop", "skip"),
     "train.precision": ("fp32", "bf16"),

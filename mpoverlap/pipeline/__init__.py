@@ -8,7 +8,7 @@ from mpoverlap.pipeline.actions import (Action, Batch, Message, P2POp, ScheduleE
                                         chunk_index, stage_of, vchunk_of)
 from mpoverlap.pipeline.executor import PipelineExecutor
 from mpoverlap.pipeline.schedules import (SCHEDULE_CHOICES, SCHEDULE_KINDS, bubble_fraction,
-                                          build_schedule, compute_orders, defers_weight_grads,
+                                          build_schedule, chunk_layout, compute_orders, defers_weight_grads,
                                           microbatch_groups, resolve_schedule,
                                           schedule_constraints, schedule_kind, simulated_bubble,
                                           simulated_bubble_time)
@@ -16,6 +16,6 @@ from mpoverlap.pipeline.validate import validate_schedule
 
 __all__ = ["Action", "Batch", "Message", "P2POp", "ScheduleError", "chunk_index", "stage_of",
            "vchunk_of", "PipelineExecutor", "SCHEDULE_CHOICES", "SCHEDULE_KINDS", "bubble_fraction",
-           "build_schedule", "compute_orders", "defers_weight_grads", "microbatch_groups",
+           "build_schedule", "chunk_layout", "compute_orders", "defers_weight_grads", "microbatch_groups",
            "resolve_schedule", "schedule_constraints", "schedule_kind", "simulated_bubble",
            "simulated_bubble_time", "validate_schedule"]

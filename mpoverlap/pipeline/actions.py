@@ -1,10 +1,16 @@
 """The vocabulary of a pipeline schedule: messages, p2p ops and compute actions.
 
-Model chunks are numbered in Megatron's interleaved assignment: with `pp` stages and `vpp`
-virtual chunks per stage, model chunk `c = vchunk * pp + stage`, so chunk c lives on stage
-`c % pp` as its local virtual chunk `c // pp`. The forward of chunk c consumes the activation
-of chunk c-1 (same microbatch); the backward of chunk c consumes the gradient sent back by
-chunk c+1. The first chunk reads data, the last chunk computes the loss.
+Model chunks are numbered along the model (chunk 0 reads data, chunk pp*vpp-1 computes the
+loss) and placed on stages by a layout:
+
+- "loop" (1F1B, interleaved, zb1p; Megatron's interleaved assignment): model chunk
+  `c = vchunk * pp + stage`, so chunk c lives on stage `c % pp` as local vchunk `c // pp`.
+- "v" (zbv, exactly two chunks per stage): stage s holds chunk s (vchunk 0) and chunk
+  2pp-1-s (vchunk 1), so stage 0 holds the first and the last chunk, and the hand-over from
+  chunk pp-1 to chunk pp stays on stage pp-1 (a "local" message: no p2p).
+
+The forward of chunk c consumes the activation of chunk c-1 (same microbatch); the backward
+of chunk c consumes the gradient sent back by chunk c+1.
 
 Everything here is plain frozen data: tables can be built, printed, compared and checked
 without any process group.
@@ -25,17 +31,39 @@ class ScheduleError(ValueError):
     """A schedule table is inconsistent (the message lists every problem found)."""
 
 
-def chunk_index(stage: int, vchunk: int, pp: int) -> int:
+LOOP, V_SHAPE = "loop", "v"
+CHUNK_LAYOUTS = (LOOP, V_SHAPE)
+
+
+def chunk_index(stage: int, vchunk: int, pp: int, layout: str = LOOP) -> int:
     """Model chunk index of local virtual chunk `vchunk` on `stage`."""
+    if layout == V_SHAPE:
+        return stage if vchunk == 0 else 2 * pp - 1 - stage
     return vchunk * pp + stage
 
 
-def stage_of(chunk: int, pp: int) -> int:
+def stage_of(chunk: int, pp: int, layout: str = LOOP) -> int:
+    if layout == V_SHAPE:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
 
 
-def vchunk_of(chunk: int, pp: int) -> int:
+def vchunk_of(chunk: int, pp: int, layout: str = LOOP) -> int:
+    if layout == V_SHAPE:
+        return 0 if chunk < pp else 1
     return chunk // pp
+
+
+def is_local(message: "Message", pp: int, layout: str = LOOP) -> bool:
+    """Both ends of `message` on one stage (the V's turn at stage pp-1): handed over in memory."""
+    return stage_of(message.src_chunk, pp, layout) == stage_of(message.dst_chunk, pp, layout)
+
+
+def layout_of_tables(tables) -> str:
+    """The chunk layout a set of per-stage action tables was built for (from their chunks)."""
+    pp = len(tables)
+    v_shaped = any(a.chunk != chunk_index(stage, a.vchunk, pp) for stage, t in enumerate(tables) for a in t)
+    return V_SHAPE if v_shaped else LOOP
 
 
 @dataclass(frozen=True)
@@ -74,8 +102,9 @@ class Action:
     """One compute step of one stage, with the p2p posted around it.
 
     kind: "F", "B" or "W" (a W has no p2p: recv and send are None); microbatch; vchunk (local virtual chunk); chunk (model chunk index).
-    recv: the message this compute consumes from another stage (None: data / the loss).
-    send: the message it produces for another stage (None: the last / first model chunk).
+    recv: the message this compute consumes (None: data / the loss); from another stage, or
+        from this stage itself (a local hand-over, zbv's turn: no p2p op is posted for it).
+    send: the message it produces (None: the last / first model chunk), likewise.
     posts_before / posts_after: batches posted before / after this compute when p2p is not
         overlapped (each receive posted as late as the link order allows).
     prefetch_before / prefetch_after: the same ops for overlap=True, with each receive

@@ -32,9 +32,19 @@ step's collectives (gradient reduction, norm) is not the executor's and is not i
 `trace` holds (event, action_index, time) of the last run: "post_recv" (index of the
 compute that consumes it), "post_send" (index of the producer), "wait_recv", "compute".
 
-Zero-bubble tables (W actions, e.g. zb1p): the B of a (vchunk, microbatch) that has a W runs
+A local message (zbv's turn: chunk pp-1 hands its activation to chunk pp on the same stage,
+and the gradient back) is never posted: its producer stores the detached tensor, its
+consumer takes it (the activation as a fresh leaf, as a received one would be).
+
+Zero-bubble tables (W actions, zb1p and zbv): the B of a (vchunk, microbatch) that has a W runs
 inside `weight_grads.deferring(queue)` (mpoverlap/wgrad): the model's linears compute only
 their input gradients and queue their weight-gradient GEMMs, which the W action runs.
+`shared_params`: parameters two chunks of this stage both use (zbv's tied embedding, read by
+the embedding chunk and the head chunk of stage 0). Their gradient reaches the parameter once
+per microbatch, in the microbatch's last W on this stage: an earlier W computes its share
+into a running sum that the last one adds (the data-parallel hooks then see each parameter
+accumulate once per microbatch, as on a single chunk, and a bucket is never reduced before
+its shared parameter's last share).
 
 Profiling: each action (its receive wait, compute and posts) runs inside a `pp/<action>` range,
 e.g. `pp/F(mb0,v1)`, in a torch profiler trace while one records, and as NVTX on CUDA.
@@ -46,8 +56,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mpoverlap.comm.handle import CommHandle, named_range, now
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, WEIGHT, Action, Batch,
-                                        Message)
+from mpoverlap.pipeline.actions import (BACKWARD, CHUNK_LAYOUTS, FORWARD, RECV, SEND, WEIGHT, Action,
+                                        Batch, Message, chunk_index)
 from mpoverlap.pipeline.p2p import StageP2P, verbose_from_env
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
@@ -58,12 +68,18 @@ class PipelineExecutor:
     def __init__(self, actions: Sequence[Action], *, stage: int, pp_ranks: Sequence[int], group,
                  overlap: bool, ledger, tensor_shape: Tuple[int, ...], dtype: torch.dtype,
                  device, forward_step: ForwardStep, backward_hook: Optional[BackwardHook] = None,
-                 verbose: Optional[bool] = None, weight_grads=None) -> None:
+                 verbose: Optional[bool] = None, weight_grads=None,
+                 shared_params: Sequence[torch.nn.Parameter] = ()) -> None:
         self.actions = list(actions)
         pp = len(pp_ranks)
-        bad = [a for a in self.actions if a.chunk % pp != stage]
+        # Loop layout: chunk = vchunk * pp + stage; the zbv V: stage s holds chunks s and 2pp-1-s.
+        bad = [a for a in self.actions
+               if a.chunk not in (chunk_index(stage, a.vchunk, pp, layout) for layout in CHUNK_LAYOUTS)]
         if bad:
             raise ValueError(f"actions {bad[:3]} belong to another stage than {stage} (pp={pp})")
+        # Messages both produced and consumed here (the V's turn): handed over in memory.
+        chunks_here = {a.chunk for a in self.actions}
+        self.local = {a.send for a in self.actions if a.send is not None and a.send.dst_chunk in chunks_here}
         self.stage = int(stage)
         self.overlap = bool(overlap)
         self.tensor_shape = tuple(tensor_shape)
@@ -86,6 +102,8 @@ class PipelineExecutor:
             raise ValueError("the table has W actions (a zero-bubble schedule): pass weight_grads, "
                              "the WeightGradDeferral attached to the model chunks")
         self.weight_grads = weight_grads
+        self.shared = {id(p) for p in shared_params}
+        self.last_weight_of_mb = {a.microbatch: i for i, a in enumerate(self.actions) if a.kind == WEIGHT}
         self.consumer = {a.recv: i for i, a in enumerate(self.actions) if a.recv is not None}
         self.producer = {a.send: i for i, a in enumerate(self.actions) if a.send is not None}
         self.trace: List[Tuple[str, int, float]] = []
@@ -111,6 +129,7 @@ class PipelineExecutor:
         self._received: Dict[Message, Tuple[torch.Tensor, CommHandle]] = {}
         self._in_flight: List[CommHandle] = []
         self._weight_queues: Dict[Tuple[int, int], object] = {}
+        self._shared_grads: Dict[int, Tuple[torch.nn.Parameter, torch.Tensor]] = {}
         losses: Dict[int, torch.Tensor] = {}
         try:
             for index, action in enumerate(self.actions):
@@ -130,8 +149,9 @@ class PipelineExecutor:
         if self._received or self._to_send or self._outputs:
             raise RuntimeError(f"stage {self.stage}: unconsumed p2p after the step: received "
                                f"{list(self._received)}, unsent {list(self._to_send)}")
-        if self._weight_queues:
-            raise RuntimeError(f"stage {self.stage}: weight gradients never run: {list(self._weight_queues)}")
+        if self._weight_queues or self._shared_grads:
+            raise RuntimeError(f"stage {self.stage}: weight gradients never run: {list(self._weight_queues)}"
+                               f"{' and shared parameters ones' if self._shared_grads else ''}")
         return [losses[mb] for mb in sorted(losses)] if self.is_last_stage else []
 
     # ---- p2p -----------------------------------------------------------------------------
@@ -153,6 +173,8 @@ class PipelineExecutor:
                 self._received[op.message] = (tensor, handle)
 
     def _take_received(self, index: int, message: Message) -> torch.Tensor:
+        if message in self.local:
+            return self._to_send.pop(message)
         tensor, handle = self._received.pop(message)
         self.trace.append(("wait_recv", index, now()))
         self._timed_wait(handle, True)
@@ -184,6 +206,24 @@ class PipelineExecutor:
                              f"{tensor.dtype}; the pipeline sends {self.tensor_shape} {self.dtype}")
         return tensor.detach().contiguous()
 
+    def _fold_shared(self, queue, last: bool) -> None:
+        """Shared parameters (see the module docstring): in a microbatch's earlier W compute
+        their share now into the running sum; in its last W hand the sum to the queue."""
+        if last:
+            for param, grad in self._shared_grads.values():
+                queue.entries.append((param, lambda grad=grad: grad))
+            self._shared_grads = {}
+            return
+        kept = []
+        for param, compute in queue.entries:
+            if id(param) not in self.shared:
+                kept.append((param, compute))
+                continue
+            grad = compute().to(param.dtype)
+            held = self._shared_grads.get(id(param))
+            self._shared_grads[id(param)] = (param, grad if held is None else held[1] + grad)
+        queue.entries = kept
+
     def _compute(self, index: int, action: Action, losses: Dict[int, torch.Tensor]) -> None:
         key = (action.vchunk, action.microbatch)
         if action.kind == FORWARD:
@@ -205,7 +245,10 @@ class PipelineExecutor:
             if self.backward_hook is not None:
                 self.backward_hook(action.vchunk, action.microbatch, self.last_weight[action.vchunk] == index)
             self.trace.append(("compute", index, now()))
-            self._weight_queues.pop(key).run()
+            queue = self._weight_queues.pop(key)
+            if self.shared:
+                self._fold_shared(queue, last=self.last_weight_of_mb[action.microbatch] == index)
+            queue.run()
             return
         grad = self._take_received(index, action.recv) if action.recv is not None else None
         if self.backward_hook is not None:

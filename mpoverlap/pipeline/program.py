@@ -18,14 +18,18 @@ Three steps, all pure:
    with the op before it in key order, typically one or more computes ahead). Ops posted at
    the same point with the same peer form one batch (at most one receive per batch, so a
    wait never holds a compute hostage to a later receive).
+
+A local message (both ends on one stage: zbv's turn at stage pp-1) has no ops: the compute
+order already runs its producer before its consumer on that stage.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
-from mpoverlap.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, RECV, SEND, WEIGHT, Batch,
-                                        Message, P2POp, ScheduleError, chunk_index,
-                                        input_message, output_message, producer_of, stage_of)
+from mpoverlap.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, LOOP, RECV, SEND, WEIGHT,
+                                        Batch, Message, P2POp, ScheduleError, chunk_index,
+                                        input_message, is_local, output_message, producer_of,
+                                        stage_of)
 
 ComputeOrder = List[Tuple[str, int, int]]  # per stage: (kind, microbatch, vchunk)
 FORWARD_COST, BACKWARD_COST = 1, 2
@@ -49,7 +53,7 @@ def has_weight_actions(orders: Sequence[ComputeOrder]) -> bool:
 
 def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
                      forward_cost: float = FORWARD_COST, backward_cost: float = BACKWARD_COST,
-                     weight_cost: float = 0.0) -> List[List[Tuple[float, float]]]:
+                     weight_cost: float = 0.0, layout: str = LOOP) -> List[List[Tuple[float, float]]]:
     """(start, end) of every compute of every stage; ScheduleError if the orders deadlock.
     `backward_cost` is what a B action costs (the full backward in orders without W)."""
     costs = {FORWARD: forward_cost, BACKWARD: backward_cost, WEIGHT: weight_cost}
@@ -63,7 +67,7 @@ def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
         for stage, order in enumerate(orders):
             while len(times[stage]) < len(order):
                 kind, mb, vchunk = order[len(times[stage])]
-                chunk = chunk_index(stage, vchunk, pp)
+                chunk = chunk_index(stage, vchunk, pp, layout)
                 deps = dependencies(kind, mb, chunk, num_chunks)
                 if any(d not in end for d in deps):
                     break
@@ -86,18 +90,19 @@ def message_key(message: Message, producer_end: float) -> tuple:
     return (producer_end, 0 if message.kind == ACTIVATION else 1, message.dst_chunk, message.microbatch)
 
 
-def _stage_ops(stage: int, order: ComputeOrder, keys: Dict[Message, tuple], pp: int, vpp: int):
+def _stage_ops(stage: int, order: ComputeOrder, keys: Dict[Message, tuple], pp: int, vpp: int,
+               layout: str = LOOP):
     """This stage's p2p ops in key order: (key, op, fixed point of a send / consumer index)."""
     num_chunks = pp * vpp
     ops = []
     for index, (kind, mb, vchunk) in enumerate(order):
-        chunk = chunk_index(stage, vchunk, pp)
+        chunk = chunk_index(stage, vchunk, pp, layout)
         msg_in = input_message(kind, mb, chunk, num_chunks)
         msg_out = output_message(kind, mb, chunk, num_chunks)
-        if msg_in is not None:
-            ops.append((keys[msg_in], P2POp(RECV, stage_of(msg_in.src_chunk, pp), msg_in), index))
-        if msg_out is not None:
-            ops.append((keys[msg_out], P2POp(SEND, stage_of(msg_out.dst_chunk, pp), msg_out), index + 1))
+        if msg_in is not None and not is_local(msg_in, pp, layout):
+            ops.append((keys[msg_in], P2POp(RECV, stage_of(msg_in.src_chunk, pp, layout), msg_in), index))
+        if msg_out is not None and not is_local(msg_out, pp, layout):
+            ops.append((keys[msg_out], P2POp(SEND, stage_of(msg_out.dst_chunk, pp, layout), msg_out), index + 1))
     ops.sort(key=lambda item: item[0])
     return ops
 
@@ -136,23 +141,23 @@ def _batches_at_points(ops, points, num_points: int) -> List[List[Batch]]:
     return [[tuple(b) for b in batches] for batches in per_point]
 
 
-def posting_programs(orders: Sequence[ComputeOrder], pp: int, vpp: int
+def posting_programs(orders: Sequence[ComputeOrder], pp: int, vpp: int, layout: str = LOOP
                      ) -> Dict[bool, List[List[List[Batch]]]]:
     """{prefetch: per stage, per point 0..n, the batches posted there} for both modes."""
     # Any timing consistent with the orders gives a deadlock-free global order; these are the
     # unit costs the tables are built for.
-    times = (simulate_compute(orders, pp, vpp, 1, 1, 1) if has_weight_actions(orders)
-             else simulate_compute(orders, pp, vpp))
+    times = (simulate_compute(orders, pp, vpp, 1, 1, 1, layout) if has_weight_actions(orders)
+             else simulate_compute(orders, pp, vpp, layout=layout))
     num_chunks = pp * vpp
     keys: Dict[Message, tuple] = {}
     for stage, order in enumerate(orders):
         for (kind, mb, vchunk), (_, finish) in zip(order, times[stage]):
-            msg = output_message(kind, mb, chunk_index(stage, vchunk, pp), num_chunks)
+            msg = output_message(kind, mb, chunk_index(stage, vchunk, pp, layout), num_chunks)
             if msg is not None:
                 keys[msg] = message_key(msg, finish)
     out: Dict[bool, List[List[List[Batch]]]] = {False: [], True: []}
     for stage, order in enumerate(orders):
-        ops = _stage_ops(stage, order, keys, pp, vpp)
+        ops = _stage_ops(stage, order, keys, pp, vpp, layout)
         for prefetch in (False, True):
             points = _place(ops, prefetch)
             out[prefetch].append(_batches_at_points(ops, points, len(order) + 1))

@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure action tables: 1F1B, interleaved 1F1B and zero-bubble ZB-H1.
+"""Pipeline schedules as pure action tables: 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V.
 
 `build_schedule(kind, pp, vpp, m)` returns one list of `Action`s per stage. Compute order:
 
@@ -13,6 +13,9 @@
 - "zb1p" (ZB-H1, zero_bubble.py): the 1F1B order (vpp = 1) or the interleaved order (vpp > 1)
   with each backward split into B (input gradient) and a deferred W (weight gradients), the
   W's placed where the stage would idle, activation memory capped at the base order's.
+- "zbv" (ZB-V, zbv.py): two chunks per stage laid out in a V (stage s holds chunks s and
+  2pp-1-s, `chunk_layout`), F, B and W per chunk in the 1F-1B-1W order; bubble the fill
+  (pp-1) F only when F = B = W, activation memory 1F1B's.
 
 Microbatch rule (`schedule_constraints`): 1F1B takes any m >= 1. Interleaved needs m >= pp
 but, unlike Megatron, not m % pp == 0. Why m >= pp: a microbatch comes back to stage 0 for
@@ -23,7 +26,10 @@ compute time). Why not m % pp == 0: with groups of >= pp microbatches the ring n
 dry, so every m >= pp reaches exactly the theoretical bubble (the tests check this with
 `simulated_bubble`) and the tables validate; a group larger than pp only keeps up to
 (vpp-1) more activations alive during warm-up. Rejecting global batch sizes that are not
-multiples of pp would buy nothing.
+multiples of pp would buy nothing. ZB-V needs vpp = 2 and m >= 2(pp-1): its warm-up sends
+2pp-1 microbatches down the V before the first W; with fewer the 1F-1B-1W steady state never
+forms and the bubble exceeds the fill (pp=4, m=4: 6 F instead of 3 F; the tests check the
+threshold with `simulated_bubble_time`).
 
 The p2p posting programs (both overlap modes) come from `program.posting_programs`; see
 there why they cannot deadlock. `validate_schedule` (validate.py) re-checks everything.
@@ -32,12 +38,14 @@ from __future__ import annotations
 
 from typing import List
 
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, WEIGHT, Action, ScheduleError,
-                                        chunk_index, input_message, output_message)
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP, V_SHAPE, WEIGHT, Action,
+                                        ScheduleError, chunk_index, input_message, layout_of_tables,
+                                        output_message)
 from mpoverlap.pipeline.program import ComputeOrder, posting_programs, simulate_compute
+from mpoverlap.pipeline.zbv import zbv_order
 from mpoverlap.pipeline.zero_bubble import insert_weight_actions
 
-SCHEDULE_KINDS = ("1f1b", "interleaved", "zb1p")
+SCHEDULE_KINDS = ("1f1b", "interleaved", "zb1p", "zbv")
 # `parallel.pp_schedule` values: auto = schedule_kind(vpp), or one of SCHEDULE_KINDS.
 SCHEDULE_CHOICES = ("auto",) + SCHEDULE_KINDS
 
@@ -49,7 +57,12 @@ def resolve_schedule(choice: str, vpp: int) -> str:
 
 def defers_weight_grads(kind: str) -> bool:
     """Whether the schedule has W actions (its B computes only the input gradient)."""
-    return kind == "zb1p"
+    return kind in ("zb1p", "zbv")
+
+
+def chunk_layout(kind: str) -> str:
+    """How the schedule places model chunks on stages (actions.py): "v" for zbv, else "loop"."""
+    return V_SHAPE if kind == "zbv" else LOOP
 
 
 def schedule_kind(vpp: int) -> str:
@@ -71,6 +84,21 @@ def schedule_constraints(kind: str, pp: int, vpp: int, num_microbatches: int) ->
     if kind == "1f1b" and vpp != 1:
         problems.append(f"1F1B runs one model chunk per stage (vpp=1), got vpp={vpp}; "
                         "use the interleaved schedule for vpp > 1")
+    if kind == "zbv":
+        if pp < 2:
+            problems.append(f"the zbv schedule lays 2 x pp chunks out in a V over pp >= 2 stages, got "
+                            f"pp={pp}; set pp >= 2 or use the 1f1b schedule")
+        if vpp != 2:
+            problems.append(f"the zbv schedule holds exactly two model chunks per stage (the V's way down "
+                            f"and back up), got vpp={vpp}; set vpp=2")
+        if pp >= 2 and num_microbatches < 2 * (pp - 1):
+            problems.append(
+                f"the zbv schedule needs at least 2(pp-1) = {2 * (pp - 1)} microbatches per step, got "
+                f"{num_microbatches}: its warm-up sends 2pp-1 microbatches down the V before the "
+                f"first weight gradient, and with fewer the 1F-1B-1W steady state never forms and "
+                f"the bubble exceeds the fill (pp-1) F; raise the global batch to at least "
+                f"micro_batch_size x dp x {2 * (pp - 1)}, or use the zb1p schedule")
+        return problems
     if kind == "interleaved" and vpp == 1:
         problems.append("the interleaved schedule needs vpp > 1 model chunks per stage, got vpp=1; "
                         "set vpp >= 2 or use the 1f1b schedule")
@@ -126,6 +154,8 @@ def compute_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[
     problems = schedule_constraints(kind, pp, vpp, num_microbatches)
     if problems:
         raise ScheduleError("; ".join(problems))
+    if kind == "zbv":
+        return [zbv_order(pp, num_microbatches, s) for s in range(pp)]
     if vpp == 1:
         orders = [_one_f_one_b_order(pp, num_microbatches, s) for s in range(pp)]
     else:
@@ -138,14 +168,15 @@ def compute_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[
 def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[List[Action]]:
     """One list of Actions per stage, with both posting programs (overlap off and on)."""
     orders = compute_orders(kind, pp, vpp, num_microbatches)
-    programs = posting_programs(orders, pp, vpp)
+    layout = chunk_layout(kind)
+    programs = posting_programs(orders, pp, vpp, layout)
     num_chunks = pp * vpp
     tables = []
     for stage, order in enumerate(orders):
         lazy, eager = programs[False][stage], programs[True][stage]
         actions = []
         for index, (kind_, mb, vchunk) in enumerate(order):
-            chunk = chunk_index(stage, vchunk, pp)
+            chunk = chunk_index(stage, vchunk, pp, layout)
             first = index == 0
             actions.append(Action(
                 kind_, mb, vchunk, chunk,
@@ -161,7 +192,8 @@ def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[
 
 def bubble_fraction(pp: int, vpp: int, num_microbatches: int, kind: str = "1f1b") -> float:
     """Theory: pipeline idle time over ideal compute time, (pp - 1) / (m * vpp); for zb1p a
-    third of it ((p-1)(F+B-W) over m(F+B+W) with F = B = W)."""
+    third of it ((p-1)(F+B-W) over m(F+B+W) with F = B = W), and for zbv (vpp = 2) too: the
+    fill (p-1) F over 2m(F+B+W) per-chunk costs, F = B = W."""
     base = (pp - 1) / (num_microbatches * vpp)
     return base / 3 if defers_weight_grads(kind) else base
 
@@ -170,10 +202,11 @@ def _timed_run(tables: List[List[Action]], forward_cost: float, input_grad_cost:
                weight_cost: float) -> List[List[tuple]]:
     pp = len(tables)
     vpp = 1 + max(a.vchunk for t in tables for a in t)
+    layout = layout_of_tables(tables)
     orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for table in tables]
     if any(kind == WEIGHT for order in orders for kind, _, _ in order):
-        return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost, weight_cost)
-    return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost + weight_cost)
+        return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost, weight_cost, layout)
+    return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost + weight_cost, layout=layout)
 
 
 def simulated_bubble(tables: List[List[Action]], forward_cost: float = 1.0,
@@ -193,7 +226,8 @@ def simulated_bubble_time(tables: List[List[Action]], forward_cost: float, input
     """Per stage, the idle time of one step (step time minus the stage's compute) in a timed
     run with free communication, for per-chunk costs F, B (input gradient) and W (weight
     gradients); a table without W actions runs B and W as one backward of cost B + W.
-    1F1B: (p-1)(F+B+W) on every stage; ZB-H1: (p-1)(F+B-W) (paper Table 2)."""
+    1F1B: (p-1)(F+B+W) on every stage; ZB-H1: (p-1)(F+B-W) (paper Table 2); ZB-V: the fill
+    (p-1) F when F = B = W, (p-1) B when B = W >= F (its order is built for B = W)."""
     times = _timed_run(tables, forward_cost, input_grad_cost, weight_cost)
     makespan = max(t[-1][1] for t in times if t)
     return [makespan - sum(e - s for s, e in t) for t in times]

@@ -6,10 +6,14 @@ Checked, for the whole table and for both posting programs (overlap off and on):
    a table with W actions (zero-bubble) has exactly one W per B, after it, on the same stage
    (W sends and receives nothing).
 2. Data flow: each compute's `recv` / `send` is the activation of the previous model chunk /
-   the gradient of the next one for the same microbatch (chunk = vchunk * pp + stage).
+   the gradient of the next one for the same microbatch, with the chunks placed by the
+   tables' layout (actions.py: "loop", chunk = vchunk * pp + stage; or the zbv "v": exactly
+   two chunks per stage, stage s holding chunks s and 2pp-1-s).
 3. Matching: every receive posted is matched by exactly one send of the right peer, and
    vice versa; each message is posted once per end; a receive is posted before the compute
-   that consumes it and a send after the compute that produces it.
+   that consumes it and a send after the compute that produces it. A local message (both
+   ends on one stage, the V's turn) is never posted, and its producer runs before its
+   consumer on that stage.
 4. Link order: on every pair of stages both ends post their ops in a compatible order (per
    direction the same FIFO sequence, and no two messages in opposite order at the two ends;
    ops in one batch count as simultaneous).
@@ -24,9 +28,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Dict, List, Tuple
 
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, WEIGHT, Action, Message,
-                                        ScheduleError, chunk_index, input_message,
-                                        output_message, stage_of)
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, V_SHAPE, WEIGHT, Action,
+                                        Message, ScheduleError, chunk_index, input_message,
+                                        is_local, layout_of_tables, output_message, stage_of)
 
 Step = Tuple[str, object]  # ("post", Batch) | ("compute", action_index)
 
@@ -40,11 +44,13 @@ def _program(actions: List[Action], prefetch: bool) -> List[Step]:
     return steps
 
 
-def _check_structure(tables: List[List[Action]], problems: List[str]) -> None:
+def _check_structure(tables: List[List[Action]], layout: str, problems: List[str]) -> None:
     pp = len(tables)
     vpp = 1 + max((a.vchunk for t in tables for a in t), default=0)
     mbs = 1 + max((a.microbatch for t in tables for a in t), default=-1)
     num_chunks = pp * vpp
+    if layout == V_SHAPE and vpp != 2:
+        problems.append(f"the V layout holds exactly two chunks per stage, the tables have vpp={vpp}")
     kinds = (FORWARD, BACKWARD, WEIGHT) if any(a.kind == WEIGHT for t in tables for a in t) \
         else (FORWARD, BACKWARD)
     for stage, actions in enumerate(tables):
@@ -59,7 +65,7 @@ def _check_structure(tables: List[List[Action]], problems: List[str]) -> None:
                         problems.append(f"stage {stage}: {kind}(mb{mb},v{v}) appears {count} times")
         done = set()
         for index, a in enumerate(actions):
-            chunk = chunk_index(stage, a.vchunk, pp)
+            chunk = chunk_index(stage, a.vchunk, pp, layout)
             if a.chunk != chunk:
                 problems.append(f"stage {stage} action {index} {a}: chunk {a.chunk} != {chunk}")
             if a.kind == BACKWARD and (FORWARD, a.microbatch, a.vchunk) not in done:
@@ -75,7 +81,7 @@ def _check_structure(tables: List[List[Action]], problems: List[str]) -> None:
                                 f"{output_message(a.kind, a.microbatch, chunk, num_chunks)}")
 
 
-def _check_matching(tables, programs, label: str, problems: List[str]) -> None:
+def _check_matching(tables, programs, layout: str, label: str, problems: List[str]) -> None:
     pp = len(tables)
     posted: Dict[Tuple[str, Message], List[int]] = defaultdict(list)
     for stage, steps in enumerate(programs):
@@ -85,8 +91,11 @@ def _check_matching(tables, programs, label: str, problems: List[str]) -> None:
                 for op in item:
                     posted[(op.op, op.message)].append(stage)
                     msg = op.message
-                    expected_peer = stage_of(msg.src_chunk if op.op == RECV else msg.dst_chunk, pp)
-                    owner = stage_of(msg.dst_chunk if op.op == RECV else msg.src_chunk, pp)
+                    if is_local(msg, pp, layout):
+                        problems.append(f"{label} stage {stage}: {op} is posted, but both ends of "
+                                        f"{msg} are on stage {stage} (a local hand-over)")
+                    expected_peer = stage_of(msg.src_chunk if op.op == RECV else msg.dst_chunk, pp, layout)
+                    owner = stage_of(msg.dst_chunk if op.op == RECV else msg.src_chunk, pp, layout)
                     if op.peer != expected_peer or owner != stage:
                         problems.append(f"{label} stage {stage}: {op} has the wrong peer or stage")
                     if op.op == RECV:
@@ -99,7 +108,10 @@ def _check_matching(tables, programs, label: str, problems: List[str]) -> None:
                     problems.append(f"{label} stage {stage}: {action} runs before {action.recv} is received")
                 if action.send is not None:
                     sent_ok.add(action.send)
-    messages = {msg for _, msg in posted} | {a.send for t in tables for a in t if a.send}
+                    if is_local(action.send, pp, layout):
+                        available.add(action.send)
+    messages = {msg for _, msg in posted} | {a.send for t in tables for a in t
+                                             if a.send and not is_local(a.send, pp, layout)}
     for msg in sorted(messages, key=str):
         sends, recvs = posted.get((SEND, msg), []), posted.get((RECV, msg), [])
         if len(sends) != 1 or len(recvs) != 1:
@@ -192,12 +204,13 @@ def _simulate(tables, programs, deferred: bool, label: str, problems: List[str])
 def validate_schedule(tables: List[List[Action]]) -> None:
     """Raise ScheduleError listing every problem found (see the module docstring)."""
     problems: List[str] = []
-    _check_structure(tables, problems)
+    layout = layout_of_tables(tables)
+    _check_structure(tables, layout, problems)
     pp = len(tables)
     for prefetch in (False, True):
         label = "overlap=on" if prefetch else "overlap=off"
         programs = [_program(actions, prefetch) for actions in tables]
-        _check_matching(tables, programs, label, problems)
+        _check_matching(tables, programs, layout, label, problems)
         _check_link_order(programs, pp, label, problems)
         for deferred in (False, True):
             _simulate(tables, programs, deferred, label, problems)

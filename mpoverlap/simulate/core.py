@@ -22,12 +22,13 @@ from typing import Any, Dict, Optional
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.estimate.comm import comm_ops
 from mpoverlap.overlap.estimate.core import compute_bytes
-from mpoverlap.overlap.estimate.params import stage_params
+from mpoverlap.overlap.estimate.params import chunk_layout_of, stage_params
 from mpoverlap.overlap.layout import Layout, build_layout
 from mpoverlap.simulate.collectives import collective_time, group_links
 from mpoverlap.simulate.costs import MODES, ChunkCost, chunk_costs, step_ops
 from mpoverlap.simulate.engine import last_backward_spans, run_pipeline
 from mpoverlap.simulate.hardware import Hardware
+from mpoverlap.simulate.pairing import apply_pairing, pairing_state
 from mpoverlap.simulate.plain import plain
 from mpoverlap.simulate.overlap import bucket_finish, buckets_over, gather_exposed
 
@@ -50,6 +51,10 @@ class SimResult:
     useful_share: float = 1.0  # model FLOPs / FLOPs run (recomputation, head, attention's causal half)
     update_s: float = 0.0  # the critical stage's work after the last backward (in compute_s)
     comm_cpu_s: float = 0.0  # CPU time its hidden communication took from compute (in compute_s)
+    # EP forward/backward pairing (overlap.ep_pairing, pairing.py): whether modelled and why,
+    # and per pair and unpaired pass the seconds of ep exposed ({"F", "B", "F_alone", "B_alone"})
+    ep_pairing: str = ""
+    ep_pairing_exposed: Dict[str, float] = field(default_factory=dict)
 
     @property
     def exposed_share(self) -> Dict[str, float]:
@@ -67,6 +72,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     links = group_links(lo, hw)
     micro = lo.num_microbatches or 1
     costs = chunk_costs(cfg, lo, hw, links, enabled, c)
+    paired, pairing_why = pairing_state(cfg, lo.pp, lo.vpp, lo.ep, enabled["ep"], micro, ov.modes().get("ep_pairing"))
+    pairing_exposed = apply_pairing(costs[0], micro, cfg.overlap.ep_chunks) if paired else {}
     K = lo.pp * lo.vpp
     pp_msg = _pp_message_bytes(cfg, lo, c)
     T = lo.tp * lo.cp * lo.dp
@@ -75,7 +82,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
         a, b = sorted((src, dst))
         return collective_time("send_recv", 2 * pp_msg, 2, hw.group_link((b - a) * T, 2, first=a * T))
 
-    from mpoverlap.pipeline import defers_weight_grads, resolve_schedule
+    from mpoverlap.pipeline import chunk_index, chunk_layout, defers_weight_grads, resolve_schedule
 
     schedule = resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp) if lo.pp > 1 else None
     zero_bubble = schedule is not None and defers_weight_grads(schedule)
@@ -92,7 +99,9 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     # DP per stage: gradient buckets under the last backward, parameter gather under the first forward.
     dp = [_dp_stage(cfg, lo, hw, links, s, c) for s in range(lo.pp)]
     update = [update_seconds(cfg, lo, hw, s) for s in range(lo.pp)]
-    first_fwd = [sum(costs[v * lo.pp + s].duration("F") for v in range(lo.vpp)) for s in range(lo.pp)]
+    layout = chunk_layout(schedule) if schedule else "loop"  # zbv: stage s holds chunks s and 2pp-1-s
+    first_fwd = [sum(costs[chunk_index(s, v, lo.pp, layout)].duration("F") for v in range(lo.vpp))
+                 for s in range(lo.pp)]
     gather_wait = [0.0] * lo.pp
     if ov.dp_param_gather.enabled:
         probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, schedule=schedule)
@@ -128,7 +137,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     exposed = {m: 0.0 for m in MODES}
     compute = update[crit]
     for v in range(lo.vpp):
-        cost: ChunkCost = costs[v * lo.pp + crit]
+        cost: ChunkCost = costs[chunk_index(crit, v, lo.pp, layout)]
         for kind in ("F", "B"):
             compute += micro * cost.compute[kind]
             for m, t in cost.in_flight[kind].items():
@@ -171,7 +180,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
                        avg_compute_s=avg_compute, update_s=update[crit], comm_cpu_s=stolen,
                        ledger_pp={"in_flight_s": sum(real.ledger_in_flight) / lo.pp,
                                   "exposed_s": sum(real.ledger_exposed) / lo.pp + posted} if lo.pp > 1 else {},
-                       useful_share=model_flops / run_flops if run_flops else 1.0)
+                       useful_share=model_flops / run_flops if run_flops else 1.0,
+                       ep_pairing=pairing_why if lo.ep > 1 else "", ep_pairing_exposed=pairing_exposed)
     return result
 
 
@@ -212,7 +222,8 @@ def _pp_message_bytes(cfg: Any, lo: Layout, c: int) -> float:
     micro = lo.num_microbatches or 1
     ops = comm_ops(cfg, lo, 0, stage_params(cfg, lo, 0), stage_params(cfg, lo, 0, expert_only=True), c)
     total = sum(o[2] for o in ops if o[0] == "pp" and o[1] == "send_recv")
-    return total / (4 * micro * (lo.pp * lo.vpp - 1) / lo.pp)
+    turn = 1 if chunk_layout_of(cfg, lo) == "v" else 0  # zbv's V: the turn stays on its stage
+    return total / (4 * micro * (lo.pp * lo.vpp - 1 - turn) / lo.pp)
 
 
 def _dp_stage(cfg: Any, lo: Layout, hw: Hardware, links, stage: int, c: int) -> Dict[str, float]:
@@ -271,4 +282,10 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
         e = r.exposed_s.get(m, 0.0)
         lines.append(f"  {m:<4} | {'ON' if r.enabled[m] else 'off':<7} | {r.links.get(m, '-'):<5} | {t * 1e3:>19,.3f} | "
                      f"{e * 1e3:>17,.3f} | {e / t:>13.2f} | {e / r.step_s:>6.1%}")
+    if r.ep_pairing:
+        x = r.ep_pairing_exposed
+        lines.append(f"  ep forward/backward pairing (overlap.ep_pairing): {r.ep_pairing}" + (
+            f"; ep exposed per pair {(x['F'] + x['B']) * 1e3:,.3f} ms (forward's exchanges {x['F'] * 1e3:,.3f}, "
+            f"backward's {x['B'] * 1e3:,.3f}), unpaired forward {x['F_alone'] * 1e3:,.3f} ms, backward "
+            f"{x['B_alone'] * 1e3:,.3f} ms" if x else ""))
     return "\n".join(lines)

@@ -22,12 +22,14 @@ from typing import Any, Dict, List
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
 from mpoverlap.overlap.estimate.comm import comm_ops, replayed_ops
-from mpoverlap.overlap.estimate.params import (chunk_layers, expert_ffn, is_moe_layer, mlp_mult, shared_expert_ffn,
-                                               stage_layers, stage_params)
+from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, expert_ffn, is_moe_layer, mlp_mult,
+                                               shared_expert_ffn, stage_layers, stage_params)
+from mpoverlap.pipeline.actions import stage_of
 from mpoverlap.overlap.layout import Layout
-from mpoverlap.simulate.collectives import collective_time
+from mpoverlap.simulate.collectives import collective_time, steps
 from mpoverlap.simulate.hardware import Hardware, Link
 from mpoverlap.simulate.overlap import cp_ring_exposed, ep_chunks_exposed, ring_exposed
+from mpoverlap.simulate.pairing import LayerPass
 
 MODES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -39,6 +41,9 @@ class ChunkCost:
     compute: Dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     in_flight: Dict[str, Dict[str, float]] = field(default_factory=lambda: {"F": {}, "B": {}})
     exposed: Dict[str, Dict[str, float]] = field(default_factory=lambda: {"F": {}, "B": {}})
+    # per layer of the chunk, in forward order: its forward and its backward cut into the
+    # sub-steps EP pairing interleaves (pairing.py)
+    layers: Dict[str, List[LayerPass]] = field(default_factory=lambda: {"F": [], "B": []})
 
     def duration(self, kind: str) -> float:
         return self.compute[kind] + sum(self.exposed[kind].values())
@@ -86,7 +91,7 @@ def _mode_ops(ops: List, mode: str) -> List:
 
 def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enabled: Dict[str, bool],
                 c: int) -> List[ChunkCost]:
-    """ChunkCost of every model chunk (index = vchunk * pp + stage); `enabled[mode]` says
+    """ChunkCost of every model chunk (its global index; on the stage `chunk_layout_of` places it); `enabled[mode]` says
     whether the mode's overlap is on; `c` bytes of the compute dtype."""
     m, p = cfg.model, cfg.parallel
     micro = lo.num_microbatches or 1
@@ -103,8 +108,9 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
         base = list(every[:len(every) - len(replay)]) if replay else list(every)
         per_stage[stage] = (base, replay, len(stage_layers(cfg, lo, stage)),
                             sum(is_moe_layer(m, i) for i in stage_layers(cfg, lo, stage)))
+    layout = chunk_layout_of(cfg, lo)
     for chunk in range(lo.pp * lo.vpp):
-        stage = chunk % lo.pp
+        stage = stage_of(chunk, lo.pp, layout)
         base, replay, n_layers, n_moe = per_stage[stage]
         cost = ChunkCost()
         replayed = set(recomputed_in_chunk(cfg, lo, chunk)) if recompute == "full" else set()
@@ -114,15 +120,23 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             extra = fwd if i in replayed else (fl["core"] if recompute == "selective" else 0.0)
             cost.compute["F"] += fwd / rate
             cost.compute["B"] += (2 * fwd + extra) / rate
+            passes = {"F": LayerPass(fwd / rate), "B": LayerPass((2 * fwd + extra) / rate)}
             share = micro * max(1, n_layers)
             _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate, share, i in replayed)
             _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
             if is_moe_layer(m, i):
                 # the experts' GEMMs at the experts' own rate (the router's at the model's)
                 router = 2 * moe_tokens(cfg, lo) * m.hidden_size * m.num_experts
-                experts = (fl["mlp"] - router) / (hw.expert_flops or rate) + router / rate
-                _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks, experts,
-                    fl["shared"] / rate, micro * max(1, n_moe))
+                gemms = (fl["mlp"] - router) / (hw.expert_flops or rate)
+                wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks,
+                           gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe))
+                # pairing's sub-steps: the router before the dispatch, the GEMMs after it; the
+                # forward's counts exchange (its few bytes are in the volume): one call's latency
+                counts = steps("all_to_all", lo.ep) * links["ep"].latency if wire else 0.0
+                passes = {k: _moe_pass(passes[k].pre, f * gemms, f * fl["shared"] / rate, wire.get(k, 0.0),
+                                       counts if k == "F" else 0.0) for k, f in (("F", 1), ("B", 2))}
+            for k in ("F", "B"):
+                cost.layers[k].append(passes[k])
         if chunk == lo.pp * lo.vpp - 1:
             cost.compute["F"] += head_flops(cfg, lo) / rate
             cost.compute["B"] += 2 * head_flops(cfg, lo) / rate
@@ -184,15 +198,26 @@ def _cp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, cp_comm
     cost.add("B", "cp", bwd, eb)
 
 
+def _moe_pass(total: float, experts: float, shared: float, wire: float, counts: float) -> LayerPass:
+    """An MoE layer's pass of `total` compute seconds cut into sub-steps: the experts' seconds
+    (at their own rate; at most what the total leaves after the shared expert), the shared
+    expert's, the rest before the dispatch; `wire` seconds of exchanges, half each way;
+    `counts` seconds of the counts exchange."""
+    experts = min(experts, max(0.0, total - shared))
+    return LayerPass(max(0.0, total - experts - shared), experts, shared, wire / 2, wire / 2, counts)
+
+
 def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks: int, experts: float,
-        shared: float, share: int) -> None:
+        shared: float, share: int) -> Dict[str, float]:
     """EP per MoE layer pass: the token exchanges (dispatch and combine, ep_chunks each) under
-    the experts' `experts` seconds of forward (twice in backward) and the shared expert's."""
+    the experts' `experts` seconds of forward (twice in backward) and the shared expert's.
+    Returns the exchanges' seconds per pass ({"F", "B"}; {} without EP)."""
+    wire: Dict[str, float] = {}
     if lo.ep <= 1:
-        return
+        return wire
     ops = [o for o in _mode_ops(base, "ep")]
     if not ops:
-        return
+        return wire
     op = ops[0][1]
     main = sum(o[2] for o in ops) / share
     again = sum(o[2] for o in _mode_ops(replay, "ep")) / share
@@ -200,6 +225,8 @@ def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks:
         t = collective_time(op, nbytes, lo.ep, link, 2 * chunks)
         exposed = ep_chunks_exposed(t / 2, t / 2, under, chunks, sh, backward=kind == "B") if on else t
         cost.add(kind, "ep", t, exposed)
+        wire[kind] = t
+    return wire
 
 
 def step_ops(cfg: Any, lo: Layout, stage: int, c: int) -> List:

@@ -19,7 +19,7 @@ from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mpoverlap.pipeline.actions import BACKWARD, FORWARD, RECV, SEND, WEIGHT, ScheduleError, chunk_index
-from mpoverlap.pipeline.schedules import build_schedule, schedule_kind
+from mpoverlap.pipeline.schedules import build_schedule, chunk_layout, schedule_kind
 
 
 @dataclass
@@ -34,6 +34,7 @@ class PipelineRun:
     ledger_in_flight: List[float] = None
     ledger_exposed: List[float] = None
     ends: List[float] = None  # per stage, when its last handle completed (run() returns)
+    layout: str = "loop"  # how the schedule placed the chunks (pipeline/actions.py)
 
 
 @lru_cache(maxsize=256)
@@ -67,8 +68,13 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
     """`duration(kind, chunk)`: seconds of one action (kind "F", "B", and "W" for a zero-bubble
     `schedule`, whose "B" is then the input gradient only); `hop_time(src_stage, dst_stage)`:
     seconds of one message; `first_extra[s]`: seconds added to stage s's first action (a
-    parameter gather it waits for). `schedule`: a pipeline.SCHEDULE_KINDS value (None: from vpp)."""
+    parameter gather it waits for). `schedule`: a pipeline.SCHEDULE_KINDS value (None: from vpp).
+    A message between two chunks of one stage (zbv's turn) is ready when its producer ends."""
     programs = _programs(pp, vpp, microbatches, bool(overlap), schedule)
+    local = set()
+    for _, _, table in programs:
+        here = {a.chunk for a in table}
+        local |= {a.send for a in table if a.send is not None and a.send.dst_chunk in here}
     num_chunks = pp * vpp
     kinds = {a.kind for _, _, table in programs for a in table}
     dur = {(k, c): duration(k, c) for k in kinds for c in range(num_chunks)}
@@ -123,6 +129,8 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
                     times[stage].append((start, start + took))
                     busy[stage] += took
                     free[stage] = start + took
+                    if action.send in local:
+                        done[action.send] = free[stage]
                 position[stage] += 1
                 remaining -= 1
                 progressed = True
@@ -137,7 +145,7 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
         exposed[stage] += ends[stage] - free[stage]  # run() waits the sends still in flight
     orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for _, _, table in programs]
     return PipelineRun(times=times, orders=orders, busy=busy, p2p_in_flight=in_flight, ledger_in_flight=ledger_in,
-                       ledger_exposed=exposed, ends=ends)
+                       ledger_exposed=exposed, ends=ends, layout=chunk_layout(schedule or schedule_kind(vpp)))
 
 
 def last_backward_spans(run: PipelineRun, stage: int, pp: int) -> Dict[int, Tuple[float, float]]:
@@ -148,5 +156,5 @@ def last_backward_spans(run: PipelineRun, stage: int, pp: int) -> Dict[int, Tupl
     last = WEIGHT if any(kind == WEIGHT for kind, _, _ in run.orders[stage]) else BACKWARD
     for (kind, _mb, vchunk), span in zip(run.orders[stage], run.times[stage]):
         if kind == last:
-            spans[chunk_index(stage, vchunk, pp)] = span
+            spans[chunk_index(stage, vchunk, pp, run.layout)] = span
     return spans

@@ -14,12 +14,14 @@ implements (DESIGN.md section 4); overlap off exposes every second of communicat
   chunk's combine are in flight while a chunk's experts compute, the shared expert runs under
   the first dispatch; backward mirrors it (`ep_chunks_exposed`: the layer's programs run on
   one serial link).
+- EP pairing (`overlap.ep_pairing`): one microbatch's exchanges under another's compute
+  sub-steps, forward beside backward (pairing.py, on `serial_link_waits`).
 - PP: sends and receives are posted ahead and run while the stage computes another
   microbatch: the discrete-event engine (engine.py) gives their cost.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 
 def ring_exposed(comm: float, compute: float, steps: int, chunks: int) -> float:
@@ -47,8 +49,13 @@ def serial_link_exposed(program: Sequence[Tuple]) -> float:
     """Seconds a program waits on one serial link: `program` runs in order ("compute", seconds),
     ("issue", name, seconds) (the transfer starts when the link is free, first come first
     served) and ("wait", name) (blocks until it is done); returns the summed waits."""
-    now = link_free = exposed = 0.0
-    done = {}
+    return sum(serial_link_waits(program).values())
+
+
+def serial_link_waits(program: Sequence[Tuple]) -> Dict[str, float]:
+    """`serial_link_exposed` per transfer: {name: seconds its wait blocked}."""
+    now = link_free = 0.0
+    done, waits = {}, {}
     for step in program:
         if step[0] == "compute":
             now += step[1]
@@ -57,9 +64,9 @@ def serial_link_exposed(program: Sequence[Tuple]) -> float:
             done[step[1]] = link_free
         else:
             end = done.pop(step[1])
-            exposed += max(0.0, end - now)
+            waits[step[1]] = waits.get(step[1], 0.0) + max(0.0, end - now)
             now = max(now, end)
-    return exposed
+    return waits
 
 
 def ep_forward_program(dispatch: float, combine: float, experts: float, chunks: int, shared: float = 0.0) -> List:

@@ -151,6 +151,8 @@ class VocabParallelEmbedding(_TPModule):
     forward(tokens_BS) -> no SP: x_BSH (all-reduced); SP: x_BsH (reduce-scattered).
     Tokens outside the local range look up row 0 and are zeroed before the reduction.
     The local weight [Vpad/tp, H] is also the tied output head's column-parallel weight.
+    The output is fp32 under bf16 autocast too (the residual stream's dtype in every layout,
+    as at tp 1): the reduction, and its gradient's in backward, run in fp32.
     """
 
     def __init__(self, num_embeddings_padded: int, hidden: int, *, name: str, cfg, seed: int,

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from mpoverlap.comm.collectives import all_gather, all_reduce, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
-from mpoverlap.precision import compute_dtype
 from mpoverlap.tensor_parallel.comm_spec import TPComm
 
 MODE = "tp"
@@ -153,23 +152,19 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
         return seq_all_gather_async(grad, ctx.comm).wait(), None
 
 
-def _in_compute_dtype(fn, x, *args):
-    """fn(x) with x cast to the compute dtype (bf16 under autocast) for the collective and the
-    result cast back to x's dtype: activations travel in the compute dtype (half the bytes)
-    while, e.g., the fp32 embedding output stays fp32 around it. The casts are autograd ops,
-    so the backward collective also moves the gradient in the compute dtype."""
-    dtype = compute_dtype(x)
-    if dtype == x.dtype:
-        return fn(x, *args)
-    return fn(x.to(dtype), *args).to(x.dtype)
-
-
 def copy_to_tensor_parallel_region(x, comm: TPComm):
     return CopyToTensorParallelRegion.apply(x, comm)
 
 
+# The mappings below move a tensor in the dtype they are handed (and its gradient in the
+# gradient's dtype): the producer chooses. Under bf16 autocast a row-parallel GEMM's partial
+# sums are bf16 (the single process rounds that GEMM's output to bf16 too) and travel in bf16;
+# the vocab-parallel embedding's output is fp32, the residual stream's dtype in every layout
+# (docs/invariants.md, "The bf16 residual stream"), and is reduced in fp32 (exact: one rank
+# holds each row, the others zeros), as the single process never rounds it.
+
 def reduce_from_tensor_parallel_region(x, comm: TPComm):
-    return _in_compute_dtype(ReduceFromTensorParallelRegion.apply, x, comm)
+    return ReduceFromTensorParallelRegion.apply(x, comm)
 
 
 def scatter_to_sequence_parallel(x_BSH, comm: TPComm):
@@ -179,12 +174,12 @@ def scatter_to_sequence_parallel(x_BSH, comm: TPComm):
 
 def gather_from_sequence_parallel(x_BsH, comm: TPComm, grad_is_partial: bool = True):
     """x_BsH -> x_BSH."""
-    return _in_compute_dtype(GatherFromSequenceParallel.apply, x_BsH, comm, grad_is_partial)
+    return GatherFromSequenceParallel.apply(x_BsH, comm, grad_is_partial)
 
 
 def reduce_scatter_to_sequence_parallel(x_BSH, comm: TPComm):
     """partial x_BSH -> summed x_BsH."""
-    return _in_compute_dtype(ReduceScatterToSequenceParallel.apply, x_BSH, comm)
+    return ReduceScatterToSequenceParallel.apply(x_BSH, comm)
 
 
 def allreduce_sequence_parallel_grads(params, tp_group, ledger=None, overlap: bool = False,

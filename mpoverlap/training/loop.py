@@ -35,7 +35,8 @@ from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflop
 from mpoverlap.training.preemption import PREEMPTED_MARKER, PreemptionFlag
 from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.resume import Resumable
-from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks
+from mpoverlap.training.pipeline_glue import (PipelineRunner, build_chunks, schedule_layout,
+                                              tie_spans_stages)
 from mpoverlap.training.setup import init_distributed, shared_run_dir, shutdown_distributed
 
 class NonFiniteError(FloatingPointError):
@@ -64,8 +65,10 @@ class Trainer(Resumable):
                           ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
                           etp=state.grid.etp)
                if cfg.model.num_experts > 0 else None)
+        layout = schedule_layout(cfg.parallel, cfg.parallel.vpp)
         self.chunks = [c.to(state.device) for c in build_chunks(
-            cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, tp=self.tp, moe=moe, **attention)]
+            cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, layout=layout, tp=self.tp, moe=moe,
+            **attention)]
         self.moe_layers = [layer for c in self.chunks for layer in c.moe_layers()]
         # One chunk: the model itself. Pipelined: this stage's chunks, whose blocks keep their
         # global names; `params_by_name` maps the layout-free names used in checkpoints.
@@ -80,9 +83,10 @@ class Trainer(Resumable):
                        else "edp")
         self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()
                                          if not (expert_kind == "tp_edp" and getattr(p, "expert_parallel", False))]
-        # The tied embedding lives on the first and the last stage: their gradients add up.
+        # The tied embedding lives on the first and the last stage: their gradients add up
+        # (zbv's V holds both ends on stage 0: one parameter, nothing to add).
         self.tied_embedding = None
-        if self.pp > 1 and cfg.model.tie_embeddings and state.group("embedding") is not None:
+        if tie_spans_stages(cfg.model, self.pp, layout) and state.group("embedding") is not None:
             self.tied_embedding = self.params_by_name.get("embedding.weight")
         self.sharding = resolve_level(t.dp_sharding, t.distributed_optimizer)
         self.ddp = DataParallel(
@@ -120,7 +124,7 @@ class Trainer(Resumable):
         if self.pp > 1:
             m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
             self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
-                                           self.ddp, self._split, self.autocast, DTYPES[t.precision])
+                                           self.ddp, self._split, self.autocast)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _split(self, mb_BS1: torch.Tensor):

@@ -1,8 +1,17 @@
 """How the GPT is cut into pipeline chunks and run forward-only for evaluation.
 
-Model chunk k (k = vchunk * pp + stage, Megatron's interleaved assignment) holds layers
-[k L / (pp vpp), (k+1) L / (pp vpp)); chunk 0 owns the embedding, the last chunk the final
-norm, head and loss.
+Model chunk k holds layers [k L / (pp vpp), (k+1) L / (pp vpp)); chunk 0 owns the embedding,
+the last chunk the final norm, head and loss. The schedule's chunk layout (pipeline/actions.py)
+places chunk k on a stage: "loop" (k = vchunk * pp + stage, Megatron's interleaved
+assignment) or zbv's "v" (stage s holds chunks s and 2pp-1-s). In the V stage 0 holds both the
+embedding and the head: a tied head then reuses the embedding chunk's module (one parameter,
+no copy on another stage, no embedding-group sum; `tie_spans_stages`).
+
+Activations and their gradients cross stages in the residual stream's dtype, fp32 under
+train.precision=bf16 too (autocast leaves the residual adds in fp32): the stream is rounded
+nowhere a single process does not round it, so the curve does not depend on where the stages
+are cut (docs/invariants.md, "The bf16 residual stream"). The cost: twice the pp bytes of a
+bf16 p2p.
 """
 from __future__ import annotations
 
@@ -12,49 +21,89 @@ import torch
 import torch.distributed as dist
 
 from mpoverlap.models.gpt import GPT
+from mpoverlap.pipeline.actions import LOOP, chunk_index, stage_of, vchunk_of
+
+# The residual stream's dtype in every layout and precision (the fp32 master parameters').
+RESIDUAL_DTYPE = torch.float32
 
 
-def chunk_layer_ids(num_layers: int, pp: int, vpp: int, stage: int, vchunk: int) -> List[int]:
+def chunk_layer_ids(num_layers: int, pp: int, vpp: int, stage: int, vchunk: int,
+                    layout: str = LOOP) -> List[int]:
     chunks = pp * vpp
     per = num_layers // chunks
-    k = vchunk * pp + stage
+    k = chunk_index(stage, vchunk, pp, layout)
     return list(range(k * per, (k + 1) * per))
 
 
-def build_chunks(cfg: Any, pp: int, vpp: int, stage: int, seed: int, **gpt_kwargs) -> List[GPT]:
+def schedule_layout(parallel_cfg: Any, vpp: int) -> str:
+    """The chunk layout `parallel.pp_schedule` runs ("v" for zbv, else "loop")."""
+    from mpoverlap.pipeline import chunk_layout, resolve_schedule
+
+    return chunk_layout(resolve_schedule(getattr(parallel_cfg, "pp_schedule", "auto"), vpp))
+
+
+def tie_spans_stages(model_cfg: Any, pp: int, layout: str) -> bool:
+    """Whether a tied embedding has copies on two stages (first and last, summed over the
+    embedding group): pipelined in the loop layout; the V keeps both ends on stage 0."""
+    return bool(model_cfg.tie_embeddings) and pp > 1 and layout == LOOP
+
+
+def build_chunks(cfg: Any, pp: int, vpp: int, stage: int, seed: int, layout: str = LOOP,
+                 **gpt_kwargs) -> List[GPT]:
     """This stage's model chunks in vchunk order."""
     last = pp * vpp - 1
-    return [GPT(cfg, seed=seed, layer_ids=chunk_layer_ids(cfg.num_layers, pp, vpp, stage, v),
-                pre_process=(v * pp + stage == 0), post_process=(v * pp + stage == last), **gpt_kwargs)
-            for v in range(vpp)]
+    ks = [chunk_index(stage, v, pp, layout) for v in range(vpp)]
+    chunks = [GPT(cfg, seed=seed, layer_ids=chunk_layer_ids(cfg.num_layers, pp, vpp, stage, v, layout),
+                  pre_process=(k == 0), post_process=(k == last), **gpt_kwargs)
+              for v, k in zip(range(vpp), ks)]
+    if cfg.tie_embeddings and 0 in ks and last in ks and len(chunks) > 1:
+        # The V: the head chunk reads the embedding chunk's weight (GPT.foreign_reads), one
+        # parameter whose gradient both chunks' W actions feed (PipelineExecutor.shared_params).
+        chunks[ks.index(last)].embedding = chunks[ks.index(0)].embedding
+    return chunks
+
+
+def shared_parameters(chunks: List[GPT]) -> List[torch.nn.Parameter]:
+    """Parameters held by more than one of this stage's chunks (the V's tied embedding)."""
+    seen: dict = {}
+    for chunk in chunks:
+        for p in {id(p): p for p in chunk.parameters()}.values():
+            seen.setdefault(id(p), [p, 0])[1] += 1
+    return [p for p, count in seen.values() if count > 1]
 
 
 @torch.no_grad()
 def forward_only(chunks: List[GPT], stage: int, pp_ranks: List[int], num_microbatches: int,
                  run_chunk: Callable[[int, int, Optional[torch.Tensor]], torch.Tensor],
                  hidden_shape: tuple, dtype: torch.dtype, device: torch.device,
-                 pp_group: Any = None) -> List[torch.Tensor]:
+                 pp_group: Any = None, layout: str = LOOP) -> List[torch.Tensor]:
     """Evaluation through the pipeline, one microbatch at a time, model chunk by model chunk
     (blocking p2p in a chain: no schedule needed, no overlap wanted). `run_chunk(vchunk, mb,
     hidden_or_None)` returns the chunk's output (the loss on the last chunk). Returns the
     losses on the last stage, [] elsewhere. The p2p runs on `pp_group` (ranks are global):
-    on NCCL a send/recv on the default group would set up extra communicators."""
+    on NCCL a send/recv on the default group would set up extra communicators. Consecutive
+    chunks on one stage (the V's turn) hand the hidden state over in memory."""
     pp = len(pp_ranks)
     total = pp * len(chunks)
     losses = []
     for mb in range(num_microbatches):
+        out = None
         for k in range(total):
-            if k % pp != stage:
+            if stage_of(k, pp, layout) != stage:
                 continue
             hidden = None
             if k > 0:
-                hidden = torch.empty(hidden_shape, dtype=dtype, device=device)
-                dist.recv(hidden, src=pp_ranks[(k - 1) % pp], group=pp_group)
-            out = run_chunk(k // pp, mb, hidden)
-            if k < total - 1:
-                dist.send(out.contiguous(), dst=pp_ranks[(k + 1) % pp], group=pp_group)
-            else:
+                src = stage_of(k - 1, pp, layout)
+                if src == stage:
+                    hidden = out
+                else:
+                    hidden = torch.empty(hidden_shape, dtype=dtype, device=device)
+                    dist.recv(hidden, src=pp_ranks[src], group=pp_group)
+            out = run_chunk(vchunk_of(k, pp, layout), mb, hidden)
+            if k == total - 1:
                 losses.append(out)
+            elif stage_of(k + 1, pp, layout) != stage:
+                dist.send(out.contiguous(), dst=pp_ranks[stage_of(k + 1, pp, layout)], group=pp_group)
     return losses
 
 
@@ -63,15 +112,11 @@ class PipelineRunner:
     executor, and evaluation forward-only. `split(mb)` gives (tokens, targets, positions)."""
 
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
-                 ledger: Any, ddp: Any, split: Callable, autocast: Any,
-                 comm_dtype: torch.dtype = torch.float32) -> None:
-        from mpoverlap.pipeline import (PipelineExecutor, build_schedule, defers_weight_grads,
-                                        resolve_schedule)
+                 ledger: Any, ddp: Any, split: Callable, autocast: Any) -> None:
+        from mpoverlap.pipeline import (PipelineExecutor, build_schedule, chunk_layout,
+                                        defers_weight_grads, resolve_schedule)
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
-        # Activations and their gradients cross stages in the compute dtype (bf16 under
-        # train.precision=bf16: half the bytes); the residual stream stays fp32 inside a chunk.
-        self.comm_dtype = comm_dtype
         pp, vpp = state.grid.pp, len(chunks)
         self.stage = state.coords.pp
         m, p = cfg.model, cfg.parallel
@@ -81,6 +126,7 @@ class PipelineRunner:
         self.hidden_shape = (cfg.train.micro_batch_size, seq, m.hidden_size)
         self.num_microbatches = num_microbatches
         self.schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
+        self.layout = chunk_layout(self.schedule)
         tables = build_schedule(self.schedule, pp, vpp, num_microbatches)
         self.inputs: List[tuple] = []
         self.bubble_since_log = 0.0  # seconds this stage waited on receives (PipelineExecutor.bubble_s)
@@ -96,23 +142,20 @@ class PipelineRunner:
             ddp.weight_grads = weight_grads
         self.executor = PipelineExecutor(
             tables[self.stage], stage=self.stage, pp_ranks=list(state.ranks("pp")), group=state.group("pp"),
-            overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=comm_dtype,
+            overlap=overlap, ledger=ledger, tensor_shape=self.hidden_shape, dtype=RESIDUAL_DTYPE,
             device=state.device, forward_step=self._forward_step,
             # A chunk's gradients are reduced over dp during its last backward (B or W) of the step.
             backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last),
-            weight_grads=weight_grads)
+            weight_grads=weight_grads, shared_params=shared_parameters(chunks))
 
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
         tokens, targets, positions = self.inputs[mb]
-        if hidden is not None:
-            # The received bf16 leaf is upcast here, so its gradient (sent back) is bf16 too.
-            hidden = hidden.float()
         with self.autocast:
             out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions)
         if chunk.post_process:
             return chunk.loss(out.float(), targets) / self.num_microbatches
-        return out.to(self.comm_dtype)
+        return out  # the residual stream as it is (the executor checks its dtype)
 
     def train_microbatches(self, micro: List[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch; returns this stage's summed loss (the
@@ -139,7 +182,8 @@ class PipelineRunner:
             return self._forward_step(vchunk, mb, hidden) * self.num_microbatches / n
 
         losses = forward_only(self.chunks, self.stage, list(self.state.ranks("pp")), n, run_chunk,
-                              self.hidden_shape, self.comm_dtype, self.state.device, pp_group=self.state.group("pp"))
+                              self.hidden_shape, RESIDUAL_DTYPE, self.state.device, pp_group=self.state.group("pp"),
+                              layout=self.layout)
         total = torch.zeros((), device=self.state.device)
         for loss in losses:
             total += loss

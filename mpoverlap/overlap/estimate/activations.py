@@ -171,22 +171,25 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     stage 0 of a 96-layer pp 8, vpp 2 run (m >= 8) peaks at 23 chunks of 6 layers, 138
     layers, where 1F1B peaks at 8 microbatches of its 12 layers, 96 (Korthikanti's
     1 + (p-1)/(p v) factor)."""
-    from mpoverlap.pipeline import compute_orders, resolve_schedule
-    from mpoverlap.pipeline.actions import BACKWARD, FORWARD, WEIGHT
+    from mpoverlap.pipeline import chunk_layout, compute_orders, resolve_schedule
+    from mpoverlap.pipeline.actions import BACKWARD, FORWARD, WEIGHT, chunk_index
 
     mode = recompute_mode(cfg, recompute)
+    kind = resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp)
+    layout = chunk_layout(kind)  # zbv: stage s holds chunks s and 2pp-1-s
     per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch, mode) for k in range(lo.pp * lo.vpp)]
     micro = lo.num_microbatches or 1
 
     def replay(stage: int) -> int:
         """Full recomputation: the largest block this stage replays, alive once in backward."""
         return max([layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode)
-                    for v in range(lo.vpp) for i in recomputed_in_chunk(cfg, lo, v * lo.pp + stage, mode)], default=0)
+                    for v in range(lo.vpp)
+                    for i in recomputed_in_chunk(cfg, lo, chunk_index(stage, v, lo.pp, layout), mode)], default=0)
     if lo.pp == 1:
         # One forward and its backward at a time (no pipeline): one microbatch alive.
         return [{"bytes": sum(per_chunk) + replay(0), "chunks_in_flight": lo.vpp,
                  "layers_in_flight": cfg.model.num_layers}]
-    orders = compute_orders(resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp), lo.pp, lo.vpp, micro)
+    orders = compute_orders(kind, lo.pp, lo.vpp, micro)
     per = cfg.model.num_layers // (lo.pp * lo.vpp)
     out = []
     for stage, order in enumerate(orders):
@@ -196,7 +199,7 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
         live = alive = peak = peak_alive = 0
         for kind, _mb, v in order:
             sign = 1 if kind == FORWARD else -1 if kind == frees else 0
-            live += sign * per_chunk[v * lo.pp + stage]
+            live += sign * per_chunk[chunk_index(stage, v, lo.pp, layout)]
             alive += sign
             if live > peak:
                 peak, peak_alive = live, alive

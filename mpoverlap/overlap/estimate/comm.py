@@ -41,9 +41,9 @@ def link_factor(op: str, n: int) -> float:
 def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int, c: int,
              f: int = 4) -> List[Op]:
     """Every mode's operations per step on a rank of stage `busiest`; `c` bytes of the compute
-    dtype (attention's q, k, v, expert tokens, TP activations), `f` of the residual stream
-    (fp32 under autocast: what pipeline stages send). Under bf16 the TP figure is the least
-    sure: SP gathers the norm's fp32 output but reduces bf16 GEMM outputs; it is counted in c."""
+    dtype (attention's q, k, v, expert tokens, TP activations: the GEMMs' inputs and partial
+    sums), `f` of the residual stream (fp32 in every layout, bf16 autocast included: what
+    pipeline stages send and what the TP embedding reduces)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     replicas = lo.dp * lo.cp
     micro = lo.num_microbatches or 1
@@ -66,15 +66,19 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # forward all-reduces and two backward input-gradient all-reduces, plus the embedding's
         # and the head's. With SP: per layer 2 all-gathers + 2 reduce-scatters forward, the
         # re-gathered inputs and scattered gradients of backward (10 in all, half of each kind),
-        # plus 5 around the embedding and head. The vocab-parallel loss and SP norm gradients
-        # are small and left out. Experts are not split over TP: an MoE layer without a shared
-        # expert has only its attention's half (a shared expert is split like a dense MLP).
-        full = c * b * s_cp * H
-        per_layer, ends = (10, 5) if p.sequence_parallel else (4, 2)
+        # plus 5 around the embedding and head (the embedding's reduce-scatter and its gradient's
+        # all-gather in the residual dtype f; the head's gather, re-gather and dgrad
+        # reduce-scatter in c). Without SP the embedding's all-reduce (f) and the head's dgrad
+        # all-reduce (c). The embedding and head ops are averaged over the pp stages (one stage
+        # each). The vocab-parallel loss and SP norm gradients are small and left out. Experts
+        # are not split over TP: an MoE layer without a shared expert has only its attention's
+        # half (a shared expert is split like a dense MLP).
+        tokens = b * s_cp * H * micro
         tp_layers = layers_here - (0 if m.shared_expert else moe_here / 2)
-        nbytes = full * micro * (per_layer * tp_layers + ends / lo.pp)
         if p.sequence_parallel:
-            ops += [("tp", "all_gather", nbytes / 2, lo.tp), ("tp", "reduce_scatter", nbytes / 2, lo.tp)]
+            gather = tokens * (c * (5 * tp_layers + 2 / lo.pp) + f / lo.pp)
+            scatter = tokens * (c * (5 * tp_layers + 1 / lo.pp) + f / lo.pp)
+            ops += [("tp", "all_gather", gather, lo.tp), ("tp", "reduce_scatter", scatter, lo.tp)]
             # Parameters not split over TP saw only S/tp positions: their gradients are summed
             # over TP once per step (norms, and the MoE layers' routers). Experts are not among
             # them: split over etp, or reduced over tp x edp in the dp buckets (dp_ops).
@@ -82,14 +86,20 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
                           for i in here)
             ops.append(("tp", "all_reduce", unsplit * PARAM_BYTES, lo.tp))
         else:
-            ops.append(("tp", "all_reduce", nbytes, lo.tp))
+            ops.append(("tp", "all_reduce", tokens * (c * (4 * tp_layers + 1 / lo.pp) + f / lo.pp), lo.tp))
     if lo.pp > 1:
         # pp*vpp - 1 chunk boundaries, each an activation forward and a gradient backward,
         # counted at the sending and the receiving end; plus the tied embedding's gradient sum
-        # over the first and last stage (2 of pp ranks).
+        # over the first and last stage (2 of pp ranks). zbv's V: 2pp - 1 boundaries, the turn
+        # (chunk pp-1 -> pp, on stage pp-1) handed over in memory, so 2(pp-1): twice 1F1B's
+        # bytes; its tied head shares the embedding on stage 0, nothing to sum.
+        from mpoverlap.pipeline import chunk_layout, resolve_schedule
+
+        v_layout = chunk_layout(resolve_schedule(getattr(p, "pp_schedule", "auto"), lo.vpp)) == "v"
         hidden_bytes = f * b * s_hidden * H
-        ops.append(("pp", "send_recv", 4 * hidden_bytes * micro * (lo.pp * lo.vpp - 1) / lo.pp, 2))
-        if m.tie_embeddings:
+        boundaries = lo.pp * lo.vpp - 1 - (1 if v_layout else 0)
+        ops.append(("pp", "send_recv", 4 * hidden_bytes * micro * boundaries / lo.pp, 2))
+        if m.tie_embeddings and not v_layout:
             V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
             ops.append(("pp", "all_reduce", V * H // lo.tp * PARAM_BYTES * min(2, lo.pp) / lo.pp, 2))
     if lo.cp > 1:

@@ -139,7 +139,7 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
                      + " (selective saves little with flash attention: the core keeps no s^2 tensor)")
     per_rank = f" ({_flops(est.model_flops_per_step / world)} per rank)" if world else ""
     lines.append(f"  model FLOPs per step: {_flops(est.model_flops_per_step)}{per_rank}; "
-                 f"pipeline bubble (p-1)/(v m): {est.bubble:.3f}")
+                 f"pipeline bubble {est.bubble:.3f} of the compute ((p-1)/(v m); a third of it for zb1p and zbv)")
     if est.comm_bytes_per_step:
         lines.append("  communication per step per rank (estimate):")
         for mode, nbytes in est.comm_bytes_per_step.items():

@@ -11,10 +11,29 @@ def norm_params(cfg_model: Any) -> int:
     return cfg_model.hidden_size * (2 if cfg_model.norm == "layernorm" else 1)
 
 
+def chunk_layout_of(cfg: Any, lo: Layout) -> str:
+    """How the schedule places model chunks on stages: "loop" (chunk k = v * pp + stage) or
+    zbv's "v" (stage s holds chunks s and 2pp-1-s); pipeline/actions.py."""
+    from mpoverlap.pipeline import SCHEDULE_CHOICES, chunk_layout, resolve_schedule
+
+    choice = getattr(cfg.parallel, "pp_schedule", "auto")
+    if lo.pp is None or lo.pp < 2 or choice not in SCHEDULE_CHOICES:
+        return "loop"
+    return chunk_layout(resolve_schedule(choice, lo.vpp))
+
+
+def head_stage(cfg: Any, lo: Layout) -> int:
+    """The stage holding the last model chunk (final norm, head, loss): pp-1, or 0 in the V."""
+    return 0 if chunk_layout_of(cfg, lo) == "v" else lo.pp - 1
+
+
 def stage_layers(cfg: Any, lo: Layout, stage: int) -> list:
-    """Global indices of the layers on pipeline stage `stage` (model chunk k = v * pp + stage
-    holds layers [k L / (pp vpp), (k+1) L / (pp vpp)))."""
-    return [i for v in range(lo.vpp) for i in chunk_layers(cfg, lo, v * lo.pp + stage)]
+    """Global indices of the layers on pipeline stage `stage` (model chunk k holds layers
+    [k L / (pp vpp), (k+1) L / (pp vpp)); `chunk_layout_of` places the chunks)."""
+    from mpoverlap.pipeline.actions import chunk_index
+
+    layout = chunk_layout_of(cfg, lo)
+    return [i for v in range(lo.vpp) for i in chunk_layers(cfg, lo, chunk_index(stage, v, lo.pp, layout))]
 
 
 def chunk_layers(cfg: Any, lo: Layout, chunk: int) -> list:
@@ -113,9 +132,10 @@ def stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) ->
     if expert_only:
         return sum(e for _, e in parts)
     total = sum(d + e for d, e in parts)
-    first, last = stage == 0, stage == lo.pp - 1
+    first, last = stage == 0, stage == head_stage(cfg, lo)
     if first or (last and m.tie_embeddings):
-        total += V * H // tp  # the embedding (and, tied, the last stage's copy for the head)
+        total += V * H // tp  # the embedding (and, tied, the last stage's copy for the head; in
+        # zbv's V the head is on stage 0 and shares it)
     if last:
         total += norm_params(m) + (0 if m.tie_embeddings else V * H // tp)
     return total

@@ -29,7 +29,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from mpoverlap.models.init import padded_vocab_size
-from mpoverlap.overlap.estimate.params import etp_size, layer_params, norm_params, stage_layers
+from mpoverlap.overlap.estimate.params import (chunk_layout_of, etp_size, head_stage, layer_params,
+                                               norm_params, stage_layers)
 from mpoverlap.overlap.layout import Layout
 
 BYTES = 4
@@ -50,8 +51,11 @@ def embedding_params(cfg: Any, lo: Layout) -> int:
 
 
 def tied_on_one_chunk(cfg: Any, lo: Layout) -> bool:
-    """The head reuses the embedding of its own chunk (it keeps it gathered through backward)."""
-    return bool(cfg.model.tie_embeddings) and lo.pp == 1 and lo.vpp == 1
+    """The head reuses the embedding of its own chunk (it keeps it gathered through backward),
+    or of its own stage (zbv's V: the embedding chunk and the head chunk both on stage 0)."""
+    if not cfg.model.tie_embeddings:
+        return False
+    return (lo.pp == 1 and lo.vpp == 1) or chunk_layout_of(cfg, lo) == "v"
 
 
 def unit_params(cfg: Any, lo: Layout, stage: int) -> List[int]:
@@ -61,7 +65,7 @@ def unit_params(cfg: Any, lo: Layout, stage: int) -> List[int]:
     emb = embedding_params(cfg, lo)
     if stage == 0:
         units.append(emb)
-    if stage == lo.pp - 1:
+    if stage == head_stage(cfg, lo):
         units.append(norm_params(m) + (emb if not tied_on_one_chunk(cfg, lo) else 0))
     return units
 

@@ -1,0 +1,305 @@
+"""EP at a 1:1 exchange-to-experts ratio on 2 gloo ranks (issue 31): none / chunks / pairing / both.
+
+One spawn of 2 ranks inside bench/netns.sh (tbf 2 Gbit/s); every variant is built once and
+stepped in rotating blocks (`bench.common.rotating_blocks`, the bench.modes method: warmup,
+quiet-block filtering, slowest rank per step). Model: moe_tiny reshaped so that each
+microbatch's expert all-to-alls take about as long as its experts' forward and backward on
+this link (hidden 512, expert width 320, seq 256, micro batch 2, 2 MoE layers, 8 experts top-2),
+parallel.ep=2 (dp 2), 4 microbatches per rank (pairing needs two; m-1 of them pair).
+
+  none     overlap.ep=false overlap.ep_chunks=1    every exchange waited where it is issued
+  chunks   overlap.ep=true overlap.ep_chunks=2     today's overlap: a chunk's exchange under another's experts
+  pairing  overlap.ep=true overlap.ep_chunks=1 overlap.ep_pairing=true
+  both     overlap.ep=true overlap.ep_chunks=2 overlap.ep_pairing=true
+
+(none and chunks also get overlap.ep_pairing=false where the key exists, so an `auto` default
+cannot pair them.) The pairing variants run only where this build has `overlap.ep_pairing`
+and its validator accepts them; otherwise the result says "pairing: not available in this
+build" (or the validator's message) and the other two run.
+
+Per variant: the step (median, interquartile range), the ledger's ep in flight and exposed per
+step and rank (the figures metrics.jsonl's comm.ep.* reports), and with `run_in_bench` the
+simulator's prediction beside it (`hardware=measured`, bench.predict's link probe; the model's
+and the experts' rates timed in the rounds, per chunk count: bench/rate_probe.py). The ratio
+exchanges : experts = the none variant's ep in flight over the experts' seconds per step
+(their FLOPs at the experts' rate timed in the rounds).
+
+    bash bench/netns.sh .venv/bin/python -m bench.ep_pairing [--block 3] [--repeats 4] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from bench.common import add_block_args, close_trainers, init_bench_worker, json_cli, rotating_blocks, spawn_ranks
+
+COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
+          "data.max_bytes=2000000", "overlap.dp=false", "model=moe_tiny", "parallel.ep=2",
+          "model.shared_expert=false", "model.num_attention_heads=8"]
+VARIANTS = {"none": (False, 1, False), "chunks": (True, None, False), "pairing": (True, 1, True),
+            "both": (True, None, True)}  # name: (overlap.ep, ep_chunks (None: --chunks), pairing)
+PAIRED = ("pairing", "both")
+UNAVAILABLE = "pairing: not available in this build (no overlap.ep_pairing key)"
+
+
+def pairing_available() -> Tuple[bool, str]:
+    """(whether this build has `overlap.ep_pairing`, why not)."""
+    from mpoverlap.config import ConfigError, compose
+
+    try:
+        compose(["overlap.ep_pairing=true"])
+    except ConfigError:
+        return False, UNAVAILABLE
+    return True, ""
+
+
+def base_overrides(args) -> List[str]:
+    return COMMON + [f"model.hidden_size={args.hidden}", f"model.moe_ffn_hidden_size={args.ffn}",
+                     f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
+                     f"train.micro_batch_size={args.micro_batch}",
+                     f"train.global_batch_size={args.micro_batch * args.microbatches * 2}"]
+
+
+def planned(args) -> Tuple[List[str], Dict[str, List[str]], Dict[str, str]]:
+    """(base overrides, {variant: overrides} of the variants this build runs, {variant: why
+    not} of the others): the pairing variants need the key and the validator's yes."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.rules import validate
+
+    have, why = pairing_available()
+    base = base_overrides(args)
+    run, skipped = {}, {}
+    for name, (on, chunks, pair) in VARIANTS.items():
+        extra = [f"overlap.ep={'true' if on else 'false'}", f"overlap.ep_chunks={chunks or args.chunks}"]
+        if have:
+            extra.append(f"overlap.ep_pairing={'true' if pair else 'false'}")
+        elif pair:
+            skipped[name] = why
+            continue
+        problems = validate(compose(base + extra), 2)
+        if problems:
+            skipped[name] = "refused by the validator: " + "; ".join(str(p) for p in problems)[:400]
+            continue
+        run[name] = extra
+    return base, run, skipped
+
+
+def _worker(rank: int, port: int, args, tmp: str) -> None:
+    init_bench_worker(rank, port)
+    import torch.distributed as dist
+
+    from bench.modes import MpoSide, summarize
+    from bench.rate_probe import ModelRateSide, summarize as rate_summary
+    from mpoverlap.config import compose
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    sides: Dict[str, Any] = {}
+    try:
+        base, variants, skipped = planned(args)
+        state = None
+        for name, extra in variants.items():
+            cfg = compose(base + extra + [f"run.dir={tmp}/{name}"])
+            state = state or init_distributed(cfg)
+            (Path(tmp) / name).mkdir(parents=True, exist_ok=True)
+            sides[name] = MpoSide(Trainer(cfg, state, Path(tmp) / name))
+        first_loss = {}
+        for name, side in sides.items():
+            first_loss[name] = float(side.train_step()["loss_local"])
+            side.collect(False)
+            side.settle()
+        # the model's and the experts' rates in these rounds, one probe per chunk count (the
+        # experts' rate depends on the rows of a chunk)
+        probes: Dict[str, Tuple[Any, List[str]]] = {}
+        for name, side in sides.items():
+            key = f"rate_probe_chunks{side.t.cfg.overlap.ep_chunks}"
+            if key not in probes:
+                probes[key] = (ModelRateSide(side.t.cfg), [])
+            probes[key][1].append(name)
+        blocks = rotating_blocks({**sides, **{k: p for k, (p, _) in probes.items()}}, args, log_prefix="ep_pairing")
+        gathered: List[Any] = [None, None]
+        dist.all_gather_object(gathered, {"blocks": blocks, "first_loss": first_loss})
+        if rank == 0:
+            res = summarize(gathered, list(sides), args)
+            res.update(base_overrides=base, variant_overrides=variants, skipped=skipped, model_rate_probe={})
+            for key, (side, names) in probes.items():
+                row = rate_summary([g["blocks"] for g in gathered], key, side, args.quiet_cores)
+                res["model_rate_probe"].update({n: row for n in names})
+            Path(args.json_tmp).write_text(json.dumps(res, indent=2))
+    finally:
+        close_trainers(side.t for side in sides.values())
+
+
+DEFAULTS = dict(hidden=512, ffn=320, seq=256, layers=2, micro_batch=2, microbatches=4, chunks=2)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_block_args(p, block=3, repeats=4, max_repeats=12, min_quiet=4, time_budget=150.0, warmup=2)
+    for k, v in DEFAULTS.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"default {v}")
+
+
+def run(args) -> Dict[str, Any]:
+    res, t0 = spawn_ranks(_worker, args, prefix="mpo-bench-ep-pairing-")
+    res.update(benchmark="ep_pairing", link=args.link, wall_s=time.perf_counter() - t0,
+               setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", *DEFAULTS)})
+    return res
+
+
+# ---- in make bench: the measurement, the ratio and the simulator beside it ----------------------
+def run_in_bench(rate: str, out: Path, budget: float, no_netns: bool = False) -> Dict[str, Any]:
+    """For bench/run.py: this benchmark in a subprocess inside bench/netns.sh at `rate` (the bare
+    loopback if the namespace cannot be made, and the link line says so), this machine's
+    rates timed before it (the peak, the update, the CPU per byte sent; the model's and the
+    experts' rates come from the rounds), and the simulator's prediction of every variant."""
+    import subprocess
+    import sys
+
+    from bench import predict
+    from bench.common import ROOT, netns_prefix
+
+    path = out / "ep_pairing.json"
+    prefix, link = netns_prefix(rate, no_netns)
+    ns = argparse.Namespace(**DEFAULTS)
+    base, variants, _ = planned(ns)
+    before = predict.time_machine(base, variants)
+    cmd = prefix + [sys.executable, "-m", "bench.ep_pairing", "--json", str(path), "--link", link,
+                    "--time-budget", str(budget)]
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.ep_pairing failed with exit status {proc.returncode}")
+    res = json.loads(path.read_text())
+    res["machine_rates"] = {k: [v] for k, v in before.items()}
+    res["predicted"] = predict_variants(res, rate, probe=bool(prefix))
+    return res
+
+
+def predict_variants(res: Dict[str, Any], rate: str, probe: bool = True) -> Dict[str, Dict[str, float]]:
+    """{variant: predicted step_s, ep in-flight and exposed seconds, exposed share, the pairing
+    line, and the exchanges : experts ratio}, as bench.predict predicts the modes (its link
+    probe, the machine rates timed beside the measurement, the rates timed in the rounds)."""
+    from bench.predict import _compose, shaped_link
+    from bench.rate_probe import machine_of
+    from mpoverlap.overlap.layout import build_layout
+    from mpoverlap.simulate.core import simulate
+    from mpoverlap.simulate.costs import chunk_costs
+    from mpoverlap.simulate.collectives import group_links
+    from mpoverlap.simulate.hardware import from_config, measured_rates, parse_rate
+    from mpoverlap.overlap.estimate.core import compute_bytes
+    from mpoverlap.overlap.config import CommOverlapConfig
+
+    probed = shaped_link(rate) if probe else None
+    link = probed["bytes_s"] if probed else parse_rate(f"rate {rate}")
+    more = [f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"]
+    if probed:
+        more += [f"hardware.inter_latency={probed['latency']}", f"hardware.intra_latency={probed['latency']}"] + \
+            [f"hardware.collective_efficiency.{op}={x}" for op, x in probed["efficiency"].items()]
+    out: Dict[str, Dict[str, float]] = {}
+    for name, extra in res["variant_overrides"].items():
+        cfg = _compose(res["base_overrides"], extra, more)
+        timed = (res.get("machine_rates") or {}).get(machine_of(cfg)) or [measured_rates(cfg)]
+        in_rounds = (res.get("model_rate_probe") or {}).get(name, {})
+        rates = [dict(t, **{k: v for k, v in in_rounds.items() if k in ("model_flops", "expert_flops")}) for t in timed]
+        hw = from_config(cfg, rates)
+        r = simulate(cfg, hw)
+        lo = build_layout(cfg)
+        enabled = {m: s.enabled for m, s in CommOverlapConfig.from_config(cfg, lo.world).modes().items()}
+        cost = chunk_costs(cfg, lo, hw, group_links(lo, hw), enabled, compute_bytes(cfg))[0]
+        experts = (lo.num_microbatches or 1) * sum(p.experts for k in ("F", "B") for p in cost.layers[k])
+        out[name] = {"step_s": r.step_s, "ep_in_flight_s": r.in_flight_s["ep"], "ep_exposed_s": r.exposed_s["ep"],
+                     "share": r.exposed_share["ep"], "pairing": r.ep_pairing, "experts_s": experts,
+                     "exchanges_over_experts": r.in_flight_s["ep"] / experts if experts else 0.0,
+                     "expert_gflops": hw.expert_flops / 1e9, "model_gflops": hw.flops / 1e9,
+                     "link_mb_s": hw.inter.bandwidth / 1e6}
+    return out
+
+
+def measured_ratio(res: Dict[str, Any]) -> Optional[float]:
+    """Exchanges : experts of the none variant as measured: its ep in flight per step and rank
+    (the ledger, median step) over its experts' seconds per step (their FLOPs per step, layers
+    x microbatches x one microbatch's experts forward + backward, at the rate timed in the
+    rounds, `rate_probe`'s experts at one chunk = one microbatch's rows)."""
+    row = (_rows(res).get("none") or {}).get("comm", {}).get("ep")
+    probe = (res.get("model_rate_probe") or {}).get("none")
+    if not row or not probe or not probe.get("expert_flops"):
+        return None
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.layout import build_layout
+    from mpoverlap.simulate.measure import expert_work
+
+    cfg = compose(res["base_overrides"] + res["variant_overrides"]["none"])
+    lo = build_layout(cfg, 2)
+    _, flops = expert_work(cfg, lo)  # one chunk of 1 = one microbatch, forward + backward
+    seconds = cfg.model.num_layers * (lo.num_microbatches or 1) * flops / probe["expert_flops"]
+    return row["in_flight_ms_median"] / 1e3 / seconds
+
+
+def _rows(res: Dict[str, Any]) -> Dict[str, Any]:
+    """Quiet blocks when every variant has at least 3, else all (as bench.run's tables)."""
+    quiet = res.get("variants_quiet") or {}
+    names = list(res.get("variants") or {})
+    if names and all(n in quiet and quiet[n]["blocks"] >= 3 for n in names):
+        return quiet
+    return res.get("variants") or {}
+
+
+def render(results: Dict[str, Any]) -> str:
+    res = results.get("ep_pairing")
+    if not res:
+        return ""
+    s, rows, pred = res["setup"], _rows(res), res.get("predicted") or {}
+    used_quiet = rows is res.get("variants_quiet")
+    lines = ["## EP at 1:1, none / chunks / pairing / both (issue 31)", "", f"Link: {res['link']}.",
+             f"Overrides: `{' '.join(res['base_overrides'])}`; hidden {s['hidden']}, expert width {s['ffn']}, seq "
+             f"{s['seq']}, {s['layers']} MoE layers, micro batch {s['micro_batch']} x {s['microbatches']} microbatches per "
+             f"rank, chunks {s['chunks']}; blocks of {s['block']} steps (first {s['block_warmup']} discarded), step = "
+             "slowest rank. " + ("Quiet blocks used." if used_quiet else "WARNING: too few quiet blocks (other processes "
+                                 f"used > {res['quiet_threshold_cores']} cores); all blocks used, expect noise."), "",
+             "| variant | overrides | median step (ms) | IQR (ms) | vs chunks | ep in flight (ms/step/rank) | exposed | "
+             "exposed share | predicted step (ms) | error | predicted share | difference |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ref = rows.get("chunks", {}).get("step", {}).get("median_s")
+    for name in VARIANTS:
+        if name not in rows:
+            lines.append(f"| {name} | - | {res.get('skipped', {}).get(name, 'not run')} |" + " - |" * 9)
+            continue
+        st, c, p = rows[name]["step"], rows[name]["comm"].get("ep", {}), pred.get(name)
+        share = c["exposed_ms_median"] / c["in_flight_ms_median"] if c.get("in_flight_ms_median") else float("nan")
+        cells = [f"{st['median_s'] * 1e3:.1f}", f"{st['q1_s'] * 1e3:.1f}-{st['q3_s'] * 1e3:.1f}",
+                 f"{st['median_s'] / ref:.3f}" if ref else "-", f"{c.get('in_flight_ms_median', 0):.1f}",
+                 f"{c.get('exposed_ms_median', 0):.1f}", f"{share:.2f}"]
+        cells += ([f"{p['step_s'] * 1e3:.1f}", f"{p['step_s'] / st['median_s'] - 1:+.0%}", f"{p['share']:.2f}",
+                   f"{p['share'] - share:+.2f}"] if p else ["-"] * 4)
+        lines.append(f"| {name} | `{' '.join(res['variant_overrides'][name])}` | " + " | ".join(cells) + " |")
+    lines.append("")
+    ratio = measured_ratio(res)
+    sim = pred.get("none", {}).get("exchanges_over_experts")
+    lines.append(f"Exchanges : experts (the none variant's ep in flight over its experts' forward + backward): measured "
+                 f"{'-' if ratio is None else f'{ratio:.2f}'}, simulated {'-' if sim is None else f'{sim:.2f}'}.")
+    why_not: Dict[str, List[str]] = {}
+    for n, w in (res.get("skipped") or {}).items():
+        why_not.setdefault(w, []).append(n)
+    for w, names in why_not.items():
+        lines.append(f"Not run: {', '.join(names)} ({w}).")
+    for name in PAIRED:
+        if name in pred:
+            lines.append(f"Simulator, {name}: {pred[name]['pairing']}.")
+    if "pairing" in rows and "chunks" in rows:
+        pr, ch = rows["pairing"], rows["chunks"]
+        c = pr["comm"].get("ep", {})
+        lines.append(f"Goals (issue 31): pairing's exposed share {c['exposed_ms_median'] / c['in_flight_ms_median']:.2f} "
+                     f"(goal <= 0.20); pairing / chunks step {pr['step']['median_s'] / ch['step']['median_s']:.3f} "
+                     "(goal <= 0.85).")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    json_cli(__doc__, add_args, run, link=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Forward/backward pairing of MoE microbatches (`overlap.ep_pairing`, issue 31): what it hides.
+
+Megatron's combined 1F1B and DeepSeek's DualPipe hide one microbatch's expert all-to-alls
+under another microbatch's computation. mpoverlap/pairing runs it at pp 1 with m
+microbatches: microbatch 0's forward alone, then the forward of microbatch i beside the
+backward of microbatch i-1 (m-1 pairs), then the last backward alone. Each microbatch is a
+program of sub-steps (per MoE layer, forward: pre-dispatch compute = the previous layer's
+combine segment, attention, norms, router and the counts exchange; the dispatches; the
+experts chunk by chunk, each chunk's combine issued after it; backward: the mirror), and the
+executor runs the two programs of a pair on one thread round-robin, each up to the point
+where it has just issued exchanges of its own (a YIELD). Forward layer j meets backward layer
+L-1-j; on the link:
+
+    F's dispatches      under  B's post-combine backward (head backward first) / pre-dispatch backward
+    B's reverse combines under F's experts
+    F's combines        under  B's experts backward
+    B's reverse dispatches under F's combine segment and next pre-dispatch
+
+`forward_program` / `backward_program` write those programs as mpoverlap/pairing/steps.py and
+tape.py run them (i31-pairing at 3d7c87f), `round_robin` interleaves them, and
+`overlap.serial_link_waits` runs the result on one serial link, first come first served (a
+transfer queues behind what the link still carries: the pre-dispatch's counts exchange too).
+The unpaired first forward and last backward are the same programs run alone
+(`alone_exposed`): in backward every reverse combine is waited before the experts' backward
+(one autograd call over the chunks), so the lone backward hides nothing of its own.
+
+`apply_pairing` turns the per-microbatch costs (costs.ChunkCost, one chunk at pp 1) into the
+per-microbatch average the pipeline engine adds up: exposed ep per forward =
+(alone + (m-1) x paired) / m, the same for the backward; the counts exchanges' latency joins
+the forward's ep in flight. Not modelled: pp > 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+from mpoverlap.simulate.overlap import serial_link_waits
+
+FORWARD, BACKWARD = "F", "B"
+
+
+@dataclass(frozen=True)
+class LayerPass:
+    """One layer's pass of one microbatch on a rank (its forward, or its backward), in seconds:
+    `pre` = the compute outside the experts (attention, norms, router, permutation; a dense
+    layer's whole MLP; recomputation), `experts` and `shared` (the shared expert) compute, and
+    the token exchanges `dispatch` and `combine` (0 for a dense layer; in backward the reverse
+    exchanges, named after the forward's they reverse; `counts` the forward's counts exchange)."""
+    pre: float
+    experts: float = 0.0
+    shared: float = 0.0
+    dispatch: float = 0.0
+    combine: float = 0.0
+    counts: float = 0.0  # the forward's exchange of the chunks' token counts (before the dispatch)
+
+    @property
+    def compute(self) -> float:
+        return self.pre + self.experts + self.shared
+
+
+def requested(cfg: Any) -> str:
+    """`overlap.ep_pairing` as "auto" | "true" | "false" ("false" when the key does not exist:
+    a build without pairing)."""
+    from mpoverlap.config import normalize_tristate
+
+    ov = getattr(cfg, "overlap", None)
+    value = ov.get("ep_pairing", "false") if ov is not None and hasattr(ov, "get") else "false"
+    return str(normalize_tristate(value))
+
+
+def pairing_state(cfg: Any, pp: int, vpp: int, ep: int, ep_overlap: bool, microbatches: int,
+                  resolved: Any = None) -> Tuple[bool, str]:
+    """(whether the simulator pairs forward and backward microbatches, why). `resolved`: the
+    build's own resolution of `overlap.ep_pairing` (CommOverlapConfig's ModeState, where the
+    build has it: its rules say where pairing runs); without it, `overlap.ep_pairing` true or
+    auto where it applies: ep > 1 with EP overlap on (the exchanges asynchronous), pp 1 (the
+    only layout modelled), at least 2 microbatches (a pair needs two)."""
+    if resolved is not None:
+        if not resolved.enabled:
+            return False, resolved.reason if resolved.reason.startswith("off") else f"off: {resolved.reason}"
+        if pp > 1 or vpp > 1:
+            return False, f"not modelled at pp {pp} x vpp {vpp} (pp 1 only)"
+        return True, (f"on: microbatch 0's forward alone, {microbatches - 1} forward/backward pair(s), the last "
+                      "backward alone")
+    want = requested(cfg)
+    if want not in ("true", "auto"):
+        return False, "off (overlap.ep_pairing=false)" if want == "false" else f"off (overlap.ep_pairing={want})"
+    if ep <= 1:
+        return False, "off: ep = 1, no expert exchanges"
+    if not ep_overlap:
+        return False, "off: EP overlap is off (the exchanges are waited where issued)"
+    if pp > 1 or vpp > 1:
+        return False, f"not modelled at pp {pp} x vpp {vpp} (pp 1 only)"
+    if microbatches < 2:
+        return False, "off: 1 microbatch, nothing to pair with"
+    return True, (f"on: microbatch 0's forward alone, {microbatches - 1} forward/backward pair(s), the last "
+                  "backward alone")
+
+
+YIELD = ("yield",)
+
+
+def forward_program(passes: Sequence[LayerPass], chunks: int, other_f: float = 0.0) -> List:
+    """One microbatch's forward as the pairing runs it (mpoverlap/pairing/steps.py), the steps of
+    `overlap.serial_link_waits` plus YIELD where it hands over to the other microbatch. Per MoE
+    layer j: wait the previous layer's combines (its combine segment is in `pre`), pre-dispatch
+    compute, the counts exchange (issued and waited: it queues behind whatever the link still
+    carries), issue the k dispatches, YIELD; the shared expert, then per chunk wait its
+    dispatch, its experts, issue its combine, YIELD. A dense layer: its compute. Last: wait the
+    last combines, `other_f` (embedding, head and loss)."""
+    k, prog, pending = max(1, chunks), [], []
+    for j, f in enumerate(passes):
+        prog += [("wait", name) for name in pending]
+        pending = []
+        prog.append(("compute", f.pre))
+        if f.dispatch <= 0:
+            continue
+        prog += [("issue", f"F:N{j}", f.counts), ("wait", f"F:N{j}")]  # queues behind the link's transfers
+        prog += [("issue", f"F:D{j}.{c}", f.dispatch / k) for c in range(k)] + [YIELD, ("compute", f.shared)]
+        for c in range(k):
+            prog += [("wait", f"F:D{j}.{c}"), ("compute", f.experts / k), ("issue", f"F:C{j}.{c}", f.combine / k)]
+        prog.append(YIELD)
+        pending = [f"F:C{j}.{c}" for c in range(k)]
+    return prog + [("wait", name) for name in pending] + [("compute", other_f)]
+
+
+def backward_program(passes: Sequence[LayerPass], chunks: int, other_b: float = 0.0) -> List:
+    """The mirror (the tape run backwards): `other_b` (loss and head backward) first, then per MoE
+    layer from the last: issue the k reverse combines, YIELD; wait them all, the experts'
+    backward (all chunks in one autograd call), issue the k reverse dispatches, the shared
+    expert's backward, YIELD; wait them all, the pre-dispatch backward. A dense layer: its
+    compute. `passes` in forward order."""
+    k, prog = max(1, chunks), [("compute", other_b)]
+    for j in reversed(range(len(passes))):
+        b = passes[j]
+        if b.combine > 0:
+            prog += [("issue", f"B:C{j}.{c}", b.combine / k) for c in range(k)] + [YIELD]
+            prog += [("wait", f"B:C{j}.{c}") for c in range(k)] + [("compute", b.experts)]
+            prog += [("issue", f"B:D{j}.{c}", b.dispatch / k) for c in range(k)] + [("compute", b.shared), YIELD]
+            prog += [("wait", f"B:D{j}.{c}") for c in range(k)]
+        else:
+            prog.append(("compute", b.experts + b.shared))
+        prog.append(("compute", b.pre))
+    return prog
+
+
+def round_robin(first: List, second: List) -> List:
+    """Two programs as the pairing executor runs them on one thread: `first` up to its next
+    YIELD, then `second` up to its next, and so on; the one left runs to its end."""
+    def pieces(prog: List) -> List[List]:
+        out: List[List] = [[]]
+        for step in prog:
+            if step == YIELD:
+                out.append([])
+            else:
+                out[-1].append(step)
+        return out
+
+    a, b = pieces(first), pieces(second)
+    merged: List = []
+    for i in range(max(len(a), len(b))):
+        merged += (a[i] if i < len(a) else []) + (b[i] if i < len(b) else [])
+    return merged
+
+
+def pair_program(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: int,
+                 other_f: float = 0.0, other_b: float = 0.0) -> List:
+    """One pair: the forward of a microbatch (`fwd`, layers in forward order; it runs first)
+    beside the backward of the previous one (`bwd`, the same layers in forward order; it runs
+    them last to first), round-robin at their YIELDs. Exchange names start with "F:" or "B:"
+    (whose microbatch waits)."""
+    if len(bwd) != len(fwd):
+        raise ValueError(f"a pair needs the same layers on both sides ({len(fwd)} forward, {len(bwd)} backward)")
+    return round_robin(forward_program(fwd, chunks, other_f), backward_program(bwd, chunks, other_b))
+
+
+def _by_side(program: List) -> Dict[str, float]:
+    out = {FORWARD: 0.0, BACKWARD: 0.0}
+    for name, waited in serial_link_waits(program).items():
+        out[name.split(":", 1)[0]] += waited
+    return out
+
+
+def pair_exposed(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: int, other_f: float = 0.0,
+                 other_b: float = 0.0) -> Dict[str, float]:
+    """{"F": seconds the pair waits on the forward's exchanges, "B": on the backward's}."""
+    return _by_side(pair_program(fwd, bwd, chunks, other_f, other_b))
+
+
+def alone_exposed(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: int, other_f: float = 0.0,
+                  other_b: float = 0.0) -> Dict[str, float]:
+    """{"F": the first forward's exposed seconds, "B": the last backward's}: the same programs,
+    each run with no other microbatch beside it (the executor runs them alone)."""
+    f = _by_side(round_robin(forward_program(fwd, chunks, other_f), []))[FORWARD]
+    b = _by_side(round_robin([], backward_program(bwd, chunks, other_b)))[BACKWARD]
+    return {FORWARD: f, BACKWARD: b}
+
+
+def apply_pairing(cost: Any, microbatches: int, chunks: int) -> Dict[str, float]:
+    """Rewrites `cost` (a costs.ChunkCost of the one chunk at pp 1) so that its ep exposure per
+    forward and per backward is the step's average over `microbatches` with pairing: the lone
+    forward and backward (`alone_exposed`) and m-1 pairs (`pair_exposed` of its layer passes).
+    Returns {"F", "B": exposed per pair} and the lone {"F_alone", "B_alone"}, for the report."""
+    m = microbatches
+    layers_f, layers_b = cost.layers[FORWARD], cost.layers[BACKWARD]
+    other_f = max(0.0, cost.compute[FORWARD] - sum(p.compute for p in layers_f))
+    other_b = max(0.0, cost.compute[BACKWARD] - sum(p.compute for p in layers_b))
+    paired = pair_exposed(layers_f, layers_b, chunks, other_f, other_b)
+    alone = alone_exposed(layers_f, layers_b, chunks, other_f, other_b)
+    for kind in (FORWARD, BACKWARD):
+        cost.exposed[kind]["ep"] = (alone[kind] + (m - 1) * paired[kind]) / m
+    # the counts exchanges' calls, on the link in these programs (the unpaired model leaves
+    # their latency out), are in flight too
+    cost.in_flight[FORWARD]["ep"] = cost.in_flight[FORWARD].get("ep", 0.0) + sum(p.counts for p in layers_f)
+    return {**paired, "F_alone": alone[FORWARD], "B_alone": alone[BACKWARD]}
