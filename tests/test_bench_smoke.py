@@ -185,7 +185,7 @@ def test_zero_bubble_bench_plumbing(tmp_path):
     from types import SimpleNamespace
 
     from bench import memory, zero_bubble, zero_bubble_report
-    from mpoverlap.pipeline.schedules import SCHEDULE_KINDS
+    from mpoverlap.pipeline.schedules import SCHEDULE_KINDS, defers_weight_grads
 
     out = tmp_path / "zb.json"
     cmd = [sys.executable, "-m", "bench.zero_bubble", "--scenario", "schedules", "--layers", "4", "--hidden", "64",
@@ -206,10 +206,12 @@ def test_zero_bubble_bench_plumbing(tmp_path):
         row = res["variants"][name]
         assert len(row["stages"]) == 2 and all(s["busy_ms"] > 0 for s in row["stages"])
         assert row["costs_ms"]["F"] > 0 and row["costs_ms"]["B"] > 0
-        assert (row["costs_ms"]["W"] > 0) == (row["kind"] == "zb1p")
+        assert (row["costs_ms"]["W"] > 0) == defers_weight_grads(row["kind"])
         assert len(row["timed_table_ms"]["in_window_s"]) == 2
     text = zero_bubble_report.render({"zero_bubble": {"schedules": res}})
     assert "ZB-H1 (zb1p)" in text and "torch ScheduleZBVZeroBubble" in text and "zb1p/1f1b" in text
+    if "mpo_zbv_m4" in ours:
+        assert "zbv/interleaved" in text and "ours/torch zbv" in text
     args = SimpleNamespace(scenario="tp_wgrad", hidden=64, ffn=128, seq=32, layers=4, heads=4, micro_batch=2,
                            microbatches=[4], torch=[])
     spec = zero_bubble.scenario_overrides(args)

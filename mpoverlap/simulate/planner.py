@@ -5,7 +5,7 @@ Candidates: tp (powers of two up to 2 nodes), pp (divisors of the layer count), 
 cp 1/2, ep (MoE: powers of two dividing the experts), micro batch 1/2/4, sequence parallel,
 distributed optimizer; dp = world / (tp pp cp); with pp > 1, every pipeline schedule of
 `pipeline.SCHEDULE_KINDS` whose constraints accept the layout (pp, vpp, microbatches), e.g.
-1f1b and zb1p at vpp 1, interleaved and zb1p at vpp > 1 (pp = 1: `auto`). A key given on the
+1f1b and zb1p at vpp 1; interleaved, zb1p and zbv at vpp 2 (pp = 1: `auto`). A key given on the
 command line is kept fixed.
 Each candidate goes through, in order:
   1. the validator (every rule; each rejection is counted under its rule id),
