@@ -13,6 +13,7 @@ Writes bench/results/<timestamp>/results.json and results.md and prints the tabl
                         [--skip-scaling] [--scaling-worlds 1,2,4,8] [--scaling-steps 12]
                         [--skip-memory] [--memory-layouts dp2,...] [--memory-steps 3]
                         [--skip-timelines] [--timelines dp2,tp2,pp2,cp2,ep2] [--skip-zero]
+                        [--skip-zero-bubble] [--zero-bubble schedules,tp_wgrad]
                         [--skip-async-ckpt] [--skip-long-context] [--long-context-seqs 16384,32768,65536]
 
 --modes runs bench/modes.py (TP/CP/PP overlap against DTensor and torch.distributed.pipelining,
@@ -26,6 +27,11 @@ bench/long_context.py (issue 32): cp 2 ring attention at 16K, 32K and 64K tokens
 tiny model, the fused block kernels against the explicit math (step time, tokens/s, peak RSS),
 peak memory against mpoverlap-check's estimate, and the ring's compute against the same blocks
 through SDPA alone. The longest part of `make bench` (tens of minutes on two cores).
+
+bench/zero_bubble.py (issue 30): pp 2 schedules (ours from SCHEDULE_KINDS, torch's 1F1B, ZB1P and
+ZBV) side by side at m = 4 and 8 with the bubble against its formula and each schedule's
+activation memory; and the exposed tp of tp 2 + SP + collective matmul at pp 2 with and
+without W deferral (world 4). Inside bench/netns.sh (probed once, as scaling's).
 
 bench/async_ckpt.py (checkpoint.async_save: step time while a checkpoint is written in the
 background, against steps without saves and a synchronous save) runs on the bare loopback: it
@@ -51,7 +57,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench import async_ckpt, dp_overlap, long_context, memory, modes, predict, scaling, timelines, zero
+from bench import async_ckpt, dp_overlap, long_context, memory, modes, predict, scaling, timelines, zero, zero_bubble
+from bench import zero_bubble_report
 from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
 
 
@@ -410,6 +417,11 @@ def main() -> None:
     p.add_argument("--skip-zero", action="store_true", help="skip bench/zero.py (ZeRO-3 prefetch vs torch FSDP2)")
     p.add_argument("--skip-ep-pairing", action="store_true", help="skip bench/ep_pairing.py (EP at 1:1, issue 31)")
     p.add_argument("--zero-budget", type=float, default=150.0, help="seconds of ZeRO-3 measuring at most (default 150)")
+    p.add_argument("--skip-zero-bubble", action="store_true", help="skip bench/zero_bubble.py (issue 30)")
+    p.add_argument("--zero-bubble", default="schedules,tp_wgrad",
+                   help="bench/zero_bubble.py scenarios (default schedules,tp_wgrad)")
+    p.add_argument("--zero-bubble-budget", type=float, default=150.0,
+                   help="seconds of measuring per zero-bubble scenario at most (default 150)")
     p.add_argument("--skip-scaling", action="store_true")
     p.add_argument("--scaling-worlds", default="1,2,4,8", help="world sizes of the DP scaling runs (default 1,2,4,8)")
     p.add_argument("--scaling-steps", type=int, default=12, help="steps per scaling run (default 12)")
@@ -449,10 +461,13 @@ def main() -> None:
         from bench import ep_pairing
         results["ep_pairing"] = ep_pairing.run_in_bench(args.rate, out, args.modes_budget, args.no_netns)
     # One namespace probe for the scaling and timeline runs.
-    prefix, link = (([], "") if args.skip_scaling and args.skip_timelines and args.skip_zero
+    prefix, link = (([], "") if args.skip_scaling and args.skip_timelines and args.skip_zero and args.skip_zero_bubble
                     else netns_prefix(args.rate, args.no_netns))
     if not args.skip_zero:
         results["zero"] = zero.run_in_bench(prefix, link, out, args.zero_budget)
+    if not args.skip_zero_bubble:
+        results["zero_bubble"] = zero_bubble.run_in_bench(prefix, link, out, args.zero_bubble_budget,
+                                                          _names(args.zero_bubble))
     if not args.skip_scaling:
         results["scaling"] = scaling.run(worlds, args.scaling_steps, args.bucket_mb, out, prefix, link)
     if not args.skip_memory:
@@ -477,7 +492,7 @@ def main() -> None:
     if results.get("ep_pairing"):
         from bench import ep_pairing
         table += "\n" + ep_pairing.render(results)
-    for section in (zero.render(results), scaling.render(results), memory.render(results), timelines.render(results),
+    for section in (zero.render(results), zero_bubble_report.render(results), scaling.render(results), memory.render(results), timelines.render(results),
                     async_ckpt.render(results), long_context.render(results), predict.render(results.get("predicted") or [])):
         if section:
             table += "\n" + section

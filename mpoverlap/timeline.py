@@ -6,7 +6,11 @@ mpoverlap/training/profiling.py) and draws one band per rank, one lane per lane 
 - compute: time inside a step not blocked in a wait (what the ledger does not call exposed);
 - one lane per communication mode (dp/tp/pp/cp/ep): light bars where at least one handle of
   the mode is in flight (issue -> completion; their union is the ledger's `time_s`), strong
-  hatched bars where compute sat blocked in its post or wait (the ledger's `exposed_s`).
+  hatched bars where compute sat blocked in its post or wait (the ledger's `exposed_s`);
+- pipelined runs: a "pp actions" lane with each pipeline action's compute (its span minus the
+  rank's blocked spans), labelled with its microbatch: F forward; B the full backward
+  (1F1B, interleaved); B with W deferred (zero-bubble schedules: the input gradient only,
+  another colour); W the deferred weight gradients.
 
 Vertical lines mark step boundaries; x is milliseconds from the earliest step start over all
 ranks (ranks are lined up on Unix time, exact on one host). Default output:
@@ -19,7 +23,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mpoverlap.comm.handle import MODES
 from mpoverlap.comm.ledger import union_length
@@ -30,6 +34,11 @@ Span = Tuple[float, float]  # (start, end), seconds
 MODE_COLOURS = {"dp": ("#9ecae1", "#08519c"), "tp": ("#fdd0a2", "#d94801"), "pp": ("#dadaeb", "#54278f"),
                 "cp": ("#a1d99b", "#006d2c"), "ep": ("#fcbba1", "#a50f15")}
 COMPUTE_COLOUR = "#969696"
+# Pipeline actions: (colour, legend) per shown kind; "B-input" is a B whose W was deferred.
+ACTION_STYLE = {"F": ("#4292c6", "F: forward"),
+                "B": ("#cb181d", "B: full backward (input and weight gradients)"),
+                "B-input": ("#fd8d3c", "B: input gradient only (its W deferred)"),
+                "W": ("#31a354", "W: deferred weight gradients")}
 
 
 @dataclass
@@ -40,6 +49,7 @@ class RankTimeline:
     coords: Dict[str, int] = field(default_factory=dict)  # {"tp", "cp", "dp", "pp", "ep"}
     steps: List[dict] = field(default_factory=list)  # {"step", "begin", "end"}
     comms: List[dict] = field(default_factory=list)  # {"step", "mode", "op", "bytes", ...}
+    actions: List[dict] = field(default_factory=list)  # {"step", "action", "microbatch", "vchunk", "begin", "end"}
 
     def modes(self) -> List[str]:
         return [m for m in MODES if any(c["mode"] == m for c in self.comms)]
@@ -54,6 +64,13 @@ class RankTimeline:
         return merge([(c["wait_begin"], c["wait_end"]) for c in mine
                       if c["wait_begin"] is not None and c["wait_end"] > c["wait_begin"]]
                      + [(c["issued_at"], c["post_end"]) for c in mine if c.get("post_end") is not None])
+
+    def shown_actions(self) -> List[Tuple[str, dict]]:
+        """(shown kind, action) per pipeline action: a B whose (step, microbatch, vchunk) has a
+        W is shown as "B-input" (it computed the input gradient only)."""
+        deferred = {(a["step"], a["microbatch"], a["vchunk"]) for a in self.actions if a["action"] == "W"}
+        return [("B-input" if a["action"] == "B" and (a["step"], a["microbatch"], a["vchunk"]) in deferred
+                 else a["action"], a) for a in self.actions]
 
     def compute(self) -> List[Span]:
         """Step time minus every blocked span: when this rank was free to compute."""
@@ -110,6 +127,8 @@ def load(run_dir: Path, max_steps: Optional[int] = None) -> List[RankTimeline]:
         for r in rows:
             if r["kind"] == "step":
                 tl.steps.append({"step": r["step"], "begin": r["begin"] + off, "end": r["end"] + off})
+            elif r["kind"] == "action":
+                tl.actions.append(dict(r, begin=r["begin"] + off, end=r["end"] + off))
             elif r["kind"] == "comm":
                 c = dict(r)
                 for key in ("issued_at", "completed_at", "wait_begin", "wait_end", "post_end"):
@@ -122,6 +141,7 @@ def load(run_dir: Path, max_steps: Optional[int] = None) -> List[RankTimeline]:
         for tl in ranks:
             tl.steps = [s for s in tl.steps if s["step"] in keep]
             tl.comms = [c for c in tl.comms if c["step"] in keep]
+            tl.actions = [a for a in tl.actions if a["step"] in keep]
     return ranks
 
 
@@ -135,6 +155,15 @@ def summary_lines(ranks: Sequence[RankTimeline]) -> List[str]:
             exposed = sum(c["exposed_s"] for c in mine) * 1e3
             out.append(f"rank {tl.rank} {mode}: {len(mine)} handles, {sum(c['bytes'] for c in mine)} B, "
                        f"in flight {in_flight:.2f} ms, exposed {exposed:.2f} ms")
+        if tl.actions:
+            waits = tl.exposed()
+            parts = []
+            for kind in ACTION_STYLE:
+                mine = [a for k, a in tl.shown_actions() if k == kind]
+                if mine:
+                    busy = sum(e - b for a in mine for b, e in subtract((a["begin"], a["end"]), waits)) * 1e3
+                    parts.append(f"{len(mine)} {kind} ({busy:.2f} ms)")
+            out.append(f"rank {tl.rank} pp actions: " + ", ".join(parts))
     return out
 
 
@@ -160,7 +189,8 @@ def draw(ranks: Sequence[RankTimeline], out: Path, title: str) -> None:
     t1 = max(s["end"] for tl in ranks for s in tl.steps)
     ms = lambda spans: [((a - t0) * 1e3, (b - a) * 1e3) for a, b in spans]  # noqa: E731
     modes = [m for m in MODES if any(m in tl.modes() for tl in ranks)]
-    lanes = ["compute"] + modes
+    pipelined = any(tl.actions for tl in ranks)
+    lanes = ["compute"] + (["pp actions"] if pipelined else []) + modes
     band_gap = 0.7
     height = len(ranks) * (len(lanes) + band_gap)
     fig_h = 1.4 + 0.42 * height  # inches: lanes plus title, axis and legend rows
@@ -173,6 +203,8 @@ def draw(ranks: Sequence[RankTimeline], out: Path, title: str) -> None:
         if band % 2 == 0:  # a faint backdrop tells the bands apart
             ax.axhspan(top - len(lanes) - band_gap / 2, top + band_gap / 2, color="#f4f4f4", zorder=0)
         ax.broken_barh(ms(tl.compute()), (lane_y["compute"] + 0.2, 0.6), facecolors=COMPUTE_COLOUR, zorder=2)
+        if pipelined:
+            draw_actions(ax, tl, lane_y["pp actions"], t0, (t1 - t0) * 1e3)
         for mode in modes:
             light, strong = MODE_COLOURS[mode]
             y = lane_y[mode]
@@ -202,6 +234,8 @@ def draw(ranks: Sequence[RankTimeline], out: Path, title: str) -> None:
     ax.set_title(title, fontsize=10, loc="left")
     ax.set_title("right: exposed / in flight", fontsize=7, loc="right")
     handles = [Patch(facecolor=COMPUTE_COLOUR, label="compute (in step, not blocked)")]
+    shown = {k for tl in ranks for k, _ in tl.shown_actions()}
+    handles += [Patch(facecolor=c, label=label) for k, (c, label) in ACTION_STYLE.items() if k in shown]
     for mode in modes:
         light, strong = MODE_COLOURS[mode]
         handles += [Patch(facecolor=light, label=f"{mode} in flight"),
@@ -213,6 +247,23 @@ def draw(ranks: Sequence[RankTimeline], out: Path, title: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def draw_actions(ax: Any, tl: RankTimeline, y: float, t0: float, width_ms: float) -> None:
+    """The rank's pipeline actions on lane `y`: each one's compute (its span minus the blocked
+    spans), coloured by ACTION_STYLE, its microbatch written in where the bar is wide enough."""
+    waits = tl.exposed()
+    for kind, a in tl.shown_actions():
+        pieces = subtract((a["begin"], a["end"]), waits)
+        if not pieces:
+            continue
+        colour = ACTION_STYLE.get(kind, (COMPUTE_COLOUR, kind))[0]
+        bars = [((p0 - t0) * 1e3, (p1 - p0) * 1e3) for p0, p1 in pieces]
+        ax.broken_barh(bars, (y + 0.15, 0.7), facecolors=colour, edgecolor="white", linewidth=0.4, zorder=2)
+        start, length = max(bars, key=lambda bar: bar[1])
+        if length > 0.012 * width_ms:
+            tag = f"{a['action']}{a['microbatch']}" + (f".{a['vchunk']}" if a["vchunk"] else "")
+            ax.text(start + length / 2, y + 0.5, tag, ha="center", va="center", fontsize=6, color="white", zorder=3)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

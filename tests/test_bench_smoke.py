@@ -173,6 +173,65 @@ def test_long_context_ring_overhead_and_render():
     assert "Ring overhead at seq 256" in text
 
 
+def test_zero_bubble_bench_plumbing(tmp_path):
+    """bench.zero_bubble, tiny and on the bare loopback: every mpoverlap schedule of
+    SCHEDULE_KINDS that pp 2 can run and torch's 1F1B / ZB1P / ZBV start from the same loss (the
+    same weights and batch), each of our sides reports F / B (/ W) costs, its bubble per stage
+    and the formulas at those costs, and the section renders; the tp_wgrad and memory
+    configurations validate."""
+    import json
+    import os
+    import subprocess
+    from types import SimpleNamespace
+
+    from bench import memory, zero_bubble, zero_bubble_report
+    from mpoverlap.pipeline.schedules import SCHEDULE_KINDS, defers_weight_grads
+
+    out = tmp_path / "zb.json"
+    cmd = [sys.executable, "-m", "bench.zero_bubble", "--scenario", "schedules", "--layers", "4", "--hidden", "64",
+           "--ffn", "128", "--seq", "32", "--heads", "4", "--microbatches", "4", "--repeats", "1", "--max-repeats", "1",
+           "--time-budget", "5", "--warmup", "1", "--block", "2", "--min-quiet", "0", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    ours = {n for n in res["variants"] if n.startswith("mpo_")}
+    assert {"mpo_1f1b_m4", "mpo_interleaved_m4", "mpo_zb1p_m4"} <= ours
+    assert len(ours) == sum(zero_bubble.schedule_vpp(k, 2, 4, 4) is not None for k in SCHEDULE_KINDS)
+    losses = {n: max(v, key=abs) for n, v in res["first_loss"].items()}
+    ref = losses["mpo_1f1b_m4"]
+    for name in ("torch_1f1b_m4", "torch_zb1p_m4", "torch_zbv_m4", *ours):
+        assert abs(losses[name] - ref) <= 1e-5 * abs(ref), (name, losses)
+    for name in ours:
+        row = res["variants"][name]
+        assert len(row["stages"]) == 2 and all(s["busy_ms"] > 0 for s in row["stages"])
+        assert row["costs_ms"]["F"] > 0 and row["costs_ms"]["B"] > 0
+        assert (row["costs_ms"]["W"] > 0) == defers_weight_grads(row["kind"])
+        assert len(row["timed_table_ms"]["in_window_s"]) == 2
+    text = zero_bubble_report.render({"zero_bubble": {"schedules": res}})
+    assert "ZB-H1 (zb1p)" in text and "torch ScheduleZBVZeroBubble" in text and "zb1p/1f1b" in text
+    if "mpo_zbv_m4" in ours:
+        assert "zbv/interleaved" in text and "ours/torch zbv" in text
+    args = SimpleNamespace(scenario="tp_wgrad", hidden=64, ffn=128, seq=32, layers=4, heads=4, micro_batch=2,
+                           microbatches=[4], torch=[])
+    spec = zero_bubble.scenario_overrides(args)
+    for extra in spec["variants"].values():
+        assert validate(compose(zero_bubble.COMMON + spec["base"] + extra), 4) == []
+    args = SimpleNamespace(layers=4, hidden=64, ffn=128, seq=32, heads=4, micro_batch=2)
+    layouts = zero_bubble_report.memory_layouts(args, 4)
+    assert {"zb_1f1b_m4", "zb_zb1p_m4"} <= set(layouts)
+    for overrides in layouts.values():
+        overrides = overrides + ["train.steps=3"]
+        assert validate(compose(overrides), 2) == []
+        assert validate(compose(overrides + memory.baseline_overrides(compose(overrides))), 2) == []
+    rows = {}
+    for kind in ("1f1b", "zb1p"):
+        acts = [{"rank": r, "stage": r, "measured": (3 + r) * 2**20, "estimate": 2**21, "ratio": 1.0} for r in (0, 1)]
+        rows[f"zb_{kind}_m4"] = {"activations": acts}
+    assert "zb1p 1.00 (goal <= 1.10: met)" in zero_bubble_report.peak_line(rows, 4)
+    assert memory.render({}) == ""
+
+
 def test_ep_pairing_bench_plans_renders_and_names_a_build_without_pairing():
     """bench.ep_pairing (issue 31): the variants it runs validate at 2 ranks; without the
     `overlap.ep_pairing` key the pairing columns are reported as not available instead of

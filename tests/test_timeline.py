@@ -28,14 +28,18 @@ def _env():
     return env
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("profiled")
-    args = [str(BIN / "mpoverlap-train"), *TINY, "train.steps=3", f"run.dir={out}", "parallel.world_size=2",
-            "overlap.dp=true", "train.profile=true", "train.profile_start_step=1", "train.profile_steps=2"]
+def _profiled_run(out, *layout):
+    """A 3-step 2-rank run of TINY with `layout`, steps 1 and 2 profiled, into `out`."""
+    args = [str(BIN / "mpoverlap-train"), *TINY, "train.steps=3", f"run.dir={out}", *layout,
+            "train.profile=true", "train.profile_start_step=1", "train.profile_steps=2"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=_env())
     assert proc.returncode == 0, f"{args}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return _profiled_run(tmp_path_factory.mktemp("profiled"), "parallel.world_size=2", "overlap.dp=true")
 
 
 def _timeline(run_dir, rank):
@@ -113,6 +117,55 @@ def test_timeline_command_without_timeline_exits_2(tmp_path):
     proc = _timeline_cli(tmp_path)
     assert proc.returncode == 2
     assert "no communication timeline" in proc.stderr and "train.profile=true" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def zb1p_run_dir(tmp_path_factory):
+    """A profiled zero-bubble run: pp 2, zb1p, 4 microbatches."""
+    return _profiled_run(tmp_path_factory.mktemp("profiled_zb1p"), "parallel.pp=2", "parallel.pp_schedule=zb1p")
+
+
+@pytest.mark.slow
+def test_timeline_shows_zero_bubble_actions(zb1p_run_dir, tmp_path):
+    """Every F, B (input gradient only) and W of each profiled step on each stage, inside its
+    step, in the table's order (one at a time, each W after its B); the drawing labels the B's
+    apart from a full backward."""
+    from mpoverlap.pipeline import build_schedule
+    from mpoverlap.timeline import load
+
+    tables = build_schedule("zb1p", 2, 1, 4)
+    for tl in load(zb1p_run_dir):
+        bounds = {s["step"]: (s["begin"], s["end"]) for s in tl.steps}
+        assert sorted(bounds) == list(PROFILED)
+        for step, (begin, end) in bounds.items():
+            mine = [a for a in tl.actions if a["step"] == step]
+            assert [(a["action"], a["microbatch"], a["vchunk"]) for a in mine] == \
+                [(a.kind, a.microbatch, a.vchunk) for a in tables[tl.coords["pp"]]]
+            assert all(begin <= a["begin"] <= a["end"] <= end for a in mine), (begin, end, mine)
+            assert all(x["end"] <= y["begin"] + 1e-6 for x, y in zip(mine, mine[1:]))
+            done = {}
+            for a in mine:
+                if a["action"] == "B":
+                    done[a["microbatch"]] = a["end"]
+                if a["action"] == "W":
+                    assert a["begin"] >= done[a["microbatch"]]
+        assert {k for k, _ in tl.shown_actions()} == {"F", "B-input", "W"}
+    proc = _timeline_cli(zb1p_run_dir, "--out", tmp_path / "zb1p.png")
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1 pp actions: 8 F (" in proc.stdout and "8 B-input (" in proc.stdout and "8 W (" in proc.stdout
+
+
+def test_full_backward_is_shown_apart_from_input_gradient():
+    """A B without a W (1F1B, interleaved) is a full backward; with one, the input gradient."""
+    from mpoverlap.timeline import ACTION_STYLE, RankTimeline
+
+    def act(kind, mb, step=1):
+        return {"step": step, "action": kind, "microbatch": mb, "vchunk": 0, "begin": 0.0, "end": 0.0}
+
+    tl = RankTimeline(rank=0, actions=[act("F", 0), act("B", 0), act("F", 1), act("B", 1), act("W", 1),
+                                       act("B", 1, step=2)])
+    assert [k for k, _ in tl.shown_actions()] == ["F", "B", "F", "B-input", "W", "B"]
+    assert ACTION_STYLE["B"][0] != ACTION_STYLE["B-input"][0]
 
 
 # ---- no processes ------------------------------------------------------------------------

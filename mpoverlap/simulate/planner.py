@@ -3,7 +3,10 @@ by predicted throughput.
 
 Candidates: tp (powers of two up to 2 nodes), pp (divisors of the layer count), vpp 1/2/4,
 cp 1/2, ep (MoE: powers of two dividing the experts), micro batch 1/2/4, sequence parallel,
-distributed optimizer; dp = world / (tp pp cp). A key given on the command line is kept fixed.
+distributed optimizer; dp = world / (tp pp cp); with pp > 1, every pipeline schedule of
+`pipeline.SCHEDULE_KINDS` whose constraints accept the layout (pp, vpp, microbatches), e.g.
+1f1b and zb1p at vpp 1; interleaved, zb1p and zbv at vpp 2 (pp = 1: `auto`). A key given on the
+command line is kept fixed.
 Each candidate goes through, in order:
   1. the validator (every rule; each rejection is counted under its rule id),
   2. memory: the estimate's heaviest stage under the lightest recomputation that fits
@@ -13,7 +16,9 @@ Each candidate goes through, in order:
      one with it (its all-reduces are exposed, its activations larger),
   4. the simulator, with the overlap settings given (default auto: every mode on where it
      applies). overlap=none is never faster in the model (exposed <= in flight), so it is not
-     enumerated; the output gives the best layout's step with overlap=none beside it.
+     enumerated; the output gives the best layout's step with overlap=none beside it, and,
+     pipelined, its step under each other schedule that was simulated.
+A schedule the simulator cannot cost (it raises) is dropped under "simulator: ...".
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from mpoverlap.simulate.plain import plain, with_values
 
 HBM_USABLE = 0.9  # the CUDA context, NCCL buffers and fragmentation take the rest
 SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "train.micro_batch_size",
-            "parallel.sequence_parallel", "train.distributed_optimizer", "model.recompute")
+            "parallel.sequence_parallel", "train.distributed_optimizer", "parallel.pp_schedule", "model.recompute")
 
 
 @dataclass
@@ -87,8 +92,22 @@ def candidates(cfg: Any, world: int, hw: Hardware, fixed: set) -> List[Dict[str,
         if m.num_layers % (pp * v["parallel.vpp"]):
             continue
         v["parallel.dp"] = world // (tp * pp * cp)
-        out.append(v)
+        for kind in _schedules(cfg, v, fixed):
+            out.append({**v, "parallel.pp_schedule": kind})
     return out
+
+
+def _schedules(cfg: Any, v: Dict[str, Any], fixed: set) -> List[str]:
+    """The pipeline schedules to try for layout `v`: the one given on the command line, `auto`
+    without a pipeline, else every kind whose constraints accept pp, vpp and the microbatches."""
+    from mpoverlap.pipeline.schedules import SCHEDULE_KINDS, schedule_constraints
+
+    if "parallel.pp_schedule" in fixed:
+        return [cfg.parallel.pp_schedule]
+    if v["parallel.pp"] == 1:
+        return ["auto"]
+    micro = max(1, cfg.train.global_batch_size // (v["train.micro_batch_size"] * v["parallel.dp"]))
+    return [k for k in SCHEDULE_KINDS if not schedule_constraints(k, v["parallel.pp"], v["parallel.vpp"], micro)]
 
 
 def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchResult:
@@ -125,7 +144,14 @@ def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchRe
         if fits[0] != "none" and validate(c):
             dropped[f"rule {validate(c)[0].rule}"] += 1
             continue
-        result = simulate(c, hw)
+        try:
+            result = simulate(c, hw)
+        except (NotImplementedError, ValueError) as exc:  # ScheduleError is a ValueError
+            if values["parallel.pp_schedule"] == "auto":
+                raise
+            dropped[f"simulator: cannot cost parallel.pp_schedule={values['parallel.pp_schedule']} "
+                    f"({type(exc).__name__})"] += 1
+            continue
         ranked.append(Candidate(chosen, result, (state + est.activations_by_recompute[fits[0]]) / 1e9))
     ranked.sort(key=lambda cand: -cand.result.tokens_per_s)
     return SearchResult(ranked, dropped, len(cands), time.perf_counter() - t0)
@@ -134,6 +160,7 @@ def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchRe
 def _layout(v: Dict[str, Any]) -> str:
     return (f"tp{v['parallel.tp']} pp{v['parallel.pp']} vpp{v['parallel.vpp']} cp{v['parallel.cp']} "
             f"ep{v['parallel.ep']} dp{v['parallel.dp']} mbs{v['train.micro_batch_size']}"
+            f"{' ' + v['parallel.pp_schedule'] if v.get('parallel.pp_schedule', 'auto') != 'auto' else ''}"
             f"{' sp' if v['parallel.sequence_parallel'] else ''}{' zero1' if v['train.distributed_optimizer'] else ''}"
             f" rc={v['model.recompute']}")
 
@@ -168,7 +195,20 @@ def render_search(cfg: Any, hw: Hardware, res: SearchResult, world: int, top: in
         r_off = simulate(off, hw)
         lines.append(f"  the same layout with overlap=none: step {r_off.step_s * 1e3:,.1f} ms "
                      f"({r_off.step_s / best.result.step_s - 1:+.1%}), MFU {100 * r_off.mfu:.1f}%")
+        for other in other_schedules(res.ranked, best):
+            r = other.result
+            lines.append(f"  the same layout with parallel.pp_schedule={other.values['parallel.pp_schedule']}: step "
+                         f"{r.step_s * 1e3:,.1f} ms ({r.step_s / best.result.step_s - 1:+.1%}), pipeline idle "
+                         f"{r.bubble_s * 1e3:,.1f} ms (best: {best.result.bubble_s * 1e3:,.1f} ms)")
     return "\n".join(lines)
+
+
+def other_schedules(ranked: List[Candidate], best: Candidate) -> List[Candidate]:
+    """The simulated candidates that differ from `best` in the pipeline schedule only (and in
+    the recomputation it needed to fit), in rank order."""
+    same = {k: v for k, v in best.values.items() if k not in ("parallel.pp_schedule", "model.recompute")}
+    return [c for c in ranked if c is not best
+            and {k: v for k, v in c.values.items() if k not in ("parallel.pp_schedule", "model.recompute")} == same]
 
 
 def _show(v: Any) -> str:

@@ -15,12 +15,18 @@ same steps as the metrics rows. For those steps every rank writes
     {"kind": "step", "step", "begin", "end"}
     {"kind": "comm", "step", "mode", "op", "bytes", "issued_at", "completed_at", "post_end",
      "wait_begin", "wait_end", "exposed_s"}
+    {"kind": "action", "step", "action", "microbatch", "vchunk", "begin", "end"}
   A comm line is one CommHandle, attributed to the step during which it was waited (as the
   ledger attributes it to metrics rows); on CPU `exposed_s = (post_end - issued_at) +
   (wait_end - wait_begin)`: the caller is blocked inside the post too (`post_end` is null
   where nothing was sent, and on CUDA). Handles
   of backends without a completion callback (gloo p2p, reduce-scatter) are stamped complete
   at the next issue or wait, so their in-flight span can run long.
+  An action line is one pipeline action of this stage (pipelined runs): "F" forward, "B"
+  backward, "W" the weight gradients a zero-bubble schedule deferred from the B of the same
+  (microbatch, vchunk) (that B then computed the input gradient only). Its span is the
+  executor's `pp/<action>` profiler range (its receive wait, compute and posts), moved onto the
+  perf_counter clock through the step ranges both clocks hold.
 
 `mpoverlap-timeline <run.dir>` draws the timeline files as a PNG.
 """
@@ -160,7 +166,7 @@ class RunProfiler:
         prof.stop()
         self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.trace_path))
-        self._write_timeline()
+        self._write_timeline(pipeline_actions(prof.events(), self._steps))
         if self.rank == 0:
             first = self._steps[0]["step"] if self._steps else self.window[0]
             last = self._steps[-1]["step"] if self._steps else self.window[1]
@@ -168,7 +174,7 @@ class RunProfiler:
                   f"{self.timeline_path.parent}/rank*.jsonl; draw with: mpoverlap-timeline "
                   f"{self.run_dir}", flush=True)
 
-    def _write_timeline(self) -> None:
+    def _write_timeline(self, actions: List[dict]) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         lines = [{"kind": "meta", "rank": self.rank, "world": world, "coords": self.coords,
                   "device": self.device_type,
@@ -185,7 +191,45 @@ class RunProfiler:
                           "wait_begin": h.wait_began_at, "wait_end": h.wait_ended_at,
                           "exposed_s": h.blocked_s})
         self._handles = []
+        lines += actions
         self.timeline_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.timeline_path, "w", encoding="utf-8") as f:
             for line in lines:
                 f.write(json.dumps(line) + "\n")
+
+
+def pipeline_actions(events: Any, steps: List[dict]) -> List[dict]:
+    """The `pp/<kind>(mb<i>,v<j>)` ranges among the profiler's `events` as action lines, on the
+    perf_counter clock of `steps` (the timeline's step lines): the profiler stamps microseconds
+    from its own start, and each `step/<s>` range starts when its step line does, so their
+    difference moves one clock onto the other (the median over the steps)."""
+    ranges = [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
+              if e.name.startswith(("pp/", "step/"))]
+    begins = {int(n[5:]): a for n, a, _ in ranges if n.startswith("step/") and n[5:].isdigit()}
+    offsets = sorted(s["begin"] - begins[s["step"]] for s in steps if s["step"] in begins and s["end"] is not None)
+    if not offsets:
+        return []
+    offset = offsets[len(offsets) // 2]
+    bounds = [(s["step"], s["begin"], s["end"]) for s in steps if s["end"] is not None]
+    out = []
+    for name, a, b in sorted(ranges, key=lambda r: r[1]):
+        parsed = _parse_action(name)
+        if parsed is None:
+            continue
+        begin, end = a + offset, b + offset
+        step = next((n for n, lo, hi in bounds if lo <= begin <= hi), None)
+        if step is not None:
+            out.append({"kind": "action", "step": step, "action": parsed[0], "microbatch": parsed[1],
+                        "vchunk": parsed[2], "begin": begin, "end": end})
+    return out
+
+
+def _parse_action(name: str) -> Optional[Tuple[str, int, int]]:
+    """("F", 0, 1) from "pp/F(mb0,v1)" (pipeline.actions.Action's str); None otherwise."""
+    if not name.startswith("pp/") or "(mb" not in name or not name.endswith(")"):
+        return None
+    kind, _, rest = name[3:].partition("(mb")
+    mb, _, v = rest[:-1].partition(",v")
+    if not (mb.isdigit() and v.isdigit()):
+        return None
+    return kind, int(mb), int(v)

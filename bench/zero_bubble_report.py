@@ -1,0 +1,293 @@
+"""bench/zero_bubble.py's figures: the per-side summary (with the bubble formulas evaluated at
+the measured F, B, W), the activation-memory runs (bench/memory.py's method), and the
+results.md section."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from bench.common import stats
+
+KIND_LABEL = {"1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb1p": "ZB-H1 (zb1p)", "zbv": "ZB-V (zbv)"}
+TORCH_LABEL = {"torch_1f1b": "torch Schedule1F1B", "torch_zb1p": "torch ScheduleInterleavedZeroBubble",
+               "torch_zbv": "torch ScheduleZBVZeroBubble"}
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def split_name(name: str) -> tuple:
+    """("mpo", kind, m) / ("torch", peer name, m) / ("mpo", kind, None) of a side's name."""
+    base, _, m = name.rpartition("_m")
+    if not base or not m.isdigit():
+        base, m = name, None
+    if base.startswith("mpo_"):
+        return "mpo", base[4:], int(m) if m else None
+    return "torch", base, int(m) if m else None
+
+
+def closed_form(kind: str, vpp: int, pp: int, f: float, b: float, w: float) -> Optional[float]:
+    """The paper's bubble per step (Table 2) with per-chunk costs F, B (the full backward for
+    schedules without W), W; None where there is no closed form (zbv away from F = B = W)."""
+    if kind in ("1f1b", "interleaved"):
+        return (pp - 1) * (f + b)
+    if kind == "zb1p" and vpp == 1:
+        return (pp - 1) * (f + b - w)
+    return None
+
+
+def timed_table(kind: str, pp: int, vpp: int, m: int, f: float, b: float, w: float) -> Dict[str, List[float]]:
+    """The schedule's own table run with costs F, B, W and free p2p: per stage the idle time
+    before its last action ends (what pp_bubble_s counts) and over the whole makespan."""
+    from mpoverlap.pipeline.schedules import _timed_run, build_schedule
+
+    times = _timed_run(build_schedule(kind, pp, vpp, m), f, b, w)
+    makespan = max(t[-1][1] for t in times if t)
+    busy = [sum(e - s for s, e in t) for t in times]
+    return {"in_window_s": [t[-1][1] - bz for t, bz in zip(times, busy)],
+            "makespan_s": [makespan - bz for bz in busy]}
+
+
+def _side(blocks_per_rank: List[List[dict]], name: str, coords: List[tuple]) -> Dict[str, Any]:
+    idx = [i for i, b in enumerate(blocks_per_rank[0]) if b["name"] == name]
+    row: Dict[str, Any] = {"blocks": len(idx)}
+    per_rank = [[blocks[i] for i in idx] for blocks in blocks_per_rank]
+    steps = [max(ts) for blocks in zip(*per_rank) for ts in zip(*(b["times"] for b in blocks))]
+    row["step"] = stats(steps)
+    extras = [[e for b in blocks for e in b["extras"]] for blocks in per_rank]
+    if not extras[0] or "pipe" not in extras[0][0]:
+        return row
+    pp = 1 + max(c[0] for c in coords)
+    stages = []
+    for s in range(pp):
+        ranks = [r for r, c in enumerate(coords) if c[0] == s]
+        pipes = [e["pipe"] for r in ranks for e in extras[r]]
+        kinds = sorted({k for p in pipes for k in p["actions"]})
+        stages.append({"stage": s, "bubble_ms": _median([p["bubble_s"] * 1e3 for p in pipes]),
+                       "bubble_q_ms": [stats([p["bubble_s"] * 1e3 for p in pipes])[q] for q in ("q1_s", "q3_s")],
+                       "window_ms": _median([p["window_s"] * 1e3 for p in pipes]),
+                       "busy_ms": _median([sum(v[0] for v in p["actions"].values()) * 1e3 for p in pipes]),
+                       "action_ms": {k: _median([p["actions"][k][0] / p["actions"][k][1] * 1e3 for p in pipes
+                                                 if k in p["actions"]]) for k in kinds}})
+    # makespan idle per stage: the longest window of the step minus the stage's own compute
+    per_step = list(zip(*(extras[r] for r in range(len(coords)))))
+    for s, st in enumerate(stages):
+        ranks = [r for r, c in enumerate(coords) if c[0] == s]
+        st["makespan_idle_ms"] = _median([
+            (max(e["pipe"]["window_s"] for e in step) - sum(v[0] for v in step[r]["pipe"]["actions"].values())) * 1e3
+            for step in per_step for r in ranks])
+    row["stages"] = stages
+    comm: Dict[str, Any] = {}
+    for mode in sorted({m for ex in extras for e in ex for m in e.get("comm", {})}):
+        exp = [e["comm"][mode]["exposed_s"] * 1e3 for ex in extras for e in ex if mode in e.get("comm", {})]
+        fl = [e["comm"][mode]["time_s"] * 1e3 for ex in extras for e in ex if mode in e.get("comm", {})]
+        comm[mode] = {"exposed_ms": _median(exp), "exposed_q_ms": [stats(exp)["q1_s"], stats(exp)["q3_s"]],
+                      "in_flight_ms": _median(fl), "n": len(exp)}
+    row["comm"] = comm
+    return row
+
+
+def _formulas(row: Dict[str, Any], kind: str, vpp: int, m: int) -> None:
+    """Bubble formulas at this side's measured per-action costs (mean over stages)."""
+    acts = [st["action_ms"] for st in row["stages"]]
+    f = _median([a.get("F", float("nan")) for a in acts]) / 1e3
+    b = _median([a.get("B", float("nan")) for a in acts]) / 1e3
+    w = _median([a["W"] for a in acts if "W" in a]) / 1e3 if any("W" in a for a in acts) else 0.0
+    pp = len(acts)
+    row["costs_ms"] = {"F": f * 1e3, "B": b * 1e3, "W": w * 1e3}
+    row["closed_form_ms"] = None if closed_form(kind, vpp, pp, f, b, w) is None else \
+        closed_form(kind, vpp, pp, f, b, w) * 1e3
+    try:
+        tt = timed_table(kind, pp, vpp, m, f, b, w)
+        row["timed_table_ms"] = {k: [x * 1e3 for x in v] for k, v in tt.items()}
+    except Exception as exc:  # a kind the timed run does not know: say so in the report
+        row["timed_table_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def summarize(gathered: List[Dict[str, Any]], order: List[str], args) -> Dict[str, Any]:
+    coords = [g["coords"] for g in gathered]
+    blocks = [g["blocks"] for g in gathered]
+    out: Dict[str, Any] = {"variants": {}, "variants_quiet": {}, "quiet_threshold_cores": args.quiet_cores,
+                           "block_foreign_cores": [round(b["foreign_cores"], 3) for b in blocks[0]],
+                           "first_loss": {k: [g["first_loss"][k] for g in gathered] for k in order}}
+    for name in order:
+        out["variants"][name] = row = _side(blocks, name, coords)
+        quiet = [i for i, b in enumerate(blocks[0]) if b["name"] == name and b["foreign_cores"] <= args.quiet_cores]
+        if quiet:
+            out["variants_quiet"][name] = _side([[bl[i] for i in quiet] for bl in blocks], name, coords)
+        side, kind, m = split_name(name)
+        if side == "mpo" and "stages" in row and m is not None:
+            vpp = int(next(x.split("=")[1] for x in args_overrides(args, name) if x.startswith("parallel.vpp=")))
+            row["kind"], row["vpp"], row["m"] = kind, vpp, m
+            _formulas(row, kind, vpp, m)
+    return out
+
+
+def args_overrides(args, name: str) -> List[str]:
+    from bench.zero_bubble import scenario_overrides
+
+    return scenario_overrides(args)["variants"][name]
+
+
+# ---- activation memory (bench/memory.py's method) ----------------------------------------------
+def memory_layouts(args, m: int) -> Dict[str, List[str]]:
+    """{name: mpoverlap-train overrides} of the activation-memory runs: one per schedule kind
+    pp 2 can run at `m` microbatches, on the benchmark's model."""
+    from bench.zero_bubble import COMMON, model_overrides, schedule_vpp
+    from mpoverlap.pipeline.schedules import SCHEDULE_KINDS
+
+    run_keys = ("train.steps", "checkpoint", "data.", "train.progress")  # bench.common.run_train sets these
+    layouts = {}
+    for kind in SCHEDULE_KINDS:
+        vpp = schedule_vpp(kind, 2, m, args.layers)
+        if vpp is not None:
+            layouts[f"zb_{kind}_m{m}"] = [o for o in COMMON if not o.startswith(run_keys)] + [
+                "parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.pp_schedule={kind}",
+                f"train.global_batch_size={args.micro_batch * m}"] + model_overrides(args)
+    return layouts
+
+
+def memory_runs(args, out: Path, m: int, steps: int = 3) -> Dict[str, Any]:
+    """Peak RSS of one short mpoverlap-train run per schedule kind at `m` microbatches and of
+    its near-empty baseline (bench/memory.py), the activations per rank against the estimate."""
+    from bench import memory
+
+    layouts = memory_layouts(args, m)
+    memory.LAYOUTS.update(layouts)  # memory.run takes its layouts by name from memory.LAYOUTS
+    res = memory.run(list(layouts), steps, out)
+    for r in res["layouts"].values():
+        r["activations"] = memory.activation_rows(r)
+    return res
+
+
+# ---- results.md --------------------------------------------------------------------------------
+def _ms(x: Optional[float]) -> str:
+    return "-" if x is None or x != x else f"{x:.1f}"
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> str:
+    return f"{a / b:.3f}" if a and b else "-"
+
+
+def render(results: Dict[str, Any]) -> str:
+    zb = results.get("zero_bubble")
+    if not zb:
+        return ""
+    lines: List[str] = []
+    sched = zb.get("schedules")
+    if sched:
+        s, v = sched["setup"], sched["variants"]
+        lines += ["## Zero-bubble pipeline schedules, pp=2 (issue 30)", "", f"Link: {sched['link']}.",
+                  f"Overrides: `{' '.join(sched['base_overrides'])}`; model hidden {s['hidden']}, ffn {s['ffn']}, seq "
+                  f"{s['seq']}, {s['layers']} layers, micro batch {s['micro_batch']}; blocks of {s['block']} steps "
+                  f"(first {s['block_warmup']} discarded), all sides rotating in the same two processes; step time = "
+                  "slowest rank; all blocks used (the quiet ones are in results.json).", "",
+                  "| side | m | vpp | median step (ms) | IQR (ms) | F / B / W per action (ms) | pp_bubble_s per stage "
+                  "(ms) | timed table, same F/B/W (ms) | measured / table | makespan idle per stage (ms) | "
+                  "closed form (ms) |", "|---|---:|---:|---:|---:|---|---|---|---|---|---:|"]
+        for name, row in v.items():
+            side, kind, m = split_name(name)
+            st = row["step"]
+            label = KIND_LABEL.get(kind, kind) if side == "mpo" else TORCH_LABEL.get(kind, kind)
+            if "stages" not in row:
+                lines.append(f"| {label} | {m} | - | {_ms(st['median_s'] * 1e3)} | {_ms(st['q1_s'] * 1e3)}-"
+                             f"{_ms(st['q3_s'] * 1e3)} | - | - | - | - | - | - |")
+                continue
+            c = row.get("costs_ms", {})
+            tt = row.get("timed_table_ms", {})
+            bub = [x["bubble_ms"] for x in row["stages"]]
+            table = tt.get("in_window_s")
+            ratio = " / ".join(f"{a / b:.2f}" if b > 1e-6 else "-" for a, b in zip(bub, table)) if table else "-"
+            lines.append(
+                f"| {label} | {m} | {row.get('vpp', '-')} | {_ms(st['median_s'] * 1e3)} | {_ms(st['q1_s'] * 1e3)}-"
+                f"{_ms(st['q3_s'] * 1e3)} | {_ms(c.get('F'))} / {_ms(c.get('B'))} / {_ms(c.get('W'))} | "
+                f"{' / '.join(_ms(x) for x in bub)} | {' / '.join(_ms(x) for x in table) if table else tt.get('error', '-')}"
+                f" | {ratio} | {' / '.join(_ms(x['makespan_idle_ms']) for x in row['stages'])} | "
+                f"{_ms(row.get('closed_form_ms'))} |")
+        lines += ["", _ratios_line(v), "", _bubble_line(v), ""]
+        fl = sched.get("first_loss", {})
+        if fl:
+            last = {k: max(vals, key=abs) for k, vals in fl.items()}
+            lines += ["First-step loss (last stage): " + "; ".join(f"{k} {x:.6f}" for k, x in last.items()) + ".", ""]
+    mem = zb.get("memory")
+    if mem:
+        lines += [f"Peak activation memory per rank at m = {mem['m']} (bench/memory.py's method: RSS - baseline RSS "
+                  "- the estimate's weights, gradients and optimizer; MALLOC_MMAP_THRESHOLD_=131072):", "",
+                  "| schedule | rank (stage) | measured (MiB) | estimate (MiB) | measured / estimate | vs 1F1B, same rank |",
+                  "|---|---|---:|---:|---:|---:|"]
+        rows = mem["runs"]["layouts"]
+        ref = rows.get(f"zb_1f1b_m{mem['m']}", {}).get("activations")
+        for name, r in rows.items():
+            for a in r["activations"]:
+                vs = _ratio(a["measured"], ref[a["rank"]]["measured"]) if ref else "-"
+                lines.append(f"| {name[3:].rsplit('_m', 1)[0]} | {a['rank']} ({a['stage']}) | {a['measured'] / 2**20:.1f} | "
+                             f"{a['estimate'] / 2**20:.1f} | {a['ratio']:.2f} | {vs} |")
+        lines += ["", peak_line(rows, mem["m"]), ""]
+    tpw = zb.get("tp_wgrad")
+    if tpw:
+        v = tpw["variants"]
+        lines += ["## Exposed tp with and without W deferral: tp 2 + SP, collective matmul, pp 2 (world 4)", "",
+                  f"Link: {tpw['link']}. Overrides: `{' '.join(tpw['base_overrides'])}`; 4 ranks on the 2 cores; "
+                  "medians over every kept step of every rank, IQR beside.", "",
+                  "| schedule | median step (ms) | step IQR (ms) | tp exposed (ms/step/rank) | IQR | tp in flight (ms) | "
+                  "pp_bubble_s per stage (ms) |", "|---|---:|---:|---:|---:|---:|---|"]
+        for name, row in v.items():
+            st, tp = row["step"], row.get("comm", {}).get("tp", {})
+            lines.append(f"| {name[4:]} | {_ms(st['median_s'] * 1e3)} | {_ms(st['q1_s'] * 1e3)}-{_ms(st['q3_s'] * 1e3)} | "
+                         f"{_ms(tp.get('exposed_ms'))} | {'-'.join(_ms(x) for x in tp.get('exposed_q_ms', []))} | "
+                         f"{_ms(tp.get('in_flight_ms'))} | {' / '.join(_ms(x['bubble_ms']) for x in row.get('stages', []))} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def peak_line(rows: Dict[str, Any], m: int) -> str:
+    """The pipeline's activation peak (the larger rank) of each schedule against 1F1B's, measured
+    and estimated (goal for the zero-bubble kinds: within 10% of 1F1B's)."""
+    ref = rows.get(f"zb_1f1b_m{m}")
+    if not ref:
+        return ""
+    def peak(r, key):
+        return max(a[key] for a in r["activations"])
+    parts = []
+    for name, r in rows.items():
+        kind = name[3:].rsplit("_m", 1)[0]
+        if kind == "1f1b":
+            continue
+        ratio = peak(r, "measured") / max(peak(ref, "measured"), 1)
+        goal = f" (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})" if kind.startswith("zb") else ""
+        parts.append(f"{kind} {ratio:.2f}{goal}, estimate {peak(r, 'estimate') / max(peak(ref, 'estimate'), 1):.2f}")
+    return "Activation peak over the ranks against 1F1B's (measured; estimated): " + "; ".join(parts) + "."
+
+
+def _bubble_line(v: Dict[str, Any]) -> str:
+    """Measured pp_bubble_s against the timed table at the measured F, B, W, per stage (goal:
+    within 25%)."""
+    parts = []
+    for name, row in v.items():
+        table = row.get("timed_table_ms", {}).get("in_window_s")
+        if not table:
+            continue
+        ratios = [st["bubble_ms"] / t for st, t in zip(row["stages"], table) if t > 1e-6]
+        ok = all(abs(r - 1) <= 0.25 for r in ratios)
+        parts.append(f"{name[4:]} {' / '.join(f'{r:.2f}' for r in ratios)} ({'met' if ok else 'NOT met'})")
+    return ("Measured bubble over the timed table's, per stage (goal: within 25%): " + "; ".join(parts) + ".") \
+        if parts else ""
+
+
+def _ratios_line(v: Dict[str, Any]) -> str:
+    step = {n: r["step"]["median_s"] for n, r in v.items()}
+    parts = []
+    for m in sorted({split_name(n)[2] for n in v if split_name(n)[2] is not None}):
+        def s(name):
+            return step.get(f"{name}_m{m}")
+        for a, b, goal in (("mpo_zb1p", "mpo_1f1b", 0.92), ("mpo_zbv", "mpo_interleaved", 0.95)):
+            if s(a) and s(b):
+                r = s(a) / s(b)
+                parts.append(f"m={m}: {a[4:]}/{b[4:]} {r:.3f} (goal <= {goal}: {'met' if r <= goal else 'NOT met'})")
+        for kind in ("1f1b", "zb1p", "zbv"):
+            if s(f"mpo_{kind}") and s(f"torch_{kind}"):
+                r = s(f"mpo_{kind}") / s(f"torch_{kind}")
+                parts.append(f"m={m}: ours/torch {kind} {r:.3f} (goal <= 1: {'met' if r <= 1 else 'NOT met'})")
+    return "Ratios of median steps: " + "; ".join(parts) + "." if parts else ""
