@@ -36,7 +36,8 @@ there why they cannot deadlock. `validate_schedule` (validate.py) re-checks ever
 """
 from __future__ import annotations
 
-from typing import List
+import functools
+from typing import List, Tuple
 
 from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP, V_SHAPE, WEIGHT, Action,
                                         ScheduleError, chunk_index, input_message, layout_of_tables,
@@ -150,7 +151,18 @@ def _interleaved_order(pp: int, vpp: int, m: int, stage: int) -> ComputeOrder:
 
 
 def compute_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[ComputeOrder]:
-    """Per stage, the (kind, microbatch, vchunk) computes in order (no p2p)."""
+    """Per stage, the (kind, microbatch, vchunk) computes in order (no p2p). A fresh copy of a
+    cached table: the orders are pure in their arguments, and `--search` and the activation
+    estimate ask for the same ones many times."""
+    return [list(order) for order in _cached_orders(kind, pp, vpp, num_microbatches)]
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> Tuple[Tuple, ...]:
+    return tuple(tuple(order) for order in _build_orders(kind, pp, vpp, num_microbatches))
+
+
+def _build_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[ComputeOrder]:
     problems = schedule_constraints(kind, pp, vpp, num_microbatches)
     if problems:
         raise ScheduleError("; ".join(problems))
