@@ -31,7 +31,9 @@ before F's embedding, F's last combines are waited (and its head and loss run) a
 embedding backward. Every rank runs the same program, so every group sees its collectives in
 the same order. The first forward and the last backward run alone: their exchanges hide only
 under their own chunks (overlap.ep_chunks; the lone backward waits every reverse combine
-before the experts' backward, one autograd call, so it hides nothing).
+before the experts' backward, one autograd call, so it hides nothing; a chunked backward
+would need one autograd call per chunk, each accumulating into the experts' weights, and the
+DP readiness of those weights held per layer until the last chunk: not done).
 
 Exactness: the sub-steps compute the unpaired model's math; the loss scale (1/m), the router
 losses (attached as in the layer), the expert-bias loads (recorded in each forward) and the
