@@ -9,8 +9,11 @@ capacity, the all-gather dispatcher, ZeRO-1/2/3, cp 2 (ring and a2a), bf16 (agai
 one spawn (tests/inproc_train.py); the strict ledger (tests/conftest.py) checks that every
 handle is waited.
 
-Wiring (an order check, no clock): with pairing on, every expert exchange of a paired microbatch
-is in flight while the OTHER microbatch computes; the host reads of a step equal the unpaired
+Wiring (an order check, no clock): with pairing on, every expert exchange of a paired microbatch,
+the forward's first dispatch included, is in flight while the OTHER microbatch computes the
+sub-step Megatron's combined 1F1B puts beside it (F's dispatches beside B's experts backward, B's
+reverse combines beside F's pre-dispatch, B's reverse dispatches beside F's experts, F's combines
+beside B's pre-dispatch backward); the host reads of a step equal the unpaired
 step's (one per MoE layer and microbatch); ZeRO-3 holds nothing gathered after the step.
 """
 import os
@@ -120,16 +123,29 @@ def _wiring(rank, world, root):
     return out
 
 
+# Megatron's combined 1F1B: the compute of the OTHER microbatch each exchange must run beside
+# (comm combine_bwd | pre_dispatch_fwd, dispatch_fwd | mlp_bwd, dispatch_bwd | mlp_fwd,
+# combine_fwd | pre_dispatch_bwd); keyed by (direction, exchange kind).
+BESIDE = {("F", "dispatch"): "experts", ("F", "combine"): "pre_dispatch",
+          ("B", "combine"): "pre_dispatch", ("B", "dispatch"): "experts"}
+
+
+def _sub_step(name):
+    """"layers.3.dispatch2(.x)" -> "dispatch", "layers.3.pre_dispatch" -> "pre_dispatch", "head" -> "head"."""
+    parts = name.split(".")
+    return parts[2].rstrip("0123456789") if parts[0] == "layers" and len(parts) > 2 else name
+
+
 def _in_flight_under_other(trace, microbatches):
-    """[(microbatch, direction, exchange, computes of the other microbatch while it was in flight)]
-    for every exchange of a paired forward (microbatch >= 1) or backward (<= m-2)."""
+    """[(microbatch, direction, exchange, {sub-steps of the other microbatch computed while it was
+    in flight})] for every exchange of a paired forward (microbatch >= 1) or backward (<= m-2)."""
     out = []
     for i, (mb, d, kind, name) in enumerate(trace):
         if kind != "issue" or not ((d == "F" and mb >= 1) or (d == "B" and mb <= microbatches - 2)):
             continue
         j = next(j for j in range(i + 1, len(trace)) if trace[j][:2] == (mb, d) and trace[j][2:] == ("wait", name))
-        other = [t for t in trace[i + 1:j] if t[0] != mb and t[2] == "compute"]
-        out.append((mb, d, name, len(other)))
+        other = {_sub_step(t[3]) for t in trace[i + 1:j] if t[0] != mb and t[2] == "compute"}
+        out.append((mb, d, name, other))
     return out
 
 
@@ -145,8 +161,13 @@ def test_exchanges_in_flight_under_the_other_microbatch_and_reads_unchanged():
             flights = _in_flight_under_other(r[name]["trace"], m)
             # 2 MoE layers x (forward: 4 dispatch + 4 combine chunks; backward: the same) per pair
             assert len(flights) == (m - 1) * 2 * 2 * 8, len(flights)
-            lonely = [f for f in flights if f[3] == 0]
-            assert not lonely, f"rank {rank} {name}: exchanges with no computation of the other microbatch: {lonely}"
+            # Every exchange, the forward's first dispatch included, beside the other
+            # microbatch's compute Megatron puts it under (the old forward-first order put F's
+            # first dispatch beside B's head backward only, and F's combines beside B's experts)
+            wrong = [f for f in flights if BESIDE[f[1], _sub_step(f[2])] not in f[3]]
+            assert not wrong, f"rank {rank} {name}: exchanges not beside the other's {BESIDE}: {wrong[:6]}"
+            firsts = [f for f in flights if f[1] == "F" and f[2].endswith(".dispatch0")]
+            assert firsts and all("experts" in f[3] for f in firsts), firsts
         # One host read per MoE layer and microbatch, paired or not (plus the step's grad norm).
         assert r["on"]["reads"] == r["off"]["reads"], (r["on"]["reads"], r["off"]["reads"])
         assert r["on"]["reads"]["tolist"] == 2 * m, r["on"]["reads"]

@@ -1,6 +1,7 @@
 """The simulator's model of EP forward/backward pairing (mpoverlap/simulate/pairing.py, issue 31):
-one pair's program by hand, in the executor's order (1:1 compute and exchanges per sub-step:
-only the pair's edges exposed, the first forward dispatch and the last reverse dispatch; the
+one pair's program by hand, in the executor's order, the backward first (Megatron's: at 1:1
+compute and exchanges per sub-step nothing exposed, where the older forward-first order exposed
+the first forward dispatch and the last reverse dispatch; exchanges longer than the compute; the
 counts exchange queued behind the other microbatch's exchange), the lone first forward and last
 backward, chunking alone, the step's average over the unpaired passes and the pairs, where
 pairing does not apply, and `mpoverlap-check --simulate`'s line. The switch is handed over explicitly (a Plain config copy
@@ -10,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from mpoverlap.simulate.overlap import ep_chunks_exposed, serial_link_waits
-from mpoverlap.simulate.pairing import (LayerPass, alone_exposed, apply_pairing, pair_exposed, pair_program,
-                                        pairing_state)
+from mpoverlap.simulate.pairing import (LayerPass, alone_exposed, apply_pairing, backward_program, forward_program,
+                                        pair_exposed, pair_program, pairing_state, round_robin)
 
 # 1:1 per sub-step: every exchange as long as the compute sub-step it runs beside. Forward:
 # pre-dispatch 1, experts 1, dispatch 1, combine 1; backward: compute twice the forward's
@@ -26,35 +27,49 @@ def test_serial_link_waits_per_transfer():
     assert serial_link_waits(prog) == pytest.approx({"A": 0.0, "B": 1.0})
 
 
-def test_pair_hides_all_but_its_edges_at_one_to_one():
-    # One layer, whole exchanges, F first (the executor's order). F's pre-dispatch 0-1, its
-    # dispatch 1-2 with nothing of B's beside it (B's head backward is 0): F waits 1. B's
-    # reverse combine 2-3 under F's experts 2-3; F's combine 3-4 under B's experts 3-5; B's
-    # reverse dispatch 5-6 with F done: B waits 1, then its pre-dispatch 6-8.
-    assert pair_exposed([FWD], [BWD], 1) == pytest.approx({"F": 1.0, "B": 0.0 + 1.0})
-    # Two layers: the middle hides. F: pre 0-1, D0 1-2 (waited 1), E0 2-3, C0 3-4; B: C1 2-3,
-    # E1 3-5, D1 5-6 under F's C0 wait and pre1 5-6; F's D1 6-7 under B's pre 6-8; B's C0 8-9
-    # under F's E1 8-9; F's C1 9-10 under B's E0 9-11; B's D0 11-12 alone: waited 1. Still 1 + 1.
-    assert pair_exposed([FWD, FWD], [BWD, BWD], 1) == pytest.approx({"F": 1.0, "B": 1.0})
+def test_pair_hides_everything_at_one_to_one_in_megatrons_order():
+    # One layer, whole exchanges, B first (the executor's order). B's reverse combine 0-1 under
+    # F's pre-dispatch 0-1; F's dispatch 1-2 under B's experts backward 1-3; B's reverse
+    # dispatch 3-4 under F's experts 3-4; F's combine 4-5 under B's pre-dispatch backward 4-6.
+    # Nothing waited: the pair takes its compute, 6.
+    assert pair_exposed([FWD], [BWD], 1) == pytest.approx({"F": 0.0, "B": 0.0})
+    # Two layers: B's C1 0-1 under F's pre0 0-1; F's D0 1-2 under B's E1 1-3; B's D1 3-4 under
+    # F's E0 3-4; F's C0 4-5 under B's pre1 4-6; B's C0 6-7 under F's pre1 6-7; F's D1 7-8 under
+    # B's E0 7-9; B's D0 9-10 under F's E1 9-10; F's C1 10-11 under B's pre0 10-12.
+    assert pair_exposed([FWD, FWD], [BWD, BWD], 1) == pytest.approx({"F": 0.0, "B": 0.0})
     total = sum(step[1] for step in pair_program([FWD, FWD], [BWD, BWD], 1) if step[0] == "compute")
-    assert total == pytest.approx(12.0)  # 2 x (1 + 1 + 2 + 2); the pair takes 14
-    # The steady state between the edges hides everything: 8 layers still expose 1 + 1, of
-    # 8 x 4 exchanges in flight
-    assert pair_exposed([FWD] * 8, [BWD] * 8, 1) == pytest.approx({"F": 1.0, "B": 1.0})
-    # B's head backward (1) covers F's first dispatch; F's head (0.5) half of B's last dispatch:
-    # D 1-2 under B's head 1-2; C_b 2-3 under E_f 2-3; C_f 3-4 under E_b 3-5; D_b 5-6 under
-    # F's head 5-5.5: B waits 0.5.
-    assert pair_exposed([FWD], [BWD], 1, other_f=0.5, other_b=1.0) == pytest.approx({"F": 0.0, "B": 0.5})
+    assert total == pytest.approx(12.0)  # 2 x (1 + 1 + 2 + 2), and the pair takes 12
+    assert pair_exposed([FWD] * 8, [BWD] * 8, 1) == pytest.approx({"F": 0.0, "B": 0.0})
+    assert pair_exposed([FWD, FWD], [BWD, BWD], 2) == pytest.approx({"F": 0.0, "B": 0.0})
+    # The head backward (1) and the head (0.5) only shift it: B's head 0-1, C 1-2 under F's
+    # pre 1-2, D 2-3 under B's E 2-4, B's D 4-5 under F's E 4-5, F's C 5-6 under B's pre 5-7.
+    assert pair_exposed([FWD], [BWD], 1, other_f=0.5, other_b=1.0) == pytest.approx({"F": 0.0, "B": 0.0})
+    # The older forward-first order exposed the pair's edges, 1 + 1: F's first dispatch 1-2
+    # beside nothing of B's (its head backward is 0), B's last reverse dispatch with F done.
+    old = serial_link_waits(round_robin(forward_program([FWD, FWD], 1), backward_program([BWD, BWD], 1)))
+    assert sum(w for n, w in old.items() if n.startswith("F:")) == pytest.approx(1.0)
+    assert sum(w for n, w in old.items() if n.startswith("B:")) == pytest.approx(1.0)
+
+
+def test_pair_exposes_what_its_exchanges_exceed_the_compute_by():
+    # One layer, exchanges 2 (twice the forward's sub-steps). B's C 0-2; F's pre 0-1, its
+    # counts exchange (0 long) queues behind C: waited 1 (1-2), D 2-4; B waits C 0 at 2, E 2-4,
+    # D_b 4-6; F waits D 0 at 4, E 4-5, C 6-8 behind D_b; B waits D_b 1 (5-6), pre 6-8; F
+    # waits C 0 at 8.
+    fwd = LayerPass(pre=1.0, experts=1.0, dispatch=2.0, combine=2.0)
+    bwd = LayerPass(pre=2.0, experts=2.0, dispatch=2.0, combine=2.0)
+    assert pair_exposed([fwd], [bwd], 1) == pytest.approx({"F": 1.0, "B": 1.0})
 
 
 def test_counts_exchange_queues_behind_the_other_microbatchs_exchange():
-    # Two layers, F's pre-dispatch 0.5 with a 0.25 counts exchange before each dispatch. F: pre
-    # 0-0.5, counts 0.5-0.75 (waited 0.25), D0 0.75-1.75 (waited 1); B's C1 1.75-2.75 under
-    # E0 1.75-2.75; C0 2.75-3.75 under B's E1 2.75-4.75; B's D1 4.75-5.75; F's pre1 4.75-5.25,
-    # then its counts queue behind D1: 5.75-6 (waited 0.75); D1 6-7 under B's pre 6-8; B's C0
-    # 8-9, F's E1 8-9, C1 9-10, B's E0 9-11, D0 11-12 waited 1.
+    # Two layers, F's pre-dispatch 0.5 with a 0.25 counts exchange before each dispatch. B's C1
+    # 0-1; F's pre0 0-0.5, its counts queue behind C1: 1-1.25 (waited 0.75), D0 1.25-2.25 under
+    # B's E1 1.25-3.25; B's D1 3.25-4.25 under F's E0 3.25-4.25; F's C0 4.25-5.25 under B's
+    # pre1 4.25-6.25; B's C0 6.25-7.25; F's pre1 6.25-6.75, counts queue behind C0: 7.25-7.5
+    # (waited 0.75), D1 7.5-8.5 under B's E0 7.5-9.5; B's D0 9.5-10.5 under F's E1; F's C1
+    # 10.5-11.5 under B's pre0 10.5-12.5.
     fwd = LayerPass(pre=0.5, experts=1.0, dispatch=1.0, combine=1.0, counts=0.25)
-    assert pair_exposed([fwd, fwd], [BWD, BWD], 1) == pytest.approx({"F": 0.25 + 1.0 + 0.75, "B": 1.0})
+    assert pair_exposed([fwd, fwd], [BWD, BWD], 1) == pytest.approx({"F": 0.75 + 0.75, "B": 0.0})
 
 
 def test_lone_passes_as_the_executor_runs_them():
@@ -79,8 +94,8 @@ def test_chunks_alone_leave_the_first_dispatch_and_last_combine_exposed():
 
 def test_step_averages_the_unpaired_passes_and_the_pairs():
     """apply_pairing on a hand-made cost: 4 microbatches, whole exchanges; alone the forward
-    and the backward expose 2 each, a pair 1 + 1 (above): per microbatch (2 + 3 x 1) / 4 = 1.25
-    forward and backward; the step's ep exposed 4 x 2.5 = 10 = 2 + 2 + 3 x 2."""
+    and the backward expose 2 each, a pair 0 + 0 (above): per microbatch (2 + 3 x 0) / 4 = 0.5
+    forward and backward; the step's ep exposed 4 x 1 = 4 = 2 + 2 + 3 x 0."""
     from mpoverlap.simulate.costs import ChunkCost
 
     cost = ChunkCost()
@@ -88,8 +103,8 @@ def test_step_averages_the_unpaired_passes_and_the_pairs():
     cost.exposed = {"F": {"ep": 9.0}, "B": {"ep": 9.0}}  # today's overlap: replaced
     cost.layers = {"F": [FWD], "B": [BWD]}
     x = apply_pairing(cost, 4, 1)
-    assert x == pytest.approx({"F": 1.0, "B": 1.0, "F_alone": 2.0, "B_alone": 2.0})
-    assert cost.exposed["F"]["ep"] == pytest.approx(1.25) and cost.exposed["B"]["ep"] == pytest.approx(1.25)
+    assert x == pytest.approx({"F": 0.0, "B": 0.0, "F_alone": 2.0, "B_alone": 2.0})
+    assert cost.exposed["F"]["ep"] == pytest.approx(0.5) and cost.exposed["B"]["ep"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("pp,vpp,ep,on,micro,applies", [

@@ -6,11 +6,34 @@ Schedule over m microbatches (Megatron's combined 1F1B at pp 1, DualPipe's overl
     F0 alone;  then for i = 1 .. m-1: F(i) paired with B(i-1);  then B(m-1) alone.
 
 A pair runs the two generators of steps.py / tape.py round-robin, each until its next YIELD
-(an exchange of its own just issued): F's pre-dispatch runs under nothing of its own, then B's
-post-combine backward runs under F's dispatch, F's experts under B's reverse combine, B's
-experts backward under F's combine, F's combine and next pre-dispatch under B's reverse
-dispatch, and so on; forward layer j meets backward layer L-1-j. Every rank runs the same
-program, so every group sees its collectives in the same order.
+(an exchange of its own just issued), THE BACKWARD FIRST (Megatron's combined 1F1B order,
+combined_1f1b.py). Forward layer j meets backward layer L-1-j; per pair of layers (the
+backward's sub-steps are the forward's run in reverse, tape.py):
+
+    step  runs (compute)                                      on the link meanwhile
+    B     post-combine backward (head backward first), issue  F's combines of layer j-1
+          the reverse combines of layer L-1-j
+    F     wait combines j-1, combine j-1 (embedding first),   B's reverse combines
+          pre-dispatch j, issue the dispatches of j
+    B     wait reverse combines, experts backward, issue      F's dispatches
+          the reverse dispatches, shared expert backward
+    F     shared expert, experts of j chunk by chunk (each    B's reverse dispatches
+          chunk's dispatch waited, its combine issued)
+    B     wait reverse dispatches, pre-dispatch backward,     F's combines of layer j
+          (next layer's post-combine backward ...)
+
+so every exchange of either microbatch, the forward's first dispatch included, is in flight
+under a compute sub-step of the other: F's dispatches under B's experts backward, B's reverse
+combines under F's pre-dispatch, B's reverse dispatches under F's experts, F's combines under
+B's pre-dispatch backward (comm combine_bwd | pre_dispatch_fwd, dispatch_fwd | mlp_bwd,
+dispatch_bwd | mlp_fwd, combine_fwd | pre_dispatch_bwd). The edges: B's head backward runs
+before F's embedding, F's last combines are waited (and its head and loss run) after B's
+embedding backward. Every rank runs the same program, so every group sees its collectives in
+the same order. The first forward and the last backward run alone: their exchanges hide only
+under their own chunks (overlap.ep_chunks; the lone backward waits every reverse combine
+before the experts' backward, one autograd call, so it hides nothing; a chunked backward
+would need one autograd call per chunk, each accumulating into the experts' weights, and the
+DP readiness of those weights held per layer until the last chunk: not done).
 
 Exactness: the sub-steps compute the unpaired model's math; the loss scale (1/m), the router
 losses (attached as in the layer), the expert-bias loads (recorded in each forward) and the
@@ -57,9 +80,10 @@ class UnitPins:
 
 
 def run_pair(forward, backward, forward_context=nullcontext) -> None:
-    """Round-robin two sub-step generators (either may be None) to their ends; the forward's
-    steps run inside `forward_context()` (autocast), the backward's outside."""
-    live = [(g, forward_context if g is forward else nullcontext) for g in (forward, backward) if g is not None]
+    """Round-robin two sub-step generators (either may be None) to their ends, THE BACKWARD
+    FIRST (Megatron's order, see the module docstring); the forward's steps run inside
+    `forward_context()` (autocast), the backward's outside."""
+    live = [(g, forward_context if g is forward else nullcontext) for g in (backward, forward) if g is not None]
     while live:
         for item in list(live):
             gen, ctx = item

@@ -8,16 +8,22 @@ program of sub-steps (per MoE layer, forward: pre-dispatch compute = the previou
 combine segment, attention, norms, router and the counts exchange; the dispatches; the
 experts chunk by chunk, each chunk's combine issued after it; backward: the mirror), and the
 executor runs the two programs of a pair on one thread round-robin, each up to the point
-where it has just issued exchanges of its own (a YIELD). Forward layer j meets backward layer
-L-1-j; on the link:
+where it has just issued exchanges of its own (a YIELD), the backward first (Megatron's
+combined 1F1B order). Forward layer j meets backward layer L-1-j; on the link:
 
-    F's dispatches      under  B's post-combine backward (head backward first) / pre-dispatch backward
-    B's reverse combines under F's experts
-    F's combines        under  B's experts backward
-    B's reverse dispatches under F's combine segment and next pre-dispatch
+    B's reverse combines   under  F's pre-dispatch (the embedding first)
+    F's dispatches         under  B's experts backward (and shared expert backward)
+    B's reverse dispatches under  F's shared expert and experts
+    F's combines           under  B's pre-dispatch backward (and the next layer's post-combine
+                                  backward; at the pair's end B's embedding backward)
+
+so every exchange of either has a compute of the other beside it, the forward's first
+dispatch included (the older forward-first order left F's first dispatch beside B's head
+backward only and B's last reverse dispatch beside F's head only: at 1:1 it exposed one
+exchange of each per pair, this order none).
 
 `forward_program` / `backward_program` write those programs as mpoverlap/pairing/steps.py and
-tape.py run them (i31-pairing at 3d7c87f), `round_robin` interleaves them, and
+tape.py run them, `round_robin` interleaves them (the backward first, as executor.run_pair), and
 `overlap.serial_link_waits` runs the result on one serial link, first come first served (a
 transfer queues behind what the link still carries: the pre-dispatch's counts exchange too).
 The unpaired first forward and last backward are the same programs run alone
@@ -165,13 +171,13 @@ def round_robin(first: List, second: List) -> List:
 
 def pair_program(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: int,
                  other_f: float = 0.0, other_b: float = 0.0) -> List:
-    """One pair: the forward of a microbatch (`fwd`, layers in forward order; it runs first)
-    beside the backward of the previous one (`bwd`, the same layers in forward order; it runs
-    them last to first), round-robin at their YIELDs. Exchange names start with "F:" or "B:"
-    (whose microbatch waits)."""
+    """One pair: the backward of a microbatch (`bwd`, layers in forward order; it runs them last
+    to first, and runs first) beside the forward of the next one (`fwd`, the same layers in
+    forward order), round-robin at their YIELDs. Exchange names start with "F:" or "B:" (whose
+    microbatch waits)."""
     if len(bwd) != len(fwd):
         raise ValueError(f"a pair needs the same layers on both sides ({len(fwd)} forward, {len(bwd)} backward)")
-    return round_robin(forward_program(fwd, chunks, other_f), backward_program(bwd, chunks, other_b))
+    return round_robin(backward_program(bwd, chunks, other_b), forward_program(fwd, chunks, other_f))
 
 
 def _by_side(program: List) -> Dict[str, float]:
