@@ -60,6 +60,15 @@ def _layouts():
         out[f"gpt_pp2_zbv_tied_{level}"] = (4, ["model=gpt_tiny", *ZERO[level], "parallel.dp=2", "parallel.pp=2",
                                                 "parallel.vpp=2", "parallel.pp_schedule=zbv", "overlap.pp=true",
                                                 "model.num_layers=4", "model.tie_embeddings=true"])
+    # zb1p (ZB-H1): W deferred on 1F1B (tied embedding across the two stages) and on
+    # interleaved chunks; ZeRO-1's post-step gather and ZeRO-3's unit gathers around B and W
+    for level in ("z1", "z3"):
+        out[f"gpt_pp2_zb1p_tied_{level}"] = (4, ["model=gpt_tiny", *ZERO[level], "parallel.dp=2", "parallel.pp=2",
+                                                 "parallel.pp_schedule=zb1p", "overlap.pp=true",
+                                                 "model.num_layers=4", "model.tie_embeddings=true"])
+        out[f"gpt_pp2_vpp2_zb1p_{level}"] = (4, ["model=gpt_tiny", *ZERO[level], "parallel.dp=2", "parallel.pp=2",
+                                                 "parallel.vpp=2", "parallel.pp_schedule=zb1p", "overlap.pp=true",
+                                                 "model.num_layers=4"])
     # finding 3: the all-gather dispatcher's replay under overlap.ep (plain dp: the ep bytes
     # are compared with mpoverlap-check's estimate, with and without the replay).
     for rc in ("none", "full"):
@@ -139,14 +148,64 @@ def _check_step(trainer):
             held_after_backward.append(gatherer.held_bytes)
         return out
     torch.autograd.backward = backward_then_look
+    from mpoverlap.pipeline.executor import PipelineExecutor
+    compute, after_action = PipelineExecutor._compute, []
+
+    def compute_then_look(executor, index, action, losses):
+        compute(executor, index, action, losses)
+        if gatherer is not None:
+            after_action.append((action.kind, action.vchunk, action.microbatch, _gathered(gatherer)))
+    PipelineExecutor._compute = compute_then_look
     try:
         with Reads():
             trainer.train_step()
     finally:
         torch.autograd.backward = backward
+        PipelineExecutor._compute = compute
         if gatherer is not None:
             gatherer._gather = issue
-    return late, read, counts["gathers"], held_after_backward
+    return late, read, counts["gathers"], held_after_backward, after_action
+
+
+def _gathered(gatherer):
+    """Sharded buckets whose full parameters are allocated now."""
+    return {b for b, sharded in enumerate(gatherer.sharded)
+            if sharded and gatherer.ddp.buffer.buckets[b].param_data.untyped_storage().nbytes() > 0}
+
+
+def _held_beyond_pending_w(gatherer, after_action):
+    """The zero-bubble bound on what stays gathered between a B and its W, checked after
+    every pipeline action. W reads no parameter (its GEMMs take the saved input and output
+    gradient), so a unit's buckets are freed once its B has produced its input's gradient,
+    as 1F1B frees them after the unit's backward: within an action at most 1 + dp_prefetch
+    units are gathered (sharding.gathered_working_set). Only a bucket whose B gives no input
+    gradient to hook stays gathered until the W that completes it reduce-scatters it: the
+    embedding unit's, which the V's tied head (chunk 1 of stage 0) also reads; and only while
+    a microbatch that ran B for a chunk reading it has W's left on this stage. So between
+    actions at most ONE unit (the embedding) is gathered.
+    -> [(action, buckets gathered beyond that)], and the most units with a bucket gathered
+    after an action."""
+    excess, most = [], 0
+    backward_done, weight_done = {}, {}  # microbatch -> chunks with B / W done
+    chunks_of = {}
+    for kind, vchunk, mb, _ in after_action:
+        chunks_of.setdefault(mb, set()).add(vchunk)
+    owner = {}  # bucket -> the first unit that reads it (a shared bucket counts once)
+    for i, bs in enumerate(gatherer.buckets_of):
+        for b in bs:
+            owner.setdefault(b, i)
+    embedding = {b for i, u in enumerate(gatherer.units) if u.name == "embedding" for b in gatherer.buckets_of[i]}
+    for kind, vchunk, mb, held in after_action:
+        if kind == "B":
+            backward_done.setdefault(mb, set()).add(vchunk)
+        elif kind == "W":
+            weight_done.setdefault(mb, set()).add(vchunk)
+        chunks = {c for m, cs in backward_done.items() if weight_done.get(m, set()) != chunks_of[m] for c in cs}
+        allowed = {b for i, u in enumerate(gatherer.units) if u.chunk in chunks for b in gatherer.buckets_of[i]}
+        if held - (allowed & embedding):
+            excess.append((kind, vchunk, mb, sorted(held - (allowed & embedding))))
+        most = max(most, len({owner[b] for b in held}))
+    return excess, most
 
 
 def _invariants(rank, world, layouts, root):
@@ -163,9 +222,14 @@ def _invariants(rank, world, layouts, root):
         assert trainer.ledger.strict, "the suite runs with the strict ledger (tests/conftest.py)"
         trainer.train_step()  # leaves the post-step parameter gathers in flight (ZeRO-1/2)
         in_flight = sorted(trainer.optimizer._pending)
-        late, read, gathers, held = _check_step(trainer)
+        late, read, gathers, held, after_action = _check_step(trainer)
+        excess, most_units = ([], 0) if trainer.ddp.gatherer is None else \
+            _held_beyond_pending_w(trainer.ddp.gatherer, after_action)
         out[name] = {"late": late, "read": sorted(read), "buckets": len(trainer.ddp.buffer.buckets),
                      "in_flight_at_start": in_flight, "gathers": gathers, "held_after_backward": held,
+                     "held_beyond_pending_w": excess, "most_units_held": most_units,
+                     "units": 0 if trainer.ddp.gatherer is None else len(trainer.ddp.gatherer.units),
+                     "actions": len(after_action),
                      "zero3": trainer.ddp.gatherer is not None, "comm": trainer.ledger.reset(per=2)}
     return out
 
@@ -185,12 +249,17 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
             if r["zero3"]:
                 assert r["gathers"] > 0 and r["held_after_backward"], where
                 held = r["held_after_backward"]
-                if "parallel.pp_schedule=zbv" in LAYOUTS[name][1]:
+                if any(f"parallel.pp_schedule={s}" in LAYOUTS[name][1] for s in ("zbv", "zb1p")):
                     # Zero bubble: a unit's buckets are reduce-scattered (and freed) when its
                     # weight gradients land, in W, so a B leaves them gathered until its W
                     # (the V's tied embedding until the microbatch's embedding W); nothing is
-                    # held once the step's last W ran.
+                    # held once the step's last W ran, and in between at most the units of
+                    # the chunks whose W is pending (_held_beyond_pending_w).
                     held = held[-1:]
+                    assert r["actions"] > 0, f"{where}: no pipeline action seen: nothing checked"
+                    assert not r["held_beyond_pending_w"], \
+                        f"{where}: gathered beyond the chunks with a W pending: {r['held_beyond_pending_w'][:5]}"
+                    assert r["most_units_held"] <= 1, (where, r["most_units_held"], r["units"])
                 assert all(h == 0 for h in held), \
                     f"{where}: bytes still gathered after each backward: {r['held_after_backward']}"
 
