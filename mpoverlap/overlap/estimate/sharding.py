@@ -22,7 +22,9 @@ Traffic per step (the ledger's buffer bytes; m microbatches of the rank): ZeRO-2
 reduce-scatter each bucket in every microbatch (m times the gradient bytes); ZeRO-1/2 gather
 the parameters once after the step; ZeRO-3 gathers each unit before its forward and again
 before its backward (2 m times the parameter bytes; m without resharding), and a tied head on
-the embedding's chunk gathers the embedding once more per microbatch.
+the embedding's chunk (or, in zbv's V, on the embedding's stage 0) gathers the embedding once
+more per microbatch. `estimate` reports these per stage averaged over the stages, as the
+ledger averages the ranks (core.py).
 """
 from __future__ import annotations
 
@@ -106,9 +108,9 @@ def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[s
             "gathered": gathered}
 
 
-def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: int) -> list:
-    """The dp collectives per step of a rank holding `params` ((mode, op, buffer bytes, group
-    size) tuples, as comm.comm_ops lists them)."""
+def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: int, stage: int = 0) -> list:
+    """The dp collectives per step of a rank of `stage` holding `params` ((mode, op, buffer
+    bytes, group size) tuples, as comm.comm_ops lists them)."""
     level = level_of(cfg, lo)
     replicas = lo.dp * lo.cp
     n_e = expert_group_size(cfg, lo)
@@ -128,7 +130,7 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: in
             continue
         resharded = bool(cfg.train.reshard_after_forward)
         gathers = micro * (2 if resharded else 1) * count
-        if resharded and dense and tied_on_one_chunk(cfg, lo):
+        if resharded and dense and tied_on_one_chunk(cfg, lo) and stage == 0:
             gathers += micro * embedding_params(cfg, lo)
         ops.append(("dp", "all_gather", gathers * BYTES, n))
     return ops
