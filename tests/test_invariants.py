@@ -222,6 +222,8 @@ def _invariants(rank, world, layouts, root):
         assert trainer.ledger.strict, "the suite runs with the strict ledger (tests/conftest.py)"
         trainer.train_step()  # leaves the post-step parameter gathers in flight (ZeRO-1/2)
         in_flight = sorted(trainer.optimizer._pending)
+        if trainer.ddp.gatherer is not None:
+            trainer.ddp.gatherer.reset_peak()
         late, read, gathers, held, after_action = _check_step(trainer)
         excess, most_units = ([], 0) if trainer.ddp.gatherer is None else \
             _held_beyond_pending_w(trainer.ddp.gatherer, after_action)
@@ -229,13 +231,17 @@ def _invariants(rank, world, layouts, root):
                      "in_flight_at_start": in_flight, "gathers": gathers, "held_after_backward": held,
                      "held_beyond_pending_w": excess, "most_units_held": most_units,
                      "units": 0 if trainer.ddp.gatherer is None else len(trainer.ddp.gatherer.units),
-                     "actions": len(after_action),
+                     "actions": len(after_action), "stage": trainer.state.coords.pp,
+                     "peak_held": 0 if trainer.ddp.gatherer is None else trainer.ddp.gatherer.peak_held_bytes,
                      "zero3": trainer.ddp.gatherer is not None, "comm": trainer.ledger.reset(per=2)}
     return out
 
 
 @pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
 def test_reads_wait_gathers_handles_waited_nothing_held(world):
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
     layouts = {n: o for n, (w, o) in LAYOUTS.items() if w == world}
     with tempfile.TemporaryDirectory() as root:
         results = run_distributed(_invariants, world, layouts, root, timeout_s=600)
@@ -260,14 +266,15 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
                     assert not r["held_beyond_pending_w"], \
                         f"{where}: gathered beyond the chunks with a W pending: {r['held_beyond_pending_w'][:5]}"
                     assert r["most_units_held"] <= 1, (where, r["most_units_held"], r["units"])
+                    # Within an action: the unit in use, the dp_prefetch ones ahead and the
+                    # embedding kept for its W: the working set mpoverlap-check estimates.
+                    est = estimate(compose([*BASE, *LAYOUTS[name][1]]), world).stages[r["stage"]].gathered_bytes
+                    assert r["peak_held"] <= 1.02 * est, (where, r["peak_held"], est)
                 assert all(h == 0 for h in held), \
                     f"{where}: bytes still gathered after each backward: {r['held_after_backward']}"
 
 
     if world == 2:  # finding 3: what the replay issues is waited (strict ledger) and estimated
-        from mpoverlap.config import compose
-        from mpoverlap.overlap.estimate import estimate
-
         for rc in ("none", "full"):
             name = f"moe_allgather_ep2_{rc}"
             got = sum(r[name]["comm"]["ep"]["bytes"] for r in results) / len(results)
@@ -293,7 +300,7 @@ def _zero3_gathers(rank, world, root):
                            f"run.dir={Path(root) / name}"])
             trainer = Trainer(cfg, init_distributed(cfg), Path(root) / name)
             trainer.train_step()
-            _, _, gathers, held = _check_step(trainer)
+            _, _, gathers, held, _ = _check_step(trainer)
             out[name] = (gathers, held, trainer.ddp.gatherer.peak_held_bytes)
     return out
 

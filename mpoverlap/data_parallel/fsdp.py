@@ -34,6 +34,7 @@ it is re-allocated and re-gathered.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Dict, List, Sequence
@@ -87,6 +88,10 @@ class UnitGatherer:
             for b in ids:
                 readers[b] = readers.get(b, 0) + 1
         self._shared = {b for b, n in readers.items() if n > 1}  # buckets two units read
+        # Deferred weight gradients: the unit whose input is unit k's output (k -> that unit),
+        # and the last unit output seen in this forward (weak reference, unit).
+        self._free_first: Dict[int, int] = {}
+        self._last_output = None
         # Bytes of full buckets allocated now and at most since the last reset (the working set).
         self.held_bytes = 0
         self.peak_held_bytes = 0
@@ -152,10 +157,16 @@ class UnitGatherer:
         deferral = getattr(self.ddp, "weight_grads", None)
         if deferral is not None and not in_backward() and torch.is_grad_enabled():
             x = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-            if x is not None:
+            last = self._last_output
+            if x is not None and last is not None and last[0]() is x:
+                # x is the previous unit's output: its backward pre-hook (registered first on
+                # x, so it would run first and gather that unit and prefetch more before this
+                # one is freed) frees this unit before it gathers.
+                self._free_first[last[1]] = i
+            elif x is not None:
                 x.register_hook(partial(self._after_backward, i))
 
-    def _after_backward(self, i: int, _grad) -> None:
+    def _after_backward(self, i: int, _grad=None) -> None:
         """Unit `i`'s input gradient is complete, so is its backward. Inside a deferring B its
         buckets wait for W to be reduce-scattered (and freed): free them now, but the ones
         another unit also reads (the tied embedding: the embedding unit's backward follows)."""
@@ -170,11 +181,14 @@ class UnitGatherer:
             return  # a recomputed forward: its backward follows at once and needs the unit
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._pre_backward, i))
+            self._last_output = (weakref.ref(output), i)
         if self.reshard_after_forward or not torch.is_grad_enabled():
             for b in self.buckets_of[i]:
                 self.free(b)
 
     def _pre_backward(self, i: int, _grad) -> None:
+        if i in self._free_first:
+            self._after_backward(self._free_first[i])
         self.ensure(i, -1)
         return None
 

@@ -14,8 +14,9 @@ over tp under sequence parallelism (`expert_group_size`) (fp32 everywhere, B = 4
 
 U, the gathered units' working set under ZeRO-3: with reshard_after_forward the unit in use
 plus the `overlap.dp_prefetch` units gathered ahead of it (prefetch only under overlap.dp),
-at the size of the stage's largest unit, plus the embedding when a tied head on the same chunk
-keeps it gathered through the backward; without resharding every unit of the stage stays
+at the size of the stage's largest unit, plus (stage 0) the embedding when a tied head on the
+same chunk keeps it gathered through the backward, or when a zero-bubble schedule keeps it
+gathered from its B to its W; without resharding every unit of the stage stays
 gathered from its forward to its backward (U = B n).
 
 Traffic per step (the ledger's buffer bytes; m microbatches of the rank): ZeRO-2/3
@@ -88,9 +89,18 @@ def gathered_working_set(cfg: Any, lo: Layout, stage: int, n: int) -> int:
     ahead = int(cfg.overlap.dp_prefetch) if lo.mode("dp") != "false" else 0
     units = unit_params(cfg, lo, stage)
     held = (1 + ahead) * max(units)
-    if tied_on_one_chunk(cfg, lo):
+    if stage == 0 and (tied_on_one_chunk(cfg, lo) or defers_weight_grads_of(cfg, lo)):
         held += embedding_params(cfg, lo)
     return BYTES * min(held, n)
+
+
+def defers_weight_grads_of(cfg: Any, lo: Layout) -> bool:
+    """A zero-bubble schedule (W actions): the embedding's B gives no input gradient to free
+    it on (fsdp.UnitGatherer), so it stays gathered until its W reduce-scatters it."""
+    from mpoverlap.pipeline import defers_weight_grads, resolve_schedule
+
+    choice = getattr(cfg.parallel, "pp_schedule", "auto")
+    return lo.pp > 1 and defers_weight_grads(resolve_schedule(choice, lo.vpp))
 
 
 def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[str, int]:
