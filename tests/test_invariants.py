@@ -10,7 +10,8 @@
    every Trainer.train_step below.
 3. Nothing stays gathered past its use: after each backward ZeRO-3 holds no gathered unit
    (train.reshard_after_forward=true), with and without recompute, and full recompute adds no
-   parameter gather to the step (its replay uses the gather of the unit's backward).
+   parameter gather to the step (its replay uses the gather of the unit's backward); under
+   zb1p and zbv after the step's last W, with the bound of docs/invariants.md between B and W.
 
 Plus the unit tests of the findings that need no process group (the norm's fp64 copies, the
 CUDA timing events of the ledger).
@@ -100,7 +101,7 @@ def _in_flight(trainer):
 
 def _check_step(trainer):
     """Run one train_step under the checks; -> (late reads, buckets read, gathers, bytes held
-    after each backward)."""
+    after each backward, (kind, vchunk, microbatch, buckets gathered) after each action)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -174,26 +175,17 @@ def _gathered(gatherer):
 
 
 def _held_beyond_pending_w(gatherer, after_action):
-    """The zero-bubble bound on what stays gathered between a B and its W, checked after
-    every pipeline action. W reads no parameter (its GEMMs take the saved input and output
-    gradient), so a unit's buckets are freed once its B has produced its input's gradient,
-    as 1F1B frees them after the unit's backward: within an action at most 1 + dp_prefetch
-    units are gathered (sharding.gathered_working_set). Only a bucket whose B gives no input
-    gradient to hook stays gathered until the W that completes it reduce-scatters it: the
-    embedding unit's, which the V's tied head (chunk 1 of stage 0) also reads; and only while
-    a microbatch that ran B for a chunk reading it has W's left on this stage. So between
-    actions at most ONE unit (the embedding) is gathered.
-    -> [(action, buckets gathered beyond that)], and the most units with a bucket gathered
-    after an action."""
+    """The zero-bubble bound (docs/invariants.md), after every pipeline action: W reads no
+    parameter, so a B frees each unit once its input gradient exists; only the embedding (no
+    input gradient; the V's tied head shares it) stays gathered until the W that completes it,
+    while a microbatch that ran B for a chunk reading it has W's left on this stage. -> [(action,
+    buckets gathered beyond that)], the most units with a bucket gathered after an action."""
     excess, most = [], 0
-    backward_done, weight_done = {}, {}  # microbatch -> chunks with B / W done
-    chunks_of = {}
-    for kind, vchunk, mb, _ in after_action:
+    backward_done, weight_done, chunks_of = {}, {}, {}  # microbatch -> chunks with B / W / any action
+    for _, vchunk, mb, _ in after_action:
         chunks_of.setdefault(mb, set()).add(vchunk)
-    owner = {}  # bucket -> the first unit that reads it (a shared bucket counts once)
-    for i, bs in enumerate(gatherer.buckets_of):
-        for b in bs:
-            owner.setdefault(b, i)
+    # bucket -> the first unit that reads it (a shared bucket counts once)
+    owner = {b: i for i, bs in reversed(list(enumerate(gatherer.buckets_of))) for b in bs}
     embedding = {b for i, u in enumerate(gatherer.units) if u.name == "embedding" for b in gatherer.buckets_of[i]}
     for kind, vchunk, mb, held in after_action:
         if kind == "B":
@@ -256,18 +248,14 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
                 assert r["gathers"] > 0 and r["held_after_backward"], where
                 held = r["held_after_backward"]
                 if any(f"parallel.pp_schedule={s}" in LAYOUTS[name][1] for s in ("zbv", "zb1p")):
-                    # Zero bubble: a unit's buckets are reduce-scattered (and freed) when its
-                    # weight gradients land, in W, so a B leaves them gathered until its W
-                    # (the V's tied embedding until the microbatch's embedding W); nothing is
-                    # held once the step's last W ran, and in between at most the units of
-                    # the chunks whose W is pending (_held_beyond_pending_w).
+                    # Zero bubble: nothing held once the step's last W ran; in between at most
+                    # the embedding until its W (_held_beyond_pending_w); within an action the
+                    # working set mpoverlap-check estimates (sharding.gathered_working_set).
                     held = held[-1:]
                     assert r["actions"] > 0, f"{where}: no pipeline action seen: nothing checked"
                     assert not r["held_beyond_pending_w"], \
-                        f"{where}: gathered beyond the chunks with a W pending: {r['held_beyond_pending_w'][:5]}"
+                        f"{where}: gathered beyond the embedding awaiting its W: {r['held_beyond_pending_w'][:5]}"
                     assert r["most_units_held"] <= 1, (where, r["most_units_held"], r["units"])
-                    # Within an action: the unit in use, the dp_prefetch ones ahead and the
-                    # embedding kept for its W: the working set mpoverlap-check estimates.
                     est = estimate(compose([*BASE, *LAYOUTS[name][1]]), world).stages[r["stage"]].gathered_bytes
                     assert r["peak_held"] <= 1.02 * est, (where, r["peak_held"], est)
                 assert all(h == 0 for h in held), \
