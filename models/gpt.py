@@ -217,6 +217,19 @@ class GPT(nn.Module):
         default 0..S-1 (context parallelism passes the global positions of its share).
         A chunk without pre_process takes hidden states x_BSH instead of tokens; one without
         post_process returns hidden states."""
+        x_BSH, cos_SD, sin_SD = self.embed(tokens_BS, position_ids)
+        for j, layer in enumerate(self.layers.values()):
+            if j < self.num_recomputed:
+                x_BSH = recomputed(layer, x_BSH, cos_SD, sin_SD, replaying=[layer.mlp])
+            else:
+                x_BSH = layer(x_BSH, cos_SD, sin_SD)
+        if not self.post_process:
+            return x_BSH
+        return self.head(x_BSH)
+
+    def embed(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+        """The forward up to the first block: (x_BSH, cos_SD, sin_SD). Tokens are embedded on
+        the chunk that embeds; another chunk passes its hidden states through."""
         S = tokens_BS.shape[1] if self.pre_process else None
         if position_ids is None:
             if S is None:
@@ -225,14 +238,10 @@ class GPT(nn.Module):
         cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim_of(self.cfg), self.cfg.rope_base,
                                       rope_scaling_of(self.cfg))
         x_BSH = self.embedding(tokens_BS) if self.pre_process else tokens_BS
-        cos_SD, sin_SD = cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
-        for j, layer in enumerate(self.layers.values()):
-            if j < self.num_recomputed:
-                x_BSH = recomputed(layer, x_BSH, cos_SD, sin_SD, replaying=[layer.mlp])
-            else:
-                x_BSH = layer(x_BSH, cos_SD, sin_SD)
-        if not self.post_process:
-            return x_BSH
+        return x_BSH, cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
+
+    def head(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """The forward after the last block: final norm and output layer -> logits_BSV (fp32)."""
         x_BSH = self.final_norm(x_BSH)
         if self.output is None:
             return layers.tied_head(x_BSH, self.embedding, self.tp).float()

@@ -122,6 +122,11 @@ class OverlapConfig:
     # EP detail: each microbatch's tokens are dispatched in this many chunks, so one chunk's
     # exchange is in flight while the experts compute another (on and off use the same chunks).
     ep_chunks: int = 4
+    # auto | true | false: forward/backward pairing at pp 1 (mpoverlap/pairing): the forward of
+    # microbatch i+1 runs with the backward of microbatch i, each one's expert all-to-alls in
+    # flight under the other's computation. Composes with ep_chunks (the chunks of each layer).
+    # Default false: it holds one more microbatch of activations (mpoverlap-check states how much).
+    ep_pairing: Any = "false"
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import run_distributed  # noqa: E402
+from zero_bubble_gathers import gathered, held_beyond_pending_w  # noqa: E402
 
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.ffn_hidden_size=64",
         "model.seq_length=16", "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=1",
@@ -70,6 +71,12 @@ def _layouts():
         out[f"gpt_pp2_vpp2_zb1p_{level}"] = (4, ["model=gpt_tiny", *ZERO[level], "parallel.dp=2", "parallel.pp=2",
                                                  "parallel.vpp=2", "parallel.pp_schedule=zb1p", "overlap.pp=true",
                                                  "model.num_layers=4"])
+    # forward/backward pairing (mpoverlap/pairing): two units in use at once under ZeRO-3, the
+    # post-step gathers of ZeRO-1 read by the paired sub-steps
+    for level in ("z1", "z3"):
+        # 3 layers: the middle one is the forward's and the backward's at once
+        out[f"moe_pairing_ep2_{level}"] = (2, [*MOE, *ZERO[level], "parallel.dp=2", "parallel.ep=2",
+                                               "overlap.ep_pairing=true", "model.num_layers=3"])
     # finding 3: the all-gather dispatcher's replay under overlap.ep (plain dp: the ep bytes
     # are compared with mpoverlap-check's estimate, with and without the replay).
     for rc in ("none", "full"):
@@ -155,7 +162,7 @@ def _check_step(trainer):
     def compute_then_look(executor, index, action, losses):
         compute(executor, index, action, losses)
         if gatherer is not None:
-            after_action.append((action.kind, action.vchunk, action.microbatch, _gathered(gatherer)))
+            after_action.append((action.kind, action.vchunk, action.microbatch, gathered(gatherer)))
     PipelineExecutor._compute = compute_then_look
     try:
         with Reads():
@@ -166,38 +173,6 @@ def _check_step(trainer):
         if gatherer is not None:
             gatherer._gather = issue
     return late, read, counts["gathers"], held_after_backward, after_action
-
-
-def _gathered(gatherer):
-    """Sharded buckets whose full parameters are allocated now."""
-    return {b for b, sharded in enumerate(gatherer.sharded)
-            if sharded and gatherer.ddp.buffer.buckets[b].param_data.untyped_storage().nbytes() > 0}
-
-
-def _held_beyond_pending_w(gatherer, after_action):
-    """The zero-bubble bound (docs/invariants.md), after every pipeline action: W reads no
-    parameter, so a B frees each unit once its input gradient exists; only the embedding (no
-    input gradient; the V's tied head shares it) stays gathered until the W that completes it,
-    while a microbatch that ran B for a chunk reading it has W's left on this stage. -> [(action,
-    buckets gathered beyond that)], the most units with a bucket gathered after an action."""
-    excess, most = [], 0
-    backward_done, weight_done, chunks_of = {}, {}, {}  # microbatch -> chunks with B / W / any action
-    for _, vchunk, mb, _ in after_action:
-        chunks_of.setdefault(mb, set()).add(vchunk)
-    # bucket -> the first unit that reads it (a shared bucket counts once)
-    owner = {b: i for i, bs in reversed(list(enumerate(gatherer.buckets_of))) for b in bs}
-    embedding = {b for i, u in enumerate(gatherer.units) if u.name == "embedding" for b in gatherer.buckets_of[i]}
-    for kind, vchunk, mb, held in after_action:
-        if kind == "B":
-            backward_done.setdefault(mb, set()).add(vchunk)
-        elif kind == "W":
-            weight_done.setdefault(mb, set()).add(vchunk)
-        chunks = {c for m, cs in backward_done.items() if weight_done.get(m, set()) != chunks_of[m] for c in cs}
-        allowed = {b for i, u in enumerate(gatherer.units) if u.chunk in chunks for b in gatherer.buckets_of[i]}
-        if held - (allowed & embedding):
-            excess.append((kind, vchunk, mb, sorted(held - (allowed & embedding))))
-        most = max(most, len({owner[b] for b in held}))
-    return excess, most
 
 
 def _invariants(rank, world, layouts, root):
@@ -217,15 +192,19 @@ def _invariants(rank, world, layouts, root):
         if trainer.ddp.gatherer is not None:
             trainer.ddp.gatherer.reset_peak()
         late, read, gathers, held, after_action = _check_step(trainer)
-        excess, most_units = ([], 0) if trainer.ddp.gatherer is None else \
-            _held_beyond_pending_w(trainer.ddp.gatherer, after_action)
+        g = trainer.ddp.gatherer
+        excess, most_units = ([], 0) if g is None else held_beyond_pending_w(g, after_action)
         out[name] = {"late": late, "read": sorted(read), "buckets": len(trainer.ddp.buffer.buckets),
                      "in_flight_at_start": in_flight, "gathers": gathers, "held_after_backward": held,
-                     "held_beyond_pending_w": excess, "most_units_held": most_units,
-                     "units": 0 if trainer.ddp.gatherer is None else len(trainer.ddp.gatherer.units),
+                     "zero3": g is not None, "comm": trainer.ledger.reset(per=2),
+                     "paired": trainer.overlap.ep_pairing.enabled,
+                     "held_at_end": g.held_bytes if g is not None else 0,
+                     "largest_unit": max((sum(trainer.ddp.buffer.buckets[b].param_data.numel() * 4 for b in bs)
+                                          for bs in g.buckets_of), default=0) if g is not None else 0,
+                     "prefetch": g.prefetch if g is not None else 0,
+                     "held_beyond_pending_w": excess, "most_units_held": most_units, "units": 0 if g is None else len(g.units),
                      "actions": len(after_action), "stage": trainer.state.coords.pp,
-                     "peak_held": 0 if trainer.ddp.gatherer is None else trainer.ddp.gatherer.peak_held_bytes,
-                     "zero3": trainer.ddp.gatherer is not None, "comm": trainer.ledger.reset(per=2)}
+                     "peak_held": 0 if g is None else g.peak_held_bytes}
     return out
 
 
@@ -244,12 +223,19 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
             assert len(r["read"]) == r["buckets"], f"{where}: the check saw {len(r['read'])} of {r['buckets']} buckets"
             if "overlap.dp_param_gather=true" in LAYOUTS[name][1]:
                 assert r["in_flight_at_start"], f"{where}: no parameter gather left in flight: nothing checked"
-            if r["zero3"]:
+            if r["zero3"] and r["paired"]:
+                # A paired step runs each backward as several autograd calls while the other
+                # microbatch's forward holds its unit: at most two units (and their prefetch)
+                # are gathered at once, and nothing once the step is done.
+                assert r["gathers"] > 0 and r["held_at_end"] == 0, (where, r["held_at_end"])
+                bound = 2 * (1 + r["prefetch"]) * r["largest_unit"]
+                assert max(r["held_after_backward"]) <= bound, (where, max(r["held_after_backward"]), bound)
+            elif r["zero3"]:
                 assert r["gathers"] > 0 and r["held_after_backward"], where
                 held = r["held_after_backward"]
                 if any(f"parallel.pp_schedule={s}" in LAYOUTS[name][1] for s in ("zbv", "zb1p")):
                     # Zero bubble: nothing held once the step's last W ran; in between at most
-                    # the embedding until its W (_held_beyond_pending_w); within an action the
+                    # the embedding until its W (tests/zero_bubble_gathers.py); within an action the
                     # working set mpoverlap-check estimates (sharding.gathered_working_set).
                     held = held[-1:]
                     assert r["actions"] > 0, f"{where}: no pipeline action seen: nothing checked"

@@ -17,6 +17,7 @@ FAILING = {
                     (["overlap.dp_prefetch=-1"], None),
                     (["checkpoint.interval=-1"], None), (["train.lr_decay_steps=0"], None)],
     "value.choice": [(["model.norm=batchnorm"], None), (["overlap.dp=sometimes"], None),
+                     (["overlap.ep_pairing=maybe"], None),
                      (["train.dp_sharding=zero3"], None),
                      (["train.device=tpu"], None), (["checkpoint.resume=maybe"], None),
                      (["parallel.cp_comm=ring"], None), (["train.precision=fp16"], None),
@@ -122,6 +123,17 @@ FAILING = {
                                         (["model=llama_tiny", "model.num_query_groups=16"], None)],
     "tp.divides_query_groups": [(["model=llama_tiny", "parallel.tp=4"], None),
                                 (["model=llama_tiny", "model.num_query_groups=1", "parallel.tp=2"], 4)],
+    "ep_pairing.needs_expert_exchange": [(["overlap.ep_pairing=true"], None),
+                                         (["model=moe_tiny", "parallel.dp=2", "overlap.ep_pairing=true"], None)],
+    "ep_pairing.pp1_only": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                              "overlap.ep_pairing=true"], None)],
+    "ep_pairing.needs_two_microbatches": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2",
+                                           "train.global_batch_size=8", "train.micro_batch_size=4",
+                                           "overlap.ep_pairing=true"], None)],
+    "ep_pairing.no_full_recompute": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "model.recompute=full",
+                                       "overlap.ep_pairing=true"], None)],
+    "ep_pairing.needs_ep_overlap": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep=false",
+                                     "overlap.ep_pairing=true"], None)],
     "mode.required_applies": [(["overlap.tp=true"], None), (["overlap.pp=true"], None),
                               (["overlap.cp=true"], None), (["overlap.ep=true"], None)],
 }
@@ -211,7 +223,7 @@ def test_all_problems_reported_at_once():
 def test_cli_false_beats_preset_true():
     # overlap=all requires every mode; a command-line false must win over the preset.
     cfg = compose(["overlap=all", "parallel.dp=2", "train.distributed_optimizer=true", "overlap.tp=false",
-                   "overlap.pp=false", "overlap.cp=false", "overlap.ep=false"])
+                   "overlap.pp=false", "overlap.cp=false", "overlap.ep=false", "overlap.ep_pairing=false"])
     assert validate(cfg) == []
     ov = CommOverlapConfig.from_config(cfg)
     assert ov.dp.enabled and ov.dp.requested == "true" and ov.dp_param_gather.enabled
@@ -294,3 +306,17 @@ def test_plan_states_when_capacity_drops_depend_on_the_layout(overrides, noted):
     assert ("note: model.moe_capacity_factor=1.25" in plan) == noted, plan
     if noted:
         assert "depend on the layout" in plan and "model.moe_capacity_factor=null" in plan
+
+
+def test_ep_pairing_auto_resolves_off_with_the_reason_and_on_where_it_applies():
+    """overlap.ep_pairing=auto never refuses: where pairing cannot run the plan says why."""
+    moe = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep_pairing=auto"]
+    on = CommOverlapConfig.from_config(compose(moe)).ep_pairing
+    assert on.enabled and "paired" in on.reason
+    for extra, why in ((["parallel.pp=2"], "parallel.pp=2"), (["model.recompute=full"], "model.recompute=full"),
+                       (["train.micro_batch_size=4", "train.global_batch_size=8"], "microbatch"), (["parallel.ep=1"], "parallel.ep=1")):
+        cfg = compose([*moe, *extra])
+        assert not [p for p in validate(cfg) if p.rule.startswith("ep_pairing")]
+        state = CommOverlapConfig.from_config(cfg).ep_pairing
+        assert not state.enabled and why in state.reason, (extra, state.reason)
+    assert not CommOverlapConfig.from_config(compose(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2"])).ep_pairing.enabled

@@ -144,6 +144,8 @@ class DataParallel(ShardedGrads):
         self._synced = False
         self._warned_unused = False
         self.weight_grads = None  # a WeightGradDeferral under a zero-bubble pipeline schedule
+        self._held_params: Set[nn.Parameter] = set()  # see hold_ready
+        self._held: List[nn.Parameter] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.buffer.params]
         self._rs_pending: Dict[int, torch.Tensor] = {}
@@ -294,6 +296,24 @@ class DataParallel(ShardedGrads):
             # tensor holds the whole accumulated gradient, so it becomes the buffer's content.
             view.copy_(grad)
             param.grad = view
+        if param in self._held_params:  # more of its gradient comes later in this backward
+            if param not in self._held:
+                self._held.append(param)
+            return
+        self._mark_ready(param)
+
+    def hold_ready(self, params) -> None:
+        """Forward/backward pairing (mpoverlap/pairing) runs one microbatch's backward as several
+        autograd calls; a parameter used in two of them (the tied embedding: embedding and head)
+        accumulates twice. Its readiness waits for `release_ready`, at the end of that backward."""
+        self._held_params = set(params)
+
+    def release_ready(self) -> None:
+        held, self._held = self._held, []
+        for param in held:
+            self._mark_ready(param)
+
+    def _mark_ready(self, param: nn.Parameter) -> None:
         b = self.buffer.index[param][2]
         if self.shard_grads:
             if self._communicates[b]:

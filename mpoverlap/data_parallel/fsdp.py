@@ -92,6 +92,10 @@ class UnitGatherer:
         # and the last unit output seen in this forward (weak reference, unit).
         self._free_first: Dict[int, int] = {}
         self._last_output = None
+        # Forward/backward pairing (mpoverlap/pairing) uses two units at once: the uses holding
+        # each bucket, and the buckets whose free waits for their last use to end.
+        self._pins: Dict[int, int] = {}
+        self._free_later: set = set()
         # Bytes of full buckets allocated now and at most since the last reset (the working set).
         self.held_bytes = 0
         self.peak_held_bytes = 0
@@ -122,6 +126,9 @@ class UnitGatherer:
     def free(self, b: int) -> None:
         if not self.sharded[b]:
             return
+        if b in self._pins:  # in use by a paired sub-step program: freed when released
+            self._free_later.add(b)
+            return
         self._wait(b)  # a gather in flight writes the storage
         data = self.ddp.buffer.buckets[b].param_data
         self.held_bytes -= data.untyped_storage().nbytes()
@@ -148,6 +155,23 @@ class UnitGatherer:
                 self._gather(b)
         for b in self.buckets_of[i]:
             self._wait(b)
+
+    def pin(self, i: int, step: int) -> None:
+        """Unit `i` gathered and held until `unpin` (prefetching in direction `step`)."""
+        self.ensure(i, step)
+        for b in self.buckets_of[i]:
+            self._pins[b] = self._pins.get(b, 0) + 1
+
+    def unpin(self, i: int, free: bool) -> None:
+        """End one use of unit `i`; its buckets are freed once unused if `free` or a free was
+        asked for while they were held."""
+        for b in self.buckets_of[i]:
+            self._pins[b] -= 1
+            if self._pins[b] == 0:
+                del self._pins[b]
+                if free or b in self._free_later:
+                    self._free_later.discard(b)
+                    self.free(b)
 
     def _pre_forward(self, i: int, _module, args) -> None:
         # A recomputed forward runs inside the unit's backward: the units after it finished

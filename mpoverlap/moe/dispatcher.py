@@ -238,32 +238,50 @@ class AllToAllDispatcher(_Base):
                             recv_counts=recv_RnL[:, i, :])
                 for i in range(n)]
 
-    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, counts: ChunkCounts) -> Pending:
+    # The math around the two exchanges, shared with the forward/backward pairing
+    # (mpoverlap/pairing), which issues the exchanges itself between autograd segments.
+    def sort_for_dispatch(self, x_TH, expert_ids_Tk, weights_Tk, counts: ChunkCounts):
+        """-> (x_perm [num_kept, H] sorted by destination expert, ctx)."""
         T, k = expert_ids_Tk.shape
         x_perm, order, _ = permute(x_TH, expert_ids_Tk, self.num_experts, counts.num_kept)
-        in_splits, out_splits = counts.in_splits, counts.out_splits
-        h, link = _a2a(x_perm, self.group, out_splits, in_splits, self.ledger, self._exchange())
-        ctx = dict(order=order, weights=weights_Tk, T=T, k=k, counts=counts,
-                   in_splits=in_splits, out_splits=out_splits)
+        return x_perm, dict(order=order, weights=weights_Tk, T=T, k=k, counts=counts,
+                            in_splits=counts.in_splits, out_splits=counts.out_splits)
+
+    def received_to_experts(self, recv_NH, ctx):
+        """Received rows [src rank][local expert] -> (tokens [N, H] grouped by local expert,
+        rows per local expert (host ints))."""
+        counts = ctx["counts"]
+        tokens, index = regroup(recv_NH, counts.recv_counts)
+        ctx["index"] = index
+        return tokens, counts.local_counts
+
+    def experts_to_send(self, expert_out_NH, ctx):
+        """Expert outputs back in the received row order (the combine exchange's input)."""
+        return expert_out_NH.index_select(0, inverse_index(ctx["index"]))
+
+    def combined_tokens(self, out_NH, ctx):
+        """Combined rows -> y [T, H], each token's k copies folded with its router weights."""
+        return unpermute(out_NH, ctx["order"], ctx["T"], ctx["k"], ctx["weights"])
+
+    def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, counts: ChunkCounts) -> Pending:
+        x_perm, ctx = self.sort_for_dispatch(x_TH, expert_ids_Tk, weights_Tk, counts)
+        h, link = _a2a(x_perm, self.group, ctx["out_splits"], ctx["in_splits"], self.ledger, self._exchange())
         return Pending([h], [link], ctx)
 
     def dispatch_finish(self, p: Pending):
         """-> (tokens [N, H] grouped by local expert, rows per local expert (host ints), ctx)."""
         recv, = p.wait()
-        counts = p.ctx["counts"]
-        tokens, index = regroup(recv, counts.recv_counts)
-        p.ctx["index"] = index
-        return tokens, counts.local_counts, p.ctx
+        tokens, local_counts = self.received_to_experts(recv, p.ctx)
+        return tokens, local_counts, p.ctx
 
     def combine_start(self, expert_out_NH, ctx) -> Pending:
-        back = expert_out_NH.index_select(0, inverse_index(ctx["index"]))
+        back = self.experts_to_send(expert_out_NH, ctx)
         h, link = _a2a(back, self.group, ctx["in_splits"], ctx["out_splits"], self.ledger, self._exchange())
         return Pending([h], [link], ctx)
 
     def combine_finish(self, p: Pending):
         out, = p.wait()
-        c = p.ctx
-        return unpermute(out, c["order"], c["T"], c["k"], c["weights"])
+        return self.combined_tokens(out, p.ctx)
 
 
 class AllGatherDispatcher(_Base):
@@ -287,16 +305,26 @@ class AllGatherDispatcher(_Base):
     def dispatch_finish(self, p: Pending):
         """-> (tokens [N_local, H] grouped by local expert, rows per local expert, ctx)."""
         xs, ws = p.wait()
-        c, lo = p.ctx, self.first_expert
-        ids = c["ids"]
+        tokens, local_counts = self.gathered_to_experts(xs, ws, p.ctx)
+        return tokens, local_counts, p.ctx
+
+    def gathered_to_experts(self, xs_RTH, ws_RTk, ctx):
+        """The group's tokens [R*T, H] and weights -> (this rank's experts' slots [N_local, H]
+        grouped by local expert, rows per local expert). (Shared with mpoverlap/pairing.)"""
+        lo = self.first_expert
+        ids = ctx["ids"]
         mine = (ids >= lo) & (ids < lo + self.num_local)
         local_ids = torch.where(mine, ids - lo, torch.full_like(ids, -1))
-        tokens, order, _ = permute(xs, local_ids, self.num_local, c["counts"].num_kept)
-        c.update(order=order, weights=ws)
-        return tokens, c["counts"].local_counts, c
+        tokens, order, _ = permute(xs_RTH, local_ids, self.num_local, ctx["counts"].num_kept)
+        ctx.update(order=order, weights=ws_RTk)
+        return tokens, ctx["counts"].local_counts
+
+    def experts_to_partial_sums(self, expert_out_NH, ctx):
+        """Weighted partial sums of the group's tokens [R*T, H] (the reduce-scatter's input)."""
+        return unpermute(expert_out_NH, ctx["order"], self.size * ctx["T"], ctx["k"], ctx["weights"])
 
     def combine_start(self, expert_out_NH, ctx) -> Pending:
-        partial = unpermute(expert_out_NH, ctx["order"], self.size * ctx["T"], ctx["k"], ctx["weights"])
+        partial = self.experts_to_partial_sums(expert_out_NH, ctx)
         h, link = _scatter(partial, self.group, self.size, self.ledger, self._exchange())
         return Pending([h], [link], ctx)
 

@@ -135,10 +135,13 @@ class MoELayer(nn.Module):
         self._stats["load_ratio"] = self._stats["load_ratio"] + ratio
         self._stats["bias_updates"] += 1
 
-    def forward(self, x: torch.Tensor, trace: Optional[List] = None):
-        shape = x.shape
-        xf = x.reshape(-1, shape[-1])
-        r = self.router(xf)  # fp32 logits and losses, whatever the autocast state
+    def route(self, x: torch.Tensor):
+        """x [..., H] -> (x_own [T, H] for the shared expert, parts, r): the router over all T
+        tokens (fp32 logits and losses, whatever the autocast state), the tokens in the compute
+        dtype, gathered over the expert-tp group, split into `num_chunks` chunks
+        parts = [(x [T_i, H], ids [T_i, k], weights [T_i, k])]."""
+        xf = x.reshape(-1, x.shape[-1])
+        r = self.router(xf)
         if torch.is_autocast_enabled(x.device.type):
             # Tokens travel (dispatch, combine) and experts compute in the compute dtype; the
             # norm before the layer returns fp32 under autocast, which would double the bytes.
@@ -149,7 +152,26 @@ class MoELayer(nn.Module):
         T = xf.shape[0]
         n = max(1, min(self.num_chunks, T))
         bounds = [i * T // n for i in range(n + 1)]  # host arithmetic: no tensor read
-        parts = [(xf[a:b], ids[a:b], weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return x_own, [(xf[a:b], ids[a:b], weights[a:b]) for a, b in zip(bounds, bounds[1:])], r
+
+    def attaches_aux(self) -> bool:
+        return self.aux_loss_scale is not None and torch.is_grad_enabled()
+
+    def output(self, y: torch.Tensor, shared: Optional[torch.Tensor], aux: Optional[torch.Tensor],
+               shape) -> torch.Tensor:
+        """The combined tokens y [T', H] -> the layer's output [..., H]: summed over the expert-tp
+        group, plus the shared expert's output, with the router losses `aux` attached."""
+        if self.expert_tp is not None:  # partial sums over the expert-tp group -> own tokens
+            y = self.expert_tp.reduce(y)
+        if shared is not None:  # [B, S, H] (split over TP like the dense MLP) -> rows of y
+            y = y + shared.reshape(y.shape)
+        if aux is not None:
+            y = _AttachAuxLoss.apply(y, aux, self.aux_loss_scale)
+        return y.view(shape)
+
+    def forward(self, x: torch.Tensor, trace: Optional[List] = None):
+        shape = x.shape
+        x_own, parts, r = self.route(x)
         log = trace.append if trace is not None else (lambda _e: None)
         d = self.dispatcher
         d.backward_trace = trace
@@ -210,15 +232,9 @@ class MoELayer(nn.Module):
                 ys.append(finish(i, compute(i, issue(i))))
         y = torch.cat(ys, dim=0)
         d.backward_trace = None
-        if self.expert_tp is not None:  # partial sums over the expert-tp group -> own tokens
-            y = self.expert_tp.reduce(y)
-        if shared is not None:  # [B, S, H] (split over TP like the dense MLP) -> rows of y
-            y = y + shared.reshape(y.shape)
         if self.training and torch.is_grad_enabled() and not self.recomputing:  # training forwards, once
             self._record(r)
-        if self.aux_loss_scale is not None and torch.is_grad_enabled():
-            y = _AttachAuxLoss.apply(y, r.aux_loss + r.z_loss, self.aux_loss_scale)
-        return y.view(shape), r
+        return self.output(y, shared, r.aux_loss + r.z_loss if self.attaches_aux() else None, shape), r
 
 
 def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name: str, cfg, seed: int,

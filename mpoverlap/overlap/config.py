@@ -27,10 +27,11 @@ class CommOverlapConfig:
     ep: ModeState
     dp_param_gather: ModeState
     dp_bucket_mb: float
+    ep_pairing: ModeState = ModeState("false", False, "not resolved")
 
     def modes(self) -> Dict[str, ModeState]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep,
-                "dp_param_gather": self.dp_param_gather}
+                "dp_param_gather": self.dp_param_gather, "ep_pairing": self.ep_pairing}
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: Optional[int] = None) -> "CommOverlapConfig":
@@ -57,6 +58,7 @@ class CommOverlapConfig:
                         f"parallel.ep={lo.ep}, model.num_experts={cfg.model.num_experts}: no expert dispatch"),
             dp_param_gather=_resolve_param_gather(lo),
             dp_bucket_mb=float(cfg.overlap.dp_bucket_mb),
+            ep_pairing=_resolve_pairing(lo),
         )
 
 
@@ -90,6 +92,22 @@ def _resolve_cp(lo: Layout, blocked: Optional[str] = None) -> ModeState:
     return _resolve(lo, "cp", lo.cp > 1, "next K/V block (and dK/dV in backward) in flight around the ring "
                     "while attention runs on the block already here",
                     f"parallel.cp={lo.cp}: no context-parallel communication", blocked)
+
+
+def _resolve_pairing(lo: Layout) -> ModeState:
+    from mpoverlap.overlap.ep_rules import pairing_obstacles
+
+    requested = lo.mode("ep_pairing")
+    obstacles = pairing_obstacles(lo)
+    if requested == "false":
+        return ModeState(requested, False, "off as requested: each microbatch's forward and backward run alone")
+    if obstacles:  # `true` never reaches here with an obstacle: the rules refuse it first
+        _, values, why, _ = obstacles[0]
+        keys = ", ".join(f"{k}={v}" for k, v in values.items())
+        return ModeState(requested, False, f"{keys}: {why}")
+    return ModeState(requested, True, "forward of microbatch i+1 paired with backward of microbatch i: each one's "
+                                      "expert all-to-alls in flight under the other's computation (one more "
+                                      "microbatch of activations in flight)")
 
 
 def _resolve_param_gather(lo: Layout) -> ModeState:

@@ -1,11 +1,12 @@
 """Expert-parallel and mixture-of-experts rules: expert placement, routing, MoE keys.
 
-No rule ties EP overlap to the pipeline or to recomputation: the overlap chunks the tokens of
-one MoE layer's forward and backward and waits every handle before the layer returns (or its
-backward finishes), so nothing is in flight across a pipeline send or a layer boundary; full
-activation recomputation replays a whole block's forward, dispatch and combine included, with
-the same issue-and-wait order (Megatron's refusal concerns its overlap of one microbatch's
-all-to-all with another's compute across layers, which mpoverlap does not do).
+No rule ties EP overlap (overlap.ep, its chunks) to the pipeline or to recomputation: the
+overlap chunks the tokens of one MoE layer's forward and backward and waits every handle before
+the layer returns (or its backward finishes), so nothing is in flight across a pipeline send or
+a layer boundary; full activation recomputation replays a whole block's forward, dispatch and
+combine included, with the same issue-and-wait order. Forward/backward pairing
+(overlap.ep_pairing, the end of this file) does keep one microbatch's all-to-all in flight under
+another's computation across layers: there Megatron's refusal of full recomputation applies.
 """
 from __future__ import annotations
 
@@ -208,3 +209,69 @@ def _etp_divides(lo: Layout):
         yield Problem("etp.divides_expert_ffn", {"parallel.etp": etp, "model.moe_ffn_hidden_size": ffn},
                       f"each of the etp={etp} ranks holds ffn / etp columns of every expert",
                       [f"model.moe_ffn_hidden_size={next_multiple(ffn, etp)}"])
+
+
+# ---- forward/backward pairing (overlap.ep_pairing, mpoverlap/pairing) -------------------
+def pairing_obstacles(lo: Layout) -> list:
+    """[(rule id, {key: value}, reason, [fixes])]: why forward/backward pairing cannot run on
+    this layout (empty: it can). `overlap.ep_pairing=true` refuses each; `auto` resolves off
+    and the plan gives the first reason."""
+    m, p, out = lo.cfg.model, lo.cfg.parallel, []
+    if m.num_experts == 0 or lo.ep in (None, 1):
+        out.append(("ep_pairing.needs_expert_exchange", {"parallel.ep": lo.ep, "model.num_experts": m.num_experts},
+                    "pairing hides one microbatch's expert all-to-alls under another's computation; without "
+                    "expert parallelism (parallel.ep >= 2 and an MoE model) there is no exchange to hide",
+                    ["overlap.ep_pairing=auto"]))
+    if lo.pp not in (None, 1):
+        out.append(("ep_pairing.pp1_only", {"parallel.pp": lo.pp},
+                    "pairing runs at pp 1 (first forward alone, forward i+1 with backward i, last backward "
+                    "alone); pipelined pairing (overlapped F/B actions in the pipeline tables) is not built",
+                    ["overlap.ep_pairing=auto"]))
+    n = lo.num_microbatches
+    if n is not None and n < 2:
+        out.append(("ep_pairing.needs_two_microbatches",
+                    {"train.global_batch_size": lo.cfg.train.global_batch_size,
+                     "train.micro_batch_size": lo.cfg.train.micro_batch_size},
+                    f"{n} microbatch per step: there is no other microbatch to pair a forward with",
+                    [f"train.global_batch_size={2 * lo.cfg.train.global_batch_size}"]))
+    if getattr(m, "recompute", "none") == "full":
+        out.append(("ep_pairing.no_full_recompute", {"model.recompute": "full"},
+                    "full recomputation replays a whole block, exchanges included, inside its backward, where "
+                    "the pairing runs that block as separate sub-steps with the other microbatch between them "
+                    "(Megatron refuses the same combination)",
+                    ["model.recompute=selective"]))
+    if lo.mode("ep") == "false":
+        out.append(("ep_pairing.needs_ep_overlap", {"overlap.ep": "false"},
+                    "overlap.ep=false asks for every expert exchange to be waited at once; pairing keeps them "
+                    "in flight", ["overlap.ep=auto"]))
+    return out
+
+
+_PAIRING_RULES = {
+    "ep_pairing.needs_expert_exchange": (("overlap.ep_pairing", "parallel.ep", "model.num_experts"),
+                                         "overlap.ep_pairing=true needs expert parallelism (ep >= 2, an MoE model)"),
+    "ep_pairing.pp1_only": (("overlap.ep_pairing", "parallel.pp"), "overlap.ep_pairing=true runs at parallel.pp=1"),
+    "ep_pairing.needs_two_microbatches": (("overlap.ep_pairing", "train.global_batch_size", "train.micro_batch_size"),
+                                          "overlap.ep_pairing=true needs at least two microbatches per step"),
+    "ep_pairing.no_full_recompute": (("overlap.ep_pairing", "model.recompute"),
+                                     "overlap.ep_pairing=true is refused with model.recompute=full"),
+    "ep_pairing.needs_ep_overlap": (("overlap.ep_pairing", "overlap.ep"),
+                                    "overlap.ep_pairing=true needs overlap.ep not false"),
+}
+
+
+def _pairing_rule(rule_id: str):
+    keys, summary = _PAIRING_RULES[rule_id]
+
+    @rule(rule_id, "ep", keys, summary)
+    def check(lo: Layout):
+        if lo.mode("ep_pairing") != "true":
+            return
+        for rid, values, why, fixes in pairing_obstacles(lo):
+            if rid == rule_id:
+                yield Problem(rid, {"overlap.ep_pairing": "true", **values}, why, fixes)
+    return check
+
+
+for _rule_id in _PAIRING_RULES:
+    _pairing_rule(_rule_id)

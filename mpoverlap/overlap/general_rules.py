@@ -4,7 +4,7 @@ from __future__ import annotations
 from mpoverlap.overlap.layout import DEGREES, Layout, as_positive_int
 from mpoverlap.overlap.rules import Problem, divisors, next_multiple, rule
 
-TRISTATE_KEYS = ("dp", "tp", "pp", "cp", "ep", "dp_param_gather")
+TRISTATE_KEYS = ("dp", "tp", "pp", "cp", "ep", "dp_param_gather", "ep_pairing")
 
 
 @rule("parallel.degree_positive", "general", tuple(f"parallel.{d}" for d in DEGREES),

@@ -22,6 +22,7 @@ from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import update_expert_biases
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.plan import render_plan
+from mpoverlap.pairing import train_paired
 from mpoverlap.parallel import ParallelState
 from mpoverlap.precision import DTYPES, autocast_context
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
@@ -121,6 +122,7 @@ class Trainer(Resumable):
         self.step = 0
         self.faults = FaultInjector(state.rank)
         self.pipeline = None
+        self.pairing_trace = None  # a list: the paired sub-steps' order (tests/test_pairing.py)
         if self.pp > 1:
             m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
             self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
@@ -197,6 +199,9 @@ class Trainer(Resumable):
                 "skipped": skipped}
 
     def _train_microbatches(self, micro) -> torch.Tensor:
+        if self.overlap.ep_pairing.enabled:  # pp 1 (rule ep_pairing.pp1_only)
+            return train_paired(self.model, micro, self._split, self.ddp, autocast=self.autocast,
+                                trace=self.pairing_trace)
         loss_sum = torch.zeros((), device=self.state.device)
         for i, mb in enumerate(micro):
             tokens, targets, positions = self._split(mb)

@@ -186,6 +186,10 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
                     for v in range(lo.vpp)
                     for i in recomputed_in_chunk(cfg, lo, chunk_index(stage, v, lo.pp, layout), mode)], default=0)
     if lo.pp == 1:
+        if mode != "full" and pairing_on(cfg, lo):  # (full recompute refuses pairing)
+            extra = pairing_extra_bytes(cfg, lo, conv, micro_batch, mode)
+            return [{"bytes": sum(per_chunk) + extra + replay(0), "chunks_in_flight": 2 * lo.vpp,
+                     "layers_in_flight": cfg.model.num_layers + 1, "pairing_extra": extra}]
         # One forward and its backward at a time (no pipeline): one microbatch alive.
         return [{"bytes": sum(per_chunk) + replay(0), "chunks_in_flight": lo.vpp,
                  "layers_in_flight": cfg.model.num_layers}]
@@ -206,3 +210,42 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
         out.append({"bytes": peak + replay(stage), "chunks_in_flight": peak_alive,
                     "layers_in_flight": peak_alive * per})
     return out
+
+
+def pairing_on(cfg: Any, lo: Layout) -> bool:
+    """overlap.ep_pairing resolves on (true, or auto where it applies)."""
+    from mpoverlap.overlap.ep_rules import pairing_obstacles
+
+    return getattr(cfg.overlap, "ep_pairing", "false") not in (False, "false") and not pairing_obstacles(lo)
+
+
+def pairing_extra_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int, mode: str = "none") -> int:
+    """Forward/backward pairing at pp 1 (mpoverlap/pairing): while the forward of microbatch i
+    runs layer t, the backward of microbatch i-1 still holds its layers 0..L-1-t (it frees each
+    layer's saved tensors as its sub-steps finish): max over t of layers[0..t] + layers[0..L-1-t],
+    about one layer more than one microbatch, plus a second microbatch's head and token ids, and
+    on every MoE layer the buffers its sub-step boundaries hold (`pairing_boundary_bytes`).
+    Returns the bytes above one microbatch's. (If the two programs drifted apart the bound would
+    be one whole microbatch more; the round-robin keeps forward layer t beside backward L-1-t.)"""
+    layers = [layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode) for i in range(cfg.model.num_layers)]
+    total = chunk_activation_bytes(cfg, lo, 0, conv, micro_batch, mode)
+    rest = total - sum(layers)  # head (final norm, loss) and token ids
+    paired = [b + pairing_boundary_bytes(cfg, lo, i, conv, micro_batch) for i, b in enumerate(layers)]
+    L = len(paired)
+    both = max(sum(paired[:t + 1]) + sum(paired[:L - t]) for t in range(L)) if L else 0
+    return both + 2 * rest - total
+
+
+def pairing_boundary_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micro_batch: int) -> int:
+    """What the paired sub-steps of MoE layer i hold beyond the unpaired layer, per microbatch:
+    the buffers at the exchange boundaries (sorted slots sent, slots received, expert outputs
+    sent back, combined slots received: 4 k H per routed token in the compute dtype, dropless),
+    which the unpaired layer frees after each exchange and a sub-step boundary keeps until its
+    backward."""
+    m = cfg.model
+    if not is_moe_layer(m, i):
+        return 0
+    tokens_tp = micro_batch * (m.seq_length // lo.cp)
+    sp = bool(cfg.parallel.sequence_parallel) and lo.tp > 1
+    expert_tokens = tokens_tp if etp_size(cfg) > 1 or not sp else tokens_tp // lo.tp
+    return expert_tokens * 4 * m.moe_top_k * m.hidden_size * conv.compute_bytes

@@ -45,6 +45,7 @@ class RankEstimate:
     # The heaviest stage's activation peak under each model.recompute mode (this config otherwise).
     activations_by_recompute: Dict[str, int] = field(default_factory=dict)
     total_params: int = 0  # the whole model (all ranks, each parameter once)
+    pairing_extra_bytes: int = 0  # overlap.ep_pairing: activations above one microbatch's (in the peak)
     active_params: int = 0  # per token: a mixture of experts counts top_k of its experts
 
 
@@ -96,7 +97,7 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
         model_flops_per_step=flops_per_token(m) * t.global_batch_size * m.seq_length,
         bubble=(bubble_fraction(lo.pp, lo.vpp, micro, resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp))
                 if lo.pp > 1 else 0.0), conventions=conv,
-        activations_by_recompute=by_recompute)
+        activations_by_recompute=by_recompute, pairing_extra_bytes=peaks[0].get("pairing_extra", 0))
 
 
 def stage_mean_dp(cfg: Any, lo: Any, ops: list, conv: Conventions) -> list:
@@ -148,6 +149,10 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
         lines.append(f"    ZeRO-3: parameters = this rank's shards + {_mib(heaviest.gathered_bytes)} of gathered units "
                      "in use or prefetched (train.reshard_after_forward, overlap.dp_prefetch)")
     lines.append(f"    activations of one layer, one microbatch: {_mib(est.layer_activation_bytes)}")
+    if est.pairing_extra_bytes:
+        lines.append(f"    forward/backward pairing (overlap.ep_pairing): a second microbatch in flight, the forward "
+                     f"of i+1 beside the backward of i (layer t beside layer L-1-t): +{_mib(est.pairing_extra_bytes)} "
+                     "over one microbatch's activations (in the peak above)")
     if est.activations_by_recompute:
         by = est.activations_by_recompute
         lines.append("    activation peak with model.recompute=none / selective / full: "
