@@ -10,7 +10,8 @@
    every Trainer.train_step below.
 3. Nothing stays gathered past its use: after each backward ZeRO-3 holds no gathered unit
    (train.reshard_after_forward=true), with and without recompute, and full recompute adds no
-   parameter gather to the step (its replay uses the gather of the unit's backward).
+   parameter gather to the step (its replay uses the gather of the unit's backward); under
+   zb1p and zbv after the step's last W, with the bound of docs/invariants.md between B and W.
 
 Plus the unit tests of the findings that need no process group (the norm's fp64 copies, the
 CUDA timing events of the ledger).
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import run_distributed  # noqa: E402
+from zero_bubble_gathers import gathered, held_beyond_pending_w  # noqa: E402
 
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.ffn_hidden_size=64",
         "model.seq_length=16", "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=1",
@@ -60,6 +62,15 @@ def _layouts():
         out[f"gpt_pp2_zbv_tied_{level}"] = (4, ["model=gpt_tiny", *ZERO[level], "parallel.dp=2", "parallel.pp=2",
                                                 "parallel.vpp=2", "parallel.pp_schedule=zbv", "overlap.pp=true",
                                                 "model.num_layers=4", "model.tie_embeddings=true"])
+    # zb1p (ZB-H1): W deferred on 1F1B (tied embedding across the two stages) and on
+    # interleaved chunks; ZeRO-1's post-step gather and ZeRO-3's unit gathers around B and W
+    for level in ("z1", "z3"):
+        out[f"gpt_pp2_zb1p_tied_{level}"] = (4, ["model=gpt_tiny", *ZERO[level], "parallel.dp=2", "parallel.pp=2",
+                                                 "parallel.pp_schedule=zb1p", "overlap.pp=true",
+                                                 "model.num_layers=4", "model.tie_embeddings=true"])
+        out[f"gpt_pp2_vpp2_zb1p_{level}"] = (4, ["model=gpt_tiny", *ZERO[level], "parallel.dp=2", "parallel.pp=2",
+                                                 "parallel.vpp=2", "parallel.pp_schedule=zb1p", "overlap.pp=true",
+                                                 "model.num_layers=4"])
     # forward/backward pairing (mpoverlap/pairing): two units in use at once under ZeRO-3, the
     # post-step gathers of ZeRO-1 read by the paired sub-steps
     for level in ("z1", "z3"):
@@ -97,7 +108,7 @@ def _in_flight(trainer):
 
 def _check_step(trainer):
     """Run one train_step under the checks; -> (late reads, buckets read, gathers, bytes held
-    after each backward)."""
+    after each backward, (kind, vchunk, microbatch, buckets gathered) after each action)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -145,14 +156,23 @@ def _check_step(trainer):
             held_after_backward.append(gatherer.held_bytes)
         return out
     torch.autograd.backward = backward_then_look
+    from mpoverlap.pipeline.executor import PipelineExecutor
+    compute, after_action = PipelineExecutor._compute, []
+
+    def compute_then_look(executor, index, action, losses):
+        compute(executor, index, action, losses)
+        if gatherer is not None:
+            after_action.append((action.kind, action.vchunk, action.microbatch, gathered(gatherer)))
+    PipelineExecutor._compute = compute_then_look
     try:
         with Reads():
             trainer.train_step()
     finally:
         torch.autograd.backward = backward
+        PipelineExecutor._compute = compute
         if gatherer is not None:
             gatherer._gather = issue
-    return late, read, counts["gathers"], held_after_backward
+    return late, read, counts["gathers"], held_after_backward, after_action
 
 
 def _invariants(rank, world, layouts, root):
@@ -169,8 +189,11 @@ def _invariants(rank, world, layouts, root):
         assert trainer.ledger.strict, "the suite runs with the strict ledger (tests/conftest.py)"
         trainer.train_step()  # leaves the post-step parameter gathers in flight (ZeRO-1/2)
         in_flight = sorted(trainer.optimizer._pending)
-        late, read, gathers, held = _check_step(trainer)
+        if trainer.ddp.gatherer is not None:
+            trainer.ddp.gatherer.reset_peak()
+        late, read, gathers, held, after_action = _check_step(trainer)
         g = trainer.ddp.gatherer
+        excess, most_units = ([], 0) if g is None else held_beyond_pending_w(g, after_action)
         out[name] = {"late": late, "read": sorted(read), "buckets": len(trainer.ddp.buffer.buckets),
                      "in_flight_at_start": in_flight, "gathers": gathers, "held_after_backward": held,
                      "zero3": g is not None, "comm": trainer.ledger.reset(per=2),
@@ -178,12 +201,18 @@ def _invariants(rank, world, layouts, root):
                      "held_at_end": g.held_bytes if g is not None else 0,
                      "largest_unit": max((sum(trainer.ddp.buffer.buckets[b].param_data.numel() * 4 for b in bs)
                                           for bs in g.buckets_of), default=0) if g is not None else 0,
-                     "prefetch": g.prefetch if g is not None else 0}
+                     "prefetch": g.prefetch if g is not None else 0,
+                     "held_beyond_pending_w": excess, "most_units_held": most_units, "units": 0 if g is None else len(g.units),
+                     "actions": len(after_action), "stage": trainer.state.coords.pp,
+                     "peak_held": 0 if g is None else g.peak_held_bytes}
     return out
 
 
 @pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
 def test_reads_wait_gathers_handles_waited_nothing_held(world):
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
     layouts = {n: o for n, (w, o) in LAYOUTS.items() if w == world}
     with tempfile.TemporaryDirectory() as root:
         results = run_distributed(_invariants, world, layouts, root, timeout_s=600)
@@ -204,20 +233,22 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
             elif r["zero3"]:
                 assert r["gathers"] > 0 and r["held_after_backward"], where
                 held = r["held_after_backward"]
-                if "parallel.pp_schedule=zbv" in LAYOUTS[name][1]:
-                    # Zero bubble: a unit's buckets are reduce-scattered (and freed) when its
-                    # weight gradients land, in W, so a B leaves them gathered until its W
-                    # (the V's tied embedding until the microbatch's embedding W); nothing is
-                    # held once the step's last W ran.
+                if any(f"parallel.pp_schedule={s}" in LAYOUTS[name][1] for s in ("zbv", "zb1p")):
+                    # Zero bubble: nothing held once the step's last W ran; in between at most
+                    # the embedding until its W (tests/zero_bubble_gathers.py); within an action the
+                    # working set mpoverlap-check estimates (sharding.gathered_working_set).
                     held = held[-1:]
+                    assert r["actions"] > 0, f"{where}: no pipeline action seen: nothing checked"
+                    assert not r["held_beyond_pending_w"], \
+                        f"{where}: gathered beyond the embedding awaiting its W: {r['held_beyond_pending_w'][:5]}"
+                    assert r["most_units_held"] <= 1, (where, r["most_units_held"], r["units"])
+                    est = estimate(compose([*BASE, *LAYOUTS[name][1]]), world).stages[r["stage"]].gathered_bytes
+                    assert r["peak_held"] <= 1.02 * est, (where, r["peak_held"], est)
                 assert all(h == 0 for h in held), \
                     f"{where}: bytes still gathered after each backward: {r['held_after_backward']}"
 
 
     if world == 2:  # finding 3: what the replay issues is waited (strict ledger) and estimated
-        from mpoverlap.config import compose
-        from mpoverlap.overlap.estimate import estimate
-
         for rc in ("none", "full"):
             name = f"moe_allgather_ep2_{rc}"
             got = sum(r[name]["comm"]["ep"]["bytes"] for r in results) / len(results)
@@ -243,7 +274,7 @@ def _zero3_gathers(rank, world, root):
                            f"run.dir={Path(root) / name}"])
             trainer = Trainer(cfg, init_distributed(cfg), Path(root) / name)
             trainer.train_step()
-            _, _, gathers, held = _check_step(trainer)
+            _, _, gathers, held, _ = _check_step(trainer)
             out[name] = (gathers, held, trainer.ddp.gatherer.peak_held_bytes)
     return out
 

@@ -12,6 +12,15 @@ bucket (`DataParallel.param_shard`). Around a unit's use:
                        output's gradient: that hook runs right before the unit's backward
     backward pre-hook  gather again (if freed) + prefetch the `prefetch` previous units
     gradients ready    DataParallel reduce-scatters the bucket and frees it (`after_reduce`)
+    input's gradient   (zero-bubble B, weight gradients deferred to W) free the unit's buckets:
+                       W reads no parameter (its GEMMs take the saved input and output
+                       gradient), and the reduce-scatter that would free them waits for W
+
+Under a zero-bubble schedule a unit's buckets are complete only when its W ran, so without the
+input-gradient hook every unit a B ran through stayed gathered until its W: the whole stage's
+parameters between B and W. With it, what a B leaves gathered is only what has no input
+gradient to hook (the embedding unit, and the tied head's share of it), kept until the W that
+reduce-scatters it (tests/test_invariants.py checks this bound after every pipeline action).
 
 reshard_after_forward=True (FSDP2's default): parameters are gathered twice per microbatch
 (forward and backward); peak parameter memory is the shards plus the few units in flight.
@@ -25,6 +34,7 @@ it is re-allocated and re-gathered.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Dict, List, Sequence
@@ -73,6 +83,15 @@ class UnitGatherer:
             ids = sorted({buf.index[p][2] for p in list(u.owned) + list(u.shared) if p in buf.index})
             self.buckets_of.append([b for b in ids if self.sharded[b]])
         self._pending: Dict[int, CommHandle] = {}
+        readers: Dict[int, int] = {}
+        for ids in self.buckets_of:
+            for b in ids:
+                readers[b] = readers.get(b, 0) + 1
+        self._shared = {b for b, n in readers.items() if n > 1}  # buckets two units read
+        # Deferred weight gradients: the unit whose input is unit k's output (k -> that unit),
+        # and the last unit output seen in this forward (weak reference, unit).
+        self._free_first: Dict[int, int] = {}
+        self._last_output = None
         # Forward/backward pairing (mpoverlap/pairing) uses two units at once: the uses holding
         # each bucket, and the buckets whose free waits for their last use to end.
         self._pins: Dict[int, int] = {}
@@ -154,22 +173,46 @@ class UnitGatherer:
                     self._free_later.discard(b)
                     self.free(b)
 
-    def _pre_forward(self, i: int, _module, _args) -> None:
+    def _pre_forward(self, i: int, _module, args) -> None:
         # A recomputed forward runs inside the unit's backward: the units after it finished
         # their backward and were freed, so prefetching "the next" units would gather them
         # again for nobody. Look backwards, as the backward pre-hook does (already issued).
         self.ensure(i, -1 if in_backward() else +1)
+        deferral = getattr(self.ddp, "weight_grads", None)
+        if deferral is not None and not in_backward() and torch.is_grad_enabled():
+            x = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+            last = self._last_output
+            if x is not None and last is not None and last[0]() is x:
+                # x is the previous unit's output: its backward pre-hook (registered first on
+                # x, so it would run first and gather that unit and prefetch more before this
+                # one is freed) frees this unit before it gathers.
+                self._free_first[last[1]] = i
+            elif x is not None:
+                x.register_hook(partial(self._after_backward, i))
+
+    def _after_backward(self, i: int, _grad=None) -> None:
+        """Unit `i`'s input gradient is complete, so is its backward. Inside a deferring B its
+        buckets wait for W to be reduce-scattered (and freed): free them now, but the ones
+        another unit also reads (the tied embedding: the embedding unit's backward follows)."""
+        if self.ddp.weight_grads.active:
+            for b in self.buckets_of[i]:
+                if b not in self._shared:
+                    self.free(b)
+        return None
 
     def _post_forward(self, i: int, _module, _args, output) -> None:
         if in_backward():
             return  # a recomputed forward: its backward follows at once and needs the unit
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._pre_backward, i))
+            self._last_output = (weakref.ref(output), i)
         if self.reshard_after_forward or not torch.is_grad_enabled():
             for b in self.buckets_of[i]:
                 self.free(b)
 
     def _pre_backward(self, i: int, _grad) -> None:
+        if i in self._free_first:
+            self._after_backward(self._free_first[i])
         self.ensure(i, -1)
         return None
 

@@ -60,7 +60,7 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # edp = dp x cp / ep, or tp x edp when replicated over tp under SP (none when 1).
         # Gradients travel in train.grad_reduce_dtype; the parameter gathers stay fp32.
         grad_bytes = 2 if getattr(t, "grad_reduce_dtype", "fp32") == "bf16" else PARAM_BYTES
-        ops += dp_ops(cfg, lo, params, expert_params, grad_bytes)
+        ops += dp_ops(cfg, lo, params, expert_params, grad_bytes, busiest)
     if lo.tp > 1:
         # Full-sequence activation-sized collectives per microbatch. Without SP: each layer's two
         # forward all-reduces and two backward input-gradient all-reduces, plus the embedding's

@@ -14,15 +14,18 @@ over tp under sequence parallelism (`expert_group_size`) (fp32 everywhere, B = 4
 
 U, the gathered units' working set under ZeRO-3: with reshard_after_forward the unit in use
 plus the `overlap.dp_prefetch` units gathered ahead of it (prefetch only under overlap.dp),
-at the size of the stage's largest unit, plus the embedding when a tied head on the same chunk
-keeps it gathered through the backward; without resharding every unit of the stage stays
+at the size of the stage's largest unit, plus (stage 0) the embedding when a tied head on the
+same chunk keeps it gathered through the backward, or when a zero-bubble schedule keeps it
+gathered from its B to its W; without resharding every unit of the stage stays
 gathered from its forward to its backward (U = B n).
 
 Traffic per step (the ledger's buffer bytes; m microbatches of the rank): ZeRO-2/3
 reduce-scatter each bucket in every microbatch (m times the gradient bytes); ZeRO-1/2 gather
 the parameters once after the step; ZeRO-3 gathers each unit before its forward and again
 before its backward (2 m times the parameter bytes; m without resharding), and a tied head on
-the embedding's chunk gathers the embedding once more per microbatch.
+the embedding's chunk (or, in zbv's V, on the embedding's stage 0) gathers the embedding once
+more per microbatch. `estimate` reports these per stage averaged over the stages, as the
+ledger averages the ranks (core.py).
 """
 from __future__ import annotations
 
@@ -86,9 +89,18 @@ def gathered_working_set(cfg: Any, lo: Layout, stage: int, n: int) -> int:
     ahead = int(cfg.overlap.dp_prefetch) if lo.mode("dp") != "false" else 0
     units = unit_params(cfg, lo, stage)
     held = (1 + ahead) * max(units)
-    if tied_on_one_chunk(cfg, lo):
+    if stage == 0 and (tied_on_one_chunk(cfg, lo) or defers_weight_grads_of(cfg, lo)):
         held += embedding_params(cfg, lo)
     return BYTES * min(held, n)
+
+
+def defers_weight_grads_of(cfg: Any, lo: Layout) -> bool:
+    """A zero-bubble schedule (W actions): the embedding's B gives no input gradient to free
+    it on (fsdp.UnitGatherer), so it stays gathered until its W reduce-scatters it."""
+    from mpoverlap.pipeline import defers_weight_grads, resolve_schedule
+
+    choice = getattr(cfg.parallel, "pp_schedule", "auto")
+    return lo.pp > 1 and defers_weight_grads(resolve_schedule(choice, lo.vpp))
 
 
 def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[str, int]:
@@ -106,9 +118,9 @@ def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[s
             "gathered": gathered}
 
 
-def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: int) -> list:
-    """The dp collectives per step of a rank holding `params` ((mode, op, buffer bytes, group
-    size) tuples, as comm.comm_ops lists them)."""
+def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: int, stage: int = 0) -> list:
+    """The dp collectives per step of a rank of `stage` holding `params` ((mode, op, buffer
+    bytes, group size) tuples, as comm.comm_ops lists them)."""
     level = level_of(cfg, lo)
     replicas = lo.dp * lo.cp
     n_e = expert_group_size(cfg, lo)
@@ -128,7 +140,7 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: in
             continue
         resharded = bool(cfg.train.reshard_after_forward)
         gathers = micro * (2 if resharded else 1) * count
-        if resharded and dense and tied_on_one_chunk(cfg, lo):
+        if resharded and dense and tied_on_one_chunk(cfg, lo) and stage == 0:
             gathers += micro * embedding_params(cfg, lo)
         ops.append(("dp", "all_gather", gathers * BYTES, n))
     return ops
