@@ -33,7 +33,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from bench.common import add_block_args, adamw_groups, close_trainers, init_bench_worker, json_cli, rotating_blocks, spawn_ranks, \
     stats, plain_microbatches, step_with_lr
@@ -224,7 +224,6 @@ class DTensorTP(_Peer):
         self.schedule = LRSchedule.from_config(t)
 
     def train_step(self):
-        import torch
 
         from mpoverlap.training.data import global_batch, rank_microbatches
 
@@ -238,6 +237,24 @@ class DTensorTP(_Peer):
         step_with_lr(self.optimizer, lr)
         self.step += 1
         return {"loss_local": loss_sum}
+
+
+def with_positions(chunk, seq_length: int):
+    """A GPT chunk as a torch.distributed.pipelining stage module: stages pass one tensor, so
+    the position ids (0..seq_length-1, the same for every microbatch) live in a buffer."""
+    import torch
+    from torch import nn
+
+    class WithPositions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.chunk = chunk
+            self.register_buffer("pos", torch.arange(seq_length), persistent=False)
+
+        def forward(self, x):
+            return self.chunk(x, position_ids=self.pos)
+
+    return WithPositions()
 
 
 class TorchInterleaved(_Peer):
@@ -257,16 +274,7 @@ class TorchInterleaved(_Peer):
         self.cfg, self.dataset, self.rank, self.step = cfg, dataset, rank, 0
         self.chunks = build_chunks(m, pp, vpp, rank, t.seed)
 
-        class WithPositions(nn.Module):
-            def __init__(self, chunk):
-                super().__init__()
-                self.chunk = chunk
-                self.register_buffer("pos", torch.arange(m.seq_length), persistent=False)
-
-            def forward(self, x):
-                return self.chunk(x, position_ids=self.pos)
-
-        stages = [PipelineStage(WithPositions(c), stage_index=v * pp + rank, num_stages=pp * vpp,
+        stages = [PipelineStage(with_positions(c, m.seq_length), stage_index=v * pp + rank, num_stages=pp * vpp,
                                 device=torch.device("cpu")) for v, c in enumerate(self.chunks)]
         V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
 

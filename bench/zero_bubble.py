@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional
 
 from bench.common import add_block_args, adamw_groups, close_trainers, free_port, init_bench_worker, json_cli, \
     rotating_blocks
-from bench.modes import BubbleProbe, TorchInterleaved
+from bench.modes import BubbleProbe, TorchInterleaved, with_positions
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
           "data.max_bytes=2000000", "overlap.dp=false", "overlap.pp=true", "model.tie_embeddings=false"]
@@ -173,18 +173,9 @@ class TorchPipeline(TorchInterleaved):
         total = pp * len(indices)
         per = m.num_layers // total
 
-        class WithPositions(nn.Module):
-            def __init__(self, chunk):
-                super().__init__()
-                self.chunk = chunk
-                self.register_buffer("pos", torch.arange(m.seq_length), persistent=False)
-
-            def forward(self, x):
-                return self.chunk(x, position_ids=self.pos)
-
         self.chunks = [GPT(m, seed=t.seed, layer_ids=list(range(k * per, (k + 1) * per)), pre_process=k == 0,
                            post_process=k == total - 1) for k in indices]
-        stages = [pipelining.PipelineStage(WithPositions(c), stage_index=k, num_stages=total,
+        stages = [pipelining.PipelineStage(with_positions(c, m.seq_length), stage_index=k, num_stages=total,
                                            device=torch.device("cpu"), group=group)
                   for k, c in zip(indices, self.chunks)]
         V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)

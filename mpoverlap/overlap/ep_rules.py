@@ -216,7 +216,7 @@ def pairing_obstacles(lo: Layout) -> list:
     """[(rule id, {key: value}, reason, [fixes])]: why forward/backward pairing cannot run on
     this layout (empty: it can). `overlap.ep_pairing=true` refuses each; `auto` resolves off
     and the plan gives the first reason."""
-    m, p, out = lo.cfg.model, lo.cfg.parallel, []
+    m, out = lo.cfg.model, []
     if m.num_experts == 0 or lo.ep in (None, 1):
         out.append(("ep_pairing.needs_expert_exchange", {"parallel.ep": lo.ep, "model.num_experts": m.num_experts},
                     "pairing hides one microbatch's expert all-to-alls under another's computation; without "

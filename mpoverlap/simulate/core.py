@@ -74,7 +74,6 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     costs = chunk_costs(cfg, lo, hw, links, enabled, c)
     paired, pairing_why = pairing_state(cfg, lo.pp, lo.vpp, lo.ep, enabled["ep"], micro, ov.modes().get("ep_pairing"))
     pairing_exposed = apply_pairing(costs[0], micro, cfg.overlap.ep_chunks) if paired else {}
-    K = lo.pp * lo.vpp
     pp_msg = _pp_message_bytes(cfg, lo, c)
     T = lo.tp * lo.cp * lo.dp
 

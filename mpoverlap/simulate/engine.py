@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mpoverlap.pipeline.actions import BACKWARD, FORWARD, RECV, SEND, WEIGHT, ScheduleError, chunk_index
+from mpoverlap.pipeline.actions import BACKWARD, RECV, SEND, WEIGHT, ScheduleError, chunk_index
 from mpoverlap.pipeline.schedules import build_schedule, chunk_layout, schedule_kind
 
 
