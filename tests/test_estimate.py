@@ -124,6 +124,37 @@ def test_wgrad_kept_bytes_one_block_tp1(family, bf16):
     assert abs(measured - est) <= 0.05 * measured, (family, bf16, measured, est)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_wgrad_kept_bytes_whole_model_with_embedding_and_head(tied, bf16):
+    """The same for a whole 2-layer model: its layers, the embedding's output gradient and ids,
+    the head's input and the logits' gradient."""
+    from mpoverlap.models.gpt import GPT
+    from mpoverlap.overlap.estimate.wgrad_kept import (embedding_wgrad_kept_bytes, head_wgrad_kept_bytes,
+                                                        layer_wgrad_kept_bytes)
+    from mpoverlap.wgrad import WeightGradDeferral, WeightGradQueue, attach_deferral
+
+    cfg = compose(["model.num_layers=2", "model.vocab_size=300", f"model.tie_embeddings={str(tied).lower()}",
+                   *SHAPE[:3], "model.seq_length=32", f"train.micro_batch_size={B}"])
+    model, deferral = GPT(cfg.model, seed=1), WeightGradDeferral()
+    attach_deferral(model, deferral)
+    tokens = torch.randint(0, 300, (B, 32), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        loss = model.loss(model(tokens), tokens)
+    with deferral.deferring(WeightGradQueue()) as queue:
+        loss.backward()
+    tensors, seen = [], set()
+    for _, compute in queue.entries:
+        _closure_tensors(compute, tensors, seen)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    lo, conv = build_layout(cfg, 1), Conventions.for_dtype(2 if bf16 else 4)
+    est = (sum(layer_wgrad_kept_bytes(cfg, lo, i, conv, B) for i in range(2))
+           + embedding_wgrad_kept_bytes(cfg, lo, conv, B) + head_wgrad_kept_bytes(cfg, lo, conv, B))
+    assert abs(measured - est) <= 0.05 * measured, (measured, est)
+
+
 def _tp_worker(rank, world):
     from mpoverlap.parallel import ParallelState, RankGrid
     from mpoverlap.tensor_parallel import tp_kwargs
@@ -395,6 +426,31 @@ def test_pp2_vpp2_peak_activations_within_25pct(tmp_path):
     print(f"\n  pp2_vpp2 stage 0 activations: measured {stage0['measured'] / 2**20:.1f} MiB, "
           f"estimate {stage0['estimate'] / 2**20:.1f} MiB ({stage0['ratio']:.2f}x)")
     assert stage0["stage"] == 0 and 0.75 <= stage0["ratio"] <= 1.25, stage0
+
+
+@pytest.mark.slow
+def test_pp2_zero_bubble_peak_activations_within_25pct(tmp_path, monkeypatch):
+    """zb1p and zbv at pp 2 on the pp2_vpp2 layout's activation-heavy model (m = 4): each rank's
+    peak activations measured as bench/memory.py measures them, against the estimate for its
+    stage, which counts what the queued weight-gradient closures keep from B to W (the later
+    stage holds p microbatches' W closures, 1F1B's only one microbatch)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/ is not installed
+    from bench import memory
+
+    base = [o for o in memory.LAYOUTS["pp2_vpp2"] if not o.startswith("parallel.vpp")]
+    layouts = {"pp2_zb1p": base + ["parallel.pp_schedule=zb1p"],
+               "pp2_zbv": base + ["parallel.vpp=2", "parallel.pp_schedule=zbv"]}
+    for name, overrides in layouts.items():
+        monkeypatch.setitem(memory.LAYOUTS, name, overrides)
+    res = memory.run(list(layouts), 2, tmp_path)
+    bad = []
+    for name in layouts:
+        for row in memory.activation_rows(res["layouts"][name]):
+            print(f"\n  {name} rank {row['rank']} activations: measured {row['measured'] / 2**20:.1f} MiB, "
+                  f"estimate {row['estimate'] / 2**20:.1f} MiB ({row['ratio']:.2f}x)")
+            if not 0.75 <= row["ratio"] <= 1.25:
+                bad.append((name, row))
+    assert not bad, bad
 
 
 def test_cp_attention_working_set_grows_with_the_sequence_not_its_square():
