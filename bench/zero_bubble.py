@@ -30,6 +30,7 @@ bench/zero_bubble_report.py): one short `mpoverlap-train` per schedule kind at m
 its near-empty baseline, bench/memory.py's method, beside the estimate.
 
     python -m bench.zero_bubble --scenario schedules [--block 3] [--repeats 4] [--json F]
+    python -m bench.zero_bubble --memory-only 4,8 [--json F]      # the activation-memory runs alone
 """
 from __future__ import annotations
 
@@ -269,6 +270,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     for k in ("hidden", "ffn", "seq", "layers", "heads", "micro_batch"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help="scenario default: see DEFAULTS")
     p.add_argument("--microbatches", default=None, help="comma-separated microbatch counts (schedules: 4,8)")
+    p.add_argument("--memory-only", default=None, metavar="M,M",
+                   help="only the activation-memory runs (bare loopback), at these microbatch counts; prints "
+                        "the peak over the ranks against 1F1B's")
     p.add_argument("--torch", default=",".join(TORCH_KINDS),
                    help=f"torch schedules to run beside ours (default {','.join(TORCH_KINDS)}; 'none': none)")
 
@@ -290,6 +294,14 @@ def fill_defaults(args) -> None:
 def run(args) -> Dict[str, Any]:
     fill_defaults(args)
     t0 = time.perf_counter()
+    if args.memory_only:
+        from bench.zero_bubble_report import memory_runs, peak_line
+
+        out = Path(tempfile.mkdtemp(prefix="mpo-bench-zb-memory-"))
+        memory = [{"m": int(m), "runs": memory_runs(args, out, int(m))} for m in args.memory_only.split(",")]
+        for mem in memory:
+            print(f"m = {mem['m']}: " + peak_line(mem["runs"]["layouts"], mem["m"]), flush=True)
+        return {"benchmark": "zero_bubble", "memory": memory, "wall_s": time.perf_counter() - t0}
     res = spawn(args)
     res.update(benchmark="zero_bubble", scenario=args.scenario, link=args.link, wall_s=time.perf_counter() - t0,
                setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", "hidden", "ffn", "seq",
