@@ -26,10 +26,11 @@ at pp 2, 1f1b against zb1p: the exposed tp communication (the ledger's `comm.tp.
 with and without W deferral.
 
 Activation memory (`bench.run` runs it after the scenarios, `memory_runs` in
-bench/zero_bubble_report.py): one short `mpoverlap-train` per schedule kind at m = 4 and its
-near-empty baseline, bench/memory.py's method, beside the estimate.
+bench/zero_bubble_report.py): one short `mpoverlap-train` per schedule kind at m = 4 and 8 and
+its near-empty baseline, bench/memory.py's method, beside the estimate.
 
     python -m bench.zero_bubble --scenario schedules [--block 3] [--repeats 4] [--json F]
+    python -m bench.zero_bubble --memory-only 4,8 [--json F]      # the activation-memory runs alone
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from bench.common import add_block_args, adamw_groups, close_trainers, free_port, init_bench_worker, json_cli, \
     rotating_blocks
@@ -269,6 +270,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     for k in ("hidden", "ffn", "seq", "layers", "heads", "micro_batch"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help="scenario default: see DEFAULTS")
     p.add_argument("--microbatches", default=None, help="comma-separated microbatch counts (schedules: 4,8)")
+    p.add_argument("--memory-only", default=None, metavar="M,M",
+                   help="only the activation-memory runs (bare loopback), at these microbatch counts; prints "
+                        "the peak over the ranks against 1F1B's")
     p.add_argument("--torch", default=",".join(TORCH_KINDS),
                    help=f"torch schedules to run beside ours (default {','.join(TORCH_KINDS)}; 'none': none)")
 
@@ -290,6 +294,14 @@ def fill_defaults(args) -> None:
 def run(args) -> Dict[str, Any]:
     fill_defaults(args)
     t0 = time.perf_counter()
+    if args.memory_only:
+        from bench.zero_bubble_report import memory_runs, peak_line
+
+        out = Path(tempfile.mkdtemp(prefix="mpo-bench-zb-memory-"))
+        memory = [{"m": int(m), "runs": memory_runs(args, out, int(m))} for m in args.memory_only.split(",")]
+        for mem in memory:
+            print(f"m = {mem['m']}: " + peak_line(mem["runs"]["layouts"], mem["m"]), flush=True)
+        return {"benchmark": "zero_bubble", "memory": memory, "wall_s": time.perf_counter() - t0}
     res = spawn(args)
     res.update(benchmark="zero_bubble", scenario=args.scenario, link=args.link, wall_s=time.perf_counter() - t0,
                setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", "hidden", "ffn", "seq",
@@ -298,9 +310,10 @@ def run(args) -> Dict[str, Any]:
 
 
 def run_in_bench(prefix: List[str], link: str, out: Path, budget: float, scenarios: List[str],
-                 memory_m: int = 4) -> Dict[str, Any]:
+                 memory_ms: Sequence[int] = (4, 8)) -> Dict[str, Any]:
     """For bench/run.py: each scenario in a subprocess (inside bench/netns.sh when `prefix` has
-    it), then the activation-memory runs at `memory_m` microbatches (bare loopback; 0: none)."""
+    it), then the activation-memory runs at each of `memory_ms` microbatch counts (bare
+    loopback; empty: none)."""
     import subprocess
     import sys
 
@@ -318,14 +331,14 @@ def run_in_bench(prefix: List[str], link: str, out: Path, budget: float, scenari
         if proc.returncode != 0:
             raise SystemExit(f"bench.zero_bubble --scenario {scenario} failed with exit status {proc.returncode}")
         res[scenario] = json.loads(path.read_text())
-    if memory_m:
+    if memory_ms:
         from bench.zero_bubble_report import memory_runs
 
         p = argparse.ArgumentParser()
         add_args(p)
         args = p.parse_args(["--scenario", "schedules"])
         fill_defaults(args)
-        res["memory"] = {"m": memory_m, "runs": memory_runs(args, out, memory_m)}
+        res["memory"] = [{"m": m, "runs": memory_runs(args, out, m)} for m in memory_ms]
     return res
 
 

@@ -211,8 +211,8 @@ def render(results: Dict[str, Any]) -> str:
         if fl:
             last = {k: max(vals, key=abs) for k, vals in fl.items()}
             lines += ["First-step loss (last stage): " + "; ".join(f"{k} {x:.6f}" for k, x in last.items()) + ".", ""]
-    mem = zb.get("memory")
-    if mem:
+    mems = zb.get("memory") or []
+    for mem in mems if isinstance(mems, list) else [mems]:  # one dict per m (older results: one)
         lines += [f"Peak activation memory per rank at m = {mem['m']} (bench/memory.py's method: RSS - baseline RSS "
                   "- the estimate's weights, gradients and optimizer; MALLOC_MMAP_THRESHOLD_=131072):", "",
                   "| schedule | rank (stage) | measured (MiB) | estimate (MiB) | measured / estimate | vs 1F1B, same rank |",

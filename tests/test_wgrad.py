@@ -78,3 +78,32 @@ def test_outside_a_region_the_gradients_come_at_once():
     zb.loss(zb(tokens), tokens).backward()
     for (n, a), (_, b) in zip(ref.named_parameters(), zb.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-9, msg=n)
+
+
+def test_w_accumulates_each_gradient_before_computing_the_next():
+    """Memory: W holds one weight-sized gradient at a time (the backward it replaces does too),
+    not the whole chunk's: each parameter is accumulated (its hook fires) before the next
+    entry's GEMM runs, and each closure is dropped once it ran."""
+    cfg = compose([*CASES["dense_untied_recompute"][:2], *SMALL]).model
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))
+    model, deferral = GPT(cfg, seed=1), WeightGradDeferral()
+    attach_deferral(model, deferral)
+    log = []
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: log.append(("accumulate", names[id(p)])))
+    loss = model.loss(model(tokens), tokens)
+    with deferral.deferring(WeightGradQueue()) as queue:
+        loss.backward()
+    log.clear()
+
+    def logged(param, compute):
+        def run():
+            log.append(("compute", names[id(param)]))
+            return compute()
+        return run
+
+    queue.entries = [(p, logged(p, c)) for p, c in queue.entries]
+    queue.run()
+    assert [kind for kind, _ in log] == ["compute", "accumulate"] * (len(log) // 2)
+    assert all(a[1] == b[1] for a, b in zip(log[::2], log[1::2]))

@@ -39,21 +39,34 @@ class WeightGradQueue:
         return len(self.entries)
 
     def run(self) -> None:
-        """Compute every queued weight gradient and accumulate it into its parameter (one
-        autograd call: accumulate hooks fire per parameter, in the engine's order)."""
+        """Compute every queued weight gradient and accumulate it into its parameter.
+
+        Memory: each entry's closure (its input and output gradient) is dropped as soon as its
+        GEMM ran, and each gradient is accumulated (one autograd call per parameter: its
+        accumulate hooks fire then) as soon as the parameter's last entry ran, so W holds one
+        weight-sized gradient at a time, as the backward it replaces does, not the whole
+        chunk's. A parameter queued twice (tied) is summed in queue order first, then
+        accumulated once."""
         if self.ran:
             raise RuntimeError("a weight-gradient queue ran twice")
         self.ran = True
-        grads: Dict[int, Tuple[torch.nn.Parameter, torch.Tensor]] = {}
-        for param, compute in self.entries:
+        entries, self.entries = self.entries, []
+        last = {id(param): i for i, (param, _) in enumerate(entries)}
+        partial: Dict[int, torch.Tensor] = {}
+        for i in range(len(entries)):
+            param, compute = entries[i]
+            entries[i] = None  # type: ignore[call-overload]  # the closure's tensors go with it
             grad = compute().to(param.dtype)  # bf16 GEMM -> the fp32 master gradient
-            if id(param) in grads:  # a weight used twice in one chunk (tied)
-                grad = grads[id(param)][1] + grad
-            grads[id(param)] = (param, grad)
-        self.entries = []
-        if grads:
-            params, values = zip(*grads.values())
-            torch.autograd.backward(list(params), list(values))
+            del compute
+            held = partial.pop(id(param), None)
+            if held is not None:  # a weight used twice in one chunk (tied)
+                grad = held + grad
+                del held
+            if last[id(param)] == i:
+                torch.autograd.backward([param], [grad])
+            else:
+                partial[id(param)] = grad
+            del grad
 
 
 class WeightGradDeferral:

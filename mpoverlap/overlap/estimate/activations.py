@@ -195,21 +195,49 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
                  "layers_in_flight": cfg.model.num_layers}]
     orders = compute_orders(kind, lo.pp, lo.vpp, micro)
     per = cfg.model.num_layers // (lo.pp * lo.vpp)
+    zero_bubble = any(kind == WEIGHT for order in orders for kind, _, _ in order)
+    kept, b_peak = per_chunk, per_chunk  # 1F1B: a microbatch's activations live until its B
+    if zero_bubble:
+        kept, b_peak = zip(*(zero_bubble_profile(cfg, lo, k, conv, micro_batch, mode) for k in range(lo.pp * lo.vpp)))
     out = []
     for stage, order in enumerate(orders):
-        # Zero bubble: a chunk's activations are counted until its W (the queued weight-gradient
-        # closures keep the linear inputs and output gradients; an upper bound).
-        frees = WEIGHT if any(kind == WEIGHT for kind, _, _ in order) else BACKWARD
+        # Zero bubble: a chunk-microbatch's activations live until its B, what its queued
+        # weight-gradient closures keep (wgrad_kept.py) from its B until its W.
         live = alive = peak = peak_alive = 0
         for kind, _mb, v in order:
-            sign = 1 if kind == FORWARD else -1 if kind == frees else 0
-            live += sign * per_chunk[chunk_index(stage, v, lo.pp, layout)]
-            alive += sign
-            if live > peak:
-                peak, peak_alive = live, alive
+            k = chunk_index(stage, v, lo.pp, layout)
+            now = live
+            if kind == FORWARD:
+                live += per_chunk[k]
+                alive += 1
+                now = live
+            elif kind == BACKWARD:
+                now = live - per_chunk[k] + b_peak[k]
+                live += (kept[k] if zero_bubble else 0) - per_chunk[k]
+                alive -= 0 if zero_bubble else 1
+            elif kind == WEIGHT:
+                live -= kept[k]
+                alive -= 1
+                now = live
+            if now > peak:
+                peak, peak_alive = now, alive
         out.append({"bytes": peak + replay(stage), "chunks_in_flight": peak_alive,
                     "layers_in_flight": peak_alive * per})
     return out
+
+
+def zero_bubble_profile(cfg: Any, lo: Layout, chunk: int, conv: Conventions, micro_batch: int,
+                        mode: str) -> tuple:
+    """(kept from B to W, peak during B) of one microbatch on `chunk` (wgrad_kept.py)."""
+    from mpoverlap.overlap.estimate.wgrad_kept import chunk_wgrad_profile
+
+    replayed = set(recomputed_in_chunk(cfg, lo, chunk, mode))
+    saved = [block_input_bytes(cfg, lo, conv, micro_batch) if i in replayed
+             else layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode) for i in chunk_layers(cfg, lo, chunk)]
+    ids = micro_batch * (cfg.model.seq_length // lo.cp) * 8
+    rec = [i in replayed for i in chunk_layers(cfg, lo, chunk)]
+    return chunk_wgrad_profile(cfg, lo, chunk, conv, micro_batch, saved, rec, ids,
+                               head_activation_bytes(cfg, lo, conv, micro_batch))
 
 
 def pairing_on(cfg: Any, lo: Layout) -> bool:
