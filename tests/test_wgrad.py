@@ -107,3 +107,34 @@ def test_w_accumulates_each_gradient_before_computing_the_next():
     queue.run()
     assert [kind for kind, _ in log] == ["compute", "accumulate"] * (len(log) // 2)
     assert all(a[1] == b[1] for a, b in zip(log[::2], log[1::2]))
+
+
+def test_w_accumulates_into_an_existing_gradient_buffer_and_reports_once():
+    """The data-parallel case: every weight already has a gradient (the buffer's view, holding
+    earlier microbatches' sums). W adds its GEMM into that very tensor (no new .grad), the
+    sum equals autograd's accumulation, and each deferred weight's post-accumulate hook fires
+    exactly once, in W."""
+    cfg = compose([*CASES["dense_untied_recompute"], *SMALL]).model
+    g = torch.Generator().manual_seed(2)
+    tokens, targets = (torch.randint(0, 96, (2, 16), generator=g) for _ in range(2))
+    ref, zb = GPT(cfg, seed=1), GPT(cfg, seed=1)
+    deferral = WeightGradDeferral()
+    attach_deferral(zb, deferral)
+    for model in (ref, zb):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    buffers = {n: p.grad for n, p in zb.named_parameters()}
+    ref.loss(ref(tokens), targets).backward()
+    seen = []
+    for name, p in zb.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: seen.append(name) if not deferral.withheld(p) else None)
+    loss = zb.loss(zb(tokens), targets)
+    with deferral.deferring(WeightGradQueue()) as queue:
+        loss.backward()
+    deferred = {n for n, p in zb.named_parameters() if any(p is q for q, _ in queue.entries)}
+    in_b = len(seen)
+    queue.run()
+    assert sorted(seen[in_b:]) == sorted(deferred)
+    for n, p in zb.named_parameters():
+        assert p.grad is buffers[n], n  # accumulated in place
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=1e-6, atol=1e-6, msg=n)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
 from mpoverlap.tensor_parallel.comm_spec import TPComm
+from mpoverlap.wgrad.deferral import WeightGradGemm
 from mpoverlap.tensor_parallel.mappings import (
     all_reduce_async, reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel,
     seq_all_gather_async, seq_reduce_scatter_async)
@@ -96,7 +97,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
                 _wait(reduce, comm, 1)
         total_x_BSH = gather.wait() if gather is not None else x
         grad_w_oH = None
-        if not comm.defer_wgrad(param, lambda: wgrad(grad_y_BSo, total_x_BSH)):
+        if not comm.defer_wgrad(param, WeightGradGemm(grad_y_BSo, total_x_BSH)):
             comm.mark(_BWD, 1, "gemm_start")
             grad_w_oH = wgrad(grad_y_BSo, total_x_BSH)  # runs under the dgrad reduction
             comm.mark(_BWD, 1, "gemm_end")

@@ -27,6 +27,49 @@ import torch
 WeightGrad = Callable[[], torch.Tensor]
 
 
+class WeightGradGemm:
+    """A deferred weight gradient that is one GEMM: dW [out, in] = grad_y^T x summed over the
+    leading dims (grad_y [..., out], x [..., in]). Called, it returns dW, like any queued
+    closure; `accumulate_into(grad)` adds it into an existing gradient in place (addmm_), so
+    W neither allocates a weight-sized temporary nor reads and writes the gradient buffer a
+    second time for the addition (Megatron's gradient-accumulation fusion)."""
+
+    __slots__ = ("grad_y", "x")
+
+    def __init__(self, grad_y: torch.Tensor, x: torch.Tensor) -> None:
+        self.grad_y, self.x = grad_y, x
+
+    def _operands(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.grad_y.reshape(-1, self.grad_y.shape[-1]).t(), self.x.reshape(-1, self.x.shape[-1])
+
+    def __call__(self) -> torch.Tensor:
+        grad_t, x = self._operands()
+        return grad_t.matmul(x)
+
+    def accumulate_into(self, grad: torch.Tensor) -> None:
+        grad_t, x = self._operands()
+        grad.addmm_(grad_t, x)
+
+
+def _accumulates_in_place(param: torch.nn.Parameter, compute: WeightGrad) -> bool:
+    """Whether W may add `compute`'s GEMM straight into param.grad: an fp32 (parameter-dtype)
+    GEMM, an existing gradient of the parameter's shape (the data-parallel buffer's view), and
+    no tensor hook on the parameter that must see the gradient before it accumulates (the
+    sharded levels' pre-accumulate hooks allocate or wait for the bucket there: those take the
+    autograd path)."""
+    grad = param.grad
+    return (isinstance(compute, WeightGradGemm) and grad is not None and grad.dtype == param.dtype
+            and compute.x.dtype == param.dtype and compute.grad_y.dtype == param.dtype
+            and grad.shape == param.shape and not getattr(param, "_backward_hooks", None))
+
+
+def _accumulated(param: torch.nn.Parameter) -> None:
+    """What autograd's AccumulateGrad does after it added a gradient: the parameter's
+    post-accumulate hooks (the data-parallel wrapper's readiness)."""
+    for hook in tuple((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+        hook(param)
+
+
 class WeightGradQueue:
     """The deferred weight-gradient GEMMs of one (chunk, microbatch) backward, in the order
     the backward met them. Each entry keeps its (input, output gradient) alive until run."""
@@ -46,16 +89,32 @@ class WeightGradQueue:
         accumulate hooks fire then) as soon as the parameter's last entry ran, so W holds one
         weight-sized gradient at a time, as the backward it replaces does, not the whole
         chunk's. A parameter queued twice (tied) is summed in queue order first, then
-        accumulated once."""
+        accumulated once.
+
+        Speed: a parameter with one fp32 GEMM entry and a gradient buffer already there (the
+        usual case: every microbatch after the first accumulates into the data-parallel
+        buffer's view) is accumulated by `addmm_` into that buffer, and its post-accumulate
+        hooks are called as autograd would call them; anything else (bf16 GEMMs, the
+        collective-matmul sums, embeddings, tied weights, sharded levels' hooks, no .grad yet)
+        goes through `torch.autograd.backward`."""
         if self.ran:
             raise RuntimeError("a weight-gradient queue ran twice")
         self.ran = True
         entries, self.entries = self.entries, []
         last = {id(param): i for i, (param, _) in enumerate(entries)}
+        first = {}
+        for i, (param, _) in enumerate(entries):
+            first.setdefault(id(param), i)
         partial: Dict[int, torch.Tensor] = {}
         for i in range(len(entries)):
             param, compute = entries[i]
             entries[i] = None  # type: ignore[call-overload]  # the closure's tensors go with it
+            if first[id(param)] == i == last[id(param)] and _accumulates_in_place(param, compute):
+                with torch.no_grad():
+                    compute.accumulate_into(param.grad)
+                del compute
+                _accumulated(param)
+                continue
             grad = compute().to(param.dtype)  # bf16 GEMM -> the fp32 master gradient
             del compute
             held = partial.pop(id(param), None)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
+from mpoverlap.wgrad.deferral import WeightGradGemm
 
 
 def weight_grad_2d(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ class DeferrableLinearFn(torch.autograd.Function):
             grad_y = grad_y.to(ctx.dtype)
             grad_x = grad_y.matmul(weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
             grad_w = None
-            if not ctx.deferral.defer(ctx.param, lambda: weight_grad_2d(grad_y, x)):
+            if not ctx.deferral.defer(ctx.param, WeightGradGemm(grad_y, x)):
                 grad_w = weight_grad_2d(grad_y, x)
             grad_b = (grad_y.reshape(-1, grad_y.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
                       if ctx.has_bias else None)
