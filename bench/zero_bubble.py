@@ -105,27 +105,58 @@ def scenario_overrides(args) -> Dict[str, Any]:
 class ActionProbe(BubbleProbe):
     """Per run of one executor: each action kind's compute seconds (F, B, W: from its trace
     "compute" stamp, after its receive, to its end: bench.modes.BubbleProbe's busy time, split
-    by kind), the window of `run` and `bubble_s`. Wraps the instance; mpoverlap is unchanged."""
+    by kind, and by kind and local chunk), the window of `run`, `bubble_s`, and the p2p stamps
+    of the run (`messages`: per message this rank sent, when the send was posted; per message
+    it received, when its wait started and when the consumer's compute started; the clock is
+    perf_counter, one monotonic clock for every process on the machine, so the report can
+    pair the two ends). Wraps the instance; mpoverlap is unchanged."""
 
     def __init__(self, executor) -> None:
         super().__init__(executor)
         self.ex = executor
         self.spent: Dict[str, List[float]] = {}
-        timed = executor._compute  # BubbleProbe's: adds each action's compute to self.busy
+        self.spent_chunk: Dict[str, List[float]] = {}
+        self.messages: List[Dict[str, Any]] = []
+        timed, run = executor._compute, executor.run  # BubbleProbe's: adds each compute to self.busy
 
         def by_kind(index, action, losses):
             before = self.busy
             timed(index, action, losses)
             if self.busy > before:
                 self.spent.setdefault(action.kind, []).append(self.busy - before)
+                self.spent_chunk.setdefault(f"{action.kind}{action.vchunk}", []).append(self.busy - before)
+
+        def stamped(m):
+            out = run(m)
+            self.messages.append(p2p_stamps(executor))
+            return out
 
         executor._compute = by_kind
+        executor.run = stamped
 
     def take(self) -> Dict[str, Any]:
         out = {"window_s": super().take()["window_s"], "bubble_s": self.ex.bubble_s,
-               "actions": {k: [sum(v), len(v)] for k, v in self.spent.items()}}
-        self.spent = {}
+               "actions": {k: [sum(v), len(v)] for k, v in self.spent.items()},
+               "chunk_actions": {k: [sum(v), len(v)] for k, v in self.spent_chunk.items()},
+               "messages": self.messages[-1] if self.messages else {}}
+        self.spent, self.spent_chunk, self.messages = {}, {}, []
         return out
+
+
+def p2p_stamps(executor) -> Dict[str, Any]:
+    """{"sent": {message: post time}, "recv": {message: [wait start, consumer compute start]}}
+    of the executor's last run (its trace), messages as str (local hand-overs left out)."""
+    acts = executor.actions
+    sent, waits, starts = {}, {}, {}
+    for event, index, t in executor.trace:
+        if event == "post_send" and acts[index].send not in executor.local:
+            sent[str(acts[index].send)] = t
+        elif event == "wait_recv":
+            waits[index] = t
+        elif event == "compute" and index in waits:
+            starts[index] = t
+    recv = {str(acts[i].recv): [waits[i], starts[i]] for i in waits if i in starts}
+    return {"sent": sent, "recv": recv}
 
 
 class MpoSide:

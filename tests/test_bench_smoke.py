@@ -208,6 +208,8 @@ def test_zero_bubble_bench_plumbing(tmp_path):
         assert row["costs_ms"]["F"] > 0 and row["costs_ms"]["B"] > 0
         assert (row["costs_ms"]["W"] > 0) == defers_weight_grads(row["kind"])
         assert len(row["timed_table_ms"]["in_window_s"]) == 2
+        assert len(row["timed_chunk_ms"]["in_window_s"]) == 2  # per-chunk costs + p2p latency
+        assert row["p2p_latency_ms"]["n"] > 0 and all(s["chunk_action_ms"] for s in row["stages"])
     text = zero_bubble_report.render({"zero_bubble": {"schedules": res}})
     assert "ZB-H1 (zb1p)" in text and "torch ScheduleZBVZeroBubble" in text and "zb1p/1f1b" in text
     if "mpo_zbv_m4" in ours:

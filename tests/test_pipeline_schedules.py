@@ -195,6 +195,26 @@ def test_simulated_bubble_reproduces_the_paper_formulas(costs):
     assert max(zb_inter) <= 3 * (F + B - W) + 1e-9
 
 
+def test_timed_run_takes_per_stage_costs_and_a_p2p_latency():
+    """The benchmark's table (bench/zero_bubble_report.py): `latency` delays each message
+    between stages, `cost_of(kind, stage, vchunk)` replaces the three costs. 1F1B at pp 2:
+    stage 0 idles F + B for the fill plus one latency per microbatch (each round trip costs
+    two, one hides under stage 0's next forward); with stage 1 twice as slow, stage 0 also
+    waits the difference once per later microbatch."""
+    from mpoverlap.pipeline.schedules import _timed_run
+
+    def idle(times):
+        return [t[-1][1] - sum(e - s for s, e in t) for t in times]
+
+    F, B, lat = 1.0, 2.0, 0.25
+    for m in (2, 4, 8):
+        tables = build_schedule("1f1b", 2, 1, m)
+        assert idle(_timed_run(tables, F, B, 0.0))[0] == pytest.approx(F + B)
+        assert idle(_timed_run(tables, F, B, 0.0, latency=lat))[0] == pytest.approx(F + B + m * lat), m
+        slow = _timed_run(tables, 0.0, 0.0, 0.0, cost_of=lambda kind, stage, v: (F if kind == "F" else B) * (1 + stage))
+        assert idle(slow)[0] == pytest.approx(2 * (F + B) + (m - 1) * (F + B)), m
+
+
 def test_weight_action_before_its_b_or_missing_is_caught():
     tables = build_schedule("zb1p", 2, 1, 2)
     stage1 = [list(t) for t in tables]

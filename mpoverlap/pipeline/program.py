@@ -24,7 +24,7 @@ order already runs its producer before its consumer on that stage.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mpoverlap.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, LOOP, RECV, SEND, WEIGHT,
                                         Batch, Message, P2POp, ScheduleError, chunk_index,
@@ -53,9 +53,14 @@ def has_weight_actions(orders: Sequence[ComputeOrder]) -> bool:
 
 def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
                      forward_cost: float = FORWARD_COST, backward_cost: float = BACKWARD_COST,
-                     weight_cost: float = 0.0, layout: str = LOOP) -> List[List[Tuple[float, float]]]:
+                     weight_cost: float = 0.0, layout: str = LOOP,
+                     cost_of: Optional[Callable[[str, int, int], float]] = None,
+                     latency: float = 0.0) -> List[List[Tuple[float, float]]]:
     """(start, end) of every compute of every stage; ScheduleError if the orders deadlock.
-    `backward_cost` is what a B action costs (the full backward in orders without W)."""
+    `backward_cost` is what a B action costs (the full backward in orders without W).
+    `cost_of(kind, stage, vchunk)`, when given, replaces the three costs (measured per stage
+    and chunk: an embedding or loss chunk is not a middle one); `latency` is added to every
+    dependency on another stage's compute (a message's transfer; a local one is free)."""
     costs = {FORWARD: forward_cost, BACKWARD: backward_cost, WEIGHT: weight_cost}
     num_chunks = pp * vpp
     end: Dict[Tuple[str, int, int], float] = {}
@@ -71,8 +76,9 @@ def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
                 deps = dependencies(kind, mb, chunk, num_chunks)
                 if any(d not in end for d in deps):
                     break
-                start = max([free[stage]] + [end[d] for d in deps])
-                finish = start + costs[kind]
+                start = max([free[stage]] + [end[d] + (latency if stage_of(d[2], pp, layout) != stage else 0.0)
+                                             for d in deps])
+                finish = start + (costs[kind] if cost_of is None else cost_of(kind, stage, vchunk))
                 end[(kind, mb, chunk)] = finish
                 times[stage].append((start, finish))
                 free[stage] = finish
