@@ -132,9 +132,16 @@ def test_w_accumulates_into_an_existing_gradient_buffer_and_reports_once():
     with deferral.deferring(WeightGradQueue()) as queue:
         loss.backward()
     deferred = {n for n, p in zb.named_parameters() if any(p is q for q, _ in queue.entries)}
+    # a weight with a tensor hook (ZeRO-2/3's pre-accumulate hook) must see its gradient: autograd path
+    hooked = "layers.0.mlp.down.weight"
+    assert hooked in deferred
+    pre = []
+    dict(zb.named_parameters())[hooked].register_hook(lambda g: pre.append(g.shape))
     in_b = len(seen)
     queue.run()
     assert sorted(seen[in_b:]) == sorted(deferred)
+    assert len(pre) == 1
     for n, p in zb.named_parameters():
-        assert p.grad is buffers[n], n  # accumulated in place
+        if n != hooked:
+            assert p.grad is buffers[n], n  # accumulated in place
         torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=1e-6, atol=1e-6, msg=n)

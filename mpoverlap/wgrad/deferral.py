@@ -65,7 +65,9 @@ def _accumulates_in_place(param: torch.nn.Parameter, compute: WeightGrad) -> boo
 
 def _accumulated(param: torch.nn.Parameter) -> None:
     """What autograd's AccumulateGrad does after it added a gradient: the parameter's
-    post-accumulate hooks (the data-parallel wrapper's readiness)."""
+    post-accumulate hooks (the data-parallel wrapper's readiness), from the dict torch's
+    `register_post_accumulate_grad_hook` fills (`Tensor._post_accumulate_grad_hooks`, as
+    `_backward_hooks` above holds `register_hook`'s; tests/test_wgrad.py checks both paths)."""
     for hook in tuple((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
         hook(param)
 
@@ -91,9 +93,9 @@ class WeightGradQueue:
         chunk's. A parameter queued twice (tied) is summed in queue order first, then
         accumulated once.
 
-        Speed: a parameter with one fp32 GEMM entry and a gradient buffer already there (the
-        usual case: every microbatch after the first accumulates into the data-parallel
-        buffer's view) is accumulated by `addmm_` into that buffer, and its post-accumulate
+        Speed: a parameter with one fp32 GEMM entry and a gradient already there (the usual
+        case: the data-parallel wrapper's `.grad` is a view of its buffer from the start) is
+        accumulated by `addmm_` into that tensor, and its post-accumulate
         hooks are called as autograd would call them; anything else (bf16 GEMMs, the
         collective-matmul sums, embeddings, tied weights, sharded levels' hooks, no .grad yet)
         goes through `torch.autograd.backward`."""
