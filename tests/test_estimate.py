@@ -59,7 +59,8 @@ def _measure(family, bf16, tp=None, sp=False, rank=0):
 
 
 def _closure_tensors(obj, out, seen):
-    """Every tensor a queued W closure reaches (its cells and defaults, through lists)."""
+    """Every tensor a queued W closure reaches (its cells and defaults, a WeightGradGemm's
+    operands, through lists)."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
@@ -73,6 +74,8 @@ def _closure_tensors(obj, out, seen):
             _closure_tensors(cell.cell_contents, out, seen)
         for d in getattr(obj, "__defaults__", None) or ():
             _closure_tensors(d, out, seen)
+        for name in getattr(type(obj), "__slots__", ()):  # WeightGradGemm: its (grad_y, x)
+            _closure_tensors(getattr(obj, name, None), out, seen)
 
 
 def _measure_kept(family, bf16, tp=None, sp=False, rank=0):
