@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mpoverlap.config import ConfigError, compose
