@@ -85,4 +85,9 @@ class PairedChunks:
         """Run a forward's steps and a backward generator (either may be None) to their ends,
         paired when both are given."""
         ctx = (lambda: self.autocast) if self.autocast is not None else nullcontext
+        pair = forward is not None and backward is not None and self.trace is not None
+        if pair:  # the pair's span in the trace (tests/test_pairing.py)
+            self.trace.append((None, "FB", "begin", ""))
         run_pair(forward.steps if forward is not None else None, backward, ctx)
+        if pair:
+            self.trace.append((None, "FB", "end", ""))
