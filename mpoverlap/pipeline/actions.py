@@ -135,7 +135,7 @@ class Action:
         return self.posts_before, self.posts_after
 
     def __str__(self) -> str:
-        return f"{self.kind}(mb{self.microbatch},v{self.vchunk}){'+' if self.paired else ''}"
+        return f"{self.kind}(mb{self.microbatch},v{self.vchunk})"
 
 
 def input_message(kind: str, microbatch: int, chunk: int, num_chunks: int) -> Optional[Message]:

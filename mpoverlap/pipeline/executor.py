@@ -57,6 +57,7 @@ e.g. `pp/F(mb0,v1)`, in a torch profiler trace while one records, and as NVTX on
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -149,7 +150,9 @@ class PipelineExecutor:
                 before, after = action.batches(self.overlap)
                 if partner is not None:  # the pair's posts: before its F, after its B
                     after = partner.batches(self.overlap)[1]
-                with named_range("pp", action, *([partner] if partner is not None else []), cuda=self._nvtx):
+                # A pair: both actions' ranges span it (the timeline draws the F and the B overlapped).
+                with named_range("pp", action, cuda=self._nvtx), \
+                        (named_range("pp", partner, cuda=self._nvtx) if partner is not None else nullcontext()):
                     for batch in before:
                         self._post(batch)
                     if partner is None:

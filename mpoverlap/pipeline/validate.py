@@ -80,11 +80,11 @@ def _check_structure(tables: List[List[Action]], layout: str, problems: List[str
             if a.paired:
                 nxt = actions[index + 1] if index + 1 < len(actions) else None
                 if a.kind != FORWARD or nxt is None or nxt.kind != BACKWARD or nxt.paired:
-                    problems.append(f"stage {stage} action {index} {a}: a pair is an F followed by a B, got {nxt}")
+                    problems.append(f"stage {stage} action {index} {a} (paired): a pair is an F followed by a B, got {nxt}")
                 elif (nxt.microbatch, nxt.vchunk) == (a.microbatch, a.vchunk):
-                    problems.append(f"stage {stage} action {index} {a}: paired with its own backward")
+                    problems.append(f"stage {stage} action {index} {a} (paired): paired with its own backward")
                 if a.posts_after or a.prefetch_after:
-                    problems.append(f"stage {stage} action {index} {a}: posts between the F and the B of a pair")
+                    problems.append(f"stage {stage} action {index} {a} (paired): posts between the F and the B of a pair")
             if a.recv != input_message(a.kind, a.microbatch, chunk, num_chunks):
                 problems.append(f"stage {stage} action {index} {a}: consumes {a.recv}, expected "
                                 f"{input_message(a.kind, a.microbatch, chunk, num_chunks)}")
