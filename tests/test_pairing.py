@@ -210,6 +210,13 @@ def test_check_states_the_extra_activation_memory_of_pairing():
     # (L + 1) layers with their boundary buffers and two heads, over one microbatch
     assert on.pairing_extra_bytes == layer + rest + (L + 1) * boundary
     assert "overlap.ep_pairing" in render_estimate(on) and "overlap.ep_pairing" not in render_estimate(off)
+    # pp 2 x vpp 2: the paired interleaved table's peak (one more warm-up forward, boundary buffers)
+    piped = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.vpp=2",
+             "train.global_batch_size=16"]
+    off, on = (estimate(compose([*piped, f"overlap.ep_pairing={v}"])) for v in ("false", "true"))
+    assert off.pairing_extra_bytes == 0 and on.pairing_extra_bytes > 0
+    assert on.stages[0].memory_bytes["activations"] == off.stages[0].memory_bytes["activations"] + on.pairing_extra_bytes
+    assert "unpaired table's peak" in render_estimate(on)
 
 
 def _pipelined_wiring(rank, world, root):
