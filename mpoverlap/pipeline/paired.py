@@ -26,8 +26,8 @@ the steady state; the drain has one more lone backward.
 
 Only the interleaved schedule (vpp >= 2) is paired: 1F1B (vpp = 1) has the same dependency
 every stage, and the zero-bubble tables (zb1p, zbv) split the backward into B and W, which
-the pairing's sub-step backward does not (rules ep_pairing.pp_needs_interleaved and
-ep_pairing.pp_needs_interleaved refuses them).
+the pairing's sub-step backward does not (rules ep_pairing.pp_needs_vpp and
+ep_pairing.pp_needs_interleaved refuse them).
 """
 from __future__ import annotations
 
