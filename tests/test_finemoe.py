@@ -1,7 +1,6 @@
 """Fine-grained MoE (issue 17 part B): router options, the aux-loss-free expert bias, shared
 experts of their own width, dense leading layers, expert tensor parallelism (parallel.etp),
 exact parameter counts, and parity of every parallel layout with the single-process curve."""
-import math
 import re
 import subprocess
 import sys

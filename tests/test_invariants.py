@@ -77,6 +77,13 @@ def _layouts():
         # 3 layers: the middle one is the forward's and the backward's at once
         out[f"moe_pairing_ep2_{level}"] = (2, [*MOE, *ZERO[level], "parallel.dp=2", "parallel.ep=2",
                                                "overlap.ep_pairing=true", "model.num_layers=3"])
+    # pairing at pp 2 x vpp 2 (pipeline/paired.py): the pipeline's FB actions, ZeRO-1's post-step
+    # gathers read by the chunks' sub-steps, ZeRO-3's units of two chunks in use at once
+    for level in ("z1", "z3"):
+        out[f"moe_pp2_vpp2_pairing_{level}"] = (4, [*MOE, *ZERO[level], "parallel.dp=2", "parallel.ep=2",
+                                                    "parallel.pp=2", "parallel.vpp=2", "overlap.pp=true",
+                                                    "overlap.ep_pairing=true", "model.num_layers=4",
+                                                    "train.global_batch_size=16"])
     # finding 3: the all-gather dispatcher's replay under overlap.ep (plain dp: the ep bytes
     # are compared with mpoverlap-check's estimate, with and without the replay).
     for rc in ("none", "full"):

@@ -1,11 +1,12 @@
-"""Forward/backward pairing (overlap.ep_pairing, mpoverlap/pairing) at pp 1.
+"""Forward/backward pairing (overlap.ep_pairing, mpoverlap/pairing) at pp 1 and at pp 2 x vpp 2.
 
 Parity: each paired layout reproduces its SINGLE-PROCESS loss curve (fp32, 6 steps, 1e-5
 relative; the gradient norm and the router's aux loss too): moe_tiny at ep 2 (one chunk with
 selective recompute too), edp 2 x ep 2, tp 2 + SP with etp 2 and with etp 1, a shared expert,
 capacity, the all-gather dispatcher, ZeRO-1/2/3, cp 2 (ring and a2a), bf16 (against the bf16 single-process run, 5e-3), and moe_fine_tiny
 (dense first layer, aux-loss-free bias, shared experts split over tp; with tp 2 + SP and etp
-2, and with etp 2 without SP under ZeRO-3). All layouts of one world size train in
+2, and with etp 2 without SP under ZeRO-3); pipelined (pp 2 x vpp 2 x dp 2 x ep 2, the paired
+interleaved table): plain, ZeRO-3, ZeRO-1 with overlap.pp=false, and moe_fine_tiny. All layouts of one world size train in
 one spawn (tests/inproc_train.py); the strict ledger (tests/conftest.py) checks that every
 handle is waited.
 
@@ -14,7 +15,8 @@ the forward's first dispatch included, is in flight while the OTHER microbatch c
 sub-step Megatron's combined 1F1B puts beside it (F's dispatches beside B's experts backward, B's
 reverse combines beside F's pre-dispatch, B's reverse dispatches beside F's experts, F's combines
 beside B's pre-dispatch backward); the host reads of a step equal the unpaired
-step's (one per MoE layer and microbatch); ZeRO-3 holds nothing gathered after the step.
+step's (one per MoE layer and microbatch); ZeRO-3 holds nothing gathered after the step. The
+same at pp 2 x vpp 2 inside every FB action of the paired pipeline table.
 """
 import os
 import sys
@@ -32,6 +34,7 @@ SP_ETP = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2"]
 FINE = ["model=moe_fine_tiny", "model.moe_router_bias_update_rate=0.01"]
 CAPACITY = ["model.moe_capacity_factor=1.0"]
 BF16 = ["train.precision=bf16"]
+PP2 = ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "parallel.ep=2", "train.global_batch_size=16"]
 
 # name: (world, overrides, reference name)
 LAYOUTS = {
@@ -40,6 +43,8 @@ LAYOUTS = {
     "fine_ref": (1, [*FINE, "parallel.dp=1"], None),
     "capacity_ref": (1, [*CAPACITY, "parallel.dp=1"], None),
     "bf16_ref": (1, [*BF16, "parallel.dp=1"], None),
+    "ref16": (1, ["parallel.dp=1", "train.global_batch_size=16"], None),
+    "fine_ref16": (1, [*FINE, "parallel.dp=1", "train.global_batch_size=16"], None),
     "ep2": (2, ["parallel.dp=2", "parallel.ep=2", *PAIR], "ref"),
     "ep2_chunks1_selective": (2, ["parallel.dp=2", "parallel.ep=2", "overlap.ep_chunks=1",
                                   "model.recompute=selective", *PAIR], "ref"),
@@ -55,6 +60,13 @@ LAYOUTS = {
     "cp2_ring_ep2": (2, ["parallel.dp=1", "parallel.cp=2", "parallel.ep=2", *PAIR], "ref"),
     "cp2_a2a_ep2": (2, ["parallel.dp=1", "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.ep=2", *PAIR], "ref"),
     "dp4_ep2": (4, ["parallel.dp=4", "parallel.ep=2", *PAIR], "ref"),
+    # pp 2 x vpp 2 (pipeline/paired.py): 4 microbatches per pipeline, the FB actions of the
+    # interleaved table; the fine model's first chunk is its dense layer alone
+    "pp2_vpp2_ep2": (4, [*PP2, *PAIR], "ref16"),
+    "pp2_vpp2_ep2_zero3": (4, [*PP2, "train.dp_sharding=optim_grads_params", *PAIR], "ref16"),
+    "pp2_vpp2_ep2_zero1_pp_off": (4, [*PP2, "train.dp_sharding=optim", "overlap.dp_param_gather=true",
+                                      "overlap.pp=false", *PAIR], "ref16"),
+    "fine_pp2_vpp2_ep2": (4, [*FINE, *PP2, *PAIR], "fine_ref16"),
     "tp2_sp_etp2_dp2_ep2": (4, [*SP_ETP, "parallel.dp=2", "parallel.ep=2", *PAIR], "ref"),
     "tp2_sp_dp2_ep2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.ep=2",
                            *PAIR], "ref"),
@@ -198,3 +210,73 @@ def test_check_states_the_extra_activation_memory_of_pairing():
     # (L + 1) layers with their boundary buffers and two heads, over one microbatch
     assert on.pairing_extra_bytes == layer + rest + (L + 1) * boundary
     assert "overlap.ep_pairing" in render_estimate(on) and "overlap.ep_pairing" not in render_estimate(off)
+    # pp 2 x vpp 2: the paired interleaved table's peak (one more warm-up forward, boundary buffers)
+    piped = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.vpp=2",
+             "train.global_batch_size=16"]
+    off, on = (estimate(compose([*piped, f"overlap.ep_pairing={v}"])) for v in ("false", "true"))
+    assert off.pairing_extra_bytes == 0 and on.pairing_extra_bytes > 0
+    assert on.stages[0].memory_bytes["activations"] == off.stages[0].memory_bytes["activations"] + on.pairing_extra_bytes
+    assert "unpaired table's peak" in render_estimate(on)
+
+
+def _pipelined_wiring(rank, world, root):
+    from pathlib import Path
+
+    from mpoverlap.config import compose
+    from mpoverlap.training.host_sync import count_host_reads
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    out = {}
+    for name, extra in (("off", ["overlap.ep_pairing=false"]), ("on", PAIR)):
+        cfg = compose([*SMALL_PP, *extra, f"run.dir={Path(root) / name}"])
+        trainer = Trainer(cfg, init_distributed(cfg), Path(root) / name)
+        trainer.pairing_trace = []
+        with count_host_reads() as reads:
+            trainer.train_step()
+        table = trainer.pipeline.executor.actions
+        out[name] = {"trace": trainer.pairing_trace, "reads": reads.by_kind(),
+                     "paired": trainer.overlap.ep_pairing.enabled, "pairs": sum(a.paired for a in table),
+                     "moe_layers": len(trainer.moe_layers)}
+    return out
+
+
+SMALL_PP = [*SMALL[:-3], "model.num_layers=4", "train.global_batch_size=16", "parallel.dp=2", "parallel.ep=2",
+            "parallel.pp=2", "parallel.vpp=2", "model.shared_expert=true"]
+
+
+def _flights_in_pairs(trace):
+    """[(direction, exchange, {sub-steps the other direction computed while it was in flight})]
+    for every exchange issued inside an FB action (between its begin and end marks)."""
+    out, start = [], None
+    for i, event in enumerate(trace):
+        if event[1:3] == ("FB", "begin"):
+            start = i
+        elif event[1:3] == ("FB", "end"):
+            span = trace[start + 1:i]
+            for j, (mb, d, kind, name) in enumerate(span):
+                if kind != "issue":
+                    continue
+                k = next(k for k in range(j + 1, len(span)) if span[k][1] == d and span[k][2:] == ("wait", name))
+                out.append((d, name, {_sub_step(t[3]) for t in span[j + 1:k] if t[1] != d and t[2] == "compute"}))
+    return out
+
+
+@pytest.mark.slow
+def test_pipelined_pairs_overlap_exchanges_and_keep_the_reads():
+    """pp 2 x vpp 2: every FB action of the paired table runs the forward and the backward
+    interleaved, each exchange of one beside the sub-step of the other Megatron puts it under;
+    the step's host reads equal the unpaired pipeline's (one per MoE layer and microbatch)."""
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_pipelined_wiring, 4, root, timeout_s=600)
+    m = 16 // (2 * 2)
+    for rank, r in enumerate(results):
+        on, off = r["on"], r["off"]
+        assert on["paired"] and not off["paired"] and off["trace"] == [] and off["pairs"] == 0
+        flights = _flights_in_pairs(on["trace"])
+        # one MoE layer per chunk: 4 dispatch + 4 combine chunks per direction and pair
+        assert on["pairs"] > 0 and len(flights) == on["pairs"] * 2 * 8, (on["pairs"], len(flights))
+        wrong = [f for f in flights if BESIDE[f[0], _sub_step(f[1])] not in f[2]]
+        assert not wrong, f"rank {rank}: exchanges not beside the other's {BESIDE}: {wrong[:6]}"
+        assert on["reads"] == off["reads"], (on["reads"], off["reads"])
+        assert on["reads"]["tolist"] == on["moe_layers"] * m, on["reads"]

@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mpoverlap.config import ConfigError, compose
@@ -31,7 +31,9 @@ KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.e
         "model.moe_router_score", "model.moe_router_order", "model.moe_router_norm_topk",
         "model.moe_router_bias_update_rate",
         # grouped-query attention (issue 17)
-        "model.num_query_groups"]
+        "model.num_query_groups",
+        # forward/backward pairing, also in the pipeline (issue 31)
+        "overlap.ep_pairing", "parallel.pp_schedule"]
 
 
 def _fmt(v):
@@ -172,6 +174,13 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
           "parallel.cp": 2, "parallel.cp_comm": "a2a", "overlap.tp": "true"})
 @example({"model.num_attention_heads": 4, "model.num_query_groups": 1, "parallel.tp": 2, "parallel.cp": 2,
           "parallel.cp_comm": "a2a"})
+# Pairing in the pipeline (issue 31): at vpp 1 (fix: vpp 2) and with a zero-bubble schedule
+# (fix: interleaved).
+@example({"model.num_experts": 4, "model.moe_top_k": 2, "parallel.ep": 2, "parallel.pp": 2, "model.num_layers": 4,
+          "train.global_batch_size": 8, "train.micro_batch_size": 1, "overlap.ep_pairing": "true"})
+@example({"model.num_experts": 4, "model.moe_top_k": 2, "parallel.ep": 2, "parallel.pp": 2, "parallel.vpp": 2,
+          "model.num_layers": 4, "train.global_batch_size": 8, "train.micro_batch_size": 1,
+          "parallel.pp_schedule": "zbv", "overlap.ep_pairing": "true"})
 def test_every_fix_gives_an_accepted_config_whose_model_runs(assignment):
     """Fixes applied (all of them, round after round) end in a config the validator accepts,
     and its model builds and runs one forward and backward at this tiny size (an accepted

@@ -105,7 +105,7 @@ def test_killed_worker_brings_the_run_down_and_rerun_resumes_exactly(tmp_path):
     last = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if (p / "COMPLETE").exists())
     steps = last + 3
     again = train(run, *KILL_LAYOUT, steps=steps)
-    assert f"resumed from" in again.stdout and f"at step {last}" in again.stdout
+    assert "resumed from" in again.stdout and f"at step {last}" in again.stdout
     train(tmp_path / "ref", *KILL_LAYOUT, steps=steps)
     resumed = rows(run)[-3:]
     assert [r["step"] for r in resumed] == [last + 1, last + 2, last + 3]

@@ -125,8 +125,14 @@ FAILING = {
                                 (["model=llama_tiny", "model.num_query_groups=1", "parallel.tp=2"], 4)],
     "ep_pairing.needs_expert_exchange": [(["overlap.ep_pairing=true"], None),
                                          (["model=moe_tiny", "parallel.dp=2", "overlap.ep_pairing=true"], None)],
-    "ep_pairing.pp1_only": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
-                              "overlap.ep_pairing=true"], None)],
+    "ep_pairing.pp_needs_vpp": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                                  "overlap.ep_pairing=true"], None)],
+    "ep_pairing.pp_needs_interleaved": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                                          "parallel.vpp=2", "parallel.pp_schedule=zbv", "overlap.ep_pairing=true"],
+                                         None),
+                                        (["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                                          "parallel.vpp=2", "parallel.pp_schedule=zb1p", "overlap.ep_pairing=true"],
+                                         None)],
     "ep_pairing.needs_two_microbatches": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2",
                                            "train.global_batch_size=8", "train.micro_batch_size=4",
                                            "overlap.ep_pairing=true"], None)],
@@ -313,10 +319,15 @@ def test_ep_pairing_auto_resolves_off_with_the_reason_and_on_where_it_applies():
     moe = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep_pairing=auto"]
     on = CommOverlapConfig.from_config(compose(moe)).ep_pairing
     assert on.enabled and "paired" in on.reason
-    for extra, why in ((["parallel.pp=2"], "parallel.pp=2"), (["model.recompute=full"], "model.recompute=full"),
+    for extra, why in ((["parallel.pp=2"], "parallel.vpp=1"), (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv"],
+                                                                  "parallel.pp_schedule=zbv"),
+                       (["model.recompute=full"], "model.recompute=full"),
                        (["train.micro_batch_size=4", "train.global_batch_size=8"], "microbatch"), (["parallel.ep=1"], "parallel.ep=1")):
         cfg = compose([*moe, *extra])
         assert not [p for p in validate(cfg) if p.rule.startswith("ep_pairing")]
         state = CommOverlapConfig.from_config(cfg).ep_pairing
         assert not state.enabled and why in state.reason, (extra, state.reason)
     assert not CommOverlapConfig.from_config(compose(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2"])).ep_pairing.enabled
+    # pp 2 x vpp 2 (the interleaved table): paired
+    piped = CommOverlapConfig.from_config(compose([*moe, "parallel.pp=2", "parallel.vpp=2"])).ep_pairing
+    assert piped.enabled and "FB" in piped.reason, piped.reason

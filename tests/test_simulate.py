@@ -384,7 +384,6 @@ def test_search_drops_a_schedule_the_simulator_cannot_cost(monkeypatch):
 def test_bench_predict_covers_every_scenario(monkeypatch):
     """bench/predict.py reads both result shapes (dp_overlap, modes) and predicts every mpoverlap
     variant, overlap on and off (the machine's rates fixed here instead of measured)."""
-    import dataclasses
     import sys
     from pathlib import Path
 

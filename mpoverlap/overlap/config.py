@@ -105,6 +105,10 @@ def _resolve_pairing(lo: Layout) -> ModeState:
         _, values, why, _ = obstacles[0]
         keys = ", ".join(f"{k}={v}" for k, v in values.items())
         return ModeState(requested, False, f"{keys}: {why}")
+    if lo.pp not in (None, 1):
+        return ModeState(requested, True, "the interleaved table's steady-state forward and backward actions paired "
+                                          "into overlapped FB actions, each one's expert all-to-alls in flight under "
+                                          "the other's computation (one more warm-up forward per stage)")
     return ModeState(requested, True, "forward of microbatch i+1 paired with backward of microbatch i: each one's "
                                       "expert all-to-alls in flight under the other's computation (one more "
                                       "microbatch of activations in flight)")

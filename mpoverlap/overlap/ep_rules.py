@@ -222,11 +222,18 @@ def pairing_obstacles(lo: Layout) -> list:
                     "pairing hides one microbatch's expert all-to-alls under another's computation; without "
                     "expert parallelism (parallel.ep >= 2 and an MoE model) there is no exchange to hide",
                     ["overlap.ep_pairing=auto"]))
-    if lo.pp not in (None, 1):
-        out.append(("ep_pairing.pp1_only", {"parallel.pp": lo.pp},
-                    "pairing runs at pp 1 (first forward alone, forward i+1 with backward i, last backward "
-                    "alone); pipelined pairing (overlapped F/B actions in the pipeline tables) is not built",
-                    ["overlap.ep_pairing=auto"]))
+    if lo.pp not in (None, 1) and lo.vpp == 1:
+        out.append(("ep_pairing.pp_needs_vpp", {"parallel.pp": lo.pp, "parallel.vpp": 1},
+                    "pipelined pairing runs overlapped F/B actions in the interleaved table (Megatron's "
+                    "combined 1F1B requires virtual chunks too); at vpp=1 the 1F1B table is not paired",
+                    ["parallel.vpp=2"]))
+    schedule = str(getattr(lo.cfg.parallel, "pp_schedule", "auto"))
+    if lo.pp not in (None, 1) and schedule in ("zb1p", "zbv", "1f1b"):
+        out.append(("ep_pairing.pp_needs_interleaved", {"parallel.pp_schedule": schedule},
+                    f"pipelined pairing pairs the steady-state F and B of the interleaved table; {schedule} "
+                    "is not paired (the zero-bubble tables split each backward into B and W, which the "
+                    "pairing's sub-step backward does not)",
+                    ["parallel.pp_schedule=interleaved"]))
     n = lo.num_microbatches
     if n is not None and n < 2:
         out.append(("ep_pairing.needs_two_microbatches",
@@ -250,7 +257,10 @@ def pairing_obstacles(lo: Layout) -> list:
 _PAIRING_RULES = {
     "ep_pairing.needs_expert_exchange": (("overlap.ep_pairing", "parallel.ep", "model.num_experts"),
                                          "overlap.ep_pairing=true needs expert parallelism (ep >= 2, an MoE model)"),
-    "ep_pairing.pp1_only": (("overlap.ep_pairing", "parallel.pp"), "overlap.ep_pairing=true runs at parallel.pp=1"),
+    "ep_pairing.pp_needs_vpp": (("overlap.ep_pairing", "parallel.pp", "parallel.vpp"),
+                                "overlap.ep_pairing=true at parallel.pp > 1 needs parallel.vpp >= 2"),
+    "ep_pairing.pp_needs_interleaved": (("overlap.ep_pairing", "parallel.pp_schedule"),
+                                        "overlap.ep_pairing=true at parallel.pp > 1 runs the interleaved schedule"),
     "ep_pairing.needs_two_microbatches": (("overlap.ep_pairing", "train.global_batch_size", "train.micro_batch_size"),
                                           "overlap.ep_pairing=true needs at least two microbatches per step"),
     "ep_pairing.no_full_recompute": (("overlap.ep_pairing", "model.recompute"),

@@ -89,7 +89,7 @@ def _sp_seq(lo: Layout):
         step = math.lcm(2 * lo.cp, lo.cp * lo.tp)
         yield Problem("sp.sequence_divisible", {"model.seq_length": m.seq_length, "parallel.tp": lo.tp,
                                                 "parallel.cp": lo.cp, "parallel.sequence_parallel": True},
-                      f"sequence parallelism gives each tp rank seq_length / (cp x tp) positions",
+                      "sequence parallelism gives each tp rank seq_length / (cp x tp) positions",
                       [f"model.seq_length={next_multiple(m.seq_length, step)}"])
 
 

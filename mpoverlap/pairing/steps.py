@@ -41,12 +41,22 @@ def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: t
                        position_ids: torch.Tensor, num_microbatches: int, pins=None, result: Optional[dict] = None):
     """Generator: the forward of one microbatch on `tape`, yielding while its exchanges are in
     flight. At the end `result["loss"]` holds the loss / num_microbatches (detached), and the tape holds
-    the loss's seed gradient, ready for `tape.backward_steps()`."""
-    UnitUse.mark(tape, pins, "embedding", True)
-    seg = tape.segment("embedding", [])
-    x, cos, sin = model.embed(tokens_BS, position_ids)
-    seg.close(tape, [x])
-    UnitUse.mark(tape, pins, "embedding", False)
+    the loss's seed gradient, ready for `tape.backward_steps()`.
+
+    A pipeline chunk (models/gpt.py, pairing/pipeline.py): without `pre_process` `tokens_BS`
+    is the received hidden state [B, S, H] (requires grad) and the backward leaves its
+    gradient in `result["input_grad"]`; without `post_process` the forward ends with
+    `result["output"]` (the hidden state to send), whose gradient the caller seeds on the tape
+    (`tape.add_grad`) before the backward."""
+    if model.pre_process:
+        UnitUse.mark(tape, pins, "embedding", True)
+        seg = tape.segment("embedding", [])
+        x, cos, sin = model.embed(tokens_BS, position_ids)
+        seg.close(tape, [x])
+        UnitUse.mark(tape, pins, "embedding", False)
+    else:
+        x, cos, sin = model.embed(tokens_BS, position_ids)  # x is tokens_BS itself: the received hidden
+        tape.entries.append(_InputGrad(x, result))
     for name, block in model.layers.items():
         UnitUse.mark(tape, pins, f"layers.{name}", True)
         if is_paired_moe(block):
@@ -57,6 +67,10 @@ def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: t
             x = block(x_in, cos, sin)
             seg.close(tape, [x])
         UnitUse.mark(tape, pins, f"layers.{name}", False)
+    if not model.post_process:
+        if result is not None:
+            result["output"] = x
+        return
     UnitUse.mark(tape, pins, "head", True)
     seg = tape.segment("head", [x])
     x_in, = seg.leaves
@@ -68,6 +82,20 @@ def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: t
     tape.add_grad(loss, torch.ones_like(loss))
     if result is not None:
         result["loss"] = loss.detach()
+
+
+class _InputGrad:
+    """The first tape entry of a chunk that receives its input: its backward (the tape's last
+    step) hands the input's gradient to `result["input_grad"]`."""
+
+    def __init__(self, x: torch.Tensor, result: Optional[dict]) -> None:
+        self.x, self.result = x, result
+
+    def backward(self, tape: Tape) -> None:
+        grad = tape.take_grad(self.x)
+        if self.result is not None:
+            self.result["input_grad"] = grad
+        self.x = None
 
 
 class _AllToAllChunk:

@@ -110,6 +110,10 @@ class Action:
     prefetch_before / prefetch_after: the same ops for overlap=True, with each receive
         posted as early as the link order allows (at least one compute ahead where possible).
     Only a stage's first action has non-empty `*_before`; every later post follows a compute.
+    paired: on an F only (overlap.ep_pairing, pipeline/paired.py): this forward and the next
+        action, a backward of another (microbatch, vchunk), run as ONE overlapped "FB" action;
+        both inputs are received before it, both outputs sent after it (this F posts nothing
+        after itself: its `*_after` are empty, its send goes out after the B).
     """
 
     kind: str
@@ -122,6 +126,7 @@ class Action:
     posts_after: Tuple[Batch, ...] = ()
     prefetch_before: Tuple[Batch, ...] = ()
     prefetch_after: Tuple[Batch, ...] = ()
+    paired: bool = False
 
     def batches(self, prefetch: bool) -> Tuple[Tuple[Batch, ...], Tuple[Batch, ...]]:
         """(before, after) batches of the posting program for overlap on (prefetch) or off."""

@@ -46,11 +46,18 @@ into a running sum that the last one adds (the data-parallel hooks then see each
 accumulate once per microbatch, as on a single chunk, and a bucket is never reduced before
 its shared parameter's last share).
 
+Paired tables (overlap.ep_pairing, pipeline/paired.py): `paired` (pairing/pipeline.py's
+PairedChunks) runs every forward and backward as sub-step programs instead of `forward_step`
+and one autograd call; an F marked `paired` and the B after it run as ONE action, their
+programs interleaved (the backward first), both inputs waited before it, both outputs posted
+after it (the table posts nothing between them).
+
 Profiling: each action (its receive wait, compute and posts) runs inside a `pp/<action>` range,
 e.g. `pp/F(mb0,v1)`, in a torch profiler trace while one records, and as NVTX on CUDA.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -69,8 +76,12 @@ class PipelineExecutor:
                  overlap: bool, ledger, tensor_shape: Tuple[int, ...], dtype: torch.dtype,
                  device, forward_step: ForwardStep, backward_hook: Optional[BackwardHook] = None,
                  verbose: Optional[bool] = None, weight_grads=None,
-                 shared_params: Sequence[torch.nn.Parameter] = ()) -> None:
+                 shared_params: Sequence[torch.nn.Parameter] = (), paired=None) -> None:
         self.actions = list(actions)
+        if any(a.paired for a in self.actions) and paired is None:
+            raise ValueError("the table pairs forwards with backwards (overlap.ep_pairing): pass paired, "
+                             "the PairedChunks of this stage's chunks")
+        self.paired = paired
         pp = len(pp_ranks)
         # Loop layout: chunk = vchunk * pp + stage; the zbv V: stage s holds chunks s and 2pp-1-s.
         bad = [a for a in self.actions
@@ -132,15 +143,26 @@ class PipelineExecutor:
         self._shared_grads: Dict[int, Tuple[torch.nn.Parameter, torch.Tensor]] = {}
         losses: Dict[int, torch.Tensor] = {}
         try:
-            for index, action in enumerate(self.actions):
+            index = 0
+            while index < len(self.actions):
+                action = self.actions[index]
+                partner = self.actions[index + 1] if action.paired else None
                 before, after = action.batches(self.overlap)
-                with named_range("pp", action, cuda=self._nvtx):
+                if partner is not None:  # the pair's posts: before its F, after its B
+                    after = partner.batches(self.overlap)[1]
+                # A pair: both actions' ranges span it (the timeline draws the F and the B overlapped).
+                with named_range("pp", action, cuda=self._nvtx), \
+                        (named_range("pp", partner, cuda=self._nvtx) if partner is not None else nullcontext()):
                     for batch in before:
                         self._post(batch)
-                    self._compute(index, action, losses)
+                    if partner is None:
+                        self._compute(index, action, losses)
+                    else:
+                        self._compute_pair(index, action, partner, losses)
                     for batch in after:
                         self._post(batch)
                 self._reap_sends()
+                index += 1 if partner is None else 2
             for handle in self._in_flight:
                 handle.wait()
         finally:
@@ -224,8 +246,58 @@ class PipelineExecutor:
             self._shared_grads[id(param)] = (param, grad if held is None else held[1] + grad)
         queue.entries = kept
 
+    def _compute_pair(self, index: int, forward: Action, backward: Action, losses: Dict[int, torch.Tensor]) -> None:
+        """A paired F (at `index`) and the B after it as one overlapped action."""
+        inp, run = self._begin_forward(index, forward)
+        grad, bwd_run, bwd_inp = self._begin_backward(index + 1, backward)
+        self.paired.run(run, self.paired.backward(bwd_run, grad))
+        self._end_forward(forward, inp, run, losses)
+        self._end_backward(backward, bwd_inp, bwd_run)
+
+    def _begin_forward(self, index: int, action: Action):
+        """(input, ChunkRun) of a forward on the paired path (its steps not run yet)."""
+        inp = None
+        if action.recv is not None:
+            inp = self._take_received(index, action.recv).requires_grad_()
+        self.trace.append(("compute", index, now()))
+        return inp, self.paired.forward(action.vchunk, action.microbatch, inp)
+
+    def _end_forward(self, action: Action, inp, run, losses) -> None:
+        key = (action.vchunk, action.microbatch)
+        self._inputs[key], self._outputs[key] = inp, run
+        if action.chunk == self.last_chunk:
+            losses[action.microbatch] = run.output
+        if action.send is not None:
+            self._to_send[action.send] = self._check_sendable(run.output, f"{action} output")
+
+    def _begin_backward(self, index: int, action: Action):
+        """(received gradient, ChunkRun, input) of a backward on the paired path."""
+        grad = self._take_received(index, action.recv) if action.recv is not None else None
+        if self.backward_hook is not None:
+            self.backward_hook(action.vchunk, action.microbatch, self.last_backward[action.vchunk] == index)
+        self.trace.append(("compute", index, now()))
+        key = (action.vchunk, action.microbatch)
+        return grad, self._outputs.pop(key), self._inputs.pop(key)
+
+    def _end_backward(self, action: Action, inp, run) -> None:
+        if action.send is not None:
+            if run.input_grad is None:
+                raise RuntimeError(f"stage {self.stage}: {action}: the chunk's output does not "
+                                   "depend on its input, no input gradient to send")
+            self._to_send[action.send] = self._check_sendable(run.input_grad, f"{action} input grad")
+
     def _compute(self, index: int, action: Action, losses: Dict[int, torch.Tensor]) -> None:
         key = (action.vchunk, action.microbatch)
+        if self.paired is not None and action.kind == FORWARD:  # a lone F of a paired table
+            inp, run = self._begin_forward(index, action)
+            self.paired.run(run, None)
+            self._end_forward(action, inp, run, losses)
+            return
+        if self.paired is not None and action.kind == BACKWARD:  # a lone B of a paired table
+            grad, run, inp = self._begin_backward(index, action)
+            self.paired.run(None, self.paired.backward(run, grad))
+            self._end_backward(action, inp, run)
+            return
         if action.kind == FORWARD:
             inp = None
             if action.recv is not None:

@@ -21,10 +21,16 @@ Three steps, all pure:
 
 A local message (both ends on one stage: zbv's turn at stage pp-1) has no ops: the compute
 order already runs its producer before its consumer on that stage.
+
+Paired forwards (`paired`: per stage the indices k of the forwards that run with compute k+1, a
+backward, as one overlapped action; paired.py): the simulation starts the pair when both
+inputs exist and ends both at start + F + B; the backward's receive is placed before the
+pair (its consumer is k) and the forward's send after it (point k+2), so nothing is posted
+between the two.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from mpoverlap.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, LOOP, RECV, SEND, WEIGHT,
                                         Batch, Message, P2POp, ScheduleError, chunk_index,
@@ -54,10 +60,12 @@ def has_weight_actions(orders: Sequence[ComputeOrder]) -> bool:
 def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
                      forward_cost: float = FORWARD_COST, backward_cost: float = BACKWARD_COST,
                      weight_cost: float = 0.0, layout: str = LOOP,
+                     paired: Optional[Sequence[Set[int]]] = None,
                      cost_of: Optional[Callable[[str, int, int], float]] = None,
                      latency: float = 0.0) -> List[List[Tuple[float, float]]]:
     """(start, end) of every compute of every stage; ScheduleError if the orders deadlock.
-    `backward_cost` is what a B action costs (the full backward in orders without W).
+    `backward_cost` is what a B action costs (the full backward in orders without W);
+    `paired`: per stage the indices of the forwards run with the next compute (see above).
     `cost_of(kind, stage, vchunk)`, when given, replaces the three costs (measured per stage
     and chunk: an embedding or loss chunk is not a middle one); `latency` is added to every
     dependency on another stage's compute (a message's transfer; a local one is free)."""
@@ -71,18 +79,22 @@ def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
         progressed = False
         for stage, order in enumerate(orders):
             while len(times[stage]) < len(order):
-                kind, mb, vchunk = order[len(times[stage])]
-                chunk = chunk_index(stage, vchunk, pp, layout)
-                deps = dependencies(kind, mb, chunk, num_chunks)
+                index = len(times[stage])
+                together = 2 if paired is not None and index in paired[stage] else 1
+                computes = [(kind, mb, chunk_index(stage, vchunk, pp, layout))
+                            for kind, mb, vchunk in order[index:index + together]]
+                deps = [d for c in computes for d in dependencies(*c, num_chunks) if d not in computes]
                 if any(d not in end for d in deps):
                     break
                 start = max([free[stage]] + [end[d] + (latency if stage_of(d[2], pp, layout) != stage else 0.0)
                                              for d in deps])
-                finish = start + (costs[kind] if cost_of is None else cost_of(kind, stage, vchunk))
-                end[(kind, mb, chunk)] = finish
-                times[stage].append((start, finish))
+                finish = start + sum(costs[kind] if cost_of is None else cost_of(kind, stage, vchunk)
+                                     for kind, _, vchunk in order[index:index + together])
+                for c in computes:
+                    end[c] = finish
+                    times[stage].append((start, finish))
                 free[stage] = finish
-                remaining -= 1
+                remaining -= together
                 progressed = True
         if not progressed:
             stuck = {s: order[len(times[s])] for s, order in enumerate(orders) if len(times[s]) < len(order)}
@@ -97,18 +109,21 @@ def message_key(message: Message, producer_end: float) -> tuple:
 
 
 def _stage_ops(stage: int, order: ComputeOrder, keys: Dict[Message, tuple], pp: int, vpp: int,
-               layout: str = LOOP):
-    """This stage's p2p ops in key order: (key, op, fixed point of a send / consumer index)."""
+               layout: str = LOOP, paired: Set[int] = frozenset()):
+    """This stage's p2p ops in key order: (key, op, fixed point of a send / consumer index).
+    A pair (k in `paired`, k+1) consumes at k and produces at k+2."""
     num_chunks = pp * vpp
     ops = []
     for index, (kind, mb, vchunk) in enumerate(order):
         chunk = chunk_index(stage, vchunk, pp, layout)
         msg_in = input_message(kind, mb, chunk, num_chunks)
         msg_out = output_message(kind, mb, chunk, num_chunks)
+        consumer = index - 1 if index - 1 in paired else index
+        after = index + 2 if index in paired else index + 1
         if msg_in is not None and not is_local(msg_in, pp, layout):
-            ops.append((keys[msg_in], P2POp(RECV, stage_of(msg_in.src_chunk, pp, layout), msg_in), index))
+            ops.append((keys[msg_in], P2POp(RECV, stage_of(msg_in.src_chunk, pp, layout), msg_in), consumer))
         if msg_out is not None and not is_local(msg_out, pp, layout):
-            ops.append((keys[msg_out], P2POp(SEND, stage_of(msg_out.dst_chunk, pp, layout), msg_out), index + 1))
+            ops.append((keys[msg_out], P2POp(SEND, stage_of(msg_out.dst_chunk, pp, layout), msg_out), after))
     ops.sort(key=lambda item: item[0])
     return ops
 
@@ -147,13 +162,13 @@ def _batches_at_points(ops, points, num_points: int) -> List[List[Batch]]:
     return [[tuple(b) for b in batches] for batches in per_point]
 
 
-def posting_programs(orders: Sequence[ComputeOrder], pp: int, vpp: int, layout: str = LOOP
-                     ) -> Dict[bool, List[List[List[Batch]]]]:
+def posting_programs(orders: Sequence[ComputeOrder], pp: int, vpp: int, layout: str = LOOP,
+                     paired: Optional[Sequence[Set[int]]] = None) -> Dict[bool, List[List[List[Batch]]]]:
     """{prefetch: per stage, per point 0..n, the batches posted there} for both modes."""
     # Any timing consistent with the orders gives a deadlock-free global order; these are the
     # unit costs the tables are built for.
-    times = (simulate_compute(orders, pp, vpp, 1, 1, 1, layout) if has_weight_actions(orders)
-             else simulate_compute(orders, pp, vpp, layout=layout))
+    times = (simulate_compute(orders, pp, vpp, 1, 1, 1, layout, paired) if has_weight_actions(orders)
+             else simulate_compute(orders, pp, vpp, layout=layout, paired=paired))
     num_chunks = pp * vpp
     keys: Dict[Message, tuple] = {}
     for stage, order in enumerate(orders):
@@ -163,7 +178,7 @@ def posting_programs(orders: Sequence[ComputeOrder], pp: int, vpp: int, layout: 
                 keys[msg] = message_key(msg, finish)
     out: Dict[bool, List[List[List[Batch]]]] = {False: [], True: []}
     for stage, order in enumerate(orders):
-        ops = _stage_ops(stage, order, keys, pp, vpp, layout)
+        ops = _stage_ops(stage, order, keys, pp, vpp, layout, paired[stage] if paired else frozenset())
         for prefetch in (False, True):
             points = _place(ops, prefetch)
             out[prefetch].append(_batches_at_points(ops, points, len(order) + 1))

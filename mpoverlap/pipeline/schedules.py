@@ -37,11 +37,12 @@ there why they cannot deadlock. `validate_schedule` (validate.py) re-checks ever
 from __future__ import annotations
 
 import functools
-from typing import List, Tuple
+from typing import List, Set, Tuple
 
 from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP, V_SHAPE, WEIGHT, Action,
                                         ScheduleError, chunk_index, input_message, layout_of_tables,
                                         output_message)
+from mpoverlap.pipeline.paired import paired_order
 from mpoverlap.pipeline.program import ComputeOrder, posting_programs, simulate_compute
 from mpoverlap.pipeline.zbv import zbv_order
 from mpoverlap.pipeline.zero_bubble import insert_weight_actions
@@ -138,34 +139,65 @@ def microbatch_groups(pp: int, num_microbatches: int) -> List[range]:
     return groups
 
 
-def _interleaved_order(pp: int, vpp: int, m: int, stage: int) -> ComputeOrder:
+def _interleaved_parts(pp: int, vpp: int, m: int, stage: int):
+    """(forwards, backwards, warm-up count) of one stage's interleaved table."""
     groups = microbatch_groups(pp, m)
     forwards = [(mb, v) for group in groups for v in range(vpp) for mb in group]
     backwards = [(mb, v) for group in groups for v in reversed(range(vpp)) for mb in group]
+    warmup = min(m * vpp, 2 * (pp - stage - 1) + (vpp - 1) * len(groups[0]))
+    return forwards, backwards, warmup
+
+
+def _interleaved_order(pp: int, vpp: int, m: int, stage: int) -> ComputeOrder:
+    forwards, backwards, warmup = _interleaved_parts(pp, vpp, m, stage)
     total = m * vpp
-    warmup = min(total, 2 * (pp - stage - 1) + (vpp - 1) * len(groups[0]))
     order = [(FORWARD, mb, v) for mb, v in forwards[:warmup]]
     for k in range(total - warmup):
         order += [(FORWARD, *forwards[warmup + k]), (BACKWARD, *backwards[k])]
     return order + [(BACKWARD, mb, v) for mb, v in backwards[total - warmup:]]
 
 
-def compute_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[ComputeOrder]:
+def compute_orders(kind: str, pp: int, vpp: int, num_microbatches: int,
+                   pairing: bool = False) -> List[ComputeOrder]:
     """Per stage, the (kind, microbatch, vchunk) computes in order (no p2p). A fresh copy of a
     cached table: the orders are pure in their arguments, and `--search` and the activation
-    estimate ask for the same ones many times."""
-    return [list(order) for order in _cached_orders(kind, pp, vpp, num_microbatches)]
+    estimate ask for the same ones many times. `pairing`: the paired table (paired.py)."""
+    return [list(order) for order in _cached_orders(kind, pp, vpp, num_microbatches, pairing)[0]]
+
+
+def paired_forwards(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[Set[int]]:
+    """Per stage, the indices of the forwards of the paired table that run with the next
+    compute (a backward) as one overlapped action (paired.py)."""
+    return [set(p) for p in _cached_orders(kind, pp, vpp, num_microbatches, True)[1]]
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> Tuple[Tuple, ...]:
-    return tuple(tuple(order) for order in _build_orders(kind, pp, vpp, num_microbatches))
+def _cached_orders(kind: str, pp: int, vpp: int, num_microbatches: int, pairing: bool = False):
+    orders, paired = _build_orders(kind, pp, vpp, num_microbatches, pairing)
+    return tuple(tuple(order) for order in orders), tuple(frozenset(p) for p in paired)
 
 
-def _build_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[ComputeOrder]:
+def pairing_constraints(kind: str, pp: int, vpp: int) -> List[str]:
+    """Why the schedule has no paired table (empty: it has one)."""
+    if pp == 1 or kind == "interleaved":
+        return []
+    return [f"forward/backward pairing at pp={pp} runs in the interleaved schedule (vpp >= 2), not in "
+            f"{kind!r}; set parallel.vpp=2 and parallel.pp_schedule=interleaved"]
+
+
+def _build_orders(kind: str, pp: int, vpp: int, num_microbatches: int, pairing: bool = False):
     problems = schedule_constraints(kind, pp, vpp, num_microbatches)
+    if pairing:
+        problems += pairing_constraints(kind, pp, vpp)
     if problems:
         raise ScheduleError("; ".join(problems))
+    if pairing:
+        pairs = [paired_order(*_interleaved_parts(pp, vpp, num_microbatches, s)) for s in range(pp)]
+        return [order for order, _ in pairs], [p for _, p in pairs]
+    return _plain_orders(kind, pp, vpp, num_microbatches), [set() for _ in range(pp)]
+
+
+def _plain_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[ComputeOrder]:
     if kind == "zbv":
         return [zbv_order(pp, num_microbatches, s) for s in range(pp)]
     if vpp == 1:
@@ -177,11 +209,15 @@ def _build_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[C
     return orders
 
 
-def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[List[Action]]:
-    """One list of Actions per stage, with both posting programs (overlap off and on)."""
-    orders = compute_orders(kind, pp, vpp, num_microbatches)
+def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int,
+                   pairing: bool = False) -> List[List[Action]]:
+    """One list of Actions per stage, with both posting programs (overlap off and on).
+    `pairing`: the paired table (overlap.ep_pairing, paired.py): steady-state forwards marked
+    `paired`, each run with the backward after it as one overlapped action."""
+    orders = compute_orders(kind, pp, vpp, num_microbatches, pairing)
+    paired = paired_forwards(kind, pp, vpp, num_microbatches) if pairing else [set() for _ in orders]
     layout = chunk_layout(kind)
-    programs = posting_programs(orders, pp, vpp, layout)
+    programs = posting_programs(orders, pp, vpp, layout, paired)
     num_chunks = pp * vpp
     tables = []
     for stage, order in enumerate(orders):
@@ -197,7 +233,8 @@ def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[
                 posts_before=tuple(lazy[0]) if first else (),
                 posts_after=tuple(lazy[index + 1]),
                 prefetch_before=tuple(eager[0]) if first else (),
-                prefetch_after=tuple(eager[index + 1])))
+                prefetch_after=tuple(eager[index + 1]),
+                paired=index in paired[stage]))
         tables.append(actions)
     return tables
 
@@ -219,7 +256,8 @@ def _timed_run(tables: List[List[Action]], forward_cost: float, input_grad_cost:
     layout = layout_of_tables(tables)
     orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for table in tables]
     if any(kind == WEIGHT for order in orders for kind, _, _ in order):
-        return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost, weight_cost, layout, cost_of, latency)
+        return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost, weight_cost, layout,
+                                cost_of=cost_of, latency=latency)
     return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost + weight_cost, layout=layout,
                             cost_of=cost_of, latency=latency)
 

@@ -17,6 +17,10 @@ Checked, for the whole table and for both posting programs (overlap off and on):
 4. Link order: on every pair of stages both ends post their ops in a compatible order (per
    direction the same FIFO sequence, and no two messages in opposite order at the two ends;
    ops in one batch count as simultaneous).
+6. Pairs (overlap.ep_pairing, paired.py): a paired F is followed by a B of another
+   (microbatch, vchunk) on the same stage with nothing posted between them; the pair runs as
+   one compute, so both receives must be posted before it (checked in 3) and waited before it
+   (in 5's simulation): a B that needs the F's own output deadlocks there.
 5. No deadlock: a simulation advances a stage only when its next step can complete, with
    rendezvous semantics (a send completes only once the peer posted the receive), in two
    flavours: "blocking" (every batch waited right after it is posted, as overlap=False and
@@ -73,6 +77,14 @@ def _check_structure(tables: List[List[Action]], layout: str, problems: List[str
             if a.kind == WEIGHT and (BACKWARD, a.microbatch, a.vchunk) not in done:
                 problems.append(f"stage {stage} action {index} {a}: weight gradients before their B")
             done.add((a.kind, a.microbatch, a.vchunk))
+            if a.paired:
+                nxt = actions[index + 1] if index + 1 < len(actions) else None
+                if a.kind != FORWARD or nxt is None or nxt.kind != BACKWARD or nxt.paired:
+                    problems.append(f"stage {stage} action {index} {a} (paired): a pair is an F followed by a B, got {nxt}")
+                elif (nxt.microbatch, nxt.vchunk) == (a.microbatch, a.vchunk):
+                    problems.append(f"stage {stage} action {index} {a} (paired): paired with its own backward")
+                if a.posts_after or a.prefetch_after:
+                    problems.append(f"stage {stage} action {index} {a} (paired): posts between the F and the B of a pair")
             if a.recv != input_message(a.kind, a.microbatch, chunk, num_chunks):
                 problems.append(f"stage {stage} action {index} {a}: consumes {a.recv}, expected "
                                 f"{input_message(a.kind, a.microbatch, chunk, num_chunks)}")
@@ -104,8 +116,9 @@ def _check_matching(tables, programs, layout: str, label: str, problems: List[st
                         problems.append(f"{label} stage {stage}: {op} posted before its producer ran")
             else:
                 action = tables[stage][item]
-                if action.recv is not None and action.recv not in available:
-                    problems.append(f"{label} stage {stage}: {action} runs before {action.recv} is received")
+                for needed in _needs(tables[stage], item):
+                    if needed not in available:
+                        problems.append(f"{label} stage {stage}: {action} runs before {needed} is received")
                 if action.send is not None:
                     sent_ok.add(action.send)
                     if is_local(action.send, pp, layout):
@@ -160,6 +173,18 @@ def _check_link_order(programs, pp: int, label: str, problems: List[str]) -> Non
                 group_max = max(group_max, pos_b[op.message])
 
 
+def _needs(actions: List[Action], index: int) -> List[Message]:
+    """The messages compute `index` needs before it starts: its own input, and for a paired
+    F its B's too (the pair starts as one compute); none for the B of a pair (already had)."""
+    action = actions[index]
+    own = [action.recv] if action.recv is not None else []
+    if index and actions[index - 1].paired:
+        return []
+    if action.paired and index + 1 < len(actions) and actions[index + 1].recv is not None:
+        own.append(actions[index + 1].recv)
+    return own
+
+
 def _simulate(tables, programs, deferred: bool, label: str, problems: List[str]) -> None:
     """Rendezvous simulation; records the stuck steps if some stage can never finish."""
     plans = []
@@ -173,8 +198,8 @@ def _simulate(tables, programs, deferred: bool, label: str, problems: List[str])
                 else:
                     plan.append(("wait", item))
             else:
-                need = tables[stage][item].recv
-                for batch in [b for b in pending if any(op.message == need and op.op == RECV for op in b)]:
+                need = _needs(tables[stage], item)
+                for batch in [b for b in pending if any(op.message in need and op.op == RECV for op in b)]:
                     plan.append(("wait", batch))
                     pending.remove(batch)
                 plan.append(("compute", item))

@@ -126,7 +126,8 @@ class Trainer(Resumable):
         if self.pp > 1:
             m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
             self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
-                                           self.ddp, self._split, self.autocast)
+                                           self.ddp, self._split, self.autocast,
+                                           pairing=self.overlap.ep_pairing.enabled)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _split(self, mb_BS1: torch.Tensor):
@@ -163,7 +164,7 @@ class Trainer(Resumable):
         t0 = time.perf_counter()
         self.ddp.start_step()
         if self.pipeline is not None:
-            loss_sum = self.pipeline.train_microbatches(micro)
+            loss_sum = self.pipeline.train_microbatches(micro, self.pairing_trace)
         else:
             loss_sum = self._train_microbatches(micro)
         self.ddp.finish_grad_sync()
@@ -199,7 +200,7 @@ class Trainer(Resumable):
                 "skipped": skipped}
 
     def _train_microbatches(self, micro) -> torch.Tensor:
-        if self.overlap.ep_pairing.enabled:  # pp 1 (rule ep_pairing.pp1_only)
+        if self.overlap.ep_pairing.enabled:  # pp 1 (pp > 1: the pipeline's paired table)
             return train_paired(self.model, micro, self._split, self.ddp, autocast=self.autocast,
                                 trace=self.pairing_trace)
         loss_sum = torch.zeros((), device=self.state.device)

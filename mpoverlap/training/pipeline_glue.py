@@ -112,7 +112,7 @@ class PipelineRunner:
     executor, and evaluation forward-only. `split(mb)` gives (tokens, targets, positions)."""
 
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
-                 ledger: Any, ddp: Any, split: Callable, autocast: Any) -> None:
+                 ledger: Any, ddp: Any, split: Callable, autocast: Any, pairing: bool = False) -> None:
         from mpoverlap.pipeline import (PipelineExecutor, build_schedule, chunk_layout,
                                         defers_weight_grads, resolve_schedule)
 
@@ -127,7 +127,14 @@ class PipelineRunner:
         self.num_microbatches = num_microbatches
         self.schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
         self.layout = chunk_layout(self.schedule)
-        tables = build_schedule(self.schedule, pp, vpp, num_microbatches)
+        # overlap.ep_pairing: the paired interleaved table, every chunk run as sub-step programs
+        # (rule ep_pairing.pp_needs_interleaved keeps other schedules off).
+        tables = build_schedule(self.schedule, pp, vpp, num_microbatches, pairing=pairing)
+        self.paired = None
+        if pairing:
+            from mpoverlap.pairing.pipeline import PairedChunks
+
+            self.paired = PairedChunks(chunks, ddp, lambda mb: self.inputs[mb], num_microbatches, autocast)
         self.inputs: List[tuple] = []
         self.bubble_since_log = 0.0  # seconds this stage waited on receives (PipelineExecutor.bubble_s)
         # Zero-bubble schedules: the chunks' linears defer their weight gradients to the W
@@ -146,7 +153,7 @@ class PipelineRunner:
             device=state.device, forward_step=self._forward_step,
             # A chunk's gradients are reduced over dp during its last backward (B or W) of the step.
             backward_hook=lambda vchunk, mb, is_last: ddp.set_last_microbatch(is_last),
-            weight_grads=weight_grads, shared_params=shared_parameters(chunks))
+            weight_grads=weight_grads, shared_params=shared_parameters(chunks), paired=self.paired)
 
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
@@ -157,10 +164,13 @@ class PipelineRunner:
             return chunk.loss(out.float(), targets) / self.num_microbatches
         return out  # the residual stream as it is (the executor checks its dtype)
 
-    def train_microbatches(self, micro: List[torch.Tensor]) -> torch.Tensor:
+    def train_microbatches(self, micro: List[torch.Tensor], trace: Optional[list] = None) -> torch.Tensor:
         """Forward and backward of every microbatch; returns this stage's summed loss (the
-        global batch's mean on the last stage, 0 elsewhere)."""
+        global batch's mean on the last stage, 0 elsewhere). `trace`: the paired sub-steps'
+        events (PairedChunks), when the table is paired."""
         self.inputs = [self.split(mb) for mb in micro]
+        if self.paired is not None:
+            self.paired.trace = trace
         losses = self.executor.run(len(micro))
         self.bubble_since_log += self.executor.bubble_s
         total = torch.zeros((), device=self.state.device)

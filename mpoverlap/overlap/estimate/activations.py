@@ -199,8 +199,8 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     kept, b_peak = per_chunk, per_chunk  # 1F1B: a microbatch's activations live until its B
     if zero_bubble:
         kept, b_peak = zip(*(zero_bubble_profile(cfg, lo, k, conv, micro_batch, mode) for k in range(lo.pp * lo.vpp)))
-    out = []
-    for stage, order in enumerate(orders):
+
+    def peak_of(stage: int, order, sizes) -> tuple:
         # Zero bubble: a chunk-microbatch's activations live until its B, what its queued
         # weight-gradient closures keep (wgrad_kept.py) from its B until its W.
         live = alive = peak = peak_alive = 0
@@ -208,12 +208,12 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
             k = chunk_index(stage, v, lo.pp, layout)
             now = live
             if kind == FORWARD:
-                live += per_chunk[k]
+                live += sizes[k]
                 alive += 1
                 now = live
             elif kind == BACKWARD:
-                now = live - per_chunk[k] + b_peak[k]
-                live += (kept[k] if zero_bubble else 0) - per_chunk[k]
+                now = live - sizes[k] + b_peak[k]
+                live += (kept[k] if zero_bubble else 0) - sizes[k]
                 alive -= 0 if zero_bubble else 1
             elif kind == WEIGHT:
                 live -= kept[k]
@@ -221,8 +221,26 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
                 now = live
             if now > peak:
                 peak, peak_alive = now, alive
-        out.append({"bytes": peak + replay(stage), "chunks_in_flight": peak_alive,
-                    "layers_in_flight": peak_alive * per})
+        return peak, peak_alive
+
+    # overlap.ep_pairing at pp > 1 (pipeline/paired.py): the paired table (one more warm-up
+    # forward per stage; a pair's F grows while its B frees, counted as the F's chunk complete
+    # before the B frees anything), each chunk-microbatch holding its MoE layers' sub-step
+    # boundary buffers too.
+    paired_orders = None
+    if mode != "full" and not zero_bubble and pairing_on(cfg, lo):
+        paired_orders = compute_orders(kind, lo.pp, lo.vpp, micro, pairing=True)
+        with_boundaries = [per_chunk[k] + sum(pairing_boundary_bytes(cfg, lo, i, conv, micro_batch)
+                                              for i in chunk_layers(cfg, lo, k)) for k in range(lo.pp * lo.vpp)]
+    out = []
+    for stage, order in enumerate(orders):
+        peak, peak_alive = peak_of(stage, order, per_chunk)
+        row = {"bytes": peak + replay(stage), "chunks_in_flight": peak_alive, "layers_in_flight": peak_alive * per}
+        if paired_orders is not None:
+            paired_peak, paired_alive = peak_of(stage, paired_orders[stage], with_boundaries)
+            row = {"bytes": paired_peak + replay(stage), "chunks_in_flight": paired_alive,
+                   "layers_in_flight": paired_alive * per, "pairing_extra": paired_peak - peak}
+        out.append(row)
     return out
 
 

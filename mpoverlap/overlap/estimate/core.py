@@ -150,9 +150,14 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
                      "in use or prefetched (train.reshard_after_forward, overlap.dp_prefetch)")
     lines.append(f"    activations of one layer, one microbatch: {_mib(est.layer_activation_bytes)}")
     if est.pairing_extra_bytes:
-        lines.append(f"    forward/backward pairing (overlap.ep_pairing): a second microbatch in flight, the forward "
-                     f"of i+1 beside the backward of i (layer t beside layer L-1-t): +{_mib(est.pairing_extra_bytes)} "
-                     "over one microbatch's activations (in the peak above)")
+        if len(est.stages) > 1:
+            lines.append("    forward/backward pairing (overlap.ep_pairing): the paired interleaved table's one extra "
+                         "warm-up forward per stage and the sub-step boundary buffers: "
+                         f"+{_mib(est.pairing_extra_bytes)} over the unpaired table's peak on stage 0 (in the peak above)")
+        else:
+            lines.append("    forward/backward pairing (overlap.ep_pairing): a second microbatch in flight, the forward "
+                         "of i+1 beside the backward of i (layer t beside layer L-1-t): "
+                         f"+{_mib(est.pairing_extra_bytes)} over one microbatch's activations (in the peak above)")
     if est.activations_by_recompute:
         by = est.activations_by_recompute
         lines.append("    activation peak with model.recompute=none / selective / full: "
