@@ -259,9 +259,13 @@ def config_dir() -> str:
 
 
 def _register_schema() -> None:
+    """Store the schema in Hydra's ConfigStore, once per process: each compose loads a deep copy
+    of it, and building it (OmegaConf.structured) is a sixth of a compose."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="mpoverlap_schema", node=MPOverlapConfig)
+    store = ConfigStore.instance()
+    if "mpoverlap_schema.yaml" not in store.repo:
+        store.store(name="mpoverlap_schema", node=MPOverlapConfig)
 
 
 def compose(overrides: List[str] | None = None) -> DictConfig:

@@ -393,11 +393,13 @@ def test_cp_a2a_estimate_equals_ledger_and_metrics_report_flops(tmp_path, cp):
     """A real a2a run: the ledger's cp bytes per step equal the estimate's buffer bytes exactly;
     metrics.jsonl has model_tflops_per_s and, on CPU, no mfu. (cp 2: test_train_cli's
     cp2_a2a_on run, in test_check_estimates_match_measured_comm.)"""
-    from test_train_cli import SMALL, rows, train
+    from inproc_train import run_chains
+    from test_train_cli import SMALL, rows
 
     layout = [f"parallel.cp={cp}", "parallel.cp_comm=a2a"]
-    train(tmp_path, *layout, steps=2)
-    row = rows(tmp_path)[-1]
+    # Trainer.run() in a spawned world: the launched run's metrics.jsonl without the launch
+    run_chains({"a2a": [(cp, [*SMALL, *layout], 2)]}, tmp_path)
+    row = rows(tmp_path / "a2a")[-1]
     cfg = compose([*SMALL, *layout])
     assert row["comm"]["cp"]["bytes"] == estimate(cfg, cp).comm_bytes_per_step["cp"]
     assert row["model_tflops_per_s"] > 0 and "mfu" not in row

@@ -76,6 +76,8 @@ def _accepted_layouts(count: int, seed: int = 0) -> list:
     rng, found = random.Random(seed), {}
     while len(found) < count:
         layout = {k: rng.choice(v) for k, v in LAYOUT_CHOICES.items()}
+        if math.prod(layout[f"parallel.{d}"] for d in ("tp", "pp", "cp", "dp")) > 8:
+            continue  # lo.world (all four degrees are given) is over 8: not composed (0.1 s each)
         overrides = TINY + [f"{k}={_fmt(v)}" for k, v in layout.items()]
         cfg = compose(overrides)
         lo = build_layout(cfg)

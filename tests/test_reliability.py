@@ -12,10 +12,20 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from inproc_train import run_chains, world_of  # noqa: E402
 from test_train_cli import BIN, SMALL, rows, train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DIVERGE = ["parallel.dp=2", "train.lr=1e30", "train.lr_warmup_steps=0", "checkpoint.interval=1"]
+
+
+def reference_run(run_dir, overrides, steps):
+    """The uninterrupted run a resumed one is compared with: `Trainer.run()` in a spawned world
+    (tests/inproc_train.py), the console script's run without its launch (its metrics.jsonl
+    is bitwise the launched run's). What is under test, the kill, the signal and the resume,
+    stays a real launch."""
+    full = [*SMALL, *overrides]
+    run_chains({Path(run_dir).name: [(world_of(full), full, steps)]}, Path(run_dir).parent)
 
 
 def test_nonfinite_stop(tmp_path):
@@ -68,8 +78,11 @@ def test_sigterm_saves_and_resume_continues_the_curve(tmp_path):
     proc = _launch(run, "parallel.dp=2", "train.lr_decay_steps=50", "checkpoint.async_save=true")
     _wait_for_steps(run, 3)
     proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err[-2000:]
+    # The workers leave once they saved: not after the agent's 30 s wait and SIGKILL.
+    assert time.time() - t0 < 20, time.time() - t0
     stop = out.index("SIGTERM: saved a checkpoint at step ")
     saved = [p.name for p in (run / "checkpoints").iterdir()]
     assert len(saved) == 1 and (run / "checkpoints" / saved[0] / "COMPLETE").is_file()  # no .partial left
@@ -78,7 +91,7 @@ def test_sigterm_saves_and_resume_continues_the_curve(tmp_path):
     assert f"staged checkpoint step {k} in" in out[:stop]
     assert f"saved checkpoint {run / 'checkpoints' / saved[0]} in the background" in out[:stop]
     train(run, "parallel.dp=2", "train.lr_decay_steps=50", steps=k + 2)
-    train(tmp_path / "ref", "parallel.dp=2", "train.lr_decay_steps=50", steps=k + 2)
+    reference_run(tmp_path / "ref", ["parallel.dp=2", "train.lr_decay_steps=50"], k + 2)
     assert [r["loss"] for r in rows(run)][-(k + 2):] == [r["loss"] for r in rows(tmp_path / "ref")]
 
 
@@ -106,7 +119,7 @@ def test_killed_worker_brings_the_run_down_and_rerun_resumes_exactly(tmp_path):
     steps = last + 3
     again = train(run, *KILL_LAYOUT, steps=steps)
     assert "resumed from" in again.stdout and f"at step {last}" in again.stdout
-    train(tmp_path / "ref", *KILL_LAYOUT, steps=steps)
+    reference_run(tmp_path / "ref", KILL_LAYOUT, steps)
     resumed = rows(run)[-3:]
     assert [r["step"] for r in resumed] == [last + 1, last + 2, last + 3]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in rows(tmp_path / "ref")][-3:]

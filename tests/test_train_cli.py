@@ -408,7 +408,11 @@ def test_missing_data_file_is_one_paragraph(tmp_path):
 
 
 def test_incompatible_checkpoint_is_refused(tmp_path):
-    train(tmp_path / "a", "checkpoint.interval=2", steps=2)
+    from inproc_train import run_chains
+
+    # The checkpoint comes from Trainer.run() in a spawned world (what the launch runs); the
+    # refusal under test is the console script's.
+    run_chains({"a": [(1, [*SMALL, "checkpoint.interval=2"], 2)]}, tmp_path)
     proc = train(tmp_path / "a", "model.num_layers=3", steps=4, expect=1)
     assert "model.num_layers" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "a" / "checkpoints" / "step_00000002" / "COMPLETE").is_file()

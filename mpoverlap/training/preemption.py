@@ -38,3 +38,43 @@ class PreemptionFlag:
         action, which its agent would report as a failed worker."""
         if not self.raised:
             signal.signal(signal.SIGTERM, self._previous)
+
+
+def leave_once_result_is_sent(grace_s: float = 1.0) -> None:
+    """After a SIGTERM stop under torch elastic's agent: end this worker once its result is sent.
+
+    The agent that got the SIGTERM forwards it to its workers, then waits for them to exit (30 s,
+    then SIGKILL); but its worker wrapper (elastic's `_wrap`), after putting the return value,
+    waits for the agent to say it read every rank's, which a shutting-down agent never says: each
+    preemption stop took 30 s. A daemon thread ends the process (exit code 0, output flushed)
+    once the main thread is in that wait (the value is in the pipe) and `grace_s` more passed; an
+    agent that is still running releases the wait within its monitor interval, and a worker that
+    leaves after sending its value is what elastic expects anyway. If the wrapper is not found
+    (another torch), nothing changes."""
+    import os
+    import sys
+    import threading
+    import time
+
+    main = threading.main_thread()
+
+    def waiting_for_agent() -> bool:
+        frame = sys._current_frames().get(main.ident)
+        while frame is not None and frame.f_back is not None:
+            if frame.f_code.co_name == "wait" and frame.f_back.f_code.co_name == "_wrap":
+                return True
+            frame = frame.f_back
+        return False
+
+    def leave() -> None:
+        while not waiting_for_agent():
+            time.sleep(0.1)
+        time.sleep(grace_s)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(0)
+
+    threading.Thread(target=leave, name="mpoverlap-preempted-exit", daemon=True).start()

@@ -40,7 +40,7 @@ mask after the attention projection and after the MLP), to compare with their Ta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate.params import chunk_layers, etp_size, expert_ffn, is_moe_layer, shared_expert_ffn
@@ -149,13 +149,15 @@ def recomputed_in_chunk(cfg: Any, lo: Layout, chunk: int, recompute: Optional[st
 
 
 def chunk_activation_bytes(cfg: Any, lo: Layout, chunk: int, conv: Conventions, micro_batch: int,
-                           recompute: Optional[str] = None) -> int:
+                           recompute: Optional[str] = None, layer_bytes: Optional[Callable[[int], int]] = None) -> int:
     """One microbatch's saved bytes on model chunk `chunk` (layers, plus loss or token ids);
-    `recompute` None reads model.recompute."""
+    `recompute` None reads model.recompute. `layer_bytes(i)`: `layer_activation_bytes` of
+    layer i under that mode, when the caller already holds it."""
     mode = recompute_mode(cfg, recompute)
+    layer_bytes = layer_bytes or (lambda i: layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode))
     replayed = set(recomputed_in_chunk(cfg, lo, chunk, mode))
     total = sum(block_input_bytes(cfg, lo, conv, micro_batch) if i in replayed
-                else layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode) for i in chunk_layers(cfg, lo, chunk))
+                else layer_bytes(i) for i in chunk_layers(cfg, lo, chunk))
     if chunk == lo.pp * lo.vpp - 1:
         total += head_activation_bytes(cfg, lo, conv, micro_batch)
     if chunk == 0:
@@ -177,12 +179,19 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     mode = recompute_mode(cfg, recompute)
     kind = resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp)
     layout = chunk_layout(kind)  # zbv: stage s holds chunks s and 2pp-1-s
-    per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch, mode) for k in range(lo.pp * lo.vpp)]
+    sizes: Dict[int, int] = {}  # layer -> its bytes under `mode`, computed once per layer
+
+    def layer_bytes(i: int) -> int:
+        if i not in sizes:
+            sizes[i] = layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode)
+        return sizes[i]
+    per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch, mode, layer_bytes)
+                 for k in range(lo.pp * lo.vpp)]
     micro = lo.num_microbatches or 1
 
     def replay(stage: int) -> int:
         """Full recomputation: the largest block this stage replays, alive once in backward."""
-        return max([layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode)
+        return max([layer_bytes(i)
                     for v in range(lo.vpp)
                     for i in recomputed_in_chunk(cfg, lo, chunk_index(stage, v, lo.pp, layout), mode)], default=0)
     if lo.pp == 1:
@@ -198,14 +207,16 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     zero_bubble = any(kind == WEIGHT for order in orders for kind, _, _ in order)
     kept, b_peak = per_chunk, per_chunk  # 1F1B: a microbatch's activations live until its B
     if zero_bubble:
-        kept, b_peak = zip(*(zero_bubble_profile(cfg, lo, k, conv, micro_batch, mode) for k in range(lo.pp * lo.vpp)))
+        kept, b_peak = zip(*(zero_bubble_profile(cfg, lo, k, conv, micro_batch, mode, layer_bytes)
+                             for k in range(lo.pp * lo.vpp)))
 
     def peak_of(stage: int, order, sizes) -> tuple:
         # Zero bubble: a chunk-microbatch's activations live until its B, what its queued
         # weight-gradient closures keep (wgrad_kept.py) from its B until its W.
         live = alive = peak = peak_alive = 0
+        chunks = [chunk_index(stage, v, lo.pp, layout) for v in range(lo.vpp)]
         for kind, _mb, v in order:
-            k = chunk_index(stage, v, lo.pp, layout)
+            k = chunks[v]
             now = live
             if kind == FORWARD:
                 live += sizes[k]
@@ -245,13 +256,15 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
 
 
 def zero_bubble_profile(cfg: Any, lo: Layout, chunk: int, conv: Conventions, micro_batch: int,
-                        mode: str) -> tuple:
-    """(kept from B to W, peak during B) of one microbatch on `chunk` (wgrad_kept.py)."""
+                        mode: str, layer_bytes: Optional[Callable[[int], int]] = None) -> tuple:
+    """(kept from B to W, peak during B) of one microbatch on `chunk` (wgrad_kept.py);
+    `layer_bytes` as for `chunk_activation_bytes`."""
     from mpoverlap.overlap.estimate.wgrad_kept import chunk_wgrad_profile
 
+    layer_bytes = layer_bytes or (lambda i: layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode))
     replayed = set(recomputed_in_chunk(cfg, lo, chunk, mode))
     saved = [block_input_bytes(cfg, lo, conv, micro_batch) if i in replayed
-             else layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode) for i in chunk_layers(cfg, lo, chunk)]
+             else layer_bytes(i) for i in chunk_layers(cfg, lo, chunk)]
     ids = micro_batch * (cfg.model.seq_length // lo.cp) * 8
     rec = [i in replayed for i in chunk_layers(cfg, lo, chunk)]
     return chunk_wgrad_profile(cfg, lo, chunk, conv, micro_batch, saved, rec, ids,

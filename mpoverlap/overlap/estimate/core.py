@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from mpoverlap.overlap.estimate.activations import (Conventions, layer_activation_bytes,
+from mpoverlap.overlap.estimate.activations import (Conventions, layer_activation_bytes, recompute_mode,
                                                     stage_activation_peak)
 from mpoverlap.overlap.estimate.attention_work import cp_attention_work_bytes
 from mpoverlap.overlap.estimate.comm import comm_ops, comm_views
@@ -67,14 +67,16 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
     lo = build_layout(cfg, world_size)
     m, t = cfg.model, cfg.train
     conv = conventions or Conventions.for_dtype(dtype_bytes or compute_bytes(cfg))
-    by_params = max(range(lo.pp), key=lambda s: stage_params(cfg, lo, s))
-    params = stage_params(cfg, lo, by_params)
-    expert_params = stage_params(cfg, lo, by_params, expert_only=True)
+    # per stage (all, expert) parameters, counted once: the planner estimates thousands of layouts
+    counts = [(stage_params(cfg, lo, s), stage_params(cfg, lo, s, expert_only=True)) for s in range(lo.pp)]
+    by_params = max(range(lo.pp), key=lambda s: counts[s][0])
+    params, expert_params = counts[by_params]
     micro = lo.num_microbatches or 1
-    peaks = stage_activation_peak(cfg, lo, conv, t.micro_batch_size)
+    mode = recompute_mode(cfg)
+    peaks = stage_activation_peak(cfg, lo, conv, t.micro_batch_size, mode)
     stages = []
     for s in range(lo.pp):
-        n, n_exp = stage_params(cfg, lo, s), stage_params(cfg, lo, s, expert_only=True)
+        n, n_exp = counts[s]
         # train.dp_sharding shards dense state over dp x cp and expert state over edp = dp x cp / ep.
         mem = state_memory(cfg, lo, s, n, n_exp)
         gathered = mem.pop("gathered")
@@ -84,10 +86,11 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
             mem["cp_attention_work"] = cp_attention_work_bytes(cfg, lo, conv.compute_bytes, t.micro_batch_size)
         stages.append(StageEstimate(s, n, mem, peaks[s]["layers_in_flight"], gathered))
     heaviest = max(stages, key=lambda st: sum(st.memory_bytes.values()))
-    by_recompute = {mode: max(p["bytes"] for p in stage_activation_peak(cfg, lo, conv, t.micro_batch_size, mode))
-                    for mode in ("none", "selective", "full")}
+    by_recompute = {other: max(p["bytes"] for p in (peaks if other == mode else
+                                                    stage_activation_peak(cfg, lo, conv, t.micro_batch_size, other)))
+                    for other in ("none", "selective", "full")}
     buffer, link = comm_views(stage_mean_dp(cfg, lo, comm_ops(cfg, lo, by_params, params, expert_params,
-                                                              conv.compute_bytes, conv.residual_bytes), conv))
+                                                              conv.compute_bytes, conv.residual_bytes), conv, counts))
     total_params, active_params = model_params(cfg)
     return RankEstimate(
         total_params=total_params, active_params=active_params, params=params, memory_bytes=dict(heaviest.memory_bytes), comm_bytes_per_step=buffer,
@@ -100,18 +103,17 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
         activations_by_recompute=by_recompute, pairing_extra_bytes=peaks[0].get("pairing_extra", 0))
 
 
-def stage_mean_dp(cfg: Any, lo: Any, ops: list, conv: Conventions) -> list:
+def stage_mean_dp(cfg: Any, lo: Any, ops: list, conv: Conventions, counts: Optional[list] = None) -> list:
     """`ops` (the busiest stage's) with its dp operations replaced by their mean over the
     pipeline stages: the ledger reports the mean over the ranks, and a stage's dp bytes follow
     its parameters (zbv's V puts the embedding and the head both on stage 0: +9% over the mean
     at pp 2 with the busiest stage's bytes)."""
     if lo.pp < 2:
         return ops
+    counts = counts or [(stage_params(cfg, lo, s), stage_params(cfg, lo, s, expert_only=True)) for s in range(lo.pp)]
     dp = [(mode, op, nbytes / lo.pp, n)
           for s in range(lo.pp)
-          for mode, op, nbytes, n in comm_ops(cfg, lo, s, stage_params(cfg, lo, s),
-                                              stage_params(cfg, lo, s, expert_only=True),
-                                              conv.compute_bytes, conv.residual_bytes)
+          for mode, op, nbytes, n in comm_ops(cfg, lo, s, *counts[s], conv.compute_bytes, conv.residual_bytes)
           if mode == "dp"]
     return [o for o in ops if o[0] != "dp"] + dp
 
