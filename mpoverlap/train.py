@@ -74,12 +74,7 @@ def worker_entry(overrides: List[str]) -> Any:
 
     rank = os.environ.get("RANK", "?")
     try:
-        result = run_worker(cfg)
-        if isinstance(result, dict) and result.get("preempted") and "TORCHELASTIC_RUN_ID" in os.environ:
-            from mpoverlap.training.preemption import leave_once_result_is_sent
-
-            leave_once_result_is_sent()  # the agent shutting down would hold us 30 s
-        return result
+        return run_worker(cfg)
     except Exception as err:
         if type(err).__name__ in _USER_ERRORS:
             # The user can act on it: one paragraph, no traceback, a non-zero exit.
