@@ -38,15 +38,10 @@ import torch.nn.functional as F
 
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
 from mpoverlap.tensor_parallel.comm_spec import TPComm
-from mpoverlap.wgrad.deferral import WeightGradGemm
+from mpoverlap.wgrad.deferral import WeightGradGemm, weight_grad_2d
 from mpoverlap.tensor_parallel.mappings import (
     all_reduce_async, reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel,
     seq_all_gather_async, seq_reduce_scatter_async)
-
-
-def wgrad(grad_y_BSo: torch.Tensor, x_BSH: torch.Tensor) -> torch.Tensor:
-    """dW_oH = sum over (B, S) of grad_y^T x."""
-    return grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).t().matmul(x_BSH.reshape(-1, x_BSH.shape[-1]))
 
 
 class ColumnParallelLinearFn(torch.autograd.Function):
@@ -99,7 +94,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         grad_w_oH = None
         if not comm.defer_wgrad(param, WeightGradGemm(grad_y_BSo, total_x_BSH)):
             comm.mark(_BWD, 1, "gemm_start")
-            grad_w_oH = wgrad(grad_y_BSo, total_x_BSH)  # runs under the dgrad reduction
+            grad_w_oH = weight_grad_2d(grad_y_BSo, total_x_BSH)  # runs under the dgrad reduction
             comm.mark(_BWD, 1, "gemm_end")
         grad_b_o = (grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
                     if ctx.has_bias else None)

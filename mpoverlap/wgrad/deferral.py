@@ -27,6 +27,11 @@ import torch
 WeightGrad = Callable[[], torch.Tensor]
 
 
+def weight_grad_2d(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW [out, in] = sum over the leading dims of grad_y^T x (grad_y [..., out], x [..., in])."""
+    return grad_y.reshape(-1, grad_y.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
 class WeightGradGemm:
     """A deferred weight gradient that is one GEMM: dW [out, in] = grad_y^T x summed over the
     leading dims (grad_y [..., out], x [..., in]). Called, it returns dW, like any queued
@@ -43,8 +48,7 @@ class WeightGradGemm:
         return self.grad_y.reshape(-1, self.grad_y.shape[-1]).t(), self.x.reshape(-1, self.x.shape[-1])
 
     def __call__(self) -> torch.Tensor:
-        grad_t, x = self._operands()
-        return grad_t.matmul(x)
+        return weight_grad_2d(self.grad_y, self.x)
 
     def accumulate_into(self, grad: torch.Tensor) -> None:
         grad_t, x = self._operands()

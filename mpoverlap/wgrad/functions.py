@@ -24,12 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
-from mpoverlap.wgrad.deferral import WeightGradGemm
-
-
-def weight_grad_2d(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dW [out, in] = sum over the leading dims of grad_y^T x."""
-    return grad_y.reshape(-1, grad_y.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+from mpoverlap.wgrad.deferral import WeightGradGemm, weight_grad_2d
 
 
 class DeferrableLinearFn(torch.autograd.Function):
