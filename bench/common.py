@@ -198,12 +198,17 @@ def log_round(prefix: str, r: int, quiet: Dict[str, int]) -> None:
 
 
 # ---- the spawned 2-rank worker ------------------------------------------------------------------
-def init_bench_worker(rank: int, port: int, world: int = 2) -> None:
+def init_bench_worker(rank: int, port: int, world: int = 2, pin: bool = False) -> None:
     """A spawned rank's setup: rendezvous env, one intra-op thread, a gloo process group; a
-    crash in native code (SIGABRT, SIGSEGV) prints every Python thread's stack to stderr."""
+    crash in native code (SIGABRT, SIGSEGV) prints every Python thread's stack to stderr.
+    `pin`: the rank and every thread it starts later (gloo's included) on core `rank` of the
+    cores this process may use, so the ranks do not trade cores (less skew between them)."""
     import faulthandler
 
     faulthandler.enable(all_threads=True)
+    if pin:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch.distributed as dist

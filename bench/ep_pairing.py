@@ -57,9 +57,11 @@ def pairing_available() -> Tuple[bool, str]:
 
 
 def base_overrides(args) -> List[str]:
-    return COMMON + [f"model.hidden_size={args.hidden}", f"model.moe_ffn_hidden_size={args.ffn}",
+    routing = [] if getattr(args, "real_routing", False) else ["model.moe_router_force_load_balancing=true"]
+    return COMMON + routing + [f"model.hidden_size={args.hidden}", f"model.moe_ffn_hidden_size={args.ffn}",
                      f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
                      f"train.micro_batch_size={args.micro_batch}",
+                     f"model.num_experts={args.experts}", f"model.moe_top_k={args.top_k}",
                      f"train.global_batch_size={args.micro_batch * args.microbatches * 2}"]
 
 
@@ -88,7 +90,7 @@ def planned(args) -> Tuple[List[str], Dict[str, List[str]], Dict[str, str]]:
 
 
 def _worker(rank: int, port: int, args, tmp: str) -> None:
-    init_bench_worker(rank, port)
+    init_bench_worker(rank, port, pin=not args.no_pin)
     import torch.distributed as dist
 
     from bench.modes import MpoSide, summarize
@@ -133,19 +135,22 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
         close_trainers(side.t for side in sides.values())
 
 
-DEFAULTS = dict(hidden=512, ffn=320, seq=256, layers=2, micro_batch=2, microbatches=4, chunks=2)
+DEFAULTS = dict(hidden=512, ffn=320, seq=256, layers=2, micro_batch=2, microbatches=4, chunks=2, experts=8, top_k=2)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_block_args(p, block=3, repeats=4, max_repeats=12, min_quiet=4, time_budget=150.0, warmup=2)
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"default {v}")
+    p.add_argument("--real-routing", action="store_true",
+                   help="route with the router's own logits (default: model.moe_router_force_load_balancing=true)")
+    p.add_argument("--no-pin", action="store_true", help="leave the ranks free to move between cores")
 
 
 def run(args) -> Dict[str, Any]:
     res, t0 = spawn_ranks(_worker, args, prefix="mpo-bench-ep-pairing-")
     res.update(benchmark="ep_pairing", link=args.link, wall_s=time.perf_counter() - t0,
-               setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", *DEFAULTS)})
+               setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", *DEFAULTS, "real_routing", "no_pin")})
     return res
 
 

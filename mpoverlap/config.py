@@ -75,6 +75,11 @@ class ModelConfig:
     # Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores for the
     # top-k choice only, moved by rate * sign(mean load - load) after every step. 0 = off.
     moe_router_bias_update_rate: float = 0.0
+    # Benchmarks only (Megatron's moe_router_force_load_balancing): route by fixed random logits
+    # instead of the router's, so every expert (and every ep rank) gets its share of the slots
+    # whatever the router has learned; the router's logits get the gradient straight through.
+    # The model does not learn to route: for timing runs, never for a model you keep.
+    moe_router_force_load_balancing: bool = False
     transformer_impl: str = "local"  # local | te
     # Activation recomputation: none | selective (the attention core) | full (whole blocks).
     recompute: str = "none"

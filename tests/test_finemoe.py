@@ -65,6 +65,37 @@ def test_expert_bias_steers_selection_only_and_follows_the_sign_rule():
     assert not torch.equal(before.expert_ids, after.expert_ids)
 
 
+def test_forced_load_balancing_routes_evenly_and_passes_the_gradient_straight_through():
+    """model.moe_router_force_load_balancing (benchmarks): a router whose own logits send every
+    token to experts 0..7 still spreads the slots evenly; the same draws on every call (a
+    recomputed forward routes alike), other draws on another ep rank; the router weight's
+    gradient is the one its logits would get if they had been the random ones."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=g)
+    r = _router(force_load_balancing=True, random_stream=0)
+    with torch.no_grad():
+        r.weight.zero_()
+        r.weight[:8] = 5.0  # unbalanced: its own choice would be experts 0..7 for every token
+    out = r(x)
+    load = torch.bincount(out.expert_ids.reshape(-1), minlength=64).float()
+    mean = 4096 * 8 / 64
+    assert float(load.max()) < 1.25 * mean and float(load.min()) > 0.75 * mean, load
+    again = r(x)
+    assert torch.equal(out.expert_ids, again.expert_ids) and torch.equal(out.weights, again.weights)
+    other = _router(force_load_balancing=True, random_stream=1)(x)
+    assert not torch.equal(out.expert_ids, other.expert_ids)
+    # Straight through: d loss / d logits at the random logits, times x, is the weight's gradient.
+    rand = r.random_logits(x @ r.weight.t()).clone().requires_grad_()
+    ids, weights, _ = r._choose(rand)
+    assert torch.equal(ids, out.expert_ids)
+    coeff = torch.randn(4096, 8, generator=g)
+    (out.weights * coeff).sum().backward()
+    (weights * coeff).sum().backward()
+    torch.testing.assert_close(r.weight.grad, rand.grad.t() @ x, rtol=1e-4, atol=2e-5)  # summation order
+    off = _router()(x)  # the key off: the router's own logits
+    assert not torch.equal(off.expert_ids, out.expert_ids)
+
+
 def _capacity_one_hot(ids, weights, E, cap):
     """The previous [T*k, E] one-hot formulation, as the reference."""
     flat = ids.reshape(-1)

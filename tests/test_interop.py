@@ -189,6 +189,7 @@ def _fake_checkpoint(root: Path, overrides) -> Path:
     (["model.norm=layernorm", "model.activation=gelu"], ["model.norm=layernorm", "model.activation=gelu"]),
     (["model=moe_tiny", "model.shared_expert=true"], ["model.shared_expert=true"]),
     (["model=moe_tiny", "model.moe_layer_freq=2"], ["model.moe_layer_freq=2"]),
+    (["model=moe_tiny", "model.moe_router_force_load_balancing=true"], ["model.moe_router_force_load_balancing=true"]),
     (["model=moe_fine_tiny", "model.shared_expert=false", "model.moe_shared_expert_ffn_hidden_size=null",
       "model.moe_router_score=sigmoid", "model.moe_router_bias_update_rate=0.01"],
      ["model.moe_first_dense_layers=1", "model.moe_router_score=sigmoid", "model.moe_router_norm_topk=false",

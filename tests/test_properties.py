@@ -29,7 +29,7 @@ KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.e
         # fine-grained MoE and expert tensor parallelism (issue 17)
         "parallel.etp", "model.moe_shared_expert_ffn_hidden_size", "model.moe_first_dense_layers",
         "model.moe_router_score", "model.moe_router_order", "model.moe_router_norm_topk",
-        "model.moe_router_bias_update_rate",
+        "model.moe_router_bias_update_rate", "model.moe_router_force_load_balancing",
         # grouped-query attention (issue 17)
         "model.num_query_groups",
         # forward/backward pairing, also in the pipeline (issue 31)
@@ -131,6 +131,7 @@ FIXABLE = {
     "model.moe_first_dense_layers": st.integers(-1, 4), "model.moe_router_score": st.sampled_from(["softmax", "sigmoid"]),
     "model.moe_router_order": st.sampled_from(["score_topk", "topk_score"]),
     "model.moe_router_bias_update_rate": st.sampled_from([0, 0.01, -0.01]),
+    "model.moe_router_force_load_balancing": st.booleans(),
     "model.num_query_groups": st.sampled_from(["null", 0, 1, 2, 3, 4, 6]),
 }
 

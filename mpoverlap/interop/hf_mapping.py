@@ -114,6 +114,9 @@ def architecture(m: Dict[str, Any]) -> str:
         if float(m.get("moe_router_bias_update_rate") or 0.0) != 0.0:
             bad.append(f"model.moe_router_bias_update_rate={m['moe_router_bias_update_rate']} ({arch}'s router "
                        "has no expert bias)")
+        if m.get("moe_router_force_load_balancing"):
+            bad.append("model.moe_router_force_load_balancing=true (this run routed by random logits, a benchmark "
+                       "setting: the router it trained never chose the experts)")
         if m.get("moe_capacity_factor") is not None:
             bad.append(f"model.moe_capacity_factor={m['moe_capacity_factor']} (this model drops tokens "
                        f"beyond capacity; {arch} is dropless)")

@@ -254,7 +254,8 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
     disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger)
     router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-                        capacity_factor=capacity_factor, shards=shards, **(router_options or {}))
+                        capacity_factor=capacity_factor, shards=shards, random_stream=ep_rank,
+                        **(router_options or {}))
     experts = Experts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
                       name_prefix=name, cfg=cfg, seed=seed, activation=activation,
                       etp_rank=expert_tp.rank if expert_tp else 0, etp_size=expert_tp.size if expert_tp else 1)

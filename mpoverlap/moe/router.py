@@ -24,10 +24,20 @@ and its weight 0 (the surviving weights are not renormalised). Drops are decided
 when SP or CP splits the sequence, which slots are dropped depends on the layout (the plan and
 mpoverlap-check say so). capacity_factor None = dropless, exactly layout-invariant.
 No host reads: counts are scatter-adds into fixed-size [E] tensors.
+
+force_load_balancing (model.moe_router_force_load_balancing, benchmarks only, as Megatron's
+option of that name): the logits are replaced by random ones, N(0, 1) per token and expert,
+before anything reads them (choice, weights, losses); their gradient goes straight through to
+the router's logits. The draws are a fixed [T, E] tensor per router, shape and `random_stream`
+(the ep rank: ranks route differently), made from the model seed on the logits' device once:
+every call with the same token count routes alike, so a recomputed forward routes as the
+first one did and nothing needs restoring on resume. Every expert then gets about T * k / E
+slots, whatever the router learned.
 """
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -74,6 +84,18 @@ def apply_capacity(expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_ex
     return ids, weights, (~keep).sum()
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward: `replacement` exactly (a copy); backward: the gradient goes to `x` unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, replacement: torch.Tensor) -> torch.Tensor:
+        return replacement.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class TopKRouter(nn.Module):
     """Scores, top-k choice and weights (see the module docstring for the losses).
 
@@ -96,7 +118,8 @@ class TopKRouter(nn.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  capacity_factor: Optional[float] = None,
                  shards: Optional[SequenceShards] = None, score: str = "softmax",
-                 order: str = "score_topk", norm_topk: bool = True, bias_update_rate: float = 0.0) -> None:
+                 order: str = "score_topk", norm_topk: bool = True, bias_update_rate: float = 0.0,
+                 force_load_balancing: bool = False, random_stream: int = 0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -109,12 +132,26 @@ class TopKRouter(nn.Module):
         self.score, self.order, self.norm_topk = score, order, bool(norm_topk)
         self.bias_update_rate = float(bias_update_rate)
         self.shards = shards or SequenceShards()
+        self.force_load_balancing = bool(force_load_balancing)
+        # The random logits' seed: the model seed, this router's name and the stream (ep rank).
+        self._random_seed = (int(seed) * 1_000_003 + zlib.crc32(name.encode()) + 7919 * int(random_stream)) % 2 ** 63
+        self._random_logits: Dict[tuple, torch.Tensor] = {}
         self.weight = nn.Parameter(init_tensor(f"{name}.weight", (num_experts, hidden), cfg, seed))
         self.expert_bias: Optional[torch.Tensor]
         if self.bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
         else:
             self.expert_bias = None
+
+    def random_logits(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """The fixed random logits [T, E] fp32 for this shape and device (force_load_balancing)."""
+        key = (tuple(logits_TE.shape), logits_TE.device)
+        r = self._random_logits.get(key)
+        if r is None:
+            g = torch.Generator(device=logits_TE.device).manual_seed(self._random_seed)
+            r = torch.randn(logits_TE.shape, generator=g, device=logits_TE.device, dtype=torch.float32)
+            self._random_logits[key] = r
+        return r
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         if self.capacity_factor is None:
@@ -154,6 +191,8 @@ class TopKRouter(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
         with torch.autocast(x_TH.device.type, enabled=False):
             logits = x_TH.float() @ self.weight.float().t()  # [T, E] fp32
+        if self.force_load_balancing:
+            logits = _StraightThrough.apply(logits, self.random_logits(logits))
         ids, weights, probs = self._choose(logits)
         T, E = x_TH.shape[0], self.num_experts
         z_TE = z_loss_terms(logits)

@@ -128,7 +128,8 @@ def _fine_values(lo: Layout):
 
 @rule("moe.fine_grained_needs_experts", "ep",
       ("model.num_experts", "model.moe_shared_expert_ffn_hidden_size", "model.moe_first_dense_layers",
-       "model.moe_router_score", "model.moe_router_order", "model.moe_router_bias_update_rate"),
+       "model.moe_router_score", "model.moe_router_order", "model.moe_router_bias_update_rate",
+       "model.moe_router_force_load_balancing"),
       "fine-grained MoE keys are set only on a mixture-of-experts model (never silently ignored)")
 def _fine_needs_experts(lo: Layout):
     m = lo.cfg.model
@@ -138,12 +139,13 @@ def _fine_needs_experts(lo: Layout):
                 "model.moe_first_dense_layers": (m.moe_first_dense_layers, 0),
                 "model.moe_router_score": (m.moe_router_score, "softmax"),
                 "model.moe_router_order": (m.moe_router_order, "score_topk"),
-                "model.moe_router_bias_update_rate": (m.moe_router_bias_update_rate, 0.0)}
+                "model.moe_router_bias_update_rate": (m.moe_router_bias_update_rate, 0.0),
+                "model.moe_router_force_load_balancing": (m.moe_router_force_load_balancing, False)}
     for key, (value, default) in set_keys.items():
         if value != default:
             yield Problem("moe.fine_grained_needs_experts", {key: value, "model.num_experts": 0},
                           "a dense model has no router or experts for this key to act on",
-                          [f"{key}={'null' if default is None else default}"])
+                          [f"{key}={'null' if default is None else str(default).lower() if isinstance(default, bool) else default}"])
 
 
 @rule("moe.topk_score_needs_softmax", "ep", ("model.moe_router_order", "model.moe_router_score"),
