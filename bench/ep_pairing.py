@@ -2,10 +2,20 @@
 
 One spawn of 2 ranks inside bench/netns.sh (tbf 2 Gbit/s); every variant is built once and
 stepped in rotating blocks (`bench.common.rotating_blocks`, the bench.modes method: warmup,
-quiet-block filtering, slowest rank per step). Model: moe_tiny reshaped so that each
-microbatch's expert all-to-alls take about as long as its experts' forward and backward on
-this link (hidden 512, expert width 320, seq 256, micro batch 2, 2 MoE layers, 8 experts top-2),
-parallel.ep=2 (dp 2), 4 microbatches per rank (pairing needs two; m-1 of them pair).
+quiet-block filtering, slowest rank per step). Model: moe_tiny reshaped into a fine-grained
+MoE (DeepSeek-V3 class: 32 experts, top-8, expert width 320; hidden 512, seq 128, micro batch
+2, 2 MoE layers) whose expert all-to-alls take about as long as its experts' forward and
+backward on this link (exchanges : experts measured 1.04 on 2026-11-26), parallel.ep=2 (dp 2),
+16 microbatches per rank (pairing needs two; the first forward and the last backward run
+alone, so 1/m of the exchanges cannot pair). Two settings keep the measurement about the
+exchanges (docs/benchmarks.md, "EP at 1:1"):
+  - model.moe_router_force_load_balancing=true: routing by fixed random logits, every expert
+    and rank gets its share of the slots. An untrained router sends most slots of a layer to
+    one rank's experts, and the other rank then waits in every exchange for that rank's
+    compute, which no overlap can hide (`--real-routing` turns it off);
+  - each rank and its threads pinned to its own core (`--no-pin` turns it off): ranks that
+    move between the cores drift apart by 5-20 ms between the layer's blocking counts
+    exchange and the next.
 
   none     overlap.ep=false overlap.ep_chunks=1    every exchange waited where it is issued
   chunks   overlap.ep=true overlap.ep_chunks=2     today's overlap: a chunk's exchange under another's experts
@@ -135,7 +145,8 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
         close_trainers(side.t for side in sides.values())
 
 
-DEFAULTS = dict(hidden=512, ffn=320, seq=256, layers=2, micro_batch=2, microbatches=4, chunks=2, experts=8, top_k=2)
+DEFAULTS = dict(hidden=512, ffn=320, seq=128, layers=2, micro_batch=2, microbatches=16, chunks=2, experts=32,
+                top_k=8)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -259,9 +270,13 @@ def render(results: Dict[str, Any]) -> str:
     s, rows, pred = res["setup"], _rows(res), res.get("predicted") or {}
     used_quiet = rows is res.get("variants_quiet")
     lines = ["## EP at 1:1, none / chunks / pairing / both (issue 31)", "", f"Link: {res['link']}.",
-             f"Overrides: `{' '.join(res['base_overrides'])}`; hidden {s['hidden']}, expert width {s['ffn']}, seq "
+             f"Overrides: `{' '.join(res['base_overrides'])}`; hidden {s['hidden']}, "
+             f"{s.get('experts', 8)} experts top-{s.get('top_k', 2)} of width {s['ffn']}, seq "
              f"{s['seq']}, {s['layers']} MoE layers, micro batch {s['micro_batch']} x {s['microbatches']} microbatches per "
-             f"rank, chunks {s['chunks']}; blocks of {s['block']} steps (first {s['block_warmup']} discarded), step = "
+             f"rank, chunks {s['chunks']}; routing: "
+             + ("the router's own" if s.get("real_routing", True) else "forced balance (random logits)")
+             + ("; ranks free to move between cores" if s.get("no_pin", True) else "; each rank pinned to a core")
+             + f"; blocks of {s['block']} steps (first {s['block_warmup']} discarded), step = "
              "slowest rank. " + ("Quiet blocks used." if used_quiet else "WARNING: too few quiet blocks (other processes "
                                  f"used > {res['quiet_threshold_cores']} cores); all blocks used, expect noise."), "",
              "| variant | overrides | median step (ms) | IQR (ms) | vs chunks | ep in flight (ms/step/rank) | exposed | "
