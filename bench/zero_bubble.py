@@ -112,6 +112,8 @@ class ActionProbe(BubbleProbe):
     pair the two ends). Wraps the instance; mpoverlap is unchanged."""
 
     def __init__(self, executor) -> None:
+        from mpoverlap.comm.handle import now
+
         super().__init__(executor)
         self.ex = executor
         self.spent: Dict[str, List[float]] = {}
@@ -127,8 +129,9 @@ class ActionProbe(BubbleProbe):
                 self.spent_chunk.setdefault(f"{action.kind}{action.vchunk}", []).append(self.busy - before)
 
         def stamped(m):
+            started = now()
             out = run(m)
-            self.messages.append(p2p_stamps(executor))
+            self.messages.append(dict(p2p_stamps(executor), started=started))
             return out
 
         executor._compute = by_kind

@@ -39,17 +39,37 @@ def closed_form(kind: str, vpp: int, pp: int, f: float, b: float, w: float) -> O
 
 
 def timed_table(kind: str, pp: int, vpp: int, m: int, f: float, b: float, w: float, cost_of=None,
-                latency: float = 0.0) -> Dict[str, List[float]]:
-    """The schedule's own table run with costs F, B, W (or `cost_of(kind, stage, vchunk)`) and
-    p2p taking `latency` per message: per stage the idle time before its last action ends
-    (what pp_bubble_s counts) and over the whole makespan."""
+                latency: float = 0.0, start: Optional[List[float]] = None) -> Dict[str, List[float]]:
+    """The schedule's own table run with costs F, B, W (or `cost_of(kind, stage, vchunk)`),
+    p2p taking `latency` per message and each stage entering the step at `start[stage]` (0 for
+    all when None): per stage the idle time from its own start to its last action's end (what
+    pp_bubble_s counts) and over the whole makespan."""
     from mpoverlap.pipeline.schedules import _timed_run, build_schedule
 
-    times = _timed_run(build_schedule(kind, pp, vpp, m), f, b, w, cost_of=cost_of, latency=latency)
+    begin = list(start) if start is not None else [0.0] * pp
+    times = _timed_run(build_schedule(kind, pp, vpp, m), f, b, w, cost_of=cost_of, latency=latency, start=begin)
     makespan = max(t[-1][1] for t in times if t)
     busy = [sum(e - s for s, e in t) for t in times]
-    return {"in_window_s": [t[-1][1] - bz for t, bz in zip(times, busy)],
+    return {"in_window_s": [t[-1][1] - s0 - bz for t, s0, bz in zip(times, begin, busy)],
             "makespan_s": [makespan - bz for bz in busy]}
+
+
+def start_offsets_ms(per_step: List[tuple], coords: List[tuple]) -> Optional[List[float]]:
+    """Per stage, the median over the steps of when it entered the schedule (`executor.run`)
+    after the earliest stage (ms; one perf_counter clock for every process on the machine):
+    a stage with less work after its last action (the optimizer's share, the last W's)
+    starts the next step first and waits for the others. None where the results hold no
+    start stamps (runs before 2026-11-26)."""
+    pp = 1 + max(c[0] for c in coords)
+    offsets: List[List[float]] = [[] for _ in range(pp)]
+    for step in per_step:
+        starts = [e["pipe"].get("messages", {}).get("started") for e in step]
+        if any(x is None for x in starts):
+            return None
+        first = [min(x for x, c in zip(starts, coords) if c[0] == s) for s in range(pp)]
+        for s in range(pp):
+            offsets[s].append((first[s] - min(first)) * 1e3)
+    return [_median(o) for o in offsets] if per_step else None
 
 
 def _side(blocks_per_rank: List[List[dict]], name: str, coords: List[tuple]) -> Dict[str, Any]:
@@ -90,6 +110,7 @@ def _side(blocks_per_rank: List[List[dict]], name: str, coords: List[tuple]) -> 
             for step in per_step for r in ranks])
     row["stages"] = stages
     row["p2p_latency_ms"] = p2p_latency_ms(per_step)
+    row["start_offset_ms"] = start_offsets_ms(per_step, coords)
     comm: Dict[str, Any] = {}
     for mode in sorted({m for ex in extras for e in ex for m in e.get("comm", {})}):
         exp = [e["comm"][mode]["exposed_s"] * 1e3 for ex in extras for e in ex if mode in e.get("comm", {})]
@@ -148,9 +169,11 @@ def _formulas(row: Dict[str, Any], kind: str, vpp: int, m: int) -> None:
         return (pooled[kind_] if x is None or x != x else x / 1e3) + gaps[stage]
 
     latency = row.get("p2p_latency_ms", {}).get("median", 0.0) / 1e3
+    offsets = row.get("start_offset_ms")
+    start = [x / 1e3 for x in offsets] if offsets else None
     row["costs_chunk_ms"] = per
     try:
-        tt = timed_table(kind, pp, vpp, m, f, b, w, cost_of=cost_of, latency=latency)
+        tt = timed_table(kind, pp, vpp, m, f, b, w, cost_of=cost_of, latency=latency, start=start)
         row["timed_chunk_ms"] = {k: [x * 1e3 for x in v] for k, v in tt.items()}
     except Exception as exc:
         row["timed_chunk_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -235,8 +258,8 @@ def render(results: Dict[str, Any]) -> str:
                   f"(first {s['block_warmup']} discarded), all sides rotating in the same two processes; step time = "
                   "slowest rank; all blocks used (the quiet ones are in results.json).", "",
                   "| side | m | vpp | median step (ms) | IQR (ms) | F / B / W per action (ms) | pp_bubble_s per stage "
-                  "(ms) | timed table, same F/B/W (ms) | measured / table | timed table, per-chunk costs + p2p "
-                  "latency (ms) | measured / that | makespan idle per stage (ms) | closed form (ms) |",
+                  "(ms) | timed table, same F/B/W (ms) | measured / table | timed table, per-chunk costs, p2p "
+                  "latency and stage start offsets (ms) | measured / that | makespan idle per stage (ms) | closed form (ms) |",
                   "|---|---:|---:|---:|---:|---|---|---|---|---|---|---|---:|"]
         for name, row in v.items():
             side, kind, m = split_name(name)
@@ -254,7 +277,9 @@ def render(results: Dict[str, Any]) -> str:
             chunk = row.get("timed_chunk_ms", {}).get("in_window_s")
             ratio_c = " / ".join(f"{a / b:.2f}" if b > 1e-6 else "-" for a, b in zip(bub, chunk)) if chunk else "-"
             lat = row.get("p2p_latency_ms", {})
-            chunk_s = (" / ".join(_ms(x) for x in chunk) + f" (lat {lat.get('median', 0.0):.1f})") if chunk else "-"
+            offsets = row.get("start_offset_ms")
+            late = (", starts +" + " / +".join(f"{x:.1f}" for x in offsets)) if offsets else ""
+            chunk_s = (" / ".join(_ms(x) for x in chunk) + f" (lat {lat.get('median', 0.0):.1f}{late})") if chunk else "-"
             lines.append(
                 f"| {label} | {m} | {row.get('vpp', '-')} | {_ms(st['median_s'] * 1e3)} | {_ms(st['q1_s'] * 1e3)}-"
                 f"{_ms(st['q3_s'] * 1e3)} | {_ms(c.get('F'))} / {_ms(c.get('B'))} / {_ms(c.get('W'))} | "
@@ -318,8 +343,9 @@ def peak_line(rows: Dict[str, Any], m: int) -> str:
 
 def _bubble_line(v: Dict[str, Any]) -> str:
     """Measured pp_bubble_s against the timed table at the measured costs, per stage (goal:
-    within 25%): the table with each stage's per-chunk F, B, W and the measured p2p latency
-    (the formula given the measured costs), the pooled-cost free-p2p table beside it."""
+    within 25%): the table with each stage's per-chunk F, B, W, the measured p2p latency and
+    the stages' measured start offsets (the formula given the measured costs), the pooled-cost
+    free-p2p table beside it."""
     parts = []
     for name, row in v.items():
         table = row.get("timed_chunk_ms", {}).get("in_window_s")
@@ -332,7 +358,8 @@ def _bubble_line(v: Dict[str, Any]) -> str:
                if pooled else "-")
         parts.append(f"{name[4:]} {' / '.join(f'{r:.2f}' for r in ratios)} ({'met' if ok else 'NOT met'}; pooled "
                      f"free-p2p table {old})")
-    return ("Measured bubble over the timed table's (per-stage, per-chunk costs and the measured p2p latency), per "
+    return ("Measured bubble over the timed table's (per-stage, per-chunk costs, the measured p2p latency and start "
+            "offsets), per "
             "stage (goal: within 25%): " + "; ".join(parts) + ".") if parts else ""
 
 

@@ -213,6 +213,13 @@ def test_timed_run_takes_per_stage_costs_and_a_p2p_latency():
         assert idle(_timed_run(tables, F, B, 0.0, latency=lat))[0] == pytest.approx(F + B + m * lat), m
         slow = _timed_run(tables, 0.0, 0.0, 0.0, cost_of=lambda kind, stage, v: (F if kind == "F" else B) * (1 + stage))
         assert idle(slow)[0] == pytest.approx(2 * (F + B) + (m - 1) * (F + B)), m
+        # `start`: stage 0 entering the step d late delays every message it sends by d; stage
+        # 1, which entered on time, waits d more before its first forward (and nowhere else in
+        # 1F1B at equal costs: stage 0 does not wait on it then, its fill idles the same)
+        d = 0.4
+        late = _timed_run(tables, F, B, 0.0, start=[d, 0.0])
+        assert late[1][0][0] == pytest.approx(d + F) and late[0][0][0] == pytest.approx(d)
+        assert late[1][-1][1] == pytest.approx(_timed_run(tables, F, B, 0.0)[1][-1][1] + d)
 
 
 def test_weight_action_before_its_b_or_missing_is_caught():

@@ -62,18 +62,22 @@ def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
                      weight_cost: float = 0.0, layout: str = LOOP,
                      paired: Optional[Sequence[Set[int]]] = None,
                      cost_of: Optional[Callable[[str, int, int], float]] = None,
-                     latency: float = 0.0) -> List[List[Tuple[float, float]]]:
+                     latency: float = 0.0,
+                     start: Optional[Sequence[float]] = None) -> List[List[Tuple[float, float]]]:
     """(start, end) of every compute of every stage; ScheduleError if the orders deadlock.
     `backward_cost` is what a B action costs (the full backward in orders without W);
     `paired`: per stage the indices of the forwards run with the next compute (see above).
     `cost_of(kind, stage, vchunk)`, when given, replaces the three costs (measured per stage
     and chunk: an embedding or loss chunk is not a middle one); `latency` is added to every
-    dependency on another stage's compute (a message's transfer; a local one is free)."""
+    dependency on another stage's compute (a message's transfer; a local one is free);
+    `start`, when given, is the time each stage begins its first compute at the earliest (the
+    stages of a real step do not enter the schedule together: the one with less work after its
+    last action enters the next step first)."""
     costs = {FORWARD: forward_cost, BACKWARD: backward_cost, WEIGHT: weight_cost}
     num_chunks = pp * vpp
     end: Dict[Tuple[str, int, int], float] = {}
     times: List[List[Tuple[float, float]]] = [[] for _ in orders]
-    free = [0.0] * len(orders)
+    free = [0.0] * len(orders) if start is None else [float(x) for x in start]
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False

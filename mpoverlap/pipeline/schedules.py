@@ -248,18 +248,18 @@ def bubble_fraction(pp: int, vpp: int, num_microbatches: int, kind: str = "1f1b"
 
 
 def _timed_run(tables: List[List[Action]], forward_cost: float, input_grad_cost: float,
-               weight_cost: float, cost_of=None, latency: float = 0.0) -> List[List[tuple]]:
+               weight_cost: float, cost_of=None, latency: float = 0.0, start=None) -> List[List[tuple]]:
     """The tables' compute orders timed (program.simulate_compute; `cost_of(kind, stage,
-    vchunk)` and `latency` as there)."""
+    vchunk)`, `latency` and `start` as there)."""
     pp = len(tables)
     vpp = 1 + max(a.vchunk for t in tables for a in t)
     layout = layout_of_tables(tables)
     orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for table in tables]
     if any(kind == WEIGHT for order in orders for kind, _, _ in order):
         return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost, weight_cost, layout,
-                                cost_of=cost_of, latency=latency)
+                                cost_of=cost_of, latency=latency, start=start)
     return simulate_compute(orders, pp, vpp, forward_cost, input_grad_cost + weight_cost, layout=layout,
-                            cost_of=cost_of, latency=latency)
+                            cost_of=cost_of, latency=latency, start=start)
 
 
 def simulated_bubble(tables: List[List[Action]], forward_cost: float = 1.0,
