@@ -104,7 +104,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     import torch.distributed as dist
 
     from bench.modes import MpoSide, summarize
-    from bench.rate_probe import ModelRateSide, summarize as rate_summary
+    from bench.rate_probe import CommCpuSide, ModelRateSide, summarize as rate_summary, summarize_comm_cpu
     from mpoverlap.config import compose
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
@@ -131,7 +131,12 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             if key not in probes:
                 probes[key] = (ModelRateSide(side.t.cfg), [])
             probes[key][1].append(name)
-        blocks = rotating_blocks({**sides, **{k: p for k, (p, _) in probes.items()}}, args, log_prefix="ep_pairing")
+        # the CPU a hidden exchange takes from compute, timed in the rounds (needs the ranks
+        # pinned: see CommCpuSide)
+        comm_cpu = {} if args.no_pin else {
+            "comm_cpu_probe": CommCpuSide(next(iter(sides.values())).t.cfg, state.group("ep"), COMM_CPU_PROBE_BYTES)}
+        blocks = rotating_blocks({**sides, **{k: p for k, (p, _) in probes.items()}, **comm_cpu}, args,
+                                 log_prefix="ep_pairing")
         gathered: List[Any] = [None, None]
         dist.all_gather_object(gathered, {"blocks": blocks, "first_loss": first_loss})
         if rank == 0:
@@ -140,11 +145,17 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             for key, (side, names) in probes.items():
                 row = rate_summary([g["blocks"] for g in gathered], key, side, args.quiet_cores)
                 res["model_rate_probe"].update({n: row for n in names})
+            if comm_cpu:
+                res["comm_cpu_probe"] = summarize_comm_cpu([g["blocks"] for g in gathered], "comm_cpu_probe",
+                                                           args.quiet_cores)
             Path(args.json_tmp).write_text(json.dumps(res, indent=2))
     finally:
         close_trainers(side.t for side in sides.values())
 
 
+# The comm CPU probe's all-to-all: 24 MB per rank, 12 MB on the wire each way, about 0.1 s at
+# the 2 Gbit/s link, inside one microbatch's forward and backward of the default shape (~0.24 s).
+COMM_CPU_PROBE_BYTES = 24 << 20
 DEFAULTS = dict(hidden=512, ffn=320, seq=128, layers=2, micro_batch=2, microbatches=16, chunks=2, experts=32,
                 top_k=8)
 
@@ -218,8 +229,11 @@ def predict_variants(res: Dict[str, Any], rate: str, probe: bool = True) -> Dict
     for name, extra in res["variant_overrides"].items():
         cfg = _compose(res["base_overrides"], extra, more)
         timed = (res.get("machine_rates") or {}).get(machine_of(cfg)) or [measured_rates(cfg)]
-        in_rounds = (res.get("model_rate_probe") or {}).get(name, {})
-        rates = [dict(t, **{k: v for k, v in in_rounds.items() if k in ("model_flops", "expert_flops")}) for t in timed]
+        in_rounds = dict((res.get("model_rate_probe") or {}).get(name, {}))
+        if res.get("comm_cpu_probe"):  # what a hidden exchange took from compute, in the rounds
+            in_rounds["comm_cpu_s_per_byte"] = res["comm_cpu_probe"]["comm_cpu_s_per_byte"]
+        rates = [dict(t, **{k: v for k, v in in_rounds.items() if k in ("model_flops", "expert_flops",
+                                                                        "comm_cpu_s_per_byte")}) for t in timed]
         hw = from_config(cfg, rates)
         r = simulate(cfg, hw)
         lo = build_layout(cfg)
@@ -300,6 +314,13 @@ def render(results: Dict[str, Any]) -> str:
     sim = pred.get("none", {}).get("exchanges_over_experts")
     lines.append(f"Exchanges : experts (the none variant's ep in flight over its experts' forward + backward): measured "
                  f"{'-' if ratio is None else f'{ratio:.2f}'}, simulated {'-' if sim is None else f'{sim:.2f}'}.")
+    cc = res.get("comm_cpu_probe")
+    if cc:
+        lines.append(f"CPU a hidden exchange took from compute (bench.rate_probe.CommCpuSide, in the rounds): "
+                     f"{cc['comm_cpu_s_per_byte'] * 1e9:.2f} ns per byte sent (the work's wall minus thread time "
+                     f"{cc['alone_ms']:.1f} ms alone, {cc['with_comm_ms']:.1f} ms beside a {cc['bytes'] / 2**20:.0f} MiB "
+                     f"send, which finished inside the work in {cc['finished_inside']:.0%} of {cc['samples']} steps); "
+                     "the simulator uses it.")
     why_not: Dict[str, List[str]] = {}
     for n, w in (res.get("skipped") or {}).items():
         why_not.setdefault(w, []).append(n)
