@@ -118,16 +118,23 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             fl = layer_flops(cfg, lo, i)
             fwd = sum(fl.values())
             extra = fwd if i in replayed else (fl["core"] if recompute == "selective" else 0.0)
-            cost.compute["F"] += fwd / rate
-            cost.compute["B"] += (2 * fwd + extra) / rate
-            passes = {"F": LayerPass(fwd / rate), "B": LayerPass((2 * fwd + extra) / rate)}
+            # an MoE layer: the experts' GEMMs at the experts' own rate (timed on this rank's
+            # experts with a dispatch chunk's rows), the rest (the router too) at the model's
+            moe = is_moe_layer(m, i)
+            router = 2 * moe_tokens(cfg, lo) * m.hidden_size * m.num_experts if moe else 0.0
+            expert_flops = fl["mlp"] - router if moe else 0.0
+            gemms = expert_flops / (hw.expert_flops or rate)
+            f_time = (fwd - expert_flops) / rate + gemms
+            b_time = (2 * (fwd - expert_flops) + extra) / rate + 2 * gemms
+            if extra and moe and i in replayed:  # full recompute replays the experts too
+                b_time += gemms - expert_flops / rate
+            cost.compute["F"] += f_time
+            cost.compute["B"] += b_time
+            passes = {"F": LayerPass(f_time), "B": LayerPass(b_time)}
             share = micro * max(1, n_layers)
             _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate, share, i in replayed)
             _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
-            if is_moe_layer(m, i):
-                # the experts' GEMMs at the experts' own rate (the router's at the model's)
-                router = 2 * moe_tokens(cfg, lo) * m.hidden_size * m.num_experts
-                gemms = (fl["mlp"] - router) / (hw.expert_flops or rate)
+            if moe:
                 wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks,
                            gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe))
                 # pairing's sub-steps: the router before the dispatch, the GEMMs after it; the
