@@ -13,9 +13,11 @@ exchanges (docs/benchmarks.md, "EP at 1:1"):
     and rank gets its share of the slots. An untrained router sends most slots of a layer to
     one rank's experts, and the other rank then waits in every exchange for that rank's
     compute, which no overlap can hide (`--real-routing` turns it off);
-  - each rank and its threads pinned to its own core (`--no-pin` turns it off): ranks that
-    move between the cores drift apart by 5-20 ms between the layer's blocking counts
-    exchange and the next.
+  - each rank and its threads pinned to its own core (`--no-pin` turns it off): inside a pair
+    the layer's counts exchange is the only blocking one, and ranks that move between the
+    cores reach it further apart (5.7 ms on average unpinned, 3.5 pinned, at the old shape);
+    pinned, the in-round CPU probe (bench.rate_probe.CommCpuSide) can also time what a hidden
+    exchange takes from compute.
 
   none     overlap.ep=false overlap.ep_chunks=1    every exchange waited where it is issued
   chunks   overlap.ep=true overlap.ep_chunks=2     today's overlap: a chunk's exchange under another's experts

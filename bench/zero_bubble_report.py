@@ -390,9 +390,10 @@ def peak_line(rows: Dict[str, Any], m: int) -> str:
 
 def _bubble_line(v: Dict[str, Any]) -> str:
     """Measured pp_bubble_s against the timed table at the measured costs, per stage (goal:
-    within 25%): the table with each stage's per-chunk F, B, W, the measured p2p latency and
-    the stages' measured start offsets (the formula given the measured costs), the pooled-cost
-    free-p2p table beside it."""
+    within 25%): the table run once per step with that step's per-stage, per-chunk F, B, W and
+    stage start offsets and the measured p2p latency, its median over the steps (the formula
+    given the measured costs); beside it the one table at the median costs and offsets and the
+    pooled-cost free-p2p table."""
     parts = []
     for name, row in v.items():
         table = (row.get("timed_step_ms") or row.get("timed_chunk_ms") or {}).get("in_window_s")

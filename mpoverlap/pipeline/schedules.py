@@ -37,7 +37,7 @@ there why they cannot deadlock. `validate_schedule` (validate.py) re-checks ever
 from __future__ import annotations
 
 import functools
-from typing import List, Set, Tuple
+from typing import List, Set
 
 from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP, V_SHAPE, WEIGHT, Action,
                                         ScheduleError, chunk_index, input_message, layout_of_tables,
