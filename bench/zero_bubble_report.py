@@ -385,7 +385,7 @@ def peak_line(rows: Dict[str, Any], m: int) -> str:
         ratio = peak(r, "measured") / max(peak(ref, "measured"), 1)
         goal = f" (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})" if kind.startswith("zb") else ""
         parts.append(f"{kind} {ratio:.2f}{goal}, estimate {peak(r, 'estimate') / max(peak(ref, 'estimate'), 1):.2f}")
-    return "Activation peak over the ranks against 1F1B's (measured; estimated): " + "; ".join(parts) + "."
+    return f"Activation peak over the ranks against 1F1B's at m = {m} (measured; estimated): " + "; ".join(parts) + "."
 
 
 def _bubble_line(v: Dict[str, Any]) -> str:
