@@ -76,22 +76,16 @@ def per_step_pipe(per_step: List[tuple], coords: List[tuple]) -> List[List[Dict[
     return out
 
 
-def start_offsets_ms(per_step: List[tuple], coords: List[tuple]) -> Optional[List[float]]:
-    """Per stage, the median over the steps of when it entered the schedule (`executor.run`)
-    after the earliest stage (ms; one perf_counter clock for every process on the machine):
-    a stage with less work after its last action (the optimizer's share, the last W's)
-    starts the next step first and waits for the others. None where the results hold no
-    start stamps (runs before 2026-11-26)."""
-    pp = 1 + max(c[0] for c in coords)
-    offsets: List[List[float]] = [[] for _ in range(pp)]
-    for step in per_step:
-        starts = [e["pipe"].get("messages", {}).get("started") for e in step]
-        if any(x is None for x in starts):
-            return None
-        first = [min(x for x, c in zip(starts, coords) if c[0] == s) for s in range(pp)]
-        for s in range(pp):
-            offsets[s].append((first[s] - min(first)) * 1e3)
-    return [_median(o) for o in offsets] if per_step else None
+def start_offsets_ms(steps: List[List[Dict[str, Any]]]) -> Optional[List[float]]:
+    """Per stage, the median over the steps (`per_step_pipe`) of when it entered the schedule
+    (`executor.run`) after the earliest stage (ms; one perf_counter clock for every process on
+    the machine): a stage with less work after its last action (the optimizer's share, the
+    last W's) starts the next step first and waits for the others. None where the results
+    hold no start stamps (runs before 2026-11-26)."""
+    if not steps:
+        return None
+    return [_median([(st[s]["started"] - min(x["started"] for x in st)) * 1e3 for st in steps])
+            for s in range(len(steps[0]))]
 
 
 def _side(blocks_per_rank: List[List[dict]], name: str, coords: List[tuple]) -> Dict[str, Any]:
@@ -132,8 +126,8 @@ def _side(blocks_per_rank: List[List[dict]], name: str, coords: List[tuple]) -> 
             for step in per_step for r in ranks])
     row["stages"] = stages
     row["p2p_latency_ms"] = p2p_latency_ms(per_step)
-    row["start_offset_ms"] = start_offsets_ms(per_step, coords)
     row["per_step_pipe"] = per_step_pipe(per_step, coords)
+    row["start_offset_ms"] = start_offsets_ms(row["per_step_pipe"])
     comm: Dict[str, Any] = {}
     for mode in sorted({m for ex in extras for e in ex for m in e.get("comm", {})}):
         exp = [e["comm"][mode]["exposed_s"] * 1e3 for ex in extras for e in ex if mode in e.get("comm", {})]
