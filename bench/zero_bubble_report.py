@@ -197,7 +197,7 @@ def _formulas(row: Dict[str, Any], kind: str, vpp: int, m: int) -> None:
     # The same table once per step, with that step's own per-chunk costs, gaps and start
     # offsets: a stage waits when the other is late, so the bubble is convex in the offsets
     # and costs, and the table at their medians under-predicts the median bubble when they
-    # spread (zbv's stages start a few ms apart, either one first, from step to step).
+    # spread (which stage enters later, and by how much, changes from step to step).
     steps = row.get("per_step_pipe") or []
     if steps:
         predicted: List[List[float]] = [[] for _ in range(pp)]
