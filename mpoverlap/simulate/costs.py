@@ -126,7 +126,7 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             gemms = expert_flops / (hw.expert_flops or rate)
             f_time = (fwd - expert_flops) / rate + gemms
             b_time = (2 * (fwd - expert_flops) + extra) / rate + 2 * gemms
-            if extra and moe and i in replayed:  # full recompute replays the experts too
+            if moe and i in replayed:  # full recompute replays the experts too
                 b_time += gemms - expert_flops / rate
             cost.compute["F"] += f_time
             cost.compute["B"] += b_time
