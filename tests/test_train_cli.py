@@ -430,6 +430,20 @@ def test_multirun_gives_each_job_its_run_dir(tmp_path):
 # ---- bf16 (train.precision=bf16): the GPU's precision path, run on CPU autocast -------------
 # 4 layers (so pp2 x vpp2 fits), 2 microbatches per step, 20 steps (layouts 10); every layout against the
 # single-process bf16 run, which is checked against fp32.
+#
+# Where the bounds come from (issue 43). CPUs round bf16 (and order fp32 sums) differently by kernel
+# path: ATen's vectorised kernels (DEFAULT, AVX2, AVX-512), MKL's fp32 GEMMs by ISA, oneDNN's bf16 GEMMs
+# on AVX-512/AMX machines and ATen's own elsewhere. Over a training curve the last-bit differences grow
+# to 1e-5..1e-3, so no constant tuned on one machine's curve is a bound (this test's old constants failed
+# on an AVX2 machine). The bounds are multiples of a noise floor measured in the same run: the single
+# process at micro-batch 2 against itself at micro-batch 4 (the same math summed in another order).
+# Measured on 2026-11-27 over this fixture on five kernel paths of one AVX-512 machine: ATen AVX-512 +
+# oneDNN (the machine as it is), ATen AVX2 + oneDNN, ATen DEFAULT + oneDNN, an AVX2 machine's path (ATen
+# AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2, oneDNN off: ATen's own bf16 GEMM), and all scalar (ATen DEFAULT,
+# MKL_CBWR=COMPATIBLE, oneDNN off). Dense floor over the 20 steps: loss 7.1e-5..1.6e-4, grad norm
+# 9.2e-4..4.3e-3. MoE floor over the first 10 steps: loss 1.2e-4..1.7e-4, grad norm 4.2e-4..1.1e-3
+# (over 20 it reaches 3e-3..1.2e-2 on every path: the twins fall into other routings after step 10, a
+# floor that would hide anything). The ratios each assertion saw are listed beside its factor.
 BF16 = ["model.num_layers=4", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_iters=1"]
 BF16_LAYOUTS = {
     "fp32": ["train.precision=fp32"],
@@ -445,13 +459,20 @@ BF16_LAYOUTS = {
     # MoE: the single-process bf16 run is the reference of the expert-parallel one.
     "moe_bf16": [*MOE, "train.precision=bf16"],
     "moe_dp2_ep2_bf16": [*MOE, "train.precision=bf16", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true"],
+    # The noise floors: each single-process reference at micro-batch 2 (the same math, another order).
+    "bf16_mb2": ["train.precision=bf16", "train.micro_batch_size=2"],
+    "moe_bf16_mb2": [*MOE, "train.precision=bf16", "train.micro_batch_size=2"],
 }
-# The single-process references train 20 steps; the layouts the first 10 of them, but context
-# parallelism (its blocks on the fused kernel in bf16, merged in fp32) all 20.
-BF16_STEPS = {"fp32": 20, "bf16": 20, "moe_bf16": 20, "cp2_ring_zero": 20, "cp2_a2a": 20}
+REFERENCES = ("fp32", "bf16", "moe_bf16", "bf16_mb2", "moe_bf16_mb2")
+FLOOR_OF = {"bf16": "bf16_mb2", "moe_bf16": "moe_bf16_mb2"}
+# The single-process references and the dense floor train 20 steps (the MoE floor 10); the layouts the
+# first 10 of them, but context parallelism (its blocks on the fused kernel in bf16, merged in fp32) all 20.
+BF16_STEPS = {"fp32": 20, "bf16": 20, "moe_bf16": 20, "bf16_mb2": 20, "moe_bf16_mb2": 10, "cp2_ring_zero": 20,
+              "cp2_a2a": 20}
 # fp32 twins of every multi-rank bf16 layout, 1 step: their bytes per step are compared (each
-# layout's dtype check: its activations / gradients travel in bf16).
-BF16_TWINS = {name: f"fp32_{name}" for name in BF16_LAYOUTS if name not in ("fp32", "bf16", "moe_bf16")}
+# layout's dtype check: its activations / gradients travel in bf16), and their first loss is the
+# fp32 curve a layout that silently computed in fp32 would sit on.
+BF16_TWINS = {name: f"fp32_{name}" for name in BF16_LAYOUTS if name not in REFERENCES}
 # Issue 29 finding 9 (the residual stream is fp32 in every layout, docs/invariants.md): its
 # configuration, 20 steps, trained in the same spawns. train.seed=2: a trajectory where the single
 # process is stable; at the default seed its own micro-batch-1 twin (same math, another fp32
@@ -492,50 +513,80 @@ def rel_gaps(got, want, key):
     return max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(got[:n], want[:n]))
 
 
+def floor_gaps(bf16_runs, ref):
+    """{loss, grad_norm}: the largest relative gap between the single-process reference `ref` and
+    its micro-batch-2 twin: over their 20 steps for the dense model, over the first 10 for MoE
+    (see above). How far bf16 rounding in another summation order moves this trajectory on this
+    machine's kernels."""
+    twin, want = bf16_runs[FLOOR_OF[ref]], bf16_runs[ref]
+    n = 10 if ref == "moe_bf16" else 20
+    assert len(twin) == n and len(want) == 20
+    return {key: rel_gaps(twin[:n], want, key) for key in ("loss", "grad_norm")}
+
+
+# Factors on the floor (largest ratio measured on the five paths; the factor leaves at least 2.8x):
+# bf16 against fp32 over the first 10 steps: loss 1.29, grad norm 1.12 -> 4. Over 20 steps the
+# grad norm of the two drifts apart by up to 7.4 floors (6.8e-3 on the AVX2 machine's path; that
+# machine reported 1.08e-2), so the grad norm is held over the first 10 and the loss curve over all
+# 20 to issue 32's 2e-2 (measured 1.1e-4..1.8e-4).
+FP32_FLOORS = 4.0
+# The lower bound (autocast ran): fp32 at micro-batch 2 against micro-batch 4 differs by 1.8e-7 to
+# 2.2e-7 on the loss over 20 steps (every path); bf16 against fp32 by 1.1e-4 at least: 1e-6 is 4.5x
+# the one and under 1/100 of the other.
+AUTOCAST_RAN = 1e-6
+
+
 def test_bf16_single_process_tracks_fp32(bf16_runs):
     fp32, bf16 = bf16_runs["fp32"], bf16_runs["bf16"]
-    assert len(bf16) == 20
-    gaps = {key: rel_gaps(bf16, fp32, key) for key in ("loss", "grad_norm")}
-    print(f"\nbf16 vs fp32 over 20 steps: {gaps}")
-    # autocast really ran (a difference), and bf16 rounding stays small (measured: loss 1e-4,
-    # grad norm 1e-3 over the 20 steps).
-    assert 1e-6 < gaps["loss"] <= 1e-3 and gaps["grad_norm"] <= 1e-2, gaps
+    assert len(bf16) == len(fp32) == 20
+    floor = floor_gaps(bf16_runs, "bf16")
+    gaps = {key: rel_gaps(bf16[:10], fp32, key) for key in ("loss", "grad_norm")}
+    whole = rel_gaps(bf16, fp32, "loss")
+    print(f"\nbf16 vs fp32 over 10 steps: {gaps}, loss over 20: {whole:.2e}; the floor: {floor}")
+    assert whole > AUTOCAST_RAN, whole  # autocast really ran
+    assert whole <= 2e-2, whole
+    for key in ("loss", "grad_norm"):
+        assert gaps[key] <= FP32_FLOORS * floor[key], (key, gaps, floor)
     assert bf16[-1]["loss"] < bf16[0]["loss"]
 
 
-# Largest relative gap to the single-process bf16 run of the same model over the layouts' 10 (CP's 20)
-# steps, on the loss and the grad norm. Measured on main: loss 1.8e-5 (dp2, cp2) to 5.2e-5
-# (tp2 + SP), grad norm 2.9e-4 (MoE ep2) to 9.7e-4 (dp2); bf16 vs fp32 is 1.6e-4 on the loss.
-BF16_TOL = {"loss": 5e-4, "grad_norm": 2e-3}
+# Each layout's first 10 steps (CP's 20) against the single-process bf16 run of the same model, in
+# floors of that reference. Largest ratios on the five paths: dense layouts loss 0.87, grad norm 1.27
+# -> 4; MoE ep 2 loss 1.77, grad norm 2.11 -> 6.
+LAYOUT_FLOORS = {"bf16": 4.0, "moe_bf16": 6.0}
+# A layout that silently computed in fp32 sits on the fp32 curve: its first loss within fp32 rounding
+# of the fp32 single process (its fp32 twin: 0 to 1.8e-7 relative on every path). A bf16 layout's first
+# loss is 9.2e-6..2.3e-5 from it: at least 10x the larger of 1e-7 and its twin's gap leaves 5x.
+FP32_CURVE_FACTOR = 10.0
 
 
 def test_bf16_layouts_reproduce_single_process_bf16_curve(bf16_runs):
-    """Each layout tracks the bf16 reference to about 1e-3 on loss and grad norm, and is closer
-    to it than to the fp32 run (a layout that silently computed in fp32 would sit on the fp32
-    curve instead)."""
-    report = {}
+    """Each layout tracks its bf16 reference within a few noise floors on loss and grad norm, and
+    computes in bf16 (its first loss is off the fp32 curve, which an fp32 layout sits on)."""
+    report, floors = {}, {ref: floor_gaps(bf16_runs, ref) for ref in FLOOR_OF}
+    fp32_first = bf16_runs["fp32"][0]["loss"]
     for name in BF16_LAYOUTS:
-        if name in ("fp32", "bf16", "moe_bf16"):
+        if name in REFERENCES:
             continue
-        ref, fp32 = ("moe_bf16", None) if name.startswith("moe") else ("bf16", "fp32")
+        ref = "moe_bf16" if name.startswith("moe") else "bf16"
         got = bf16_runs[name]
         assert len(got) == BF16_STEPS.get(name, 10)
-        if len(got) > 10:  # CP's 20 steps: the whole curve within 2e-2 (issue 32), the tight
-            # bounds below over the first 10 steps as for every layout (over 20 the grad norm of
-            # cp2 ring drifts to 3.6e-3, its loss stays at 1.1e-4)
+        if len(got) > 10:  # CP's 20 steps: the whole curve within 2e-2 (issue 32; measured 8.1e-5 to
+            # 2.4e-4 on the five paths), the floor-relative bounds over the first 10 as for every layout
             assert rel_gaps(got, bf16_runs[ref], "loss") <= 2e-2, name
             got = got[:10]
-        gaps = {key: rel_gaps(got, bf16_runs[ref], key) for key in ("loss", "grad_norm")}
-        report[name] = gaps
-        if fp32 is not None:
-            to_fp32 = rel_gaps(got, bf16_runs[fp32], "loss")
-            report[name]["loss_to_fp32"] = to_fp32
-    print("\nbf16 layouts, largest relative gap to the bf16 reference: " + repr(report))
+        report[name] = {key: rel_gaps(got, bf16_runs[ref], key) / floors[ref][key] for key in ("loss", "grad_norm")}
+        report[name]["ref"] = ref
+        if ref == "bf16":
+            report[name]["first_loss_off_fp32"] = abs(got[0]["loss"] - fp32_first) / fp32_first
+            report[name]["fp32_twin_off_fp32"] = abs(bf16_runs[BF16_TWINS[name]][0]["loss"] - fp32_first) / fp32_first
+    print(f"\nbf16 layouts, largest relative gap to the bf16 reference in floors {floors}: {report}")
     for name, gaps in report.items():
-        for key, tol in BF16_TOL.items():
-            assert gaps[key] <= tol, (name, key, gaps)
-        if "loss_to_fp32" in gaps:
-            assert gaps["loss"] < gaps["loss_to_fp32"], (name, gaps)
+        for key in ("loss", "grad_norm"):
+            assert gaps[key] <= LAYOUT_FLOORS[gaps["ref"]], (name, key, gaps, floors)
+        if "first_loss_off_fp32" in gaps:
+            assert gaps["first_loss_off_fp32"] >= FP32_CURVE_FACTOR * max(1e-7, gaps["fp32_twin_off_fp32"]), \
+                (name, gaps)
     moe_ref = [r["loss"] for r in bf16_runs["moe_bf16"]]
     assert len(moe_ref) == 20 and moe_ref[-1] < moe_ref[0]
 
