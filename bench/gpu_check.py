@@ -123,7 +123,8 @@ def run_shape(shape: str, out: Path, env: Dict[str, str], timeout_s: float) -> D
     if rc is None:
         row.update(status="timeout", reason=f"ran past its {timeout_s:.0f} s: the sides measured by then are kept")
     elif rc:
-        row.update(status="failed", reason=f"exit {rc} (see throughput-{shape}.log)")
+        lines = (out / f"throughput-{shape}.log").read_text().strip().splitlines()
+        row.update(status="failed", reason=f"exit {rc}: {lines[-1][:200] if lines else ''} (throughput-{shape}.log)")
     return row
 
 
@@ -168,11 +169,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"gpu-check: {err}", file=sys.stderr)
         return 1
     env["MPOVERLAP_GPU_CHECK_OUT"] = str(out)
-    (out / "attention_kernels.jsonl").unlink(missing_ok=True)
+    records = ("attention_kernels", "cuda_vs_cpu", "host_syncs")  # rows the tier's tests write (_record)
+    for name in records:
+        (out / f"{name}.jsonl").unlink(missing_ok=True)
     shapes = [s for s in a.shapes.split(",") if s]
     reserve = MIN_SHAPE_S * min(len(shapes), 2)  # the tier leaves time for at least Llama's throughput
     results["tests"] = run_tests(out, env, max(30.0, min(a.tests_s, deadline - time.monotonic() - reserve)))
-    results["attention_kernels"] = read_jsonl(out / "attention_kernels.jsonl")
+    results.update({name: read_jsonl(out / f"{name}.jsonl") for name in records})
     save()
     results["throughput"] = {}
     for shape in shapes:
@@ -183,10 +186,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         results["throughput"][shape] = run_shape(shape, out, env, min(SHAPE_S.get(shape, 60), left))
         save()
-    tests = results["tests"]
-    ok = tests.get("returncode") == 0 and all(
-        "error" not in row for r in results["throughput"].values() for row in (r.get("sides") or {}).values())
-    return 0 if ok else 1
+    return 0 if passed(results) else 1
+
+
+def passed(results: Dict[str, Any]) -> bool:
+    """The tier ran and passed, and every throughput shape ran each of its sides."""
+    tests, shapes = results.get("tests") or {}, results.get("throughput") or {}
+    return (tests.get("returncode") == 0 and not results.get("skipped")
+            and all("status" not in r and r.get("sides") and all("error" not in row for row in r["sides"].values())
+                    for r in shapes.values()))
 
 
 if __name__ == "__main__":

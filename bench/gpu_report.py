@@ -44,7 +44,8 @@ def environment(repo: Path) -> Dict[str, Any]:
         env.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
                    capability=f"sm{props.major}{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1))
         try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            v = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception as err:  # noqa: BLE001 - a build without NCCL says so in the report
             env["nccl"] = f"unavailable ({type(err).__name__})"
     smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
@@ -112,6 +113,18 @@ def render(results: Dict[str, Any]) -> str:
         out += [f"- FAILED {f['test']}: {f['message']}" for f in tests.get("failing", [])]
     else:
         out.append(f"{tests.get('status', 'no result')}: {tests.get('reason', '')}")
+    gaps = results.get("cuda_vs_cpu") or []
+    if gaps:
+        out += ["", "### CUDA against CPU, relative loss gap per step (the data for the bf16 bound)", "",
+                "| case | bound | max | per step |", "|---|---|---|---|"]
+        out += [f"| {g['case']} | {g['bound']:.0e} | {g['max_rel']:.2e} | "
+                f"{', '.join(f'{x:.1e}' for x in g['per_step'])} |" for g in gaps]
+    syncs = results.get("host_syncs") or []
+    if syncs:
+        out += ["", "### Host syncs per step: CUDA (sync debug mode) against the CPU counter", "",
+                "| model | CUDA syncs | CPU reads | CPU sites |", "|---|---|---|---|"]
+        out += [f"| {r['model']} | {r['cuda_syncs']} | {r['cpu_reads']} | "
+                f"{', '.join(f'{k} x{n}' for k, n in r['cpu_sites'].items())} |" for r in syncs]
     out += ["", "## Attention kernels at sequence 8,192, bf16", ""]
     kernels = results.get("attention_kernels") or []
     if kernels:

@@ -199,7 +199,9 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
 
     device = torch.device(device_name)
     overrides = overrides_of(shape, device.type) + list(extra or [])
-    cfg = compose(overrides + [f"run.dir={out.parent / ('run-' + shape)}"])
+    run_dir = out.parent / f"run-{shape}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = compose(overrides + [f"run.dir={run_dir}"])
     t, m = cfg.train, cfg.model
     tokens = t.global_batch_size * m.seq_length
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -225,7 +227,7 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
             _free(device)
             if side == "mpoverlap":
                 init_world_of_one()
-                runner = Trainer(cfg, init_distributed(cfg), Path(cfg.run.dir))
+                runner = Trainer(cfg, init_distributed(cfg), run_dir)
                 train_data = runner.train_data
             else:
                 if train_data is None:

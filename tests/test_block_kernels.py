@@ -48,10 +48,10 @@ def test_block_kind_matches_sdpa(kind, Q, K, kernel, dtype, tol, groups):
 
 # Every CUDA backend in every dtype it takes (efficient_cuda in bf16 / fp16: the issue-44 fix,
 # which no GPU has confirmed yet; block_kernels.UNCONFIRMED keeps `auto` off it until these pass).
-CUDA_CASES = [("flash_cuda", torch.bfloat16, 2e-2), ("flash_cuda", torch.float16, 5e-3),
+CUDA_CASES = [("flash_cuda", torch.bfloat16, 2e-2), ("flash_cuda", torch.float16, 1e-2),
               ("efficient_cuda", torch.float32, 1e-4), ("efficient_cuda", torch.bfloat16, 2e-2),
-              ("efficient_cuda", torch.float16, 5e-3), ("cudnn_cuda", torch.bfloat16, 2e-2),
-              ("cudnn_cuda", torch.float16, 5e-3)]
+              ("efficient_cuda", torch.float16, 1e-2), ("cudnn_cuda", torch.bfloat16, 2e-2),
+              ("cudnn_cuda", torch.float16, 1e-2)]
 
 
 @pytest.mark.cuda

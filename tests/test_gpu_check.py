@@ -65,6 +65,9 @@ def test_report_writer_on_made_up_results(tmp_path):
             "moe_350m": {"status": "timeout", "reason": "ran past its 70 s"},
         },
         "skipped": ["throughput gpt_125m: 12 s of the budget left, under 25 s"],
+        "cuda_vs_cpu": [{"case": "llama_tiny_gqa-bf16", "bound": 0.02, "max_rel": 4.3e-4, "per_step": [1e-5, 4.3e-4]}],
+        "host_syncs": [{"model": "moe_tiny", "cuda_syncs": 9, "cpu_reads": 9,
+                        "cpu_sites": {"float at data_parallel/optimizer.py:232": 1, "tolist at moe/dispatcher.py:231": 8}}],
     }
     md = render(results)
     for text in ("NVIDIA H100 80GB HBM3 (sm90, 79.1 GiB), driver 570.1", "torch 2.11.0+cu130, CUDA 13.0, NCCL 2.27.3",
@@ -74,7 +77,9 @@ def test_report_writer_on_made_up_results(tmp_path):
                  "| llama3_1b | mpoverlap Trainer | 0.750 | 43,691 | 250.0 | 25.3% | 30.2 | 0.500 (h100_sxm) | 1.50 |",
                  "| llama3_1b | transformers Llama loop | error: RuntimeError: CUDA out of memory",
                  "| moe_350m | timeout: ran past its 70 s", "| `nvjet_sm90_tst_128x256` | 12.50 | 48 |",
-                 "- throughput gpt_125m: 12 s of the budget left"):
+                 "- throughput gpt_125m: 12 s of the budget left",
+                 "| llama_tiny_gqa-bf16 | 2e-02 | 4.30e-04 | 1.0e-05, 4.3e-04 |",
+                 "| moe_tiny | 9 | 9 | float at data_parallel/optimizer.py:232 x1, tolist at moe/dispatcher.py:231 x8 |"):
         assert text in md, text
     assert "not run" in render({"env": {}}) and "none recorded" in render({"env": {}})
     write(tmp_path / "out", results)
@@ -147,3 +152,14 @@ def test_cuda_tier_helpers_run_on_cpu(monkeypatch):
     finally:
         shutdown_distributed()
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses[1] < losses[0]
+
+
+def test_exit_code_says_whether_everything_ran_and_passed():
+    from bench.gpu_check import passed
+
+    ok = {"tests": {"returncode": 0}, "skipped": [], "throughput": {"gpt_125m": {"sides": {"plain": {"step_s": 1.0}}}}}
+    assert passed(ok)
+    assert not passed(dict(ok, tests={"returncode": 1}))
+    assert not passed(dict(ok, skipped=["throughput moe_350m: 10 s of the budget left"]))
+    assert not passed(dict(ok, throughput={"gpt_125m": {"status": "timeout", "sides": {"plain": {"step_s": 1.0}}}}))
+    assert not passed(dict(ok, throughput={"gpt_125m": {"sides": {"plain": {"error": "OOM"}}}}))
