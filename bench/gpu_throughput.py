@@ -259,7 +259,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    measure(a.shape, out, "cuda", a.warmup, a.steps, tuple(a.sides.split(",")), a.hardware)
+    from mpoverlap.training.setup import shutdown_distributed
+
+    try:
+        measure(a.shape, out, "cuda", a.warmup, a.steps, tuple(a.sides.split(",")), a.hardware)
+    finally:
+        shutdown_distributed()  # the groups freed before interpreter exit (training/setup.py)
     return 0
 
 
