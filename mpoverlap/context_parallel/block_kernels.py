@@ -29,7 +29,8 @@ Backends (`select_block_kernel`, once per backend request, device and dtype):
                   request only (`parallel.cp_attention_backend=cudnn`); K/V expanded like
                   efficient.
   explicit        attention_math.py: scores by hand in fp32 (fp64 stays fp64), c x c per
-                  block and head; the fallback (fp64 references, dtypes no kernel takes).
+                  block and head; the fallback (fp64 references, dtypes no kernel takes, and
+                  for `auto` bf16 / fp16 on CUDA where flash cannot run: see UNCONFIRMED).
 
 No kernel is ever handed a mask tensor: blocks are either unmasked or top-left causal, so
 nothing of size Q x K exists outside the kernels' own tiles.
@@ -247,8 +248,8 @@ def select_block_kernel(request: str, q_BNSD: torch.Tensor) -> BlockKernel:
 
 def describe_block_backend(request: str, device_type: str, dtype: torch.dtype, head_dim: int) -> str:
     """For the start-up plan: the kernel a CP block uses, named with its aten op, without a GPU
-    at hand (on CUDA the flash / efficient choice depends on the GPU's generation: both are
-    named)."""
+    at hand (on CUDA the choice depends on the GPU's generation: flash on sm80+ and what runs
+    otherwise are both named; a kernel left out as UNCONFIRMED is named with the reason)."""
     efficient = f"{EFFICIENT_CUDA.name} ({EFFICIENT_CUDA.op}; K/V expanded for grouped-query attention)"
     if device_type == "cuda" and request in ("auto", "fused"):
         if (EFFICIENT_CUDA.name, dtype) in UNCONFIRMED:
