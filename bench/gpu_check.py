@@ -68,7 +68,8 @@ def prepare_env(cwd: Path, repo: Path = REPO, root: Path = INSTALL_ROOT) -> Dict
         raise SetupError("hydra-core / omegaconf / antlr4 are not importable and .gpu/whl holds no wheels: run "
                          "`make gpu-wheels` where the package registry is reachable and carry .gpu/whl here")
     site, mp = root / "site", root / "mp"
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--disable-pip-version-check"]
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--no-index", "--no-deps",
+           "--disable-pip-version-check"]
     for cmd in (pip + ["--target", str(site)] + [str(w) for w in wheels],
                 pip + ["--no-build-isolation", "--target", str(mp), str(repo)]):
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -163,3 +163,33 @@ def test_exit_code_says_whether_everything_ran_and_passed():
     assert not passed(dict(ok, skipped=["throughput moe_350m: 10 s of the budget left"]))
     assert not passed(dict(ok, throughput={"gpt_125m": {"status": "timeout", "sides": {"plain": {"step_s": 1.0}}}}))
     assert not passed(dict(ok, throughput={"gpt_125m": {"sides": {"plain": {"error": "OOM"}}}}))
+
+
+@pytest.mark.skipif(not list((REPO / ".gpu" / "whl").glob("*.whl")), reason="no wheels in .gpu/whl (make gpu-wheels)")
+def test_bare_machine_install_from_carried_wheels(tmp_path, monkeypatch):
+    """Where hydra / omegaconf / the package do not import (a bare GPU machine; faked here for
+    the first look), the wheels in .gpu/whl and the package go into folders of their own with
+    pip, no index, and the parts' PYTHONPATH imports them from there."""
+    import bench.gpu_check as gc
+
+    real, seen = gc._package_importable, []
+
+    def first_look_fails(env, cwd):
+        seen.append(env.get("PYTHONPATH"))
+        return len(seen) > 1 and real(env, cwd)
+
+    monkeypatch.setattr(gc, "_package_importable", first_look_fails)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    env = gc.prepare_env(tmp_path, root=tmp_path / "install")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "install" / "mp"), str(tmp_path / "install" / "site")]
+    assert seen == [None, env["PYTHONPATH"]]
+    assert (tmp_path / "install" / "mp" / "mpoverlap" / "models" / "gpt.py").exists()
+    assert (tmp_path / "install" / "site" / "hydra").is_dir()
+
+
+def test_bare_machine_without_wheels_says_what_to_carry(tmp_path, monkeypatch):
+    import bench.gpu_check as gc
+
+    monkeypatch.setattr(gc, "_package_importable", lambda env, cwd: False)
+    with pytest.raises(gc.SetupError, match="make gpu-wheels"):
+        gc.prepare_env(tmp_path, repo=tmp_path)
