@@ -127,7 +127,8 @@ def _sync_warnings(fn):
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message).splitlines()[0] for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    # each sync where Python called it (file:line), for the failure message
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
 
 
 @pytest.mark.parametrize("model", ["gpt_tiny", "moe_tiny"])
