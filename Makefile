@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 RUN_ARGS ?= parallel.dp=2 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true overlap.dp_bucket_mb=0.5 train.steps=200 train.log_interval=20 train.eval_interval=100 checkpoint.interval=100
 BENCH_ARGS ?=
 
-.PHONY: setup run test test-slurm test-exits bench clean
+.PHONY: setup run test test-slurm test-exits bench gpu-check gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,23 @@ test-exits: setup
 
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# The CUDA path on one GPU in one call, at most 6 minutes (docs/gpu-check.md): the CUDA tier
+# (pytest -m cuda), throughput beside plain loops and the simulator, gpu-report.md + .json under
+# $(OUT) (else runs/gpu-check). No GPU: one line, exit 0. Needs no setup: on a bare GPU machine
+# it installs the wheels `make gpu-wheels` put in .gpu/whl (no network).
+GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@$(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+# The wheels a bare GPU machine lacks (Python 3.12 there), into the git-ignored .gpu/whl.
+gpu-wheels: setup
+	mkdir -p .gpu/whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
+		--platform any -d .gpu/whl hydra-core==1.3.2 omegaconf==2.3.0
+	$(PY) -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w .gpu/whl
+	ls .gpu/whl
 
 clean:
 	rm -rf runs outputs .pytest_cache

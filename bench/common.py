@@ -4,6 +4,7 @@ whole `mpoverlap-train` runs (inside bench/netns.sh when it can be made) with th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -291,15 +292,21 @@ def json_cli(doc: str, add_args: Callable[[argparse.ArgumentParser], None],
 
 
 # ---- the plain-PyTorch peers' training step ------------------------------------------------------
-def plain_microbatches(model, micro) -> torch.Tensor:
+def plain_microbatches(model, micro, autocast=None, device=None) -> torch.Tensor:
     """Forward and backward of every microbatch [B, S+1] of a single-process GPT (loss scaled by
-    1 / microbatches, gradients accumulating); returns the detached sum of the scaled losses."""
-    loss_sum = torch.zeros(())
+    1 / microbatches, gradients accumulating); returns the detached sum of the scaled losses.
+    `autocast`: the forward's context (mpoverlap.precision.autocast_context; none = fp32);
+    `device`: where the microbatches go (none = where they are)."""
+    loss_sum = None
     for mb in micro:
-        loss = model.loss(model(mb[:, :-1]), mb[:, 1:]) / len(micro)
+        if device is not None:
+            mb = mb.to(device, non_blocking=True)
+        with autocast if autocast is not None else contextlib.nullcontext():
+            logits = model(mb[:, :-1])
+        loss = model.loss(logits.float(), mb[:, 1:]) / len(micro)
         loss.backward()
-        loss_sum += loss.detach()
-    return loss_sum
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    return loss_sum if loss_sum is not None else torch.zeros(())
 
 
 def step_with_lr(optimizer, lr: float) -> None:

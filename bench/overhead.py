@@ -43,18 +43,23 @@ def _overrides(args) -> List[str]:
 
 
 class PlainLoop:
-    """The same training step written as an ordinary single-process PyTorch loop."""
+    """The same training step written as an ordinary single-process PyTorch loop. `device`
+    (default CPU): where the model and the microbatches live; on CUDA the AdamW is torch's fused
+    one and the forward runs under train.precision's autocast, as the Trainer's does."""
 
-    def __init__(self, cfg: Any, dataset) -> None:
+    def __init__(self, cfg: Any, dataset, device: Any = "cpu") -> None:
         from mpoverlap.models.gpt import GPT
+        from mpoverlap.precision import autocast_context
         from mpoverlap.training.lr import LRSchedule
 
         t = cfg.train
-        self.cfg, self.dataset = cfg, dataset
-        self.model = GPT(cfg.model, seed=t.seed)
+        self.cfg, self.dataset, self.device = cfg, dataset, torch.device(device)
+        self.model = GPT(cfg.model, seed=t.seed).to(self.device)
+        self.autocast = autocast_context(t.precision, self.device)
+        cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(adamw_groups(self.model, t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                           foreach=True)
+                                           foreach=None if cuda else True, fused=True if cuda else None)
         self.schedule = LRSchedule.from_config(t)
         self.step = 0
 
@@ -67,7 +72,7 @@ class PlainLoop:
         micro = batch.split(t.micro_batch_size)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = plain_microbatches(self.model, micro)
+        loss_sum = plain_microbatches(self.model, micro, self.autocast, self.device)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip, foreach=True)
         step_with_lr(self.optimizer, lr)
         self.step += 1

@@ -46,11 +46,21 @@ def test_block_kind_matches_sdpa(kind, Q, K, kernel, dtype, tol, groups):
     _check_block(kind, Q, K, kernel, dtype, tol, groups, "cpu", D)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU (their calls: meta test below)")
+# Every CUDA backend in every dtype it takes (efficient_cuda in bf16 / fp16: the issue-44 fix,
+# which no GPU has confirmed yet; block_kernels.UNCONFIRMED keeps `auto` off it until these pass).
+CUDA_CASES = [("flash_cuda", torch.bfloat16, 2e-2), ("flash_cuda", torch.float16, 1e-2),
+              ("efficient_cuda", torch.float32, 1e-4), ("efficient_cuda", torch.bfloat16, 2e-2),
+              ("efficient_cuda", torch.float16, 1e-2), ("cudnn_cuda", torch.bfloat16, 2e-2),
+              ("cudnn_cuda", torch.float16, 1e-2)]
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("kind,Q,K", BLOCKS)
-@pytest.mark.parametrize("name,dtype,tol", [("flash_cuda", torch.bfloat16, 2e-2), ("efficient_cuda", torch.float32, 1e-4),
-                                            ("efficient_cuda", torch.bfloat16, 2e-2), ("cudnn_cuda", torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("name,dtype,tol", CUDA_CASES)
 def test_cuda_block_kind_matches_sdpa(kind, Q, K, name, dtype, tol):
+    """Each CUDA kernel's out, lse and dq, dk, dv against fp64 SDPA (grouped-query K/V, head dim
+    64); the backward gets out as the ring hands it: [B, N, Q, D]-contiguous, not the layout the
+    kernel's forward returned (the issue-44 case)."""
     _check_block(kind, Q, K, KERNELS[name], dtype, tol, 2, "cuda", 64)
 
 
@@ -71,10 +81,10 @@ def _check_block(kind, Q, K, kernel, dtype, tol, groups, device, head_dim):
     out, lse = kernel.forward(*args, scale, kind == "causal")
     assert lse.dtype == torch.promote_types(dtype, torch.float32)
     assert rel(out.cpu(), ref) < tol and rel(lse.cpu(), ref_lse) < tol
-    grads = kernel.backward(dout.to(device, dtype), *args, out.to(dtype), lse, scale, kind == "causal")
+    grads = kernel.backward(dout.to(device, dtype), *args, out.to(dtype).contiguous(), lse, scale, kind == "causal")
     assert [tuple(t.shape) for t in grads] == [tuple(t.shape) for t in ref_in]
     for got, want in zip(grads, ref_grads):
-        assert rel(got.cpu(), want) < (tol * 4 if dtype == torch.bfloat16 else tol)
+        assert rel(got.cpu(), want) < (tol * 4 if dtype in (torch.bfloat16, torch.float16) else tol)
 
 
 def _simulated_ring(q, k, v, dout, cp, kernel):
@@ -244,6 +254,81 @@ def test_cuda_kernels_signatures_on_meta(name):
         assert out.shape == q.shape and lse.shape == (2, 8, 48) and lse.dtype == torch.float32
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, 0.125, causal)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def _on_cuda(dtype, head_dim, index=0):
+    """What select_block_kernel reads of q, for a CUDA tensor on a machine without a GPU."""
+    return SimpleNamespace(device=torch.device("cuda", index), dtype=dtype, shape=(1, 2, 4, head_dim))
+
+
+@pytest.fixture
+def fresh_selection():
+    from mpoverlap.context_parallel import block_kernels
+
+    block_kernels._select.cache_clear()
+    yield
+    block_kernels._select.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_auto_never_picks_the_unconfirmed_efficient_kernel_in_16_bit(dtype, monkeypatch, fresh_selection):
+    """Issue 44: where flash cannot run (head dim over 256 or not a multiple of 8, a GPU before
+    sm80), auto used to pick efficient_cuda in bf16, whose gradients were wrong on an H200. Until
+    a GPU confirms the fix, auto takes the explicit math there, the plan says so and why, and an
+    explicit `fused` is refused naming the key, the reason and the fix; flash where it runs and
+    efficient in fp32 are unchanged."""
+    from mpoverlap.context_parallel.block_kernels import EFFICIENT_CUDA, FLASH_CUDA, UNCONFIRMED
+
+    assert ("efficient_cuda", dtype) in UNCONFIRMED
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    assert select_block_kernel("auto", _on_cuda(dtype, 64)) is FLASH_CUDA
+    assert select_block_kernel("auto", _on_cuda(torch.float32, 64)) is EFFICIENT_CUDA
+    assert select_block_kernel("auto", _on_cuda(torch.float32, 320)) is EFFICIENT_CUDA
+    for head_dim in (320, 12):  # flash cannot run: efficient was the only fused kernel left
+        assert select_block_kernel("auto", _on_cuda(dtype, head_dim)) is EXPLICIT
+        with pytest.raises(NoFusedKernelError) as err:
+            select_block_kernel("fused", _on_cuda(dtype, head_dim))
+        for text in ("parallel.cp_attention_backend=fused", "efficient_cuda", "issue 44",
+                     "parallel.cp_attention_backend=auto", "train.precision=fp32"):
+            assert text in str(err.value)
+    capability[0] = (7, 5)  # a V100 / T4-class GPU: no flash at any head dim
+    assert select_block_kernel("auto", _on_cuda(dtype, 64, index=1)) is EXPLICIT
+    assert select_block_kernel("auto", _on_cuda(torch.float32, 64, index=1)) is EFFICIENT_CUDA
+    name = str(dtype).replace("torch.", "")
+    line = describe_block_backend("auto", "cuda", dtype, 64)
+    assert line.startswith("flash_cuda") and f"else explicit" in line and f"efficient_cuda in {name}" in line
+    assert describe_block_backend("auto", "cuda", dtype, 320).startswith("explicit")
+    assert "issue 44" in describe_block_backend("auto", "cuda", dtype, 320)
+    assert describe_block_backend("fused", "cuda", dtype, 320).startswith("none: parallel.cp_attention_backend=fused")
+    assert describe_block_backend("auto", "cuda", torch.float32, 320).startswith("efficient_cuda")
+
+
+def test_efficient_backward_hands_the_kernel_out_laid_out_seq_major():
+    """The issue-44 cause, checked on the meta device: the CUTLASS backward reads out's query
+    rows N x D apart (o_strideM = head_dim_value * num_heads, kernel_backward.h) and in 16-bit
+    computes rowsum(dout * out) from that pointer, so out must reach the op laid out
+    [B, Q, N, D] in memory whatever layout the caller holds (the ring's merged output is
+    [B, N, Q, D]-contiguous, a slice of its rows is strided)."""
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
+                seen.append(args[5])
+            return func(*args, **(kwargs or {}))
+
+    m = dict(dtype=torch.bfloat16, device="meta")
+    q, dout = torch.empty(2, 8, 48, 64, **m), torch.empty(2, 8, 48, 64, **m)
+    k, v = torch.empty(2, 2, 80, 64, **m), torch.empty(2, 2, 80, 64, **m)
+    full = torch.empty(2, 8, 96, 64, **m)
+    kernel = KERNELS["efficient_cuda"]
+    with Record():
+        for out in (torch.empty(2, 8, 48, 64, **m), full[:, :, 48:], torch.empty(2, 48, 8, 64, **m).transpose(1, 2)):
+            kernel.backward(dout, q, k, v, out, torch.empty(2, 8, 48, dtype=torch.float32, device="meta"), 0.125, True)
+    assert len(seen) == 3
+    for out in seen:
+        assert out.shape == (2, 8, 48, 64) and out.transpose(1, 2).is_contiguous(), out.stride()
 
 
 def test_plan_names_the_attention_backend_and_cudnn_is_validated():

@@ -20,14 +20,17 @@ Backends (`select_block_kernel`, once per backend request, device and dtype):
                   fp16, fp64; K/V groups of grouped-query attention read unexpanded.
   flash_cuda      aten._scaled_dot_product_flash_attention (+ _backward): bf16 / fp16 on sm80+,
                   head dim <= 256 and a multiple of 8; K/V groups read unexpanded.
-  efficient_cuda  aten._scaled_dot_product_efficient_attention (+ _backward): fp32, and bf16 /
-                  fp16 where flash cannot run. Has no grouped-query mode: K/V are expanded to
-                  the N heads for the call (O(sequence) memory) and dK/dV summed back.
+  efficient_cuda  aten._scaled_dot_product_efficient_attention (+ _backward): fp32. Has no
+                  grouped-query mode: K/V are expanded to the N heads for the call (O(sequence)
+                  memory) and dK/dV summed back. bf16 / fp16: fixed (issue 44, see
+                  _efficient_backward) but not yet confirmed on a GPU: UNCONFIRMED below keeps
+                  `auto` off it (explicit math instead) and makes `fused` refuse.
   cudnn_cuda      aten._scaled_dot_product_cudnn_attention (+ _backward): bf16 / fp16, on
                   request only (`parallel.cp_attention_backend=cudnn`); K/V expanded like
                   efficient.
   explicit        attention_math.py: scores by hand in fp32 (fp64 stays fp64), c x c per
-                  block and head; the fallback (fp64 references, dtypes no kernel takes).
+                  block and head; the fallback (fp64 references, dtypes no kernel takes, and
+                  for `auto` bf16 / fp16 on CUDA where flash cannot run: see UNCONFIRMED).
 
 No kernel is ever handed a mask tensor: blocks are either unmasked or top-left causal, so
 nothing of size Q x K exists outside the kernels' own tiles.
@@ -126,13 +129,27 @@ def _efficient_forward(q, k, v, scale, causal):
     return out, lse[..., :q.shape[2]]  # the kernel pads the lse rows to a multiple of 32
 
 
+def _seq_major(x_BNSD: torch.Tensor) -> torch.Tensor:
+    """x with its memory laid out [B, S, N, D] (what the efficient kernel's forward returns),
+    viewed as [B, N, S, D]; no copy when it already is."""
+    return x_BNSD.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _efficient_backward(dout, q, k, v, out, lse, scale, causal):
+    """`out` must be laid out [B, Q, N, D] in memory (issue 44). torch hands the CUTLASS
+    backward only out's batch and head strides; its query-row stride is taken to be N x D
+    (`o_strideM() = head_dim_value * num_heads`, kernel_backward.h). For 16-bit dtypes on
+    sm80+ the kernel computes delta = rowsum(dout * out) itself from that pointer
+    (`kKernelComputesDelta = kIsHalf && ...`); fp32 gets delta from strided ATen ops. A
+    [B, N, Q, D]-contiguous out (what `.contiguous()` or the ring's merged output gives) is
+    therefore read at the wrong rows in bf16 / fp16 only: wrong gradients, fp32 right. torch's
+    own autograd and its ring attention pass the forward's out unchanged, which is [B, Q, N, D]."""
     Q = q.shape[2]
     padded = (Q + 31) // 32 * 32
     lse_padded = torch.nn.functional.pad(lse, (0, padded - Q)) if padded != Q else lse.contiguous()
     rng = _no_rng(q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, k, v, None, out.contiguous(), lse_padded, rng, rng, 0.0,
+        dout.contiguous(), q, k, v, None, _seq_major(out), lse_padded, rng, rng, 0.0,
         [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
@@ -164,6 +181,17 @@ KERNELS = {k.name: k for k in (EXPLICIT, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA, 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HALF = (torch.bfloat16, torch.float16)
 
+# (kernel, dtype) pairs whose numbers a GPU has not confirmed: `auto` never picks them (it
+# falls back to the explicit math and the plan says why) and `fused` refuses them. efficient_cuda
+# returned wrong bf16 gradients on an H200 (issue 44; cause and fix in _efficient_backward);
+# drop these once `make gpu-check` passes test_cuda_block_kind_matches_sdpa for them.
+UNCONFIRMED = {("efficient_cuda", torch.bfloat16): "issue 44", ("efficient_cuda", torch.float16): "issue 44"}
+
+
+def _unconfirmed_reason(kernel: "BlockKernel", dtype: torch.dtype) -> str:
+    return (f"{kernel.name} in {str(dtype).replace('torch.', '')} returned wrong gradients on a GPU "
+            f"({UNCONFIRMED[(kernel.name, dtype)]}); its fix is not yet confirmed on one")
+
 
 class NoFusedKernelError(ValueError):
     """A fused kernel was required (`fused` or `cudnn`) where none takes this device and dtype."""
@@ -193,6 +221,13 @@ def _select(request: str, device_type: str, device_index, dtype: torch.dtype, he
             fused = FLASH_CUDA
         elif dtype in (torch.float32,) + _HALF:
             fused = EFFICIENT_CUDA
+    if fused is not None and (fused.name, dtype) in UNCONFIRMED:
+        if request == "auto":
+            return EXPLICIT
+        raise NoFusedKernelError(
+            f"parallel.cp_attention_backend={request}: the only fused kernel for {dtype} at head dim {head_dim} "
+            f"on this GPU is {_unconfirmed_reason(fused, dtype)}; use parallel.cp_attention_backend=auto "
+            "(explicit math here) or =explicit, or train.precision=fp32 (efficient_cuda in fp32 is verified)")
     if fused is not None:
         return fused
     if request == "auto":
@@ -206,19 +241,27 @@ def _select(request: str, device_type: str, device_index, dtype: torch.dtype, he
 def select_block_kernel(request: str, q_BNSD: torch.Tensor) -> BlockKernel:
     """The kernel for `request` (parallel.cp_attention_backend) and q's device and dtype:
     auto = the device's fused kernel for the dtype, else explicit; fused / cudnn = that kernel
-    or NoFusedKernelError; explicit = the fp32 math."""
+    or NoFusedKernelError; explicit = the fp32 math. A kernel in UNCONFIRMED for the dtype is
+    never picked: auto takes explicit, fused raises NoFusedKernelError naming the reason."""
     return _select(request, q_BNSD.device.type, q_BNSD.device.index, q_BNSD.dtype, q_BNSD.shape[-1])
 
 
 def describe_block_backend(request: str, device_type: str, dtype: torch.dtype, head_dim: int) -> str:
     """For the start-up plan: the kernel a CP block uses, named with its aten op, without a GPU
-    at hand (on CUDA the flash / efficient choice depends on the GPU's generation: both are
-    named)."""
+    at hand (on CUDA the choice depends on the GPU's generation: flash on sm80+ and what runs
+    otherwise are both named; a kernel left out as UNCONFIRMED is named with the reason)."""
     efficient = f"{EFFICIENT_CUDA.name} ({EFFICIENT_CUDA.op}; K/V expanded for grouped-query attention)"
     if device_type == "cuda" and request in ("auto", "fused"):
-        if dtype in _HALF and head_dim <= 256 and head_dim % 8 == 0:
-            return f"{FLASH_CUDA.name} ({FLASH_CUDA.op}) on sm80+, else {efficient}"
+        if (EFFICIENT_CUDA.name, dtype) in UNCONFIRMED:
+            why = _unconfirmed_reason(EFFICIENT_CUDA, dtype)
+            other = (f"{EXPLICIT.name} ({EXPLICIT.op}), not {why}" if request == "auto" else
+                     f"none: parallel.cp_attention_backend=fused refuses {why}; use =auto or =explicit")
+            if head_dim <= 256 and head_dim % 8 == 0:
+                return f"{FLASH_CUDA.name} ({FLASH_CUDA.op}) on sm80+, else {other}"
+            return other
         if dtype in (torch.float32,) + _HALF:
+            if dtype in _HALF and head_dim <= 256 and head_dim % 8 == 0:
+                return f"{FLASH_CUDA.name} ({FLASH_CUDA.op}) on sm80+, else {efficient}"
             return efficient
     try:
         kernel = _select(request, device_type, None, dtype, head_dim)

@@ -1,0 +1,202 @@
+"""`make gpu-check`: the CUDA path of mpoverlap checked on one GPU in one call (docs/gpu-check.md).
+
+Without a visible GPU it prints one line and exits 0. With one, within --budget-s (default 360):
+
+  1. the CUDA tier, `pytest -m cuda` (a subprocess, junit XML kept);
+  2. throughput per shape (bench/gpu_throughput.py, a subprocess each): llama3_1b at seq 4096,
+     moe_350m, gpt_125m; the Trainer beside the same module in a plain loop (and, for Llama, a
+     transformers loop), with the simulator's prediction of the step;
+  3. gpu-report.md and gpu-report.json under the output folder (--out, else $OUT, else
+     runs/gpu-check), rewritten after every part: a part that fails or runs out of time is
+     recorded and the next one runs; what does not fit in the budget is skipped with the reason.
+
+A bare GPU machine lacks hydra-core / omegaconf / antlr4: where they cannot be imported, the
+wheels in .gpu/whl (`make gpu-wheels`, ../shared/GPU.md) and the package itself are installed
+with pip into folders under /tmp (no network) and the parts run with PYTHONPATH on them.
+
+    python -m bench.gpu_check [--out DIR] [--budget-s 360] [--tests-s 170] [--shapes a,b]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+NO_GPU = "gpu-check: no CUDA GPU is visible here (torch.cuda.is_available() is False); nothing to check"
+INSTALL_ROOT = Path("/tmp/mpoverlap-gpu-check")
+SHAPES = ("llama3_1b", "moe_350m", "gpt_125m")  # bench/gpu_throughput.py SHAPES, in order of value
+SHAPE_S = {"llama3_1b": 110, "moe_350m": 70, "gpt_125m": 45}  # each shape's own limit, seconds
+MIN_SHAPE_S = 25  # a shape with less time left is skipped
+
+
+class SetupError(RuntimeError):
+    """The package cannot be made importable on this machine (message says what to carry)."""
+
+
+def gpu_visible() -> Optional[bool]:
+    """True / False, or None where torch itself is not importable."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return bool(torch.cuda.is_available())
+
+
+def _package_importable(env: Dict[str, str], cwd: Path) -> bool:
+    """Whether the parts' interpreter, run from `cwd` (outside the checkout), imports the
+    package with its models and its config dependencies."""
+    code = "import hydra, omegaconf, antlr4, mpoverlap.models, mpoverlap.conf"
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True).returncode == 0
+
+
+def prepare_env(cwd: Path, repo: Path = REPO, root: Path = INSTALL_ROOT) -> Dict[str, str]:
+    """The environment the parts run in (from `cwd`). Where hydra, omegaconf and mpoverlap are
+    importable (a developer's .venv) it is this one; else the carried wheels and the package go
+    into `root`/site and `root`/mp with pip (no index, no network) and PYTHONPATH names them."""
+    env = dict(os.environ)
+    if _package_importable(env, cwd):
+        return env
+    wheels = sorted((repo / ".gpu" / "whl").glob("*.whl"))
+    if not wheels:
+        raise SetupError("hydra-core / omegaconf / antlr4 are not importable and .gpu/whl holds no wheels: run "
+                         "`make gpu-wheels` where the package registry is reachable and carry .gpu/whl here")
+    site, mp = root / "site", root / "mp"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--no-index", "--no-deps",
+           "--disable-pip-version-check"]
+    for cmd in (pip + ["--target", str(site)] + [str(w) for w in wheels],
+                pip + ["--no-build-isolation", "--target", str(mp), str(repo)]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise SetupError(f"{' '.join(cmd[:8])} ... failed: {done.stderr.strip()[-800:]}")
+    env["PYTHONPATH"] = os.pathsep.join([str(mp), str(site)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if not _package_importable(env, cwd):
+        raise SetupError(f"installed the wheels into {site} and the package into {mp}, and still "
+                         "`import hydra, omegaconf, antlr4, mpoverlap.models` fails there")
+    return env
+
+
+def cuda_test_files(repo: Path = REPO) -> List[str]:
+    """The test files that hold CUDA-marked tests (collecting only them keeps an unrelated
+    import error elsewhere from stopping the tier)."""
+    return sorted(str(p) for p in (repo / "tests").glob("test_*.py") if "pytest.mark.cuda" in p.read_text())
+
+
+def run_tests(out: Path, env: Dict[str, str], timeout_s: float) -> Dict[str, Any]:
+    from bench.gpu_report import junit_summary
+
+    xml = out / "cuda-tier.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", f"--junitxml={xml}", *cuda_test_files()]
+    t0 = time.monotonic()
+    with open(out / "cuda-tier.log", "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    row: Dict[str, Any] = {"returncode": rc, "elapsed_s": time.monotonic() - t0, "log": "cuda-tier.log"}
+    if rc is None:
+        row.update(status="timeout", reason=f"pytest -m cuda ran past its {timeout_s:.0f} s (see cuda-tier.log)")
+    if xml.exists():
+        row.update(junit_summary(xml))
+    elif rc is not None:
+        row.update(status="no junit XML", reason=f"pytest exited {rc} (see cuda-tier.log)")
+    return row
+
+
+def run_shape(shape: str, out: Path, env: Dict[str, str], timeout_s: float) -> Dict[str, Any]:
+    path = out / f"throughput-{shape}.json"
+    code = (f"import sys; sys.path.append({str(REPO)!r}); from bench.gpu_throughput import main; "
+            f"raise SystemExit(main(['--shape', {shape!r}, '--out', {str(path)!r}]))")
+    with open(out / f"throughput-{shape}.log", "w") as log:
+        try:
+            rc = subprocess.run([sys.executable, "-c", code], cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    row = json.loads(path.read_text()) if path.exists() else {}
+    if rc is None:
+        row.update(status="timeout", reason=f"ran past its {timeout_s:.0f} s: the sides measured by then are kept")
+    elif rc:
+        lines = (out / f"throughput-{shape}.log").read_text().strip().splitlines()
+        row.update(status="failed", reason=f"exit {rc}: {lines[-1][:200] if lines else ''} (throughput-{shape}.log)")
+    return row
+
+
+def read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="output folder (default: $OUT, else runs/gpu-check)")
+    p.add_argument("--budget-s", type=float, default=360.0, help="the whole check's wall-time budget")
+    p.add_argument("--tests-s", type=float, default=170.0, help="the CUDA tier's share of it at most")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    a = p.parse_args(argv)
+    visible = gpu_visible()
+    if not visible:
+        print(NO_GPU if visible is False else "gpu-check: torch is not importable here, so no CUDA GPU is visible; "
+              "nothing to check")
+        return 0
+    from bench import gpu_report
+
+    start = time.monotonic()
+    deadline = start + a.budget_s
+    out = Path(a.out or os.environ.get("OUT") or REPO / "runs" / "gpu-check").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                               "budget_s": a.budget_s, "env": gpu_report.environment(REPO), "skipped": []}
+
+    def save() -> None:
+        results["elapsed_s"] = time.monotonic() - start
+        gpu_report.write(out, results)
+        print(f"gpu-check: {results['elapsed_s']:.0f}s, report so far in {out / 'gpu-report.md'}", flush=True)
+
+    save()
+    try:
+        env = prepare_env(out)
+    except SetupError as err:
+        results["skipped"].append(f"everything: {err}")
+        save()
+        print(f"gpu-check: {err}", file=sys.stderr)
+        return 1
+    env["MPOVERLAP_GPU_CHECK_OUT"] = str(out)
+    records = ("attention_kernels", "cuda_vs_cpu", "host_syncs")  # rows the tier's tests write (_record)
+    for name in records:
+        (out / f"{name}.jsonl").unlink(missing_ok=True)
+    shapes = [s for s in a.shapes.split(",") if s]
+    reserve = MIN_SHAPE_S * min(len(shapes), 2)  # the tier leaves time for at least Llama's throughput
+    results["tests"] = run_tests(out, env, max(30.0, min(a.tests_s, deadline - time.monotonic() - reserve)))
+    results.update({name: read_jsonl(out / f"{name}.jsonl") for name in records})
+    save()
+    results["throughput"] = {}
+    for shape in shapes:
+        left = deadline - time.monotonic() - 5
+        if left < MIN_SHAPE_S:
+            results["skipped"].append(f"throughput {shape}: {left:.0f} s of the budget left, under {MIN_SHAPE_S} s")
+            save()
+            continue
+        results["throughput"][shape] = run_shape(shape, out, env, min(SHAPE_S.get(shape, 60), left))
+        save()
+    return 0 if passed(results) else 1
+
+
+def passed(results: Dict[str, Any]) -> bool:
+    """The tier ran and passed, and every throughput shape ran each of its sides."""
+    tests, shapes = results.get("tests") or {}, results.get("throughput") or {}
+    return (tests.get("returncode") == 0 and not results.get("skipped")
+            and all("status" not in r and r.get("sides") and all("error" not in row for row in r["sides"].values())
+                    for r in shapes.values()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

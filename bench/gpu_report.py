@@ -1,0 +1,167 @@
+"""gpu-report.md and gpu-report.json of `make gpu-check` (bench/gpu_check.py): the machine, the
+CUDA tier's outcome, the attention kernels, and per shape the measured steps beside the plain
+loops and the simulator's prediction. Standard library only (the report is written also where
+the package cannot be imported); `render` takes the results dict the check fills as it goes."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+SIDE_NAMES = {"mpoverlap": "mpoverlap Trainer", "plain": "same module, plain loop", "hf": "transformers Llama loop"}
+
+
+def _run(cmd: List[str], cwd: Optional[Path] = None) -> Optional[str]:
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_commit(repo: Path) -> str:
+    """HEAD (with `+dirty` for uncommitted changes to tracked files); else $GPU_CHECK_COMMIT
+    (a copy without .git: the launching side passes it); else 'unknown'."""
+    head = _run(["git", "rev-parse", "HEAD"], repo)
+    if head:
+        dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
+        return head + ("+dirty" if dirty else "")
+    return os.environ.get("GPU_CHECK_COMMIT") or "unknown (no git here; set GPU_CHECK_COMMIT=<sha>)"
+
+
+def environment(repo: Path) -> Dict[str, Any]:
+    """GPU, driver, torch, CUDA and NCCL versions, Python, and the commit measured."""
+    import torch
+
+    env: Dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "commit": git_commit(repo)}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
+                   capability=f"sm{props.major}{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1))
+        try:
+            v = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as err:  # noqa: BLE001 - a build without NCCL says so in the report
+            env["nccl"] = f"unavailable ({type(err).__name__})"
+    smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    env["driver"] = smi.splitlines()[0] if smi else "unknown (nvidia-smi not found)"
+    return env
+
+
+def junit_summary(path: Path) -> Dict[str, Any]:
+    """Counts and failing test ids of a pytest --junitxml file."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failing = []
+    for case in root.iter("testcase"):
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                failing.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                                "message": (node.get("message") or "")[:300]})
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {"counts": counts, "failing": failing}
+
+
+def _f(x: Any, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+def _throughput_rows(shape: str, r: Dict[str, Any]) -> List[str]:
+    sim = r.get("simulated") or {}
+    sim_s = sim.get("step_s")
+    rows = []
+    for side, row in (r.get("sides") or {}).items():
+        name = SIDE_NAMES.get(side, side)
+        if "error" in row:
+            rows.append(f"| {shape} | {name} | error: {row['error'][:120]} | | | | | | |")
+            continue
+        ratio = row["step_s"] / sim_s if sim_s else None
+        rows.append(f"| {shape} | {name} | {_f(row.get('step_s'), '.3f')} | {_f(row.get('tokens_per_s'), ',.0f')} | "
+                    f"{_f(row.get('model_tflops_per_s'), '.1f')} | {_f(row.get('mfu'), '.1%')} | "
+                    f"{_f(row.get('peak_memory_gib'), '.1f')} | {_f(sim_s, '.3f')} ({sim.get('hardware', '-')}) | "
+                    f"{_f(ratio, '.2f')} |")
+    return rows
+
+
+def render(results: Dict[str, Any]) -> str:
+    """The markdown report of a results dict (keys: env, started, elapsed_s, budget_s, tests,
+    attention_kernels, throughput, skipped); parts not there yet are said to be missing."""
+    env = results.get("env", {})
+    out = ["# GPU check report", "",
+           f"- GPU: {env.get('gpu', '-')} ({env.get('capability', '-')}, {env.get('gpu_memory_gib', '-')} GiB), "
+           f"driver {env.get('driver', '-')}",
+           f"- torch {env.get('torch', '-')}, CUDA {env.get('cuda', '-')}, NCCL {env.get('nccl', '-')}, "
+           f"Python {env.get('python', '-')}",
+           f"- commit: {env.get('commit', '-')}",
+           f"- started {results.get('started', '-')}, took {_f(results.get('elapsed_s'), '.0f')} s of a "
+           f"{_f(results.get('budget_s'), '.0f')} s budget", ""]
+    out += ["## CUDA tier (`pytest -m cuda`)", ""]
+    tests = results.get("tests")
+    if not tests:
+        out.append("not run")
+    elif "counts" in tests:
+        c = tests["counts"]
+        out.append(f"{c['passed']} passed, {c['failures']} failed, {c['errors']} errors, {c['skipped']} skipped "
+                   f"in {_f(tests.get('elapsed_s'), '.0f')} s (exit code {tests.get('returncode')})")
+        out += [f"- FAILED {f['test']}: {f['message']}" for f in tests.get("failing", [])]
+    else:
+        out.append(f"{tests.get('status', 'no result')}: {tests.get('reason', '')}")
+    gaps = results.get("cuda_vs_cpu") or []
+    if gaps:
+        out += ["", "### CUDA against CPU, relative loss gap per step (the data for the bf16 bound)", "",
+                "| case | bound | max | per step |", "|---|---|---|---|"]
+        out += [f"| {g['case']} | {g['bound']:.0e} | {g['max_rel']:.2e} | "
+                f"{', '.join(f'{x:.1e}' for x in g['per_step'])} |" for g in gaps]
+    syncs = results.get("host_syncs") or []
+    if syncs:
+        out += ["", "### Host syncs per step: CUDA (sync debug mode) against the CPU counter", "",
+                "| model | CUDA syncs | CPU reads | CPU sites |", "|---|---|---|---|"]
+        out += [f"| {r['model']} | {r['cuda_syncs']} | {r['cpu_reads']} | "
+                f"{', '.join(f'{k} x{n}' for k, n in r['cpu_sites'].items())} |" for r in syncs]
+    out += ["", "## Attention kernels at sequence 8,192, bf16", ""]
+    kernels = results.get("attention_kernels") or []
+    if kernels:
+        out += ["| preset | heads / groups / head dim | model SDPA kernel | CP block (auto) | its kernel |",
+                "|---|---|---|---|---|"]
+        for k in kernels:
+            out.append(f"| {k['preset']} | {k['heads']} / {k['groups']} / {k['head_dim']} | "
+                       f"{(k.get('sdpa_kernels') or ['-'])[0][:80]} | {k.get('cp_block_backend', '-')} | "
+                       f"{(k.get('cp_block_kernels') or ['-'])[0][:80]} |")
+    else:
+        out.append("none recorded (the tier's attention test did not run)")
+    out += ["", "## Throughput (one GPU, bf16 autocast over fp32 weights)", "",
+            "| shape | side | step s | tokens/s | model TFLOP/s | MFU | peak GiB | simulated step s | measured / simulated |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    shapes = results.get("throughput") or {}
+    for shape, r in shapes.items():
+        if "sides" in r:
+            out += _throughput_rows(shape, r)
+        else:
+            out.append(f"| {shape} | {r.get('status', 'no result')}: {r.get('reason', '')} | | | | | | | |")
+    for shape, r in shapes.items():
+        for side, row in (r.get("sides") or {}).items():
+            if row.get("top_kernels"):
+                out += ["", f"### {shape}, {SIDE_NAMES.get(side, side)}: top kernels over one step", "",
+                        "| kernel | ms | calls |", "|---|---|---|"]
+                out += [f"| `{k['kernel']}` | {k['ms']:.2f} | {k['calls']} |" for k in row["top_kernels"]]
+    skipped = results.get("skipped") or []
+    if skipped:
+        out += ["", "## Skipped", ""] + [f"- {s}" for s in skipped]
+    return "\n".join(out) + "\n"
+
+
+def write(out_dir: Path, results: Dict[str, Any]) -> None:
+    """gpu-report.json and gpu-report.md, each replaced whole (written aside, then renamed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("gpu-report.json", json.dumps(results, indent=1, default=str)),
+                       ("gpu-report.md", render(results))):
+        tmp = out_dir / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)

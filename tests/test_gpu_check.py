@@ -1,0 +1,195 @@
+"""`make gpu-check` (bench/gpu_check.py) on a machine without a GPU: the one-line exit, and the
+parts that need no GPU: the report writer on made-up results, the simulator's prediction, the
+plain-loop side of the throughput part on a tiny model, and the CUDA tier's helpers on CPU."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # bench/ is not an installed package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+        "model.ffn_hidden_size=128",
+        "model.vocab_size=256", "model.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "data.max_bytes=100000"]
+
+
+def test_make_gpu_check_without_a_gpu_prints_one_line_and_exits_0():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(["make", "-s", "--no-print-directory", "gpu-check"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["gpu-check: no CUDA GPU is visible here (torch.cuda.is_available() is "
+                                        "False); nothing to check"], done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_the_tier_covers_the_cuda_test_files():
+    from bench.gpu_check import cuda_test_files
+
+    names = {Path(p).name for p in cuda_test_files(REPO)}
+    assert {"test_block_kernels.py", "test_cuda_tier.py"} <= names and "test_gpu_check.py" not in names
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="1"
+skipped="2" tests="10" time="3.0"><testcase classname="tests.test_cuda_tier" name="test_cuda_matches_cpu[gpt_tiny-bf16]"
+time="1"><failure message="AssertionError: gpt_tiny-bf16: cuda [5.3] cpu [5.1]">trace</failure></testcase>
+<testcase classname="tests.test_block_kernels" name="test_ok" time="0.1"/></testsuite></testsuites>"""
+
+
+def test_report_writer_on_made_up_results(tmp_path):
+    from bench.gpu_report import junit_summary, render, write
+
+    (tmp_path / "t.xml").write_text(JUNIT)
+    tests = dict(junit_summary(tmp_path / "t.xml"), returncode=1, elapsed_s=42.0)
+    assert tests["counts"] == {"tests": 10, "failures": 1, "errors": 0, "skipped": 2, "passed": 7}
+    kernel = {"kernel": "nvjet_sm90_tst_128x256", "ms": 12.5, "calls": 48}
+    results = {
+        "started": "2026-11-27T18:00:00+00:00", "budget_s": 360, "elapsed_s": 301.0,
+        "env": {"gpu": "NVIDIA H100 80GB HBM3", "capability": "sm90", "gpu_memory_gib": 79.1, "driver": "570.1",
+                "torch": "2.11.0+cu130", "cuda": "13.0", "nccl": "2.27.3", "python": "3.12.3", "commit": "abc123"},
+        "tests": tests,
+        "attention_kernels": [{"preset": "llama3_1b", "heads": 32, "groups": 8, "head_dim": 64, "seq": 8192,
+                               "sdpa_kernels": ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop"],
+                               "cp_block_backend": "flash_cuda", "cp_block_kernels": ["flash_fwd_kernel"]}],
+        "throughput": {
+            "llama3_1b": {"simulated": {"hardware": "h100_sxm", "step_s": 0.5},
+                          "sides": {"mpoverlap": {"step_s": 0.75, "tokens_per_s": 43690.7, "model_tflops_per_s": 250.0,
+                                                  "mfu": 0.2528, "peak_memory_gib": 30.2, "top_kernels": [kernel]},
+                                    "hf": {"error": "RuntimeError: CUDA out of memory"}}},
+            "moe_350m": {"status": "timeout", "reason": "ran past its 70 s"},
+        },
+        "skipped": ["throughput gpt_125m: 12 s of the budget left, under 25 s"],
+        "cuda_vs_cpu": [{"case": "llama_tiny_gqa-bf16", "bound": 0.02, "max_rel": 4.3e-4, "per_step": [1e-5, 4.3e-4]}],
+        "host_syncs": [{"model": "moe_tiny", "cuda_syncs": 9, "cpu_reads": 9,
+                        "cpu_sites": {"float at data_parallel/optimizer.py:232": 1, "tolist at moe/dispatcher.py:231": 8}}],
+    }
+    md = render(results)
+    for text in ("NVIDIA H100 80GB HBM3 (sm90, 79.1 GiB), driver 570.1", "torch 2.11.0+cu130, CUDA 13.0, NCCL 2.27.3",
+                 "commit: abc123", "7 passed, 1 failed, 0 errors, 2 skipped in 42 s (exit code 1)",
+                 "FAILED tests.test_cuda_tier::test_cuda_matches_cpu[gpt_tiny-bf16]: AssertionError",
+                 "| llama3_1b | 32 / 8 / 64 | cudnn_generated_fort_native_sdpa_sm90_flash_fprop | flash_cuda |",
+                 "| llama3_1b | mpoverlap Trainer | 0.750 | 43,691 | 250.0 | 25.3% | 30.2 | 0.500 (h100_sxm) | 1.50 |",
+                 "| llama3_1b | transformers Llama loop | error: RuntimeError: CUDA out of memory",
+                 "| moe_350m | timeout: ran past its 70 s", "| `nvjet_sm90_tst_128x256` | 12.50 | 48 |",
+                 "- throughput gpt_125m: 12 s of the budget left",
+                 "| llama_tiny_gqa-bf16 | 2e-02 | 4.30e-04 | 1.0e-05, 4.3e-04 |",
+                 "| moe_tiny | 9 | 9 | float at data_parallel/optimizer.py:232 x1, tolist at moe/dispatcher.py:231 x8 |"):
+        assert text in md, text
+    assert "not run" in render({"env": {}}) and "none recorded" in render({"env": {}})
+    write(tmp_path / "out", results)
+    assert json.loads((tmp_path / "out" / "gpu-report.json").read_text()) == results
+    assert (tmp_path / "out" / "gpu-report.md").read_text() == md
+
+
+def test_simulator_prediction_helper():
+    """The prediction is what `mpoverlap-check --simulate` computes for the shape's overrides on
+    the preset, and it changes with the preset's figures."""
+    from bench.gpu_throughput import hardware_preset, overrides_of, sim_prediction
+    from mpoverlap.config import compose
+    from mpoverlap.simulate.core import simulate
+    from mpoverlap.simulate.hardware import from_config
+
+    ov = overrides_of("llama3_1b")
+    got = sim_prediction(ov, "h100_sxm")
+    cfg = compose(ov + ["hardware=h100_sxm"])
+    want = simulate(cfg, from_config(cfg))
+    assert got["step_s"] == want.step_s > 0 and got["mfu"] == want.mfu
+    assert got["tokens_per_s"] * got["step_s"] == pytest.approx(8 * 4096)  # global batch 8 at seq 4096
+    assert sim_prediction(ov, "a100_80gb")["step_s"] > 2 * got["step_s"]  # 312 vs 989 TFLOP/s peak
+    assert hardware_preset("NVIDIA H200") == "h200_sxm" and hardware_preset("NVIDIA H100 80GB HBM3") == "h100_sxm"
+
+
+def test_plain_loop_side_runs_on_cpu(tmp_path):
+    """The throughput part's plain loop (bench/overhead.py PlainLoop, the same module, fused
+    AdamW on CUDA) on a tiny model on CPU: it trains (the loss falls over the same batches the
+    Trainer takes), and `measure` writes its figures and the simulator's prediction."""
+    from bench.gpu_throughput import measure
+    from bench.overhead import PlainLoop
+    from mpoverlap.config import compose
+    from mpoverlap.training.data import build_datasets
+
+    cfg = compose(["model=llama_tiny", *TINY, "train.lr=0.01", "train.lr_warmup_steps=0"])
+    data, _ = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
+    loop = PlainLoop(cfg, data)
+    losses = [float(loop.train_step()["loss_local"]) for _ in range(4)]
+    assert losses[-1] < losses[0], losses
+    r = measure("llama3_1b", tmp_path / "t.json", "cpu", warmup=1, steps=2, sides=("plain",), hardware="h100_sxm",
+                extra=TINY)
+    assert json.loads((tmp_path / "t.json").read_text()) == json.loads(json.dumps(r))
+    row = r["sides"]["plain"]
+    assert "error" not in row, row
+    assert len(row["steps_s"]) == 2 and row["tokens_per_s"] == pytest.approx(4 * 32 / row["step_s"])
+    assert r["simulated"]["hardware"] == "h100_sxm" and r["simulated"]["step_s"] > 0
+    assert "mfu" not in row  # no peak known for a CPU: no made-up MFU
+
+
+def test_cuda_tier_helpers_run_on_cpu(monkeypatch):
+    """The CUDA tier's trainer helper on the CPU side, in a 1-rank gloo world of this process:
+    keeps the tier in step with the Trainer's API although CI never runs it on a GPU."""
+    import socket
+
+    import torch.distributed as dist
+
+    import test_cuda_tier as tier
+    from mpoverlap.training.setup import shutdown_distributed
+
+    assert not dist.is_initialized()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    try:
+        losses = tier._losses(tier.BASE + ["model=llama_tiny", "model.num_layers=1", "train.precision=bf16"], "cpu",
+                              steps=2)
+    finally:
+        shutdown_distributed()
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses[1] < losses[0]
+
+
+def test_exit_code_says_whether_everything_ran_and_passed():
+    from bench.gpu_check import passed
+
+    ok = {"tests": {"returncode": 0}, "skipped": [], "throughput": {"gpt_125m": {"sides": {"plain": {"step_s": 1.0}}}}}
+    assert passed(ok)
+    assert not passed(dict(ok, tests={"returncode": 1}))
+    assert not passed(dict(ok, skipped=["throughput moe_350m: 10 s of the budget left"]))
+    assert not passed(dict(ok, throughput={"gpt_125m": {"status": "timeout", "sides": {"plain": {"step_s": 1.0}}}}))
+    assert not passed(dict(ok, throughput={"gpt_125m": {"sides": {"plain": {"error": "OOM"}}}}))
+
+
+@pytest.mark.skipif(not list((REPO / ".gpu" / "whl").glob("*.whl")), reason="no wheels in .gpu/whl (make gpu-wheels)")
+def test_bare_machine_install_from_carried_wheels(tmp_path, monkeypatch):
+    """Where hydra / omegaconf / the package do not import (a bare GPU machine; faked here for
+    the first look), the wheels in .gpu/whl and the package go into folders of their own with
+    pip, no index, and the parts' PYTHONPATH imports them from there."""
+    import bench.gpu_check as gc
+
+    real, seen = gc._package_importable, []
+
+    def first_look_fails(env, cwd):
+        seen.append(env.get("PYTHONPATH"))
+        return len(seen) > 1 and real(env, cwd)
+
+    monkeypatch.setattr(gc, "_package_importable", first_look_fails)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    env = gc.prepare_env(tmp_path, root=tmp_path / "install")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "install" / "mp"), str(tmp_path / "install" / "site")]
+    assert seen == [None, env["PYTHONPATH"]]
+    assert (tmp_path / "install" / "mp" / "mpoverlap" / "models" / "gpt.py").exists()
+    assert (tmp_path / "install" / "site" / "hydra").is_dir()
+
+
+def test_bare_machine_without_wheels_says_what_to_carry(tmp_path, monkeypatch):
+    import bench.gpu_check as gc
+
+    monkeypatch.setattr(gc, "_package_importable", lambda env, cwd: False)
+    with pytest.raises(gc.SetupError, match="make gpu-wheels"):
+        gc.prepare_env(tmp_path, repo=tmp_path)
