@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from mpoverlap.comm.collectives import all_gather
 from mpoverlap.comm.handle import CommHandle
@@ -110,12 +111,15 @@ class DataParallelAdamW:
         groups = [{"params": [pc.main for pc in self.pieces if pc.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [pc.main for pc in self.pieces if pc.ndim < 2], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        on_cuda = buf.buckets[0].grad_data.is_cuda
-        kind = {"fused": True} if on_cuda else {"foreach": True}
+        # Fused wherever torch has the kernel (CUDA and CPU): one op per group and step. The
+        # foreach implementation reads every parameter's step counter on the host (a Python
+        # loop over the parameters, `.item()` each) when the counters live on the CPU.
+        fused = buf.buckets[0].grad_data.device.type in _get_fused_kernels_supported_devices()
+        kind = {"fused": True} if fused else {"foreach": True}
         # A rank whose shards hold only padding has nothing to update (tiny buckets only).
         self.optimizer: Optional[torch.optim.AdamW] = (
             torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kind) if groups else None)
-        self._fused = on_cuda
+        self._fused = fused
         self._step = 0
         self._pending: Dict[int, CommHandle] = {}
         # Gather inputs: a copy of the shard, so the collective's input never aliases its output.

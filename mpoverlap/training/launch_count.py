@@ -12,10 +12,11 @@ fails when a change adds a loop sized by parameters, elements or experts to the 
     print(launches.summary())
 
 `launches.ops` counts every aten operator dispatched below autograd (forward, backward, hooks,
-optimizer), views included; `launches.foreach_tensors` counts the tensors handed to foreach
-operators (`aten._foreach_*`: the length of their first tensor-list argument). A foreach
-operator is one dispatch, but on a GPU its host work and its kernels grow with its list: a list
-sized by elements (a norm over thousands of views) or by parameters is the defect class.
+optimizer), views included; `launches.foreach_tensors` counts the tensors handed to multi-tensor
+operators (`aten._foreach_*` and `aten._fused_*`, e.g. the fused AdamW: the length of their first
+tensor-list argument). Such an operator is one dispatch, but on a GPU its host work and its
+kernels grow with its list: a list sized by elements (a norm over thousands of views) is the
+defect class; one sized by parameters grows with depth, never with width.
 `launches.by_op()` groups the counts by operator name.
 
 Only the thread that opened the context is counted (a TorchDispatchMode is thread-local; on CPU
@@ -46,6 +47,9 @@ class Launches:
         return f"{self.ops} operator(s), {self.foreach_tensors} foreach tensor(s); most: {common or 'none'}"
 
 
+_MULTI_TENSOR = ("aten::_foreach_", "aten::_fused_")
+
+
 def _first_tensor_list(args) -> int:
     for a in args:
         if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
@@ -62,7 +66,7 @@ class _Counter(TorchDispatchMode):
         name = func.name()
         self.launches.ops += 1
         self.launches.counts[name] += 1
-        if name.startswith("aten::_foreach_"):
+        if name.startswith(_MULTI_TENSOR):
             self.launches.foreach_tensors += _first_tensor_list(args)
         return func(*args, **(kwargs or {}))
 
