@@ -44,3 +44,30 @@ def test_square_sums_per_key_match_fp64():
     # The same memory read again after an in-place change: the views are persistent.
     flat.mul_(2)
     assert abs(float(square_sums()[3]) - 4 * float(sums[3])) <= 1e-6 * float(sums[3])
+
+
+def test_fp64_and_bf16_regions_and_one_dtype_per_sum():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2 * ROW + 9, generator=g, dtype=torch.float64)
+    assert abs(float(SquareSum([x], torch.device("cpu"))()[0]) - _ref([x])) <= 1e-12 * _ref([x])
+    b = x.bfloat16()
+    # fp32 partial sums of 2^14 squares (as the chunked _foreach_norm was: same bits on CPU)
+    assert abs(float(SquareSum([b], torch.device("cpu"))()[0]) - _ref([b])) <= 1e-5 * _ref([b])
+    try:
+        SquareSum([x, b], torch.device("cpu"))
+    except TypeError as err:
+        assert "one dtype" in str(err)
+    else:
+        raise AssertionError("mixed dtypes were accepted")
+
+
+def test_rows_give_the_bits_of_the_chunked_foreach_norm():
+    """The accuracy did not change: a region's row norms are the 2^14-element chunk norms that
+    the optimizer's former `_foreach_norm` over `split(2^14)` views computed (bit for bit on the
+    machines tried; bounded at 1e-12 so another kernel path's last bit does not fail it, while
+    other rows or an fp32 total, ~1e-7 apart, would)."""
+    for seed in range(3):
+        f = torch.randn(3 * ROW + 17, generator=torch.Generator().manual_seed(seed))
+        chunked = torch.stack(torch._foreach_norm(list(f.split(1 << 14)), 2)).double().pow(2).sum()
+        rows = SquareSum([f], torch.device("cpu"))()[0]
+        assert abs(float(rows - chunked)) <= 1e-12 * float(chunked), (seed, float(rows), float(chunked))

@@ -7,9 +7,9 @@ buffer of a model without sharding is one region. Each region of n elements is r
     rows_RC = region[:R * C].view(R, C)     R = n // C, C = 2^14 (ROW)
     tail_1T = region[R * C:].view(1, T)     T = n - R * C
 
-and one `vector_norm(dim=1)` per view gives fp32 norms of rows of 2^14 elements (within ~1e-7
-of the exact sum of squares of each; over a whole 1M-element bucket fp32 would drift ~2e-5),
-squared and summed in fp64. The views are built once (`SquareSum`), the step runs
+and one `vector_norm(dim=1)` per view gives fp32 norms of rows of 2^14 elements (an fp32 sum
+over a whole 1M-element bucket would drift ~2e-5), squared and summed in fp64: on CPU the same
+bits as the `_foreach_norm` over 2^14-element chunks this replaced (tests/test_grad_norm.py). The views are built once (`SquareSum`), the step runs
 `len(views)` norms plus a constant handful: no list sized by elements or parameters, so the
 launches do not grow with the model's width (on a GPU every view of a chunked norm was a
 launch: 75,000 for a 1.2B model). fp32 gradients are read in place; bf16/fp16 ones are
@@ -80,8 +80,12 @@ class SquareSum:
                 self.views.append(v)
                 self.lengths[merged_keys[i]] += v.shape[0]
         dtypes = {v.dtype for v in self.views}
-        # fp32 read in place; lower precisions accumulated in fp32.
-        self.acc = None if dtypes <= {torch.float32} else torch.float32
+        # fp32 (and fp64) read in place in their own precision; lower precisions accumulated in
+        # fp32. One dtype per call: mixed lists are not something the buffers hold.
+        if len(dtypes) > 1:
+            raise TypeError(f"gradient regions of several dtypes {sorted(map(str, dtypes))}: one SquareSum reads "
+                            "one dtype (a data-parallel buffer holds one); build one per dtype")
+        self.acc = None if dtypes <= {torch.float32, torch.float64} else torch.float32
 
     def __call__(self) -> torch.Tensor:
         if not self.views:
