@@ -114,14 +114,15 @@ def run(args) -> Dict[str, Any]:
             blocks: List[Dict[str, Any]] = []
 
             def one(name: str, block: Dict[str, Any], keep: bool) -> None:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = sides[name].train_step()
-                dt = time.perf_counter() - t0
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 trainer.ledger.reset()
                 losses[name].append(float(out["loss_local"]))
                 if keep:
                     block["wall"].append(dt)
                     block["inner"].append(out["step_time_s"])
+                    block["cpu"].append(cpu)
 
             for _ in range(args.warmup):
                 for name in sides:
@@ -139,7 +140,7 @@ def run(args) -> Dict[str, Any]:
                 order = ["framework", "plain"] if r % 2 == 0 else ["plain", "framework"]
                 for name in order:
                     gc.collect()
-                    block = {"side": name, "wall": [], "inner": []}
+                    block = {"side": name, "wall": [], "inner": [], "cpu": []}
                     busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.perf_counter()
                     for i in range(args.block):
                         one(name, block, keep=i >= args.block_warmup)
@@ -155,9 +156,12 @@ def run(args) -> Dict[str, Any]:
             def summary(use: List[Dict[str, Any]]) -> Dict[str, Any]:
                 res = {k: {"wall": stats([x for b in use if b["side"] == k for x in b["wall"]]),
                            "inner": stats([x for b in use if b["side"] == k for x in b["inner"]]),
+                           "cpu": stats([x for b in use if b["side"] == k for x in b["cpu"]]),
                            "blocks": sum(1 for b in use if b["side"] == k)} for k in sides}
                 res["ratio"] = res["framework"]["wall"]["median_s"] / res["plain"]["wall"]["median_s"]
                 res["ratio_inner"] = res["framework"]["inner"]["median_s"] / res["plain"]["inner"]["median_s"]
+                # CPU seconds of this process per step: what other jobs on the shared cores move least
+                res["ratio_cpu"] = res["framework"]["cpu"]["median_s"] / res["plain"]["cpu"]["median_s"]
                 return res
 
             everything = summary(blocks)

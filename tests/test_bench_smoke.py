@@ -290,9 +290,10 @@ def test_launch_bound_overhead_line_validates_and_renders():
     assert validate(compose(ov), 1) == []
     assert "model.num_layers=32" in ov and "train.grad_clip=1.0" in ov and args.plain_optimizer == "fused"
     step = {"n": 8, "median_s": 0.2, "min_s": 0.19, "q1_s": 0.195, "q3_s": 0.21}
-    side = {"wall": step, "inner": step, "blocks": 4}
+    side = {"wall": step, "inner": step, "cpu": step, "blocks": 4}
     res = {"framework": side, "plain": {"wall": dict(step, median_s=0.16), "inner": dict(step, median_s=0.16),
-                                        "blocks": 4}, "ratio": 1.25, "ratio_inner": 1.25}
+                                        "cpu": dict(step, median_s=0.16), "blocks": 4},
+           "ratio": 1.25, "ratio_inner": 1.25, "ratio_cpu": 1.125}
     setup = {"model": "gpt_tiny", "num_layers": 32, "hidden_size": 32, "seq_length": 16, "micro_batch_size": 2,
              "microbatches": 4, "grad_clip": 1.0, "plain_optimizer": "fused", "threads": 1, "block": 5, "repeats": 4,
              "warmup": 3, "block_warmup": 1}
@@ -303,3 +304,4 @@ def test_launch_bound_overhead_line_validates_and_renders():
                    "others_cpu_s": 0.0, "wall_s": 1.0, "command": "c", "overhead_launch": result})
     assert "## Framework overhead, launch-bound (many thin layers)" in text
     assert "| plain PyTorch loop (fused AdamW) | 160.0 |" in text and "**framework / plain = 1.250**;" in text
+    assert "on this process's CPU time (least moved by other jobs): 1.125;" in text
