@@ -26,12 +26,17 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from mpoverlap.comm.collectives import all_gather
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.data_parallel.ddp import DataParallel
 from mpoverlap.data_parallel.grad_norm import SquareSum, coalesce
+
+try:  # a private helper of torch's: the device types fused AdamW has kernels for
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+except ImportError:  # pragma: no cover - a torch without it: CUDA and CPU have had them since 2.4
+    def _get_fused_kernels_supported_devices() -> List[str]:
+        return ["cuda", "cpu"]
 
 # torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
