@@ -17,6 +17,11 @@ shared: each block records how much CPU other processes took meanwhile, and roun
 `--min-quiet` quiet blocks; results come over all blocks and over the quiet ones.
 
     python -m bench.overhead [--block 5] [--repeats 8] [--warmup 3] [--threads 1] [--json F]
+                             [--model gpt_tiny] [--layers 4] [--hidden H] [--heads A] [--ffn F] [--seq S]
+                             [--grad-clip 1.0] [--plain-optimizer foreach|fused]
+
+`launch_bound_args()` is the launch-bound line of `make bench` (issue 45): 32 layers of hidden 32,
+the plain loop on torch's fused AdamW; its ratio is the framework's per-operator overhead.
 """
 from __future__ import annotations
 
@@ -37,9 +42,20 @@ from bench.common import add_block_args, adamw_groups, free_port, json_cli, log_
 
 
 def _overrides(args) -> List[str]:
-    return ["parallel.dp=1", f"model.num_layers={args.layers}", f"train.micro_batch_size={args.micro_batch}",
-            f"train.global_batch_size={args.global_batch}", "train.steps=100000", "train.progress=false",
+    shape = [f"model.{key}={value}" for key, value in (("hidden_size", args.hidden), ("num_attention_heads", args.heads),
+                                                        ("ffn_hidden_size", args.ffn), ("seq_length", args.seq))
+             if value is not None]
+    return ["parallel.dp=1", f"model={args.model}", f"model.num_layers={args.layers}", *shape,
+            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
+            f"train.grad_clip={args.grad_clip}", "train.steps=100000", "train.progress=false",
             "checkpoint.interval=0", "checkpoint.resume=none", f"data.max_bytes={args.data_bytes}"]
+
+
+def launch_bound_args() -> List[str]:
+    """The launch-bound configuration of `make bench` (issue 45): many thin layers, so the step
+    is mostly per-operator host work, as a GPU step is when the framework launches too much."""
+    return ["--layers", "32", "--hidden", "32", "--heads", "4", "--ffn", "64", "--seq", "16",
+            "--micro-batch", "2", "--global-batch", "8", "--plain-optimizer", "fused"]
 
 
 class PlainLoop:
@@ -47,7 +63,7 @@ class PlainLoop:
     (default CPU): where the model and the microbatches live; on CUDA the AdamW is torch's fused
     one and the forward runs under train.precision's autocast, as the Trainer's does."""
 
-    def __init__(self, cfg: Any, dataset, device: Any = "cpu") -> None:
+    def __init__(self, cfg: Any, dataset, device: Any = "cpu", optimizer_kind: str = "") -> None:
         from mpoverlap.models.gpt import GPT
         from mpoverlap.precision import autocast_context
         from mpoverlap.training.lr import LRSchedule
@@ -59,7 +75,7 @@ class PlainLoop:
         cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(adamw_groups(self.model, t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                           foreach=None if cuda else True, fused=True if cuda else None)
+                                           **{optimizer_kind or ("fused" if cuda else "foreach"): True})
         self.schedule = LRSchedule.from_config(t)
         self.step = 0
 
@@ -97,20 +113,21 @@ def run(args) -> Dict[str, Any]:
             cfg = compose(_overrides(args) + [f"run.dir={tmp}"])
             state = init_distributed(cfg)
             trainer = Trainer(cfg, state, Path(tmp))
-            plain = PlainLoop(cfg, trainer.train_data)
+            plain = PlainLoop(cfg, trainer.train_data, optimizer_kind=args.plain_optimizer)
             sides = {"framework": trainer, "plain": plain}
             losses = {k: [] for k in sides}
             blocks: List[Dict[str, Any]] = []
 
             def one(name: str, block: Dict[str, Any], keep: bool) -> None:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = sides[name].train_step()
-                dt = time.perf_counter() - t0
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 trainer.ledger.reset()
                 losses[name].append(float(out["loss_local"]))
                 if keep:
                     block["wall"].append(dt)
                     block["inner"].append(out["step_time_s"])
+                    block["cpu"].append(cpu)
 
             for _ in range(args.warmup):
                 for name in sides:
@@ -128,7 +145,7 @@ def run(args) -> Dict[str, Any]:
                 order = ["framework", "plain"] if r % 2 == 0 else ["plain", "framework"]
                 for name in order:
                     gc.collect()
-                    block = {"side": name, "wall": [], "inner": []}
+                    block = {"side": name, "wall": [], "inner": [], "cpu": []}
                     busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.perf_counter()
                     for i in range(args.block):
                         one(name, block, keep=i >= args.block_warmup)
@@ -144,9 +161,12 @@ def run(args) -> Dict[str, Any]:
             def summary(use: List[Dict[str, Any]]) -> Dict[str, Any]:
                 res = {k: {"wall": stats([x for b in use if b["side"] == k for x in b["wall"]]),
                            "inner": stats([x for b in use if b["side"] == k for x in b["inner"]]),
+                           "cpu": stats([x for b in use if b["side"] == k for x in b["cpu"]]),
                            "blocks": sum(1 for b in use if b["side"] == k)} for k in sides}
                 res["ratio"] = res["framework"]["wall"]["median_s"] / res["plain"]["wall"]["median_s"]
                 res["ratio_inner"] = res["framework"]["inner"]["median_s"] / res["plain"]["inner"]["median_s"]
+                # CPU seconds of this process per step: what other jobs on the shared cores move least
+                res["ratio_cpu"] = res["framework"]["cpu"]["median_s"] / res["plain"]["cpu"]["median_s"]
                 return res
 
             everything = summary(blocks)
@@ -162,6 +182,7 @@ def run(args) -> Dict[str, Any]:
                 "benchmark": "overhead",
                 "setup": {"model": m.name, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
                           "seq_length": m.seq_length, "micro_batch_size": cfg.train.micro_batch_size,
+                          "grad_clip": cfg.train.grad_clip, "plain_optimizer": args.plain_optimizer,
                           "microbatches": cfg.train.global_batch_size // cfg.train.micro_batch_size,
                           "threads": args.threads, "block": args.block, "repeats": r,
                           "warmup": args.warmup, "block_warmup": args.block_warmup,
@@ -184,7 +205,15 @@ def run(args) -> Dict[str, Any]:
 def add_args(p: argparse.ArgumentParser) -> None:
     add_block_args(p, block=5, repeats=8, max_repeats=40, min_quiet=6, time_budget=60.0, warmup=3, unit="side")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both (default 1)")
+    p.add_argument("--model", default="gpt_tiny")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=None, help="model.hidden_size (default: the model's)")
+    p.add_argument("--heads", type=int, default=None, help="model.num_attention_heads (default: the model's)")
+    p.add_argument("--ffn", type=int, default=None, help="model.ffn_hidden_size (default: the model's)")
+    p.add_argument("--seq", type=int, default=None, help="model.seq_length (default: the model's)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="train.grad_clip, both sides (default 1.0)")
+    p.add_argument("--plain-optimizer", choices=("foreach", "fused"), default="fused",
+                   help="the plain loop's AdamW implementation (default fused, as the Trainer's on CPU and CUDA)")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--data-bytes", type=int, default=2_000_000)

@@ -273,3 +273,35 @@ def test_ep_pairing_bench_plans_renders_and_names_a_build_without_pairing():
     assert "| 0.50 | 840.0 | +5% | 0.45 | -0.05 |" in text
     assert "simulated 1.02" in text and f"Not run: pairing, both ({ep_pairing.UNAVAILABLE})." in text
     assert ep_pairing.render({}) == ""
+
+
+def test_launch_bound_overhead_line_validates_and_renders():
+    """The launch-bound overhead line (issue 45): its configuration validates at 1 rank, and the
+    section renders the measured ratio (no goal on CPU) beside the plain loop's optimizer."""
+    import argparse
+
+    from bench import overhead
+    from bench.run import render
+
+    p = argparse.ArgumentParser()
+    overhead.add_args(p)
+    args = p.parse_args(overhead.launch_bound_args())
+    ov = overhead._overrides(args)
+    assert validate(compose(ov), 1) == []
+    assert "model.num_layers=32" in ov and "train.grad_clip=1.0" in ov and args.plain_optimizer == "fused"
+    step = {"n": 8, "median_s": 0.2, "min_s": 0.19, "q1_s": 0.195, "q3_s": 0.21}
+    side = {"wall": step, "inner": step, "cpu": step, "blocks": 4}
+    res = {"framework": side, "plain": {"wall": dict(step, median_s=0.16), "inner": dict(step, median_s=0.16),
+                                        "cpu": dict(step, median_s=0.16), "blocks": 4},
+           "ratio": 1.25, "ratio_inner": 1.25, "ratio_cpu": 1.125}
+    setup = {"model": "gpt_tiny", "num_layers": 32, "hidden_size": 32, "seq_length": 16, "micro_batch_size": 2,
+             "microbatches": 4, "grad_clip": 1.0, "plain_optimizer": "fused", "threads": 1, "block": 5, "repeats": 4,
+             "warmup": 3, "block_warmup": 1}
+    result = {"setup": setup, "all": res, "quiet": res, "quiet_threshold_cores": 0.1,
+              "block_foreign_cores": [{"side": "framework", "foreign_cores": 0.0}] * 8,
+              "max_loss_diff_first5": 0.0, "max_loss_diff": 1e-3, "steps_compared": 40}
+    text = render({"timestamp": "t", "machine": {"cores": 2, "cpu": "x", "torch": "2", "python": "3", "git": "abc"},
+                   "others_cpu_s": 0.0, "wall_s": 1.0, "command": "c", "overhead_launch": result})
+    assert "## Framework overhead, launch-bound (many thin layers)" in text
+    assert "| plain PyTorch loop (fused AdamW) | 160.0 |" in text and "**framework / plain = 1.250**;" in text
+    assert "on this process's CPU time (least moved by other jobs): 1.125;" in text

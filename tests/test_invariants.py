@@ -308,17 +308,17 @@ def test_grad_square_sum_copies_nothing_and_matches_fp64():
     to fp64 below the dispatcher: an 8 MiB `aten::_to_copy` for a 4 MiB gradient)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from mpoverlap.data_parallel.optimizer import _square_sum
+    from mpoverlap.data_parallel.grad_norm import square_sum
 
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(1 << 20, generator=g), torch.randn(1000, generator=g) * 1e-3, torch.randn(7, 5, generator=g)]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        sq = _square_sum(grads, torch.device("cpu"))
+        sq = square_sum(grads, torch.device("cpu"))
     allocated = {e.key: e.cpu_memory_usage for e in prof.key_averages() if e.cpu_memory_usage > 0}
     assert max(allocated.values()) <= 64 << 10, f"the norm allocated a gradient's copy: {allocated}"
     ref = sum(float((t.double() ** 2).sum()) for t in grads)
     assert sq.dtype == torch.float64 and abs(float(sq) - ref) <= 1e-6 * ref
-    bf16 = _square_sum([t.bfloat16() for t in grads], torch.device("cpu"))
+    bf16 = square_sum([t.bfloat16() for t in grads], torch.device("cpu"))
     assert abs(float(bf16) - ref) <= 1e-2 * ref
 
 

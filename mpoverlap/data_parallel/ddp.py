@@ -135,6 +135,10 @@ class DataParallel(ShardedGrads):
                                     device=b.grad_data.device)
                         if self.distributed_optimizer and c and not self.shard_grads else None
                         for b, c in zip(self.buffer.buckets, communicates)]
+        # Each parameter's gradient view, built once (before ZeRO-2/3 free the full buckets: a
+        # view follows its storage when it is re-allocated): the hook of every parameter in every
+        # microbatch compares against it (building it there cost two operators per call).
+        self._grad_views = {p: self.buffer.grad_view(p) for p in self.buffer.params}
         self._init_shards()
         self._is_last = True
         self._ready: List[Set[nn.Parameter]] = [set() for _ in range(nb)]
@@ -289,7 +293,7 @@ class DataParallel(ShardedGrads):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if self.weight_grads is not None and self.weight_grads.withheld(param):
             return  # B deferred this gradient to a W action: nothing was accumulated
-        view = self.buffer.grad_view(param)
+        view = self._grad_views[param]
         grad = param.grad
         if grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
             # Autograd replaced .grad (it was set to None, or create_graph=True): the new

@@ -30,6 +30,13 @@ import torch.distributed as dist
 from mpoverlap.comm.collectives import all_gather
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.data_parallel.ddp import DataParallel
+from mpoverlap.data_parallel.grad_norm import SquareSum, coalesce
+
+try:  # a private helper of torch's: the device types fused AdamW has kernels for
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+except ImportError:  # pragma: no cover - a torch without it: CUDA and CPU have had them since 2.4
+    def _get_fused_kernels_supported_devices() -> List[str]:
+        return ["cuda", "cpu"]
 
 # torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -57,26 +64,6 @@ class _Piece:
     # An expert weight: its squares add up over the expert-parallel group (each rank holds
     # other experts) and, under ZeRO-1, its shards over the expert-data-parallel group.
     expert: bool = False
-
-
-# Elements per partial norm: an fp32 sum of squares over 2^14 elements is within ~1e-7 of the
-# exact one (over a whole 1M-element bucket ~2e-5); the partial norms are summed in fp64.
-_NORM_CHUNK = 1 << 14
-
-
-def _square_sum(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of all elements, as a float64 0-dim tensor on `device`: fp32 norms of
-    chunks of 2^14 elements (views, no copy) in one foreach call, squared and summed in fp64.
-    `_foreach_norm(dtype=float64)` would first copy every tensor (whole gradient buckets) to
-    fp64: twice its memory and about three times the traffic of the norm."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    chunks = [c for t in tensors for c in t.reshape(-1).split(_NORM_CHUNK)]
-    if all(t.dtype == torch.float32 for t in tensors):
-        norms = torch._foreach_norm(chunks, 2)
-    else:  # bf16/fp16 gradients: each chunk accumulated in fp32
-        norms = torch._foreach_norm(chunks, 2, dtype=torch.float32)
-    return torch.stack(norms).double().pow(2).sum()
 
 
 def param_readers(module: torch.nn.Module):
@@ -129,18 +116,22 @@ class DataParallelAdamW:
         groups = [{"params": [pc.main for pc in self.pieces if pc.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [pc.main for pc in self.pieces if pc.ndim < 2], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        on_cuda = buf.buckets[0].grad_data.is_cuda
-        kind = {"fused": True} if on_cuda else {"foreach": True}
+        # Fused wherever torch has the kernel (CUDA and CPU): one op per group and step. The
+        # foreach implementation reads every parameter's step counter on the host (a Python
+        # loop over the parameters, `.item()` each) when the counters live on the CPU.
+        fused = buf.buckets[0].grad_data.device.type in _get_fused_kernels_supported_devices()
+        kind = {"fused": True} if fused else {"foreach": True}
         # A rank whose shards hold only padding has nothing to update (tiny buckets only).
         self.optimizer: Optional[torch.optim.AdamW] = (
             torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kind) if groups else None)
-        self._fused = on_cuda
+        self._fused = fused
         self._step = 0
         self._pending: Dict[int, CommHandle] = {}
         # Gather inputs: a copy of the shard, so the collective's input never aliases its output.
         self._gather_in = [torch.empty(b.numel // ddp.bucket_group(b.index).size, dtype=b.param_data.dtype,
                                        device=b.param_data.device) if self._bucket_gathers(b.index) else None
                            for b in buf.buckets]
+        self._init_grad_norm()
         self._hooks = []
         if self.param_gather_overlap and self._gathers:
             for module, params in param_readers(ddp.module):
@@ -211,17 +202,30 @@ class DataParallelAdamW:
         return sorted(self._pending)
 
     # ---- gradient norm ------------------------------------------------------------------
-    def _grad_regions(self) -> List[torch.Tensor]:
-        return [self.ddp.grad_shard(b.index) for b in self.ddp.buffer.buckets]
+    def _init_grad_norm(self) -> None:
+        """The views the norm and the clip read every step, built once: this rank's gradient
+        regions merged where adjacent (the whole flat buffer without sharding), and with tensor,
+        pipeline or expert parallelism the pieces grouped into the four categories of
+        `_sharded_square_sum`, as runs of adjacent pieces (a few per layer, none per element)."""
+        ddp = self.ddp
+        self._clip_regions, _ = coalesce([ddp.grad_shard(b.index) for b in ddp.buffer.buckets])
+        device = ddp.buffer.buckets[0].grad_data.device
+        self._sharded = not (self.tp_group is None and self.pp_group is None and self.ep_group is None)
+        if not self._sharded:
+            self._square_sums = SquareSum(self._clip_regions, device)
+            return
+        pieces = [pc for pc in self.pieces if not pc.pipeline_duplicate]
+        self._square_sums = SquareSum([pc.main.grad for pc in pieces], device,
+                                      keys=[(3 - int(pc.tp_sharded)) if pc.expert else int(pc.tp_sharded)
+                                            for pc in pieces], num_keys=4)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of the full averaged gradient; scale gradients by
         max_norm / (norm + 1e-6) when that is < 1 (max_norm <= 0: only compute). A non-finite
         norm is returned without touching the gradients."""
         self.ddp.finish_grad_sync()
-        regions = self._grad_regions()
-        if self.tp_group is None and self.pp_group is None and self.ep_group is None:
-            sq = _square_sum(regions, regions[0].device)
+        if not self._sharded:
+            sq = self._square_sums()[0]
             if self.ddp.distributed_optimizer and self.ddp.group is not None:
                 # Each rank holds disjoint shards (expert buckets too: without expert
                 # parallelism their group has the dense group's ranks): the squares add up.
@@ -233,7 +237,7 @@ class DataParallelAdamW:
         if max_norm > 0 and math.isfinite(norm):
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_(regions, coef)
+                torch._foreach_mul_(self._clip_regions, coef)
         return norm
 
     def _sharded_square_sum(self) -> torch.Tensor:
@@ -242,13 +246,7 @@ class DataParallelAdamW:
         dp x cp, experts over edp), TP shards (the tp-sharded two), expert-parallel ranks
         (other experts), then pipeline stages (other layers). Copies of a replicated parameter
         count once."""
-        device = self.ddp.buffer.buckets[0].grad_data.device
-        by_cat: List[List[torch.Tensor]] = [[], [], [], []]
-        for pc in self.pieces:
-            if not pc.pipeline_duplicate:
-                by_cat[(3 - int(pc.tp_sharded)) if pc.expert else int(pc.tp_sharded)].append(pc.main.grad)
-        # One foreach norm per category (a few kernels), not one norm and one add per piece.
-        sq4 = torch.stack([_square_sum(grads, device) for grads in by_cat])
+        sq4 = self._square_sums()  # a few kernels per run of pieces, not one norm per piece
         if self.ddp.distributed_optimizer:
             for sl, key in ((slice(0, 2), "dense"), (slice(2, 4), "expert")):
                 group = self.ddp.reduce_groups[key].group

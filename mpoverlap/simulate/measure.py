@@ -202,9 +202,12 @@ def model_work(cfg: Any, pp: int = 1, vpp: int = 1, cp: int = 1) -> Tuple[Callab
 
 def update_seconds_per_param(cfg: Any, repeats: int = 7, copies: int = 1) -> float:
     """Thread-CPU seconds per parameter of the step's work after the last backward (gradient
-    buffer zeroed, fp64 foreach norm, foreach clip scale, foreach AdamW with weight decay), on
-    the model's own parameters in one flat buffer as the DP wrapper keeps them; the median."""
+    buffer zeroed, the optimizer's norm over [rows, 2^14] views with an fp64 total, the clip
+    scale, fused AdamW with weight decay, as DataParallelAdamW runs them), on the model's own
+    parameters in one flat buffer as the DP wrapper keeps them; the median."""
     import torch
+
+    from mpoverlap.data_parallel.grad_norm import SquareSum
 
     with one_thread():
         model, _ = _model_and_tokens(cfg)
@@ -217,11 +220,12 @@ def update_seconds_per_param(cfg: Any, repeats: int = 7, copies: int = 1) -> flo
             offset += p.numel()
         for p, g in zip(params, grads):
             p.grad = g
-        optimizer = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+        optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)
+        square_sum = SquareSum([flat_grad], flat_grad.device)
 
         def work() -> None:
-            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum().sqrt()
-            torch._foreach_mul_(grads, 0.5)
+            square_sum().sqrt()
+            torch._foreach_mul_([flat_grad], 0.5)
             optimizer.step()
             flat_grad.zero_()
 

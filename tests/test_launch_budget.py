@@ -1,0 +1,85 @@
+"""The launch budget of one training step (issue 45): on a GPU every operator is a kernel launch
+of a few microseconds of host time, and every tensor handed to a foreach operator adds host work,
+so neither may grow with the model's width; operators grow linearly with depth and microbatches.
+Counted on CPU with `mpoverlap.training.launch_count` over `Trainer.train_step` (world 1)."""
+import os
+import sys
+import tempfile
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import run_distributed  # noqa: E402
+
+
+def _overrides(hidden=64, layers=2, micro=2, precision="bf16"):
+    """llama_tiny's shape (GQA, RMSNorm, SwiGLU) at `layers` x `hidden`, `micro` microbatches."""
+    return ["model=llama_tiny", f"model.num_layers={layers}", f"model.hidden_size={hidden}",
+            f"model.ffn_hidden_size={hidden * 11 // 4}", "model.seq_length=16", "train.micro_batch_size=2",
+            f"train.global_batch_size={2 * micro}", f"train.precision={precision}", "train.grad_clip=1.0",
+            "train.log_interval=100", "data.max_bytes=200000", "train.device=cpu", "train.progress=false"]
+
+
+# name -> overrides; (layers, microbatches) on a grid for the per-layer-per-microbatch figure.
+RUNS = {
+    **{f"bf16-L{L}-m{m}": _overrides(layers=L, micro=m) for L, m in ((2, 1), (4, 1), (6, 1), (2, 2), (2, 3), (4, 2))},
+    "bf16-wide": _overrides(hidden=256),
+    "fp32-narrow": _overrides(precision="fp32"),
+    "fp32-wide": _overrides(hidden=256, precision="fp32"),
+}
+
+
+def _count_steps(rank, world, runs, root):
+    from pathlib import Path
+
+    from mpoverlap.config import compose
+    from mpoverlap.training.launch_count import count_launches
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    out = {}
+    for name, overrides in runs.items():
+        cfg = compose([*overrides, f"run.dir={root}/{name}"])
+        trainer = Trainer(cfg, init_distributed(cfg), Path(root) / name)
+        trainer.train_step()  # the first step builds lazy state (AdamW moments): not a hot-path step
+        with count_launches() as launches:
+            trainer.train_step()
+        trainer.close()
+        out[name] = (launches.ops, launches.foreach_tensors, launches.summary())
+    return out
+
+
+@pytest.fixture(scope="module")
+def counts():
+    with tempfile.TemporaryDirectory() as root:
+        return run_distributed(_count_steps, 1, RUNS, root, timeout_s=300)[0]
+
+
+# The norm reads each gradient region as a [rows, 2^14] view plus a tail: a region whose size
+# crosses a multiple of 2^14 gains or loses one view (3 operators), whatever the model's size.
+VIEW_SLACK = 3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_launches_do_not_grow_with_width(counts, precision):
+    """hidden 64 -> 256 at the same depth and batch: the same operators, the same foreach tensors
+    (a norm over 2^14-element views handed thousands of tensors to one foreach call)."""
+    narrow = counts["bf16-L2-m2" if precision == "bf16" else "fp32-narrow"]
+    wide = counts[f"{precision}-wide"]
+    assert wide[1] == narrow[1], f"foreach tensors grow with width: {narrow[2]} -> {wide[2]}"
+    assert abs(wide[0] - narrow[0]) <= VIEW_SLACK, f"operators grow with width: {narrow[2]} -> {wide[2]}"
+
+
+def test_launches_grow_linearly_with_depth_and_microbatches(counts):
+    """2, 4, 6 layers: the same increment per layer; 1, 2, 3 microbatches: the same increment per
+    microbatch. Prints operators per layer per microbatch (the mixed difference of the grid)."""
+    ops = {(L, m): counts[f"bf16-L{L}-m{m}"][0] for L, m in ((2, 1), (4, 1), (6, 1), (2, 2), (2, 3), (4, 2))}
+    per_2_layers = (ops[4, 1] - ops[2, 1], ops[6, 1] - ops[4, 1])
+    per_micro = (ops[2, 2] - ops[2, 1], ops[2, 3] - ops[2, 2])
+    assert per_2_layers[0] == per_2_layers[1] > 0, f"not linear in depth: {ops}"
+    assert per_micro[0] == per_micro[1] > 0, f"not linear in microbatches: {ops}"
+    per_layer_micro = (ops[4, 2] - ops[2, 2] - ops[4, 1] + ops[2, 1]) / 2
+    print(f"\noperators per layer per microbatch: {per_layer_micro:g}; per layer per step (optimizer, norm): "
+          f"{per_2_layers[0] / 2 - per_layer_micro:g}; per microbatch outside the layers: "
+          f"{per_micro[0] - 2 * per_layer_micro:g}; {counts['bf16-L2-m2'][2]}")
+    assert per_layer_micro > 0
