@@ -652,6 +652,9 @@ def test_bf16_residual_stream_is_one_dtype_in_every_layout(bf16_runs):
     print(f"\nfinding 9, 20 steps, largest relative loss gap to the bf16 single process: {gaps}; "
           f"its micro-batch-1 twin: {floor:.2e}")
     assert len(ref) == 20 and all(len(bf16_runs[name]) == 20 for name in gaps)
+    # 2e-2 (issue 32's bound for curves): on the five kernel paths of the bf16 notes above the four
+    # layouts reached 4.4e-4..1.0e-3 and the micro-batch-1 twin 2.5e-4..3.8e-4 (step 1: loss 0, grad
+    # norm 6.8e-7..7.6e-7 against the 1e-5 above): 13x margin or more on every bound of this test.
     assert max(gaps.values()) <= 2e-2, (gaps, floor)
     for name, mode, tol in (("f9_pp2_vpp2", "pp", 0.0), ("f9_tp2_sp_cm", "tp", 0.03)):
         est = estimate(compose([*F9, *F9_LAYOUTS[name]]), 2).comm_bytes_per_step[mode]
