@@ -7,6 +7,7 @@ rule engine in `mpoverlap.overlap.rules`, which names the key, the value and a f
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -273,9 +274,15 @@ def _register_schema() -> None:
         store.store(name="mpoverlap_schema", node=MPOverlapConfig)
 
 
-# The config groups of conf/ (a folder each): an override naming one chooses a file of the defaults
-# list; every other override sets a value after the defaults are composed (Hydra's own order).
-_GROUPS = frozenset({"data", "hardware", "model", "overlap", "parallel"})
+@functools.lru_cache(maxsize=None)
+def _config_groups() -> frozenset:
+    """The config groups of conf/ (a folder each): an override naming one chooses a file of the
+    defaults list; every other override sets a value after the defaults are composed (Hydra's own
+    order)."""
+    return frozenset(d.name for d in resources.files("mpoverlap.conf").iterdir()
+                     if d.is_dir() and any(f.name.endswith(".yaml") for f in d.iterdir()))
+
+
 # Composed defaults (unresolved, no value override applied) by the group overrides that chose them.
 _COMPOSED: dict = {}
 
@@ -309,7 +316,8 @@ def _compose_cached(overrides: List[str]) -> DictConfig:
     from hydra.core.override_parser.types import OverrideType
 
     parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
-    groups = [o for o in parsed if o.key_or_group in _GROUPS]
+    group_names = _config_groups()
+    groups = [o for o in parsed if o.key_or_group in group_names]
     if any(o.is_sweep_override() or o.is_hydra_override() for o in parsed) or \
             any(o.type != OverrideType.CHANGE or o.package is not None for o in groups):
         return _hydra_compose(overrides)
@@ -317,7 +325,7 @@ def _compose_cached(overrides: List[str]) -> DictConfig:
     if key not in _COMPOSED:
         _COMPOSED[key] = _hydra_compose(list(key))
     cfg = copy.deepcopy(_COMPOSED[key])
-    ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.key_or_group not in _GROUPS], cfg)
+    ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.key_or_group not in group_names], cfg)
     return cfg
 
 
