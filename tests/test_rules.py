@@ -141,8 +141,6 @@ FAILING = {
                                        "overlap.ep_pairing=true"], None)],
     "ep_pairing.needs_ep_overlap": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep=false",
                                      "overlap.ep_pairing=true"], None)],
-    "cp.fused_kernel_unconfirmed": [(["parallel.cp=2", "parallel.cp_attention_backend=fused", "train.device=cuda",
-                                      "train.precision=bf16", "model.head_dim=12"], 2)],
     "mode.required_applies": [(["overlap.tp=true"], None), (["overlap.pp=true"], None),
                               (["overlap.cp=true"], None), (["overlap.ep=true"], None)],
 }

@@ -22,15 +22,14 @@ Backends (`select_block_kernel`, once per backend request, device and dtype):
                   head dim <= 256 and a multiple of 8; K/V groups read unexpanded.
   efficient_cuda  aten._scaled_dot_product_efficient_attention (+ _backward): fp32. Has no
                   grouped-query mode: K/V are expanded to the N heads for the call (O(sequence)
-                  memory) and dK/dV summed back. bf16 / fp16: fixed (issue 44, see
-                  _efficient_backward) but not yet confirmed on a GPU: UNCONFIRMED below keeps
-                  `auto` off it (explicit math instead) and makes `fused` refuse.
+                  memory) and dK/dV summed back. bf16 / fp16: the output is handed to the
+                  backward in the forward's layout (issue 44, see _efficient_backward),
+                  confirmed on an H200 by `make gpu-check` at c3a3560.
   cudnn_cuda      aten._scaled_dot_product_cudnn_attention (+ _backward): bf16 / fp16, on
                   request only (`parallel.cp_attention_backend=cudnn`); K/V expanded like
                   efficient.
   explicit        attention_math.py: scores by hand in fp32 (fp64 stays fp64), c x c per
-                  block and head; the fallback (fp64 references, dtypes no kernel takes, and
-                  for `auto` bf16 / fp16 on CUDA where flash cannot run: see UNCONFIRMED).
+                  block and head; the fallback (fp64 references, dtypes no kernel takes).
 
 No kernel is ever handed a mask tensor: blocks are either unmasked or top-left causal, so
 nothing of size Q x K exists outside the kernels' own tiles.
@@ -181,17 +180,6 @@ KERNELS = {k.name: k for k in (EXPLICIT, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA, 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HALF = (torch.bfloat16, torch.float16)
 
-# (kernel, dtype) pairs whose numbers a GPU has not confirmed: `auto` never picks them (it
-# falls back to the explicit math and the plan says why) and `fused` refuses them. efficient_cuda
-# returned wrong bf16 gradients on an H200 (issue 44; cause and fix in _efficient_backward);
-# drop these once `make gpu-check` passes test_cuda_block_kind_matches_sdpa for them.
-UNCONFIRMED = {("efficient_cuda", torch.bfloat16): "issue 44", ("efficient_cuda", torch.float16): "issue 44"}
-
-
-def _unconfirmed_reason(kernel: "BlockKernel", dtype: torch.dtype) -> str:
-    return (f"{kernel.name} in {str(dtype).replace('torch.', '')} returned wrong gradients on a GPU "
-            f"({UNCONFIRMED[(kernel.name, dtype)]}); its fix is not yet confirmed on one")
-
 
 class NoFusedKernelError(ValueError):
     """A fused kernel was required (`fused` or `cudnn`) where none takes this device and dtype."""
@@ -221,13 +209,6 @@ def _select(request: str, device_type: str, device_index, dtype: torch.dtype, he
             fused = FLASH_CUDA
         elif dtype in (torch.float32,) + _HALF:
             fused = EFFICIENT_CUDA
-    if fused is not None and (fused.name, dtype) in UNCONFIRMED:
-        if request == "auto":
-            return EXPLICIT
-        raise NoFusedKernelError(
-            f"parallel.cp_attention_backend={request}: the only fused kernel for {dtype} at head dim {head_dim} "
-            f"on this GPU is {_unconfirmed_reason(fused, dtype)}; use parallel.cp_attention_backend=auto "
-            "(explicit math here) or =explicit, or train.precision=fp32 (efficient_cuda in fp32 is verified)")
     if fused is not None:
         return fused
     if request == "auto":
@@ -241,24 +222,16 @@ def _select(request: str, device_type: str, device_index, dtype: torch.dtype, he
 def select_block_kernel(request: str, q_BNSD: torch.Tensor) -> BlockKernel:
     """The kernel for `request` (parallel.cp_attention_backend) and q's device and dtype:
     auto = the device's fused kernel for the dtype, else explicit; fused / cudnn = that kernel
-    or NoFusedKernelError; explicit = the fp32 math. A kernel in UNCONFIRMED for the dtype is
-    never picked: auto takes explicit, fused raises NoFusedKernelError naming the reason."""
+    or NoFusedKernelError; explicit = the fp32 math."""
     return _select(request, q_BNSD.device.type, q_BNSD.device.index, q_BNSD.dtype, q_BNSD.shape[-1])
 
 
 def describe_block_backend(request: str, device_type: str, dtype: torch.dtype, head_dim: int) -> str:
     """For the start-up plan: the kernel a CP block uses, named with its aten op, without a GPU
     at hand (on CUDA the choice depends on the GPU's generation: flash on sm80+ and what runs
-    otherwise are both named; a kernel left out as UNCONFIRMED is named with the reason)."""
+    otherwise are both named)."""
     efficient = f"{EFFICIENT_CUDA.name} ({EFFICIENT_CUDA.op}; K/V expanded for grouped-query attention)"
     if device_type == "cuda" and request in ("auto", "fused"):
-        if (EFFICIENT_CUDA.name, dtype) in UNCONFIRMED:
-            why = _unconfirmed_reason(EFFICIENT_CUDA, dtype)
-            other = (f"{EXPLICIT.name} ({EXPLICIT.op}), not {why}" if request == "auto" else
-                     f"none: parallel.cp_attention_backend=fused refuses {why}; use =auto or =explicit")
-            if head_dim <= 256 and head_dim % 8 == 0:
-                return f"{FLASH_CUDA.name} ({FLASH_CUDA.op}) on sm80+, else {other}"
-            return other
         if dtype in (torch.float32,) + _HALF:
             if dtype in _HALF and head_dim <= 256 and head_dim % 8 == 0:
                 return f"{FLASH_CUDA.name} ({FLASH_CUDA.op}) on sm80+, else {efficient}"

@@ -81,27 +81,3 @@ def _attention_backend(lo: Layout):
                        "train.precision": t.precision},
                       "the cuDNN attention kernel runs on CUDA with bf16 inputs only (or set train.device=cuda "
                       "and train.precision=bf16)", ["parallel.cp_attention_backend=auto"])
-
-
-@rule("cp.fused_kernel_unconfirmed", "cp", ("parallel.cp_attention_backend", "train.device", "train.precision",
-                                             "model.head_dim"),
-      "parallel.cp_attention_backend=fused on CUDA in bf16 needs a head dim flash takes (<= 256, a multiple of 8): "
-      "the efficient kernel, the only other one, awaits GPU confirmation in bf16 (issue 44)")
-def _fused_unconfirmed(lo: Layout):
-    from mpoverlap.context_parallel.block_kernels import UNCONFIRMED
-    from mpoverlap.models.init import head_dim_of
-
-    p, t = lo.cfg.parallel, lo.cfg.train
-    if p.cp_attention_backend != "fused" or lo.cp is None or lo.cp < 2 or t.device != "cuda" or t.precision != "bf16":
-        return
-    import torch
-
-    D = head_dim_of(lo.cfg.model)
-    if ("efficient_cuda", torch.bfloat16) in UNCONFIRMED and (D > 256 or D % 8):
-        yield Problem("cp.fused_kernel_unconfirmed",
-                      {"parallel.cp_attention_backend": "fused", "train.device": "cuda", "train.precision": "bf16",
-                       "model.head_dim": D},
-                      "flash takes head dims <= 256 that are multiples of 8; the efficient kernel, the only other "
-                      "fused one, returned wrong bf16 gradients on a GPU (issue 44) and its fix is not yet "
-                      "confirmed on one; auto runs the explicit math there (or train.precision=fp32)",
-                      ["parallel.cp_attention_backend=auto"])
