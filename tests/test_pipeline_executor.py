@@ -84,10 +84,20 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
     stage, dp_rank, num_chunks = state.coords.pp, state.coords.dp, pp * vpp
     layout = chunk_layout(schedule or schedule_kind(vpp))
     weight_grads, shared, accumulations = None, [], []
+    landings = []  # (layer, action index) of every weight-gradient accumulation (zb1p / zbv)
     if schedule in ("zb1p", "zbv"):
         from mpoverlap.wgrad import Linear, WeightGradDeferral, attach_deferral
 
         layers, weight_grads = make_layers(Linear), WeightGradDeferral()
+
+        def landed(layer):  # which action is computing when the weight's gradient accumulates
+            def hook(param):
+                if not weight_grads.withheld(param):  # B's empty call for a deferred weight
+                    landings.append((layer, next(i for event, i, _ in reversed(executor.trace)
+                                                 if event == "compute")))
+            return hook
+        for i, layer in enumerate(layers):
+            layer.weight.register_post_accumulate_grad_hook(landed(i))
         if tied:
             layers = tie_ends(layers)
             if stage == 0:  # the V's stage 0 runs both ends: one weight, two chunks' W's
@@ -129,7 +139,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         for _ in range(steps):  # the same executor runs every step; report the last one
             for layer in layers:
                 layer.zero_grad(set_to_none=True)
-            x_leaves.clear(), hook_calls.clear(), torch_calls.clear(), accumulations.clear()
+            x_leaves.clear(), hook_calls.clear(), torch_calls.clear(), accumulations.clear(), landings.clear()
             stderr = io.StringIO()
             with contextlib.redirect_stderr(stderr):
                 started = time.perf_counter()
@@ -158,6 +168,7 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         "posted_ahead": posted_ahead, "hooks": hook_calls, "bubble_s": executor.bubble_s, "run_s": run_s,
         "times_ordered": all(t0 <= t1 for (_, _, t0), (_, _, t1) in zip(trace, trace[1:])),
         "verbose_lines": stderr.getvalue().splitlines(), "shared_accumulations": len(accumulations),
+        "landings": landings, "table": [(a.kind, a.microbatch, a.vchunk, a.chunk) for a in tables[stage]],
     }
 
 
@@ -273,6 +284,35 @@ def test_zb1p_hook_marks_the_last_b_and_the_last_w(reports, pp, vpp, m, overlap)
         for v in range(vpp):
             flags = [c[2] for c in calls if c[0] == v]
             assert flags[-1] and sum(flags) == 2
+
+
+@pytest.mark.parametrize("key", [("zb1p", *c) for c in ZB_CONFIGS] + [("zbv", *c) for c in ZBV_CONFIGS] +
+                         ["zbv_tied"], ids=str)
+def test_weight_gradients_land_in_w_actions_after_their_b(reports, key):
+    """Every deferring schedule (zb1p, zbv): each layer weight's gradient reaches the parameter
+    while a W action computes, never inside a B or an F; that W belongs to a (microbatch, chunk)
+    whose B ran before it; and each W lands exactly the weights of its chunk (it is not a
+    no-op). A W folded back into B (the executor's deferral switched off with W a no-op, or the
+    queue run inside B) lands them in B's slot and fails here for zb1p and zbv alike."""
+    pp, vpp = (ZBV_TIED if key == "zbv_tied" else key[1:])[:2]
+    for rank_report in reports:
+        r = rank_report[key]
+        table = r["table"]
+        outside_w = [(layer, table[i]) for layer, i in r["landings"] if table[i][0] != "W"]
+        assert not outside_w, (key, r["stage"], outside_w[:4])
+        b_at = {(mb, v): i for i, (kind, mb, v, _) in enumerate(table) if kind == "B"}
+        landed = {}
+        for layer, i in r["landings"]:
+            _, mb, v, _ = table[i]
+            assert i > b_at[(mb, v)], (key, r["stage"], table[i])
+            landed.setdefault(i, set()).add(layer)
+        w_actions = [i for i, (kind, *_) in enumerate(table) if kind == "W"]
+        assert len(w_actions) == len(b_at)  # one W per B
+        if key == "zbv_tied":  # the shared weight lands in the microbatch's last W only (see below)
+            assert set(landed) <= set(w_actions)
+            continue
+        for i in w_actions:
+            assert landed.get(i) == set(layers_of_chunk(table[i][3], pp * vpp)), (key, r["stage"], table[i])
 
 
 def test_second_step_and_verbose_lines(reports):
