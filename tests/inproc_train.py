@@ -69,22 +69,48 @@ Segment = Tuple[int, Sequence[str], int]
 
 
 def _run_segments(rank, world, jobs, root: str):
+    import contextlib
+    import io
+
     from mpoverlap.config import compose
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
 
+    out = {}
     for name, overrides, steps in jobs:
         run_dir = Path(root) / name
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = compose([*overrides, f"train.steps={steps}", f"run.dir={run_dir}", "train.device=cpu"])
-        Trainer(cfg, init_distributed(cfg), run_dir).run()
+        trainer = Trainer(cfg, init_distributed(cfg), run_dir)
+        blocked = []  # (step, the executor's own blocked time of that step) on a pipelined run
+        if trainer.pipeline is not None:
+            train_step = trainer.train_step
+
+            def timed_step(train_step=train_step, trainer=trainer, blocked=blocked):
+                result = train_step()
+                blocked.append((trainer.step, trainer.pipeline.executor.bubble_s))
+                return result
+            trainer.train_step = timed_step
+        stdout = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(stdout):
+                trainer.run()
+        finally:
+            sys.stdout.write(stdout.getvalue())
+        out[name] = {"stage": trainer.state.coords.pp, "blocked": blocked, "stdout": stdout.getvalue()}
+    return out
 
 
-def run_chains(chains: Dict[str, Sequence[Segment]], root, timeout_s: float = 900) -> None:
+def run_chains(chains: Dict[str, Sequence[Segment]], root, timeout_s: float = 900) -> Dict[str, List[dict]]:
     """Each chain is a list of segments (world, overrides, steps) that run one after another in
     `root/<name>`, each a full `Trainer.run()` (what a console-script launch runs: resume from the
     newest checkpoint, train to `steps`, save, write metrics.jsonl). The k-th segments of all
-    chains run in one spawn per world size, after every (k-1)-th segment finished."""
+    chains run in one spawn per world size, after every (k-1)-th segment finished.
+
+    Returns {name: [per segment, per rank: {"stage": pipeline stage, "blocked": [(step, the
+    PipelineExecutor's bubble_s of that step)] (empty without a pipeline), "stdout": what the
+    rank printed (rank 0: the plan and, with train.progress=true, the log lines)}]}."""
+    results: Dict[str, List[list]] = {name: [] for name in chains}
     for k in range(max(len(segments) for segments in chains.values())):
         by_world: Dict[int, list] = {}
         for name, segments in chains.items():
@@ -92,4 +118,7 @@ def run_chains(chains: Dict[str, Sequence[Segment]], root, timeout_s: float = 90
                 world, overrides, steps = segments[k]
                 by_world.setdefault(world, []).append((name, list(overrides), steps))
         for world, jobs in sorted(by_world.items()):
-            run_distributed(_run_segments, world, jobs, str(root), timeout_s=timeout_s)
+            per_rank = run_distributed(_run_segments, world, jobs, str(root), timeout_s=timeout_s)
+            for name, _, _ in jobs:
+                results[name].append([r[name] for r in per_rank])
+    return results

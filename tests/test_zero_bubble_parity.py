@@ -116,18 +116,28 @@ def test_zero_bubble_dp_bytes_equal_the_estimate(runs):
     assert not off, off
 
 
-def test_zbv_checkpoint_resumes_under_1f1b_and_back(runs, tmp_path):
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory):
+    """zbv -> 1F1B and 1F1B -> zbv at pp 2, 3 + 3 steps, each segment a full Trainer.run()
+    (metrics.jsonl, the log line: train.progress=true)."""
+    from inproc_train import run_chains
+
+    root = tmp_path_factory.mktemp("chains")
+    reshard = [*SMALL, *L4, "train.lr_decay_steps=6", "checkpoint.interval=3", "train.progress=true"]
+    zbv = [*reshard, *ZBV, "parallel.pp=2"]
+    one_f_one_b = [*reshard, "parallel.pp=2"]
+    segments = run_chains({"zbv_to_1f1b": [(2, zbv, 3), (2, one_f_one_b, 6)],
+                           "1f1b_to_zbv": [(2, one_f_one_b, 3), (2, zbv, 6)]}, root)
+    return root, segments
+
+
+def test_zbv_checkpoint_resumes_under_1f1b_and_back(runs, chains):
     """A zbv checkpoint holds every layer under its global id and the tied embedding once (stage
     0 holds both ends of the V): resumed under 1F1B (where the last stage gets its copy of the
     embedding) and a 1F1B one resumed under zbv, both stay on the single-process curve."""
-    from inproc_train import run_chains
     from test_train_cli import losses, rows
 
-    reshard = [*SMALL, *L4, "train.lr_decay_steps=6", "checkpoint.interval=3"]
-    zbv = [*reshard, *ZBV, "parallel.pp=2"]
-    one_f_one_b = [*reshard, "parallel.pp=2"]
-    run_chains({"zbv_to_1f1b": [(2, zbv, 3), (2, one_f_one_b, 6)],
-                "1f1b_to_zbv": [(2, one_f_one_b, 3), (2, zbv, 6)]}, tmp_path)
+    tmp_path, _ = chains
     for name in ("zbv_to_1f1b", "1f1b_to_zbv"):  # the reference: a 6-step run decays over 6 steps
         assert [r["step"] for r in rows(tmp_path / name)] == [1, 2, 3, 4, 5, 6]
         assert_close(losses(tmp_path / name), [r["loss"] for r in runs["ref_4layers"]])
@@ -140,3 +150,37 @@ def test_zbv_checkpoint_resumes_under_1f1b_and_back(runs, tmp_path):
     zbv_first, one_f_one_b_first = val_losses("zbv_to_1f1b"), val_losses("1f1b_to_zbv")
     assert [s for s, _ in zbv_first] == [s for s, _ in one_f_one_b_first] == [3, 6]
     assert_close([v for _, v in zbv_first], [v for _, v in one_f_one_b_first])
+
+
+def test_pp_bubble_in_metrics_and_log_line_is_the_executors_blocked_time(chains):
+    """`pp_bubble_s` of every metrics.jsonl row (train.log_interval=1) and the `pp bubble a/bms`
+    of its log line are, per stage, the PipelineExecutor's own blocked time of that step
+    (`bubble_s`, read from the executor after each step), for zbv and 1F1B segments alike:
+    exactly (one rank per stage here: the mean over a stage's ranks is that rank's), and the
+    log line to its 0.1 ms print precision. Each is a part of the step's time, and some stage
+    waits every step (the fill)."""
+    import re
+
+    from test_train_cli import rows
+
+    root, segments = chains
+    for name, per_segment in segments.items():
+        blocked = {}  # step -> [per stage]
+        for per_rank in per_segment:
+            for rank in per_rank:
+                for step, seconds in rank["blocked"]:
+                    blocked.setdefault(step, [None, None])[rank["stage"]] = seconds
+        assert sorted(blocked) == [1, 2, 3, 4, 5, 6], (name, sorted(blocked))
+        got = rows(root / name)
+        assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+        for r in got:
+            assert r["pp_bubble_s"] == blocked[r["step"]], (name, r["step"], r["pp_bubble_s"], blocked[r["step"]])
+            assert all(0 <= b <= r["step_time_s"] for b in r["pp_bubble_s"]) and sum(r["pp_bubble_s"]) > 0
+        printed = {}
+        for per_rank in per_segment:  # rank 0 prints
+            for line in per_rank[0]["stdout"].splitlines():
+                match = re.match(r"step +(\d+) \|.* pp bubble ([0-9./]+)ms$", line)
+                if match:
+                    printed[int(match.group(1))] = match.group(2)
+        assert printed == {step: "/".join(f"{b * 1e3:.1f}" for b in per_stage)
+                           for step, per_stage in blocked.items()}, (name, printed, blocked)
