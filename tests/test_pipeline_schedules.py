@@ -10,6 +10,8 @@ from mpoverlap.pipeline import (ScheduleError, bubble_fraction, build_schedule,
                                 schedule_kind, simulated_bubble, simulated_bubble_time,
                                 validate_schedule)
 from mpoverlap.pipeline.actions import RECV, SEND, is_local
+from mpoverlap.pipeline.bubble import closed_form_bubble, closed_forms, in_window_idle
+from mpoverlap.pipeline.schedules import _timed_run
 from mpoverlap.pipeline.zero_bubble import peak_in_flight
 
 
@@ -195,6 +197,49 @@ def test_simulated_bubble_reproduces_the_paper_formulas(costs):
     assert max(zb_inter) <= 3 * (F + B - W) + 1e-9
 
 
+# Per-chunk (F, B, W): equal, and unequal on each side of the forms' conditions (W below and
+# above min(F, B), F above and below B).
+CLOSED_FORM_COSTS = [(1, 1, 1), (1, 1, 0.5), (1.5, 1, 0.75), (1, 2, 1), (2, 1, 1), (1, 1, 2), (3, 1, 1),
+                     (1, 0.5, 0.5), (0.5, 1.5, 1.5)]
+
+
+@pytest.mark.parametrize("kind,vpp,pp,m", [("1f1b", 1, 4, 8), ("1f1b", 1, 2, 3), ("interleaved", 2, 4, 8),
+                                           ("interleaved", 3, 2, 5), ("zb1p", 1, 4, 8), ("zb1p", 1, 3, 3),
+                                           ("zb1p", 2, 4, 8), ("zb1p", 2, 2, 5), ("zbv", 2, 4, 8), ("zbv", 2, 3, 4)])
+def test_closed_forms_are_the_tables_bubble(kind, vpp, pp, m):
+    """Each closed form (pipeline/bubble.py) against the schedule's own table timed with free
+    p2p, at F = B = W and at unequal costs: equal on every stage wherever the form says it is
+    exact (and it says so at F = B = W for every schedule); where it does not, the table's
+    bubble is reported beside it, never replaced by it."""
+    tables = build_schedule(kind, pp, vpp, m)
+    exact = 0
+    for costs in CLOSED_FORM_COSTS:
+        form = closed_form_bubble(kind, pp, vpp, *costs)
+        if costs == (1, 1, 1):
+            assert form.exact and form.seconds == pytest.approx({"1f1b": 3, "interleaved": 3}.get(kind, 1) * (pp - 1))
+        if form.exact:
+            exact += 1
+            assert simulated_bubble_time(tables, *costs) == pytest.approx([form.seconds] * pp), (costs, form)
+    # every costs for 1F1B, interleaved and ZB-H1; F = B = W for zb1p on chunks; F <= B = W for zbv
+    assert exact == {"zb1p": 1 if vpp > 1 else len(CLOSED_FORM_COSTS), "zbv": 2}.get(kind, len(CLOSED_FORM_COSTS))
+    # per-stage costs: each stage's own figure, and the pooled one at the stages' mean
+    per_stage = [(1, 1, 0.5), (2, 2, 1)][:pp] + [(1.5, 1.5, 0.75)] * (pp - 2)
+    pooled, at_pooled, at_stages = closed_forms(kind, pp, vpp, per_stage)
+    assert pooled == pytest.approx((1.5, 1.5, 0.75))
+    assert at_pooled.seconds == closed_form_bubble(kind, pp, vpp, *pooled).seconds
+    assert [f.seconds for f in at_stages] == [closed_form_bubble(kind, pp, vpp, *c).seconds for c in per_stage]
+
+
+def test_paired_v_closed_form_is_dualpipev_s():
+    """DeepSeek-V3 Table 2: DualPipeV's (PP/2-1)(F&B+B-3W) with B the full backward, PP/2 = pp
+    devices: (pp-1)(FB+B-2W) with B the input gradient. The reference's replay of torch's
+    DualPipeV at 4 ranks, F = B = W = 1, serial pairs (FB = F+B+W = 3): 6; a perfect overlap
+    (FB = max(F, B+W) = 2) leaves the V's fill (pp-1) F = 3."""
+    assert closed_form_bubble("zbv", 4, 2, 1, 1, 1, paired=True).seconds == 6
+    assert closed_form_bubble("zbv", 4, 2, 1, 1, 1, paired=True, fb=2).seconds == 3
+    assert not closed_form_bubble("zbv", 4, 2, 1, 1, 1, paired=True).exact  # no paired V table here yet
+
+
 def test_timed_run_takes_per_stage_costs_and_a_p2p_latency():
     """The benchmark's table (bench/zero_bubble_report.py): `latency` delays each message
     between stages, `cost_of(kind, stage, vchunk)` replaces the three costs. 1F1B at pp 2:
@@ -283,6 +328,11 @@ def test_zbv_bubble_is_the_fill_only(pp, m):
     bubble is (pp-1) B; for other costs it is at least the fill."""
     tables = build_schedule("zbv", pp, 2, m)
     assert simulated_bubble_time(tables, 1, 1, 1) == pytest.approx([pp - 1] * pp)
+    # The paper's "zero bubble" (its formula's value at F = B = W): no stage idles between its
+    # own first and last action; the (pp-1) F above is the fill, before a stage's first action.
+    if m >= 2 * pp:
+        assert in_window_idle(_timed_run(tables, 1, 1, 1)) == pytest.approx([0.0] * pp)
+    assert closed_form_bubble("zbv", pp, 2, 1, 1, 1).seconds == pp - 1
     assert max(simulated_bubble(tables)) == pytest.approx(bubble_fraction(pp, 2, m, "zbv"))
     assert bubble_fraction(pp, 2, m, "zbv") == pytest.approx((pp - 1) / (6 * m))
     for F, B in [(1, 2), (1, 3), (2, 3), (0.5, 0.75)]:

@@ -456,6 +456,10 @@ BF16_LAYOUTS = {
     # ZeRO-1 over the dp x cp group of two.
     "cp2_ring_zero": ["train.precision=bf16", "parallel.cp=2", "overlap.cp=true", "train.distributed_optimizer=true"],
     "cp2_a2a": ["train.precision=bf16", "parallel.cp=2", "parallel.cp_comm=a2a"],
+    # Zero-bubble pipelines (issue 47): the weight gradients deferred to W actions, in bf16 GEMMs.
+    "zb1p_pp2": ["train.precision=bf16", "parallel.pp=2", "parallel.pp_schedule=zb1p", "overlap.pp=true"],
+    "zbv_pp2": ["train.precision=bf16", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv",
+                "overlap.pp=true"],
     # MoE: the single-process bf16 run is the reference of the expert-parallel one.
     "moe_bf16": [*MOE, "train.precision=bf16"],
     "moe_dp2_ep2_bf16": [*MOE, "train.precision=bf16", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true"],
@@ -622,7 +626,9 @@ def test_bf16_halves_activation_and_gradient_bytes(bf16_runs):
             assert per_mode["pp"] == 1.0, (name, per_mode)
         for mode, ratio in activations.items():
             assert 0.5 <= ratio <= 0.56, (name, mode, ratio)
-        assert activations or per_mode.get("dp") == 0.5, (name, per_mode)  # something halved
+        # Something halved, except where the layout moves only the fp32 residual stream (pp alone):
+        # whether those compute in bf16 is test_bf16_layouts_reproduce_single_process_bf16_curve's.
+        assert activations or per_mode.get("dp") == 0.5 or set(per_mode) == {"pp"}, (name, per_mode)
     # mpoverlap-check's dp estimate follows train.grad_reduce_dtype.
     from mpoverlap.config import compose
     from mpoverlap.overlap.estimate import estimate

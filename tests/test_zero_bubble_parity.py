@@ -1,10 +1,11 @@
 """Zero-bubble pipelines (parallel.pp_schedule=zb1p and zbv, weight gradients deferred to W
 actions) against the single-process reference: the loss and gradient-norm curves over 6 fp32
-steps, alone and composed with dp (sharding none and optim_grads_params), tp 2 + SP
-(collective matmul on and off), cp 2 with selective recompute, MoE ep 2 (against the dp-only
-reference of the same dp) and full recompute. zbv (two chunks per stage in a V, the tied
-embedding and head both on stage 0) at pp 2 and pp 4, with dp 2 (none and ZeRO-3, tied),
-tp 2 + SP, MoE ep 2 and full recompute. One spawn per world size (tests/inproc_train.py)."""
+steps, alone and composed with dp (sharding none, optim_grads (ZeRO-2) and optim_grads_params),
+tp 2 + SP (collective matmul on and off), cp 2 with selective recompute, MoE ep 2 and full
+recompute. zbv (two chunks per stage in a V, the tied embedding and head both on stage 0) at
+pp 2 and pp 4, with dp 2 (none, ZeRO-2 for gpt and llama, ZeRO-3 tied), tp 2 + SP, MoE ep 2 and
+full recompute. Every layout against the single-process run of its model (bf16 zb1p / zbv:
+tests/test_train_cli.py's bf16 fixture, against its floors). One spawn per world size (tests/inproc_train.py)."""
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ LAYOUTS = {
     # references
     "ref": [],
     "ref_4layers": L4,
-    "moe_ref_dp2": [*MOE, "parallel.dp=2"],
+    "moe_ref": [*MOE],
     # zb1p on 1F1B and on interleaved chunks
     "zb_pp2": [*ZB, "parallel.pp=2", "overlap.pp=true"],
     "zb_pp4": [*ZB, *L4, "parallel.pp=4", "overlap.pp=false"],
@@ -31,6 +32,8 @@ LAYOUTS = {
     "zb_pp2_recompute_full": [*ZB, "parallel.pp=2", "model.recompute=full"],
     # compositions
     "zb_dp2_pp2": [*ZB, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true"],
+    "zb_dp2_pp2_zero2": [*ZB, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true",
+                         "train.dp_sharding=optim_grads"],
     "zb_dp2_pp2_zero3": [*ZB, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true",
                          "train.dp_sharding=optim_grads_params", "model.tie_embeddings=false"],
     "zb_tp2_sp_ring_pp2": [*ZB, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
@@ -51,17 +54,23 @@ LAYOUTS.update({
     "zbv_pp2_recompute_full": [*ZBV, *L4, "parallel.pp=2", "model.recompute=full"],
     "zbv_dp2_pp2": [*ZBV, *L4, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true"],
     # tied: the V keeps the embedding and the head on stage 0, ZeRO-3 gathers it for both
+    "zbv_dp2_pp2_zero2": [*ZBV, *L4, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true",
+                          "train.dp_sharding=optim_grads"],
+    "llama_ref": ["model=llama_tiny", *L4],
+    "zbv_llama_dp2_pp2_zero2": ["model=llama_tiny", *ZBV, *L4, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true",
+                                "train.dp_sharding=optim_grads"],
     "zbv_dp2_pp2_zero3": [*ZBV, *L4, "parallel.dp=2", "parallel.pp=2", "overlap.dp=true",
                           "train.dp_sharding=optim_grads_params"],
     "zbv_tp2_sp_pp2": [*ZBV, *L4, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                        "overlap.tp=true"],
-    "moe_ref_dp2_4layers": [*MOE, *L4, "parallel.dp=2"],
+    "moe_ref_4layers": [*MOE, *L4],
     "zbv_moe_dp2_ep2_pp2": [*ZBV, *MOE, *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true"],
 })
-REFS = {"zb_pp4": "ref_4layers", "zb_pp2_vpp2": "ref_4layers", "zb_moe_dp2_ep2_pp2": "moe_ref_dp2",
+REFS = {"zb_pp4": "ref_4layers", "zb_pp2_vpp2": "ref_4layers", "zb_moe_dp2_ep2_pp2": "moe_ref",
         "zb_dp2_pp2_zero3": "ref_untied", "zbv_pp2": "ref_4layers", "zbv_pp4": "ref_8layers",
         "zbv_pp2_recompute_full": "ref_4layers", "zbv_dp2_pp2": "ref_4layers", "zbv_dp2_pp2_zero3": "ref_4layers",
-        "zbv_tp2_sp_pp2": "ref_4layers", "zbv_moe_dp2_ep2_pp2": "moe_ref_dp2_4layers"}
+        "zbv_tp2_sp_pp2": "ref_4layers", "zbv_moe_dp2_ep2_pp2": "moe_ref_4layers", "zbv_dp2_pp2_zero2": "ref_4layers",
+        "zbv_llama_dp2_pp2_zero2": "llama_ref"}
 LAYOUTS["ref_untied"] = ["model.tie_embeddings=false"]
 
 
@@ -107,7 +116,8 @@ def test_zero_bubble_dp_bytes_equal_the_estimate(runs):
     from mpoverlap.overlap.layout import build_layout
 
     off = []
-    for name in ("zb_dp2_pp2", "zb_dp2_pp2_zero3", "zbv_dp2_pp2", "zbv_dp2_pp2_zero3"):
+    for name in ("zb_dp2_pp2", "zb_dp2_pp2_zero2", "zb_dp2_pp2_zero3", "zbv_dp2_pp2", "zbv_dp2_pp2_zero2",
+                 "zbv_dp2_pp2_zero3"):
         cfg = compose([*SMALL, *LAYOUTS[name]])
         got = runs[name][-1]["comm"]["dp"]["bytes"]
         est = estimate(cfg, build_layout(cfg).world).comm_bytes_per_step["dp"]
