@@ -28,14 +28,20 @@ def split_name(name: str) -> tuple:
     return "torch", base, int(m) if m else None
 
 
-def closed_form(kind: str, vpp: int, pp: int, f: float, b: float, w: float) -> Optional[float]:
-    """The paper's bubble per step (Table 2) with per-chunk costs F, B (the full backward for
-    schedules without W), W; None where there is no closed form (zbv away from F = B = W)."""
-    if kind in ("1f1b", "interleaved"):
-        return (pp - 1) * (f + b)
-    if kind == "zb1p" and vpp == 1:
-        return (pp - 1) * (f + b - w)
-    return None
+# torch's sides run the same schedules (their F, B, W measured the same way).
+TORCH_KIND = {"torch_1f1b": "1f1b", "torch_zb1p": "zb1p", "torch_zbv": "zbv"}
+
+
+def closed_form(kind: str, vpp: int, pp: int, f: float, b: float, w: float):
+    """The schedule's closed-form bubble per step (mpoverlap/pipeline/bubble.py: the paper's
+    Table 2 forms and where each is exact) with per-chunk costs F, B (the full backward for
+    schedules without W), W; a BubbleForm, or None for a side that is no schedule."""
+    from mpoverlap.pipeline.bubble import closed_form_bubble
+
+    try:
+        return closed_form_bubble(TORCH_KIND.get(kind, kind), pp, vpp, f, b, w)
+    except ValueError:
+        return None
 
 
 def timed_table(kind: str, pp: int, vpp: int, m: int, f: float, b: float, w: float, cost_of=None,
@@ -165,8 +171,14 @@ def _formulas(row: Dict[str, Any], kind: str, vpp: int, m: int) -> None:
     w = _median([a["W"] for a in acts if "W" in a]) / 1e3 if any("W" in a for a in acts) else 0.0
     pp = len(acts)
     row["costs_ms"] = {"F": f * 1e3, "B": b * 1e3, "W": w * 1e3}
-    row["closed_form_ms"] = None if closed_form(kind, vpp, pp, f, b, w) is None else \
-        closed_form(kind, vpp, pp, f, b, w) * 1e3
+    form = closed_form(kind, vpp, pp, f, b, w)
+    row["closed_form_ms"] = None if form is None else form.seconds * 1e3
+    row["closed_form"] = None if form is None else form.describe()
+    # the same form at each stage's own per-action costs (stage 0 holds the embedding, the last
+    # stage, or zbv's stage 0, the head): a stage slower than the pooled figure bounds the others
+    at_stage = [closed_form(kind, vpp, pp, a.get("F", float("nan")) / 1e3, a.get("B", float("nan")) / 1e3,
+                            a.get("W", 0.0) / 1e3) for a in acts]
+    row["closed_form_stage_ms"] = [None if x is None else x.seconds * 1e3 for x in at_stage]
     try:
         tt = timed_table(kind, pp, vpp, m, f, b, w)
         row["timed_table_ms"] = {k: [x * 1e3 for x in v] for k, v in tt.items()}
@@ -300,7 +312,7 @@ def render(results: Dict[str, Any]) -> str:
                   "slowest rank; all blocks used (the quiet ones are in results.json).", "",
                   "| side | m | vpp | median step (ms) | IQR (ms) | F / B / W per action (ms) | pp_bubble_s per stage "
                   "(ms) | timed table, same F/B/W (ms) | measured / table | timed table per step (its per-chunk costs "
-                  "and stage start offsets, the p2p latency; median over steps, ms) | measured / that | makespan idle per stage (ms) | closed form (ms) |",
+                  "and stage start offsets, the p2p latency; median over steps, ms) | measured / that | makespan idle per stage (ms) | closed form at the pooled F/B/W; at each stage's own (ms) |",
                   "|---|---:|---:|---:|---:|---|---|---|---|---|---|---|---:|"]
         for name, row in v.items():
             side, kind, m = split_name(name)
@@ -326,7 +338,8 @@ def render(results: Dict[str, Any]) -> str:
                 f"{_ms(st['q3_s'] * 1e3)} | {_ms(c.get('F'))} / {_ms(c.get('B'))} / {_ms(c.get('W'))} | "
                 f"{' / '.join(_ms(x) for x in bub)} | {' / '.join(_ms(x) for x in table) if table else tt.get('error', '-')}"
                 f" | {ratio} | {chunk_s} | {ratio_c} | {' / '.join(_ms(x['makespan_idle_ms']) for x in row['stages'])} | "
-                f"{_ms(row.get('closed_form_ms'))} |")
+                f"{_ms(row.get('closed_form_ms'))}; {' / '.join(_ms(x) for x in row.get('closed_form_stage_ms') or [])}"
+                f"{' (' + row['closed_form'] + ')' if row.get('closed_form') else ''} |")
         lines += ["", _ratios_line(v), "", _bubble_line(v), ""]
         fl = sched.get("first_loss", {})
         if fl:

@@ -213,6 +213,8 @@ def test_zero_bubble_bench_plumbing(tmp_path):
         assert len(row["timed_step_ms"]["in_window_s"]) == 2 and row["timed_step_ms"]["steps"] > 0
         assert len(row["start_offset_ms"]) == 2 and len(row["per_step_pipe"]) == row["timed_step_ms"]["steps"]
         assert row["p2p_latency_ms"]["n"] > 0 and all(s["chunk_action_ms"] for s in row["stages"])
+        # the closed form (pipeline/bubble.py) at the pooled and at each stage's measured costs
+        assert row["closed_form_ms"] > 0 and len(row["closed_form_stage_ms"]) == 2 and row["closed_form"]
     text = zero_bubble_report.render({"zero_bubble": {"schedules": res}})
     assert "ZB-H1 (zb1p)" in text and "torch ScheduleZBVZeroBubble" in text and "zb1p/1f1b" in text
     if "mpo_zbv_m4" in ours:

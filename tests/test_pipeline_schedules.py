@@ -396,3 +396,19 @@ def test_check_and_simulate_know_zbv():
     sim = {name: simulate(cfg, from_config(cfg)) for name, cfg in cfgs.items()}
     assert sim["zbv"].step_s < min(sim["interleaved"].step_s, sim["zb1p_v2"].step_s)
     assert sim["zbv"].bubble_s < sim["interleaved"].bubble_s
+    # --simulate prints each schedule's closed form at the simulated per-chunk costs, pooled and
+    # per stage, beside the simulated idle (pipeline/bubble.py)
+    from mpoverlap.pipeline.bubble import closed_form_bubble
+    from mpoverlap.simulate.core import render
+
+    for name, cfg in cfgs.items():
+        forms = sim[name].bubble_forms
+        kind = forms["schedule"]
+        assert kind == {"zb1p_v2": "zb1p"}.get(name, name)
+        assert forms["form"] == closed_form_bubble(kind, 4, cfg.parallel.vpp, *forms["pooled"])
+        assert len(forms["per_stage"]) == 4 and all(f.seconds > 0 for f in forms["per_stage"])
+        line = next(x for x in render(cfg, from_config(cfg), sim[name]).splitlines() if "bubble closed form" in x)
+        assert f"{forms['form'].seconds * 1e3:,.2f} ms at the pooled per-chunk" in line, line
+        assert f"{sim[name].bubble_s * 1e3:,.2f} ms" in line.rsplit(";", 1)[1], line
+    assert sim["1f1b"].bubble_forms["form"].formula == "(p-1)(F+B+W)"
+    assert sim["zbv"].bubble_forms["form"].formula == "(p-1)max(F,B)"

@@ -55,6 +55,10 @@ class SimResult:
     # and per pair and unpaired pass the seconds of ep exposed ({"F", "B", "F_alone", "B_alone"})
     ep_pairing: str = ""
     ep_pairing_exposed: Dict[str, float] = field(default_factory=dict)
+    # pp > 1: the schedule's closed-form bubble (pipeline/bubble.py) at the simulated per-chunk
+    # action costs, pooled over the stages and each stage's own ({"schedule", "pooled" (F, B, W),
+    # "form", "per_stage"}); printed beside the simulated idle
+    bubble_forms: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def exposed_share(self) -> Dict[str, float]:
@@ -131,6 +135,14 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     pipe_real, pipe_free = max(real.ends), max(free.ends)
     fcrit = max(range(lo.pp), key=lambda s: free.ends[s])
     bubble = pipe_free - free.busy[fcrit]
+    forms = {}
+    if lo.pp > 1:
+        from mpoverlap.pipeline.bubble import closed_forms, stage_costs
+
+        per_stage = stage_costs(schedule, lo.pp, lo.vpp,
+                                lambda kind, s, v: duration(kind, chunk_index(s, v, lo.pp, layout)))
+        pooled, form, at_stages = closed_forms(schedule, lo.pp, lo.vpp, per_stage)
+        forms = {"schedule": schedule, "pooled": pooled, "form": form, "per_stage": at_stages}
 
     in_flight = {m: 0.0 for m in MODES}
     exposed = {m: 0.0 for m in MODES}
@@ -180,7 +192,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
                        ledger_pp={"in_flight_s": sum(real.ledger_in_flight) / lo.pp,
                                   "exposed_s": sum(real.ledger_exposed) / lo.pp + posted} if lo.pp > 1 else {},
                        useful_share=model_flops / run_flops if run_flops else 1.0,
-                       ep_pairing=pairing_why if lo.ep > 1 else "", ep_pairing_exposed=pairing_exposed)
+                       ep_pairing=pairing_why if lo.ep > 1 else "", ep_pairing_exposed=pairing_exposed,
+                       bubble_forms=forms)
     return result
 
 
@@ -281,6 +294,8 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
         e = r.exposed_s.get(m, 0.0)
         lines.append(f"  {m:<4} | {'ON' if r.enabled[m] else 'off':<7} | {r.links.get(m, '-'):<5} | {t * 1e3:>19,.3f} | "
                      f"{e * 1e3:>17,.3f} | {e / t:>13.2f} | {e / r.step_s:>6.1%}")
+    if r.bubble_forms:
+        lines.append(bubble_form_line(r.bubble_forms, r.bubble_s, "the simulated idle above"))
     if r.ep_pairing:
         x = r.ep_pairing_exposed
         lines.append(f"  ep forward/backward pairing (overlap.ep_pairing): {r.ep_pairing}" + (
@@ -288,3 +303,18 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
             f"backward's {x['B'] * 1e3:,.3f}), unpaired forward {x['F_alone'] * 1e3:,.3f} ms, backward "
             f"{x['B_alone'] * 1e3:,.3f} ms" if x else ""))
     return "\n".join(lines)
+
+
+def bubble_form_line(forms: Dict[str, Any], against_s: float, against: str) -> str:
+    """The closed-form bubble at the pooled per-chunk costs and at each stage's own, beside
+    `against_s` (a simulated or measured bubble, named by `against`)."""
+    from mpoverlap.pipeline import defers_weight_grads
+
+    f, b, w = forms["pooled"]
+    form = forms["form"]
+    costs = (f"F/B/W {f * 1e3:,.3f}/{b * 1e3:,.3f}/{w * 1e3:,.3f}" if defers_weight_grads(forms["schedule"])
+             else f"F/B {f * 1e3:,.3f}/{b * 1e3:,.3f} (B the whole backward, W = 0)")
+    return (f"  bubble closed form, {forms['schedule']} {form.describe()}: {form.seconds * 1e3:,.2f} ms at the pooled "
+            f"per-chunk {costs} ms; at each stage's own costs "
+            + "/".join(f"{x.seconds * 1e3:,.2f}" for x in forms["per_stage"])
+            + f" ms; {against}: {against_s * 1e3:,.2f} ms")
