@@ -57,7 +57,41 @@ def test_pairing_a_forward_with_its_own_backward_is_caught(monkeypatch):
         schedules._cached_orders.cache_clear()
 
 
-@pytest.mark.parametrize("kind,vpp", [("1f1b", 1), ("zb1p", 2), ("zbv", 2)])
-def test_only_the_interleaved_schedule_is_paired(kind, vpp):
+@pytest.mark.parametrize("kind,vpp", [("1f1b", 1), ("zb1p", 2)])
+def test_only_the_interleaved_schedule_and_the_v_are_paired(kind, vpp):
     with pytest.raises(ScheduleError, match="interleaved"):
         build_schedule(kind, 2, vpp, 4, pairing=True)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 5), (3, 7), (4, 8), (4, 13), (8, 16)])
+def test_paired_v_validates_pairs_across_its_chunks_and_keeps_the_fill(pp, m):
+    """The paired V (pipeline/zbv_paired.py, table only: the executor does not run it yet):
+    zbv's layout, one F, B and W per (microbatch, chunk), both posting programs deadlock-free
+    (validate_schedule); its main phase pairs F of one chunk with B of the stage's other chunk
+    (DualPipeV's F0+B1, F1+B0), never a chunk with itself. Timed with free p2p, a pair costing
+    its F + B (its W is a separate action after it), at F = B = W it keeps zbv's bubble, the
+    fill (p-1) F: DualPipeV's (p-1)(FB+B-2W) with FB = F+B; with the W inside the pair (FB =
+    F+B+W, DualPipeV's main phase) the form doubles it."""
+    from mpoverlap.pipeline.actions import V_SHAPE
+    from mpoverlap.pipeline.bubble import closed_form_bubble
+    from mpoverlap.pipeline.program import simulate_compute
+
+    tables = build_schedule("zbv", pp, 2, m, pairing=True)
+    validate_schedule(tables)
+    for table in tables:
+        for kind in "FBW":
+            for v in (0, 1):
+                assert sorted(a.microbatch for a in table if a.kind == kind and a.vchunk == v) == list(range(m))
+        pairs = [(a, table[i + 1]) for i, a in enumerate(table) if a.paired]
+        assert pairs and all(f.vchunk != b.vchunk for f, b in pairs)
+        assert {(f.vchunk, b.vchunk) for f, b in pairs} == {(0, 1), (1, 0)}
+    orders = [[(a.kind, a.microbatch, a.vchunk) for a in t] for t in tables]
+    paired = [{i for i, a in enumerate(t) if a.paired} for t in tables]
+    times = simulate_compute(orders, pp, 2, 1, 1, 1, V_SHAPE, paired=paired)
+    makespan = max(t[-1][1] for t in times)
+    idle = [makespan - sum(e - s for s, e in dict.fromkeys(t)) for t in times]  # a pair: one span
+    assert idle == pytest.approx([pp - 1] * pp)
+    assert closed_form_bubble("zbv", pp, 2, 1, 1, 1, paired=True, fb=2).seconds == pp - 1
+    assert closed_form_bubble("zbv", pp, 2, 1, 1, 1, paired=True).seconds == 2 * (pp - 1)
+    with pytest.raises(ScheduleError, match="2pp"):
+        build_schedule("zbv", pp, 2, 2 * pp - 1, pairing=True)

@@ -237,7 +237,7 @@ def test_paired_v_closed_form_is_dualpipev_s():
     (FB = max(F, B+W) = 2) leaves the V's fill (pp-1) F = 3."""
     assert closed_form_bubble("zbv", 4, 2, 1, 1, 1, paired=True).seconds == 6
     assert closed_form_bubble("zbv", 4, 2, 1, 1, 1, paired=True, fb=2).seconds == 3
-    assert not closed_form_bubble("zbv", 4, 2, 1, 1, 1, paired=True).exact  # no paired V table here yet
+    assert not closed_form_bubble("zbv", 4, 2, 1, 1, 1, paired=True).exact  # DualPipe's table, not ours
 
 
 def test_timed_run_takes_per_stage_costs_and_a_p2p_latency():

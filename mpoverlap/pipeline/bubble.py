@@ -13,7 +13,7 @@ Table 2, DeepSeek-V3 Table 2):
 |  | (p-1) max(F, B) | W > min(F, B): the W's no longer fit the 1F1B fill |
 | zb1p, vpp > 1 | (p-1)(F+B+W)/3 = (p-1) F | F = B = W only (no published form; the W's are placed for unit costs) |
 | zbv (ZB-V) | (p-1) max(F, B): the fill | F <= B = W (the V's order is built for F = B = W) |
-| paired V (DualPipeV) | (p-1)(FB+B-2W), FB the paired F&B action | DualPipe's table (no paired V here yet) |
+| paired V (DualPipeV) | (p-1)(FB+B-2W), FB the paired F&B action | DualPipe's table; zbv_paired.py's at F = B = W with FB = F+B |
 
 zbv's "zero bubble" is the paper's: with F = B = W no stage idles between its own first and last
 action; what the synchronous step keeps is the fill, stage s's first forward waiting for the s
@@ -21,7 +21,10 @@ chunks above it, (p-1) F against the makespan (`in_window_idle` gives the first 
 DeepSeek's table writes B for the full backward: (PP/2-1)(F&B+B-3W) over PP/2 devices is
 (p-1)(FB+(B+W)-3W) here. A serial pair (FB = F+B+W) gives (p-1)(F+2B-W); a perfect overlap
 (FB = max(F, B+W)) gives (p-1)(max(F, B+W)+B-2W), (p-1) F at F = B = W: the overlap, not the
-order, is what makes DualPipeV's bubble the V's.
+order, is what makes DualPipeV's bubble the V's. zbv_paired.py's table runs each pair's W as
+its own action after the pair (FB = F+B), so even serial pairs keep the V's fill at F = B = W
+(tests/test_paired_schedules.py); at other costs its bubble is not this form (the table is not
+run by the executor yet, and the form is reported as not exact).
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ def closed_form_bubble(kind: str, pp: int, vpp: int, f: float, b: float, w: floa
     if kind == "zbv" and paired:
         pair = f + b + w if fb is None else fb
         return BubbleForm(p * (pair + b - 2 * w), "(p-1)(FB+B-2W)", False,
-                          "DualPipe's table; no paired V table here to check it against")
+                          "DualPipe's table; zbv_paired.py's only at F = B = W with FB = F+B")
     if kind == "zbv":
         return BubbleForm(p * max(f, b), "(p-1)max(F,B)", f <= b * (1 + 1e-12) and _equal(b, w), "F <= B = W")
     raise ValueError(f"no closed form for pipeline schedule {kind!r}")

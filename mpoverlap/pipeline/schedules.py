@@ -45,6 +45,7 @@ from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP, V_SHAPE, WEIGHT
 from mpoverlap.pipeline.paired import paired_order
 from mpoverlap.pipeline.program import ComputeOrder, posting_programs, simulate_compute
 from mpoverlap.pipeline.zbv import zbv_order
+from mpoverlap.pipeline.zbv_paired import zbv_paired_order
 from mpoverlap.pipeline.zero_bubble import insert_weight_actions
 
 SCHEDULE_KINDS = ("1f1b", "interleaved", "zb1p", "zbv")
@@ -181,6 +182,8 @@ def pairing_constraints(kind: str, pp: int, vpp: int) -> List[str]:
     """Why the schedule has no paired table (empty: it has one)."""
     if pp == 1 or kind == "interleaved":
         return []
+    if kind == "zbv":  # the paired V (zbv_paired.py; table only, the executor does not run it yet)
+        return []
     return [f"forward/backward pairing at pp={pp} runs in the interleaved schedule (vpp >= 2), not in "
             f"{kind!r}; set parallel.vpp=2 and parallel.pp_schedule=interleaved"]
 
@@ -191,6 +194,13 @@ def _build_orders(kind: str, pp: int, vpp: int, num_microbatches: int, pairing: 
         problems += pairing_constraints(kind, pp, vpp)
     if problems:
         raise ScheduleError("; ".join(problems))
+    if pairing and kind == "zbv":
+        if num_microbatches < 2 * pp:
+            raise ScheduleError(f"the paired V needs at least 2pp = {2 * pp} microbatches per step, got "
+                                f"{num_microbatches}: its main phase pairs the forwards of one half of the "
+                                "microbatches with the backwards of the other")
+        pairs = [zbv_paired_order(pp, num_microbatches, s) for s in range(pp)]
+        return [order for order, _ in pairs], [p for _, p in pairs]
     if pairing:
         pairs = [paired_order(*_interleaved_parts(pp, vpp, num_microbatches, s)) for s in range(pp)]
         return [order for order, _ in pairs], [p for _, p in pairs]
