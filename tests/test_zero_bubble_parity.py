@@ -4,7 +4,8 @@ steps, alone and composed with dp (sharding none, optim_grads (ZeRO-2) and optim
 tp 2 + SP (collective matmul on and off), cp 2 with selective recompute, MoE ep 2 and full
 recompute. zbv (two chunks per stage in a V, the tied embedding and head both on stage 0) at
 pp 2 and pp 4, with dp 2 (none, ZeRO-2 for gpt and llama, ZeRO-3 tied), tp 2 + SP, MoE ep 2 and
-full recompute. Every layout against the single-process run of its model (bf16 zb1p / zbv:
+full recompute; the paired V (overlap.ep_pairing with zbv) on moe_fine_tiny at dp 2 x ep 2
+with selective recompute. Every layout against the single-process run of its model (bf16 zb1p / zbv:
 tests/test_train_cli.py's bf16 fixture, against its floors). One spawn per world size (tests/inproc_train.py)."""
 import json
 import os
@@ -65,12 +66,18 @@ LAYOUTS.update({
                        "overlap.tp=true"],
     "moe_ref_4layers": [*MOE, *L4],
     "zbv_moe_dp2_ep2_pp2": [*ZBV, *MOE, *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true"],
+    # the paired V (pipeline/zbv_paired.py): F of one chunk paired with B of the other, each B's W
+    # deferred out of the pair (moe_fine_tiny: a dense first layer, shared experts)
+    "moe_fine_ref": ["model=moe_fine_tiny", *L4],
+    "zbv_paired_moe_fine_dp2_ep2_pp2_selective": ["model=moe_fine_tiny", *ZBV, *L4, "parallel.dp=2", "parallel.ep=2",
+                                                  "parallel.pp=2", "overlap.ep=true", "overlap.ep_pairing=true",
+                                                  "model.recompute=selective"],
 })
 REFS = {"zb_pp4": "ref_4layers", "zb_pp2_vpp2": "ref_4layers", "zb_moe_dp2_ep2_pp2": "moe_ref",
         "zb_dp2_pp2_zero3": "ref_untied", "zbv_pp2": "ref_4layers", "zbv_pp4": "ref_8layers",
         "zbv_pp2_recompute_full": "ref_4layers", "zbv_dp2_pp2": "ref_4layers", "zbv_dp2_pp2_zero3": "ref_4layers",
         "zbv_tp2_sp_pp2": "ref_4layers", "zbv_moe_dp2_ep2_pp2": "moe_ref_4layers", "zbv_dp2_pp2_zero2": "ref_4layers",
-        "zbv_llama_dp2_pp2_zero2": "llama_ref"}
+        "zbv_llama_dp2_pp2_zero2": "llama_ref", "zbv_paired_moe_fine_dp2_ep2_pp2_selective": "moe_fine_ref"}
 LAYOUTS["ref_untied"] = ["model.tie_embeddings=false"]
 
 

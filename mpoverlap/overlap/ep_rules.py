@@ -230,13 +230,23 @@ def pairing_obstacles(lo: Layout) -> list:
                     "combined 1F1B requires virtual chunks too); at vpp=1 the 1F1B table is not paired",
                     ["parallel.vpp=2"]))
     schedule = str(getattr(lo.cfg.parallel, "pp_schedule", "auto"))
-    if lo.pp not in (None, 1) and schedule in ("zb1p", "zbv", "1f1b"):
+    if lo.pp not in (None, 1) and schedule in ("zb1p", "1f1b"):
         out.append(("ep_pairing.pp_needs_interleaved", {"parallel.pp_schedule": schedule},
-                    f"pipelined pairing pairs the steady-state F and B of the interleaved table; {schedule} "
-                    "is not paired (the zero-bubble tables split each backward into B and W, which the "
-                    "pairing's sub-step backward does not)",
+                    f"pipelined pairing pairs the steady-state F and B of the interleaved table or of the "
+                    f"zbv V (parallel.pp_schedule=zbv); {schedule} has no paired table",
                     ["parallel.pp_schedule=interleaved"]))
     n = lo.num_microbatches
+    if lo.pp not in (None, 1) and schedule == "zbv":
+        if n is not None and n < 2 * lo.pp:
+            out.append(("ep_pairing.v_microbatches", {"train.global_batch_size": lo.cfg.train.global_batch_size},
+                        f"the paired V pairs the forwards of one half of the microbatches with the backwards of "
+                        f"the other: it needs at least 2pp = {2 * lo.pp} microbatches per step, got {n}",
+                        [f"train.global_batch_size={lo.cfg.train.global_batch_size * -(-2 * lo.pp // n)}"]))
+        if getattr(m, "tie_embeddings", False):
+            out.append(("ep_pairing.v_untied", {"model.tie_embeddings": True},
+                        "in the paired V stage 0 runs the embedding and the head: a tied weight's gradient "
+                        "readiness would be released at the end of the pair's B, before its W adds the "
+                        "gradient", ["model.tie_embeddings=false"]))
     if n is not None and n < 2:
         out.append(("ep_pairing.needs_two_microbatches",
                     {"train.global_batch_size": lo.cfg.train.global_batch_size,
@@ -263,6 +273,10 @@ _PAIRING_RULES = {
                                 "overlap.ep_pairing=true at parallel.pp > 1 needs parallel.vpp >= 2"),
     "ep_pairing.pp_needs_interleaved": (("overlap.ep_pairing", "parallel.pp_schedule"),
                                         "overlap.ep_pairing=true at parallel.pp > 1 runs the interleaved schedule"),
+    "ep_pairing.v_microbatches": (("overlap.ep_pairing", "parallel.pp_schedule", "train.global_batch_size"),
+                                  "overlap.ep_pairing=true with zbv needs at least 2pp microbatches per step"),
+    "ep_pairing.v_untied": (("overlap.ep_pairing", "parallel.pp_schedule", "model.tie_embeddings"),
+                            "overlap.ep_pairing=true with zbv needs untied embeddings"),
     "ep_pairing.needs_two_microbatches": (("overlap.ep_pairing", "train.global_batch_size", "train.micro_batch_size"),
                                           "overlap.ep_pairing=true needs at least two microbatches per step"),
     "ep_pairing.no_full_recompute": (("overlap.ep_pairing", "model.recompute"),

@@ -114,6 +114,10 @@ class PipelineExecutor:
                              "the WeightGradDeferral attached to the model chunks")
         self.weight_grads = weight_grads
         self.shared = {id(p) for p in shared_params}
+        if self.shared and self.deferred and paired is not None:
+            raise ValueError("a paired V (overlap.ep_pairing with zbv) with a weight both chunks of a stage use "
+                             "(a tied embedding and head) is not supported: its readiness would be released "
+                             "at the end of the pair's B, before its W; set model.tie_embeddings=false")
         self.last_weight_of_mb = {a.microbatch: i for i, a in enumerate(self.actions) if a.kind == WEIGHT}
         self.consumer = {a.recv: i for i, a in enumerate(self.actions) if a.recv is not None}
         self.producer = {a.send: i for i, a in enumerate(self.actions) if a.send is not None}
@@ -250,7 +254,7 @@ class PipelineExecutor:
         """A paired F (at `index`) and the B after it as one overlapped action."""
         inp, run = self._begin_forward(index, forward)
         grad, bwd_run, bwd_inp = self._begin_backward(index + 1, backward)
-        self.paired.run(run, self.paired.backward(bwd_run, grad))
+        self.paired.run(run, self._paired_backward(backward, bwd_run, grad))
         self._end_forward(forward, inp, run, losses)
         self._end_backward(backward, bwd_inp, bwd_run)
 
@@ -279,6 +283,29 @@ class PipelineExecutor:
         key = (action.vchunk, action.microbatch)
         return grad, self._outputs.pop(key), self._inputs.pop(key)
 
+    def _paired_backward(self, action: Action, run, grad):
+        """The sub-step backward of a paired table's B; where the B has a W (the paired V),
+        each of its steps runs inside the deferral region of the (vchunk, microbatch)'s queue,
+        so its linears compute only input gradients and queue their weight GEMMs for the W
+        (the pair's forward steps, run between them, stay outside the region)."""
+        steps = self.paired.backward(run, grad)
+        key = (action.vchunk, action.microbatch)
+        if key not in self.deferred:
+            return steps
+        from mpoverlap.wgrad import WeightGradQueue
+
+        self._weight_queues[key] = queue = WeightGradQueue()
+        return self._deferring_steps(steps, queue)
+
+    def _deferring_steps(self, steps, queue):
+        while True:
+            with self.weight_grads.deferring(queue):
+                try:
+                    next(steps)
+                except StopIteration:
+                    return
+            yield
+
     def _end_backward(self, action: Action, inp, run) -> None:
         if action.send is not None:
             if run.input_grad is None:
@@ -295,7 +322,7 @@ class PipelineExecutor:
             return
         if self.paired is not None and action.kind == BACKWARD:  # a lone B of a paired table
             grad, run, inp = self._begin_backward(index, action)
-            self.paired.run(None, self.paired.backward(run, grad))
+            self.paired.run(None, self._paired_backward(action, run, grad))
             self._end_backward(action, inp, run)
             return
         if action.kind == FORWARD:
