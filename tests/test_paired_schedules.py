@@ -65,7 +65,7 @@ def test_only_the_interleaved_schedule_and_the_v_are_paired(kind, vpp):
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (2, 5), (3, 7), (4, 8), (4, 13), (8, 16)])
 def test_paired_v_validates_pairs_across_its_chunks_and_keeps_the_fill(pp, m):
-    """The paired V (pipeline/zbv_paired.py, table only: the executor does not run it yet):
+    """The paired V (pipeline/zbv_paired.py):
     zbv's layout, one F, B and W per (microbatch, chunk), both posting programs deadlock-free
     (validate_schedule); its main phase pairs F of one chunk with B of the stage's other chunk
     (DualPipeV's F0+B1, F1+B0), never a chunk with itself. Timed with free p2p, a pair costing

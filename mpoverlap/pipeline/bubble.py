@@ -23,8 +23,8 @@ DeepSeek's table writes B for the full backward: (PP/2-1)(F&B+B-3W) over PP/2 de
 (FB = max(F, B+W)) gives (p-1)(max(F, B+W)+B-2W), (p-1) F at F = B = W: the overlap, not the
 order, is what makes DualPipeV's bubble the V's. zbv_paired.py's table runs each pair's W as
 its own action after the pair (FB = F+B), so even serial pairs keep the V's fill at F = B = W
-(tests/test_paired_schedules.py); at other costs its bubble is not this form (the table is not
-run by the executor yet, and the form is reported as not exact).
+(tests/test_paired_schedules.py); at other costs its bubble is not this form (reported as not
+exact).
 """
 from __future__ import annotations
 

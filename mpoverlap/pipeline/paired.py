@@ -24,11 +24,9 @@ it for every table built; in the free-communication simulation the bubble equals
 interleaved table's. Price: one more (microbatch, chunk) of activations alive per stage in
 the steady state; the drain has one more lone backward.
 
-Only the interleaved schedule (vpp >= 2) is paired at run time: 1F1B (vpp = 1) has the same
-dependency every stage, and the zero-bubble tables (zb1p, zbv) split the backward into B and W,
-which the pairing's sub-step backward does not yet (rules ep_pairing.pp_needs_vpp and
-ep_pairing.pp_needs_interleaved refuse them). zbv has a paired table (zbv_paired.py, the
-DualPipeV-class V), built and validated but not run by the executor.
+The interleaved schedule (vpp >= 2) is paired here; zbv has its own paired table (zbv_paired.py,
+the DualPipeV-class V). 1F1B (vpp = 1) has the same dependency every stage, and zb1p has no
+paired table (rules ep_pairing.pp_needs_vpp and ep_pairing.pp_needs_interleaved refuse them).
 """
 from __future__ import annotations
 

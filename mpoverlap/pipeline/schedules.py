@@ -182,7 +182,7 @@ def pairing_constraints(kind: str, pp: int, vpp: int) -> List[str]:
     """Why the schedule has no paired table (empty: it has one)."""
     if pp == 1 or kind == "interleaved":
         return []
-    if kind == "zbv":  # the paired V (zbv_paired.py; table only, the executor does not run it yet)
+    if kind == "zbv":  # the paired V (zbv_paired.py)
         return []
     return [f"forward/backward pairing at pp={pp} runs in the interleaved schedule (vpp >= 2), not in "
             f"{kind!r}; set parallel.vpp=2 and parallel.pp_schedule=interleaved"]

@@ -1,8 +1,7 @@
 """The paired V (DualPipeV-class) compute order: zbv's layout (stage s holds chunks s and
-2pp-1-s) with forward/backward pairs in its steady state. TABLE ONLY (issue 47, item 1): the
-executor does not run paired zbv tables yet (rule ep_pairing.pp_needs_interleaved still
-refuses the combination); the tests build, validate and time it, and check DualPipeV's
-closed-form bubble (pipeline/bubble.py) against it.
+2pp-1-s) with forward/backward pairs in its steady state (overlap.ep_pairing=true with
+parallel.pp_schedule=zbv, issue 47). The executor runs each pair as one overlapped action and
+defers the pair's B's weight GEMMs to the W after it (PipelineExecutor._paired_backward).
 
 Phases of stage s (of pp; m >= 2pp microbatches; per-vchunk microbatch counters; "zb" = the
 B's W deferred to a later W action, FIFO; otherwise its W follows it at once), written from
