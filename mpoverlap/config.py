@@ -229,6 +229,8 @@ class HardwareConfig:
     peak_flops: float = 989e12  # dense bf16 tensor-core FLOP/s
     gemm_efficiency: float = 0.55  # fraction of peak the model's GEMMs (and flash attention) reach
     hbm_gb: float = 80.0
+    # HBM bytes/s: the memory-bound time (mpoverlap/simulate/memory.py); 0 = not modelled
+    hbm_bw: float = 0.0
     intra_bw: float = 450e9  # within a node
     intra_latency: float = 5e-6  # per collective step
     inter_bw: float = 50e9  # across nodes
