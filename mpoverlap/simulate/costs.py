@@ -13,6 +13,8 @@ sequence, tp the tensor-parallel degree; backward is twice the forward):
   output head      2 t H V / tp on the last chunk
 Recomputation adds to backward the forward of what it replays: `full` whole blocks (the first
 model.recompute_num_layers of each chunk), `selective` the attention core.
+Beside the FLOPs at peak x gemm_efficiency, each layer and the head carry memory-bound seconds:
+their elementwise bytes (memory.py) at hardware.hbm_bw (0 where the preset does not set it).
 """
 from __future__ import annotations
 
