@@ -84,3 +84,18 @@ def test_llama3_1b_within_15_percent_of_the_h200_step():
     predicted 0.515 s, 26% short of the measured 0.694 s."""
     _, _, r = _sim(LLAMA + ["hardware=h200_sxm"])
     assert abs(r.step_s / LLAMA_MEASURED_H200_S - 1) <= 0.15, r.step_s
+
+
+def test_compiled_regions_move_fewer_bytes():
+    """train.compile=true: the fused regions' bytes (memory.py COMPILED), the GEMMs' time unchanged."""
+    _, _, eager = _sim(LLAMA + ["hardware=h200_sxm"])
+    _, _, fused = _sim(LLAMA + ["hardware=h200_sxm", "train.compile=true"])
+    assert fused.compute_s - fused.memory_s == pytest.approx(eager.compute_s - eager.memory_s)
+    assert 0 < fused.memory_s < eager.memory_s
+    cfg = plain(compose(LLAMA))
+    lo = build_layout(cfg)
+    t, H, r, c = 8192, 2048, 4, 2
+    saved = (2 * t * H * (2 * r + r + c) + t * 2560 * (6 * c + 24) + 2 * t * H * (2 * r + c) + 5 * t * 8192 * c) - (
+        t * H * (r + c) + t * H * (2 * r + 2 * c) + t * 2560 * 2 * c + t * H * (2 * r + c) + 3 * t * 8192 * c)
+    fused_cfg = plain(compose(LLAMA + ["train.compile=true"]))
+    assert layer_bytes(cfg, lo, 0, 2)["F"] - layer_bytes(fused_cfg, lo, 0, 2)["F"] == pytest.approx(saved)

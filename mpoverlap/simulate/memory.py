@@ -33,6 +33,12 @@ Per step, after the last backward (`update_bytes`): AdamW reads weight, gradient
 writes weight, m and v (28 bytes a parameter, fp32), the gradient norm reads the gradient (4),
 zeroing the gradient buffer writes it (4): 36 bytes a parameter it updates.
 
+With train.compile=true (models/fused.py) the compiled regions read their inputs and write their
+outputs once each (`COMPILED`): the first norm and its cast tn H (r + c); the attention's residual
+add with the MLP's norm tn H (2 r + 2 c); RoPE t (q + g) 2 c; SwiGLU 3 t F c (GeLU 2 t F c); the
+block's last residual add stays eager (tn H (2 r + c)), as do the copies, casts of weights and
+the rest (`train.compile` read here as the memory term only; the GEMM rate is unchanged).
+
 Not modelled: flash attention's own traffic (inside the compute term, at the GEMM rate), the
 embedding lookup and its gradient (t H per microbatch, small beside the above), host time.
 """
@@ -56,10 +62,12 @@ def _casts(c: int) -> int:
     return 1 if c < 4 else 0
 
 
-def _activation(m: Any, rows: float, width: float, c: int) -> float:
+def _activation(m: Any, rows: float, width: float, c: int, fused: bool = False) -> float:
     """The MLP's activation on `rows` rows of `width`: silu and the product (swiglu: read 2
-    write 1 and read 1 write 1) or gelu (read 1 write 1)."""
-    return rows * width * c * (5 if m.activation == "swiglu" else 2)
+    write 1 and read 1 write 1; fused: read 2 write 1) or gelu (read 1 write 1)."""
+    if m.activation != "swiglu":
+        return rows * width * c * 2
+    return rows * width * c * (3 if fused else 5)
 
 
 def layer_bytes(cfg: Any, lo: Layout, i: int, c: int) -> dict:
@@ -73,17 +81,21 @@ def layer_bytes(cfg: Any, lo: Layout, i: int, c: int) -> dict:
     tn = t / tp if sp else t
     q_all, kv_all, _ = qkv_rows(m)
     q, g = q_all / tp, kv_all / tp
-    act = 2 * tn * H * (2 * r + k * (r + c))  # norms
-    act += t * (q + g) * (6 * c + 24)  # RoPE on q and k
+    fused = bool(getattr(cfg.train, "compile", False))
+    if fused:  # the compiled regions: norm + cast, add + norm + cast, RoPE; the last add eager
+        act = tn * H * (r + c) + tn * H * (2 * r + 2 * c) + t * (q + g) * 2 * c + tn * H * (2 * r + c)
+    else:
+        act = 2 * tn * H * (2 * r + k * (r + c))  # norms
+        act += t * (q + g) * (6 * c + 24)  # RoPE on q and k
+        act += 2 * tn * H * (2 * r + c)  # residual adds
     act += 2 * c * t * (g + q)  # copies around attention
-    act += 2 * tn * H * (2 * r + c)  # residual adds
     if is_moe_layer(m, i):
         rows = moe_tokens(cfg, lo) * m.moe_top_k
-        act += _activation(m, rows, expert_ffn(m), c) + 2 * 2 * rows * H * c
+        act += _activation(m, rows, expert_ffn(m), c) + 2 * 2 * rows * H * c  # experts stay eager
         if m.shared_expert:
-            act += _activation(m, t, shared_expert_ffn(m) / tp, c)
+            act += _activation(m, t, shared_expert_ffn(m) / tp, c, fused)
     else:
-        act += _activation(m, t, m.ffn_hidden_size / tp, c)
+        act += _activation(m, t, m.ffn_hidden_size / tp, c, fused)
     dense, expert = layer_params(cfg, lo, i)
     params = dense + expert
     return {"F": act + k * params * (4 + c), "B": BACKWARD * act + params * (2 * c + 8)}
