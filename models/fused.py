@@ -69,6 +69,13 @@ def regions(backend: Optional[str]) -> Dict[str, Callable]:
         raise ValueError(f"train.compile_backend={backend!r} is not one of {', '.join(BACKENDS)}; "
                          f"fix: train.compile_backend=inductor")
     if backend not in _COMPILED:
+        import torch._dynamo.config as dynamo
+
+        # Past dynamo's recompile limit a function would silently run eager: nothing requested
+        # is turned off silently, so hitting it raises instead; and the limit leaves room for
+        # the variants a run needs (training and no-grad evaluation, fp32 and bf16, a few shapes).
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 32)
+        dynamo.fail_on_recompile_limit_hit = True
         _COMPILED[backend] = {name: torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
                               for name, fn in _EAGER.items()}
     return _COMPILED[backend]

@@ -188,6 +188,8 @@ class GPT(nn.Module):
 
     `core_attention`: see CausalSelfAttention (default: causal SDPA on one process).
     `moe`: the expert-parallel context (`mpoverlap.moe.moe_kwargs`), None on one process.
+    `compile_backend` (train.compile): each block's elementwise math as torch.compile'd regions
+    with that backend (models/fused.py), None = eager.
     `tp`: the tensor-parallel context (`mpoverlap.tensor_parallel.tp_kwargs`), None on one
     process: projections, embedding, head and loss then come from the TP layers, and with
     sequence parallelism the residual stream holds S/tp positions per rank.
