@@ -208,6 +208,7 @@ def test_cuda_max_connections_rule(monkeypatch):
 def test_compile_environment_rule(monkeypatch):
     """train.compile=true refused without dynamo, or with inductor on CPU and no C++ compiler
     (faked); the fix (train.compile=false) clears it, and aot_eager needs no compiler."""
+    import torch
     import torch._dynamo
 
     from mpoverlap.overlap import compile_rules
@@ -222,6 +223,12 @@ def test_compile_environment_rule(monkeypatch):
     assert found and "C++ compiler" in found[0].render() and "train.compile=true" in found[0].render()
     assert found[0].fix == ["train.compile=false"] and not problems(on + found[0].fix)
     assert not problems(on + ["train.compile_backend=aot_eager"])
+    # on CUDA (faked): Triton's launcher wants a C compiler
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compile_rules, "c_compiler", lambda: "")
+    found = problems(["train.compile=true", "train.device=cuda"])
+    assert found and "C compiler" in found[0].render() and not problems(["train.compile=true", "train.device=cuda",
+                                                                         "train.compile=false"])
     monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
     found = problems(on + ["train.compile_backend=aot_eager"])
     assert found and "does not support this Python" in found[0].render()

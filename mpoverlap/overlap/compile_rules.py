@@ -30,14 +30,24 @@ def _on_cpu(device: str) -> bool:
 
 def cxx_compiler() -> str:
     """The C++ compiler inductor would run on CPU ($CXX, else c++, g++, clang++ on PATH), or ''."""
-    for name in (os.environ.get("CXX", ""), "c++", "g++", "clang++"):
+    return _first(os.environ.get("CXX", ""), "c++", "g++", "clang++")
+
+
+def c_compiler() -> str:
+    """The C compiler Triton builds its kernel launcher with on CUDA ($CC, else cc, gcc, clang), or ''."""
+    return _first(os.environ.get("CC", ""), "cc", "gcc", "clang")
+
+
+def _first(*names: str) -> str:
+    for name in names:
         if name and shutil.which(name):
             return name
     return ""
 
 
 @rule("compile.environment", "general", ("train.compile", "train.compile_backend", "train.device"),
-      "train.compile=true needs torch.compile (dynamo) in this Python, and inductor on CPU a C++ compiler")
+      "train.compile=true needs torch.compile (dynamo) in this Python, and inductor a C++ compiler on CPU, "
+      "a C compiler on CUDA (Triton's launcher)")
 def _environment(lo: Layout):
     t = lo.cfg.train
     if not bool(t.compile):
@@ -52,9 +62,13 @@ def _environment(lo: Layout):
                       f"torch.compile does not support this Python ({sys.version.split()[0]}) with torch "
                       f"{torch.__version__}: the blocks would run uncompiled",
                       ["train.compile=false"])
-    elif t.compile_backend == "inductor" and _on_cpu(str(t.device)) and not cxx_compiler():
-        yield Problem("compile.environment", {**keys, "train.device": t.device},
-                      "inductor builds its CPU kernels with a C++ compiler and none was found ($CXX, c++, g++, "
-                      "clang++); install one, or run uncompiled (or traced without fusing: "
-                      "train.compile_backend=aot_eager)",
-                      ["train.compile=false"])
+    elif t.compile_backend == "inductor":
+        cpu = _on_cpu(str(t.device))
+        if not (cxx_compiler() if cpu else c_compiler()):
+            what = ("builds its CPU kernels with a C++ compiler and none was found ($CXX, c++, g++, clang++)" if cpu
+                    else "runs Triton on CUDA, which builds its kernel launcher with a C compiler, and none was "
+                         "found ($CC, cc, gcc, clang)")
+            yield Problem("compile.environment", {**keys, "train.device": t.device},
+                          f"inductor {what}; install one, or run uncompiled (or traced without fusing: "
+                          "train.compile_backend=aot_eager)",
+                          ["train.compile=false"])
