@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parent.parent
 NO_GPU = "gpu-check: no CUDA GPU is visible here (torch.cuda.is_available() is False); nothing to check"
 INSTALL_ROOT = Path("/tmp/mpoverlap-gpu-check")
 SHAPES = ("llama3_1b", "moe_350m", "gpt_125m")  # bench/gpu_throughput.py SHAPES, in order of value
-SHAPE_S = {"llama3_1b": 110, "moe_350m": 70, "gpt_125m": 45}  # each shape's own limit, seconds
+# each shape's own limit, seconds; Llama's four sides (the compiled one: ~40 s of steps and
+# profile as the others, plus its compile in the warm-up, 30-60 s expected, not yet measured)
+SHAPE_S = {"llama3_1b": 170, "moe_350m": 70, "gpt_125m": 45}
 MIN_SHAPE_S = 25  # a shape with less time left is skipped
 
 

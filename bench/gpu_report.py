@@ -12,7 +12,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-SIDE_NAMES = {"mpoverlap": "mpoverlap Trainer", "plain": "same module, plain loop", "hf": "transformers Llama loop"}
+SIDE_NAMES = {"mpoverlap": "mpoverlap Trainer", "plain": "same module, plain loop", "hf": "transformers Llama loop",
+              "compiled": "mpoverlap Trainer, train.compile=true"}
 
 
 def _run(cmd: List[str], cwd: Optional[Path] = None) -> Optional[str]:

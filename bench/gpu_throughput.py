@@ -8,6 +8,8 @@ For one shape (SHAPES) on one GPU, in ONE process and on the same batches (the s
               weights, torch's fused AdamW, clip_grad_norm_ 1.0 (bench/overhead.py PlainLoop)
   hf          (Llama shape only) transformers LlamaForCausalLM built from the same keys
               (interop/hf_mapping.py hf_config; no download), SDPA, the same loop
+  compiled    (Llama shape only) the Trainer with train.compile=true: each block's elementwise
+              math through torch.compile (models/fused.py); its compile runs in the warm-up steps
 
 each: median step time over the timed steps (synchronized), tokens/s, model TFLOP/s and MFU
 (`flops_per_token` against the GPU's dense bf16 peak, training/metrics.py), peak memory, and the
@@ -40,6 +42,7 @@ SHAPES = {
     "gpt_125m": ["model=gpt_125m", "train.micro_batch_size=8", "train.global_batch_size=32"],
 }
 HF_SHAPES = ("llama3_1b",)
+COMPILED_SHAPES = ("llama3_1b",)  # the `compiled` side: train.compile=true (inductor)
 
 
 def overrides_of(shape: str, device: str = "cuda") -> List[str]:
@@ -56,7 +59,7 @@ def sim_prediction(overrides: List[str], hardware: str) -> Dict[str, Any]:
     cfg = compose(list(overrides) + [f"hardware={hardware}"])
     r = simulate(cfg, from_config(cfg))
     return {"hardware": hardware, "step_s": r.step_s, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
-            "compute_s": r.compute_s, "exposed_s": dict(r.exposed_s)}
+            "compute_s": r.compute_s, "memory_s": r.memory_s, "exposed_s": dict(r.exposed_s)}
 
 
 def hardware_preset(device_name: str) -> str:
@@ -184,7 +187,7 @@ def init_world_of_one() -> None:
 
 
 def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, steps: int = 3,
-            sides=("mpoverlap", "plain", "hf"), hardware: Optional[str] = None,
+            sides=("mpoverlap", "plain", "hf", "compiled"), hardware: Optional[str] = None,
             extra: Optional[List[str]] = None) -> Dict[str, Any]:
     """Every side of one shape; the result is (re)written to `out` after each side. A side that
     fails records its error and the next one runs."""
@@ -220,14 +223,15 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
     save()
     train_data = None
     for side in sides:
-        if side == "hf" and shape not in HF_SHAPES:
+        if (side == "hf" and shape not in HF_SHAPES) or (side == "compiled" and shape not in COMPILED_SHAPES):
             continue
         runner = None
         try:
             _free(device)
-            if side == "mpoverlap":
+            if side in ("mpoverlap", "compiled"):
                 init_world_of_one()
-                runner = Trainer(cfg, init_distributed(cfg), run_dir)
+                side_cfg = compose(overrides + [f"run.dir={run_dir}", "train.compile=true"]) if side == "compiled" else cfg
+                runner = Trainer(side_cfg, init_distributed(side_cfg), run_dir)
                 train_data = runner.train_data
             else:
                 if train_data is None:
@@ -255,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--hardware", default=None, help="conf/hardware preset for the prediction (default: by GPU name)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--sides", default="mpoverlap,plain,hf")
+    p.add_argument("--sides", default="mpoverlap,plain,hf,compiled")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpoverlap.models import layers
+from mpoverlap.models import fused, layers
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
 from mpoverlap.models.init import head_dim_of, qkv_rows, query_groups
 from mpoverlap.models.rope import apply_rope, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)
+from mpoverlap.precision import compute_dtype
 from mpoverlap.recompute import recomputed, recomputed_layers
 
 def make_norm(cfg) -> nn.Module:
@@ -50,8 +51,9 @@ def causal_sdpa(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg, prefix: str = "attn", seed: int = 1234, core_attention=causal_sdpa,
-                 tp: Optional[dict] = None):
+                 tp: Optional[dict] = None, math: Optional[dict] = None):
         super().__init__()
+        self.math = math  # train.compile: the compiled regions (models/fused.py), else None
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by "
                              f"model.num_attention_heads={cfg.num_attention_heads}")
@@ -93,8 +95,11 @@ class CausalSelfAttention(nn.Module):
             q_BSND, k_BSGD = self.q_norm(q_BSND), self.k_norm(k_BSGD)
         q_BNSD, k_BGSD = q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2)
         v_BGSD = v_BSgD.view(B, S, self.num_groups, self.head_dim).transpose(1, 2)
-        q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
-        k_BGSD = apply_rope(k_BGSD, cos_SD, sin_SD)
+        if self.math is not None:
+            q_BNSD, k_BGSD = self.math["rope"](q_BNSD, k_BGSD, cos_SD, sin_SD)
+        else:
+            q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
+            k_BGSD = apply_rope(k_BGSD, cos_SD, sin_SD)
         if self.recompute_core:
             y_BNSD = recomputed(self.core_attention, q_BNSD, k_BGSD, v_BGSD)
         else:
@@ -104,8 +109,9 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg, prefix: str = "mlp", seed: int = 1234, tp: Optional[dict] = None,
-                 ffn_hidden_size: Optional[int] = None):
+                 ffn_hidden_size: Optional[int] = None, math: Optional[dict] = None):
         super().__init__()
+        self.math = math  # train.compile: the compiled regions (models/fused.py), else None
         H, Fh = cfg.hidden_size, ffn_hidden_size or cfg.ffn_hidden_size
         self.activation = cfg.activation
         if cfg.activation == "swiglu":
@@ -119,7 +125,10 @@ class MLP(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         """swiglu: down(silu(gate) * up); gelu: down(gelu(up)). (F local under TP.)"""
-        if self.activation == "swiglu":
+        if self.math is not None:
+            h_BSF = (self.math["swiglu"](self.gate_up(x_BSH)) if self.activation == "swiglu"
+                     else self.math["gelu"](self.up(x_BSH)))
+        elif self.activation == "swiglu":
             gate_BSF, up_BSF = self.gate_up(x_BSH).chunk(2, dim=-1)
             h_BSF = F.silu(gate_BSF) * up_BSF
         else:
@@ -139,10 +148,13 @@ class Block(nn.Module):
     experts on MoE layers (`moe`: the expert-parallel context, None on one process)."""
 
     def __init__(self, cfg, prefix: str = "layers.0", seed: int = 1234, core_attention=causal_sdpa,
-                 tp: Optional[dict] = None, moe: Optional[dict] = None, layer_index: int = 0):
+                 tp: Optional[dict] = None, moe: Optional[dict] = None, layer_index: int = 0,
+                 compile_backend: Optional[str] = None):
         super().__init__()
+        # train.compile: the block's elementwise math as compiled regions (models/fused.py)
+        self.math = fused.regions(compile_backend) if compile_backend else None
         self.attn_norm = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg, f"{prefix}.attn", seed, core_attention, tp)
+        self.attn = CausalSelfAttention(cfg, f"{prefix}.attn", seed, core_attention, tp, self.math)
         self.mlp_norm = make_norm(cfg)
         if is_moe_layer(cfg, layer_index):
             # Experts and router are not split over TP: under SP each TP rank routes its own
@@ -153,11 +165,19 @@ class Block(nn.Module):
                       if cfg.shared_expert else None)
             self.mlp = layers.moe_mlp(f"{prefix}.mlp", cfg, seed, moe, shared)
         else:
-            self.mlp = MLP(cfg, f"{prefix}.mlp", seed, tp)
+            self.mlp = MLP(cfg, f"{prefix}.mlp", seed, tp, math=self.math)
 
     def forward(self, x_BSH, cos_SD, sin_SD):
-        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD, sin_SD)
-        y_BSH = self.mlp(self.mlp_norm(x_BSH))
+        if self.math is not None:
+            # norm (+ its cast for the GEMM), then the residual add fused with the MLP's norm
+            dtype = compute_dtype(x_BSH)
+            h_BSH = self.math["norm"](x_BSH, *fused.norm_args(self.attn_norm), dtype)
+            x_BSH, h_BSH = self.math["add_norm"](x_BSH, self.attn(h_BSH, cos_SD, sin_SD),
+                                                 *fused.norm_args(self.mlp_norm), dtype)
+            y_BSH = self.mlp(h_BSH)
+        else:
+            x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD, sin_SD)
+            y_BSH = self.mlp(self.mlp_norm(x_BSH))
         if isinstance(y_BSH, tuple):  # MoE: (y, router output)
             y_BSH = y_BSH[0]
         return x_BSH + y_BSH
@@ -168,6 +188,8 @@ class GPT(nn.Module):
 
     `core_attention`: see CausalSelfAttention (default: causal SDPA on one process).
     `moe`: the expert-parallel context (`mpoverlap.moe.moe_kwargs`), None on one process.
+    `compile_backend` (train.compile): each block's elementwise math as torch.compile'd regions
+    with that backend (models/fused.py), None = eager.
     `tp`: the tensor-parallel context (`mpoverlap.tensor_parallel.tp_kwargs`), None on one
     process: projections, embedding, head and loss then come from the TP layers, and with
     sequence parallelism the residual stream holds S/tp positions per rank.
@@ -180,7 +202,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa, tp: Optional[dict] = None,
                  layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True,
-                 post_process: bool = True, moe: Optional[dict] = None):
+                 post_process: bool = True, moe: Optional[dict] = None, compile_backend: Optional[str] = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp if layers.tp_size(tp) > 1 else None
@@ -190,8 +212,8 @@ class GPT(nn.Module):
         needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
         self.embedding = (layers.embedding(self.vocab_size, cfg.hidden_size, cfg, seed, self.tp)
                           if needs_embedding else None)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, f"layers.{i}", seed, core_attention, self.tp, moe, i)
-                                     for i in ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, f"layers.{i}", seed, core_attention, self.tp, moe, i,
+                                                   compile_backend) for i in ids})
         self.final_norm = make_norm(cfg) if post_process else None
         # model.recompute=full: the chunk's first blocks keep only their input (see mpoverlap/recompute).
         self.num_recomputed = recomputed_layers(getattr(cfg, "recompute", "none"), len(self.layers),

@@ -171,6 +171,12 @@ class TrainConfig:
     # fp32 | bf16: the dtype data-parallel gradient buckets are reduced in (bf16 halves the dp
     # bytes; gradients are still accumulated and applied in fp32).
     grad_reduce_dtype: str = "fp32"
+    # torch.compile each transformer block's elementwise math (norms and their casts, residual
+    # adds, RoPE, SwiGLU/GeLU: models/fused.py), GEMMs, attention and communication left eager;
+    # one compile per region and shape. compile_backend: inductor (fused kernels; on CPU it
+    # builds them with the system C++ compiler) | aot_eager (traced, not fused: a check) | eager.
+    compile: bool = False
+    compile_backend: str = "inductor"
     comm_timeout_s: float = 300.0
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/Inf gradient does (before the update)
     progress: bool = True
@@ -229,6 +235,8 @@ class HardwareConfig:
     peak_flops: float = 989e12  # dense bf16 tensor-core FLOP/s
     gemm_efficiency: float = 0.55  # fraction of peak the model's GEMMs (and flash attention) reach
     hbm_gb: float = 80.0
+    # HBM bytes/s: the memory-bound time (mpoverlap/simulate/memory.py); 0 = not modelled
+    hbm_bw: float = 0.0
     intra_bw: float = 450e9  # within a node
     intra_latency: float = 5e-6  # per collective step
     inter_bw: float = 50e9  # across nodes

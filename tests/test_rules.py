@@ -17,6 +17,7 @@ FAILING = {
                     (["overlap.dp_prefetch=-1"], None),
                     (["checkpoint.interval=-1"], None), (["train.lr_decay_steps=0"], None)],
     "value.choice": [(["model.norm=batchnorm"], None), (["overlap.dp=sometimes"], None),
+                     (["train.compile_backend=tvm"], None),
                      (["overlap.ep_pairing=maybe"], None),
                      (["train.dp_sharding=zero3"], None),
                      (["train.device=tpu"], None), (["checkpoint.resume=maybe"], None),
@@ -162,9 +163,13 @@ CASES = [(rid, ov, world) for rid, cases in FAILING.items() for ov, world in cas
 CUDA_ONLY = {"train.device_available", "cuda.max_connections"}
 
 
+# Rules that fire on what the machine lacks; tested below with the lack faked.
+ENVIRONMENT_ONLY = {"compile.environment"}
+
+
 def test_every_rule_has_a_failing_case():
     ids = {r.id for r in all_rules()}
-    covered = {rid for rid, cases in FAILING.items() if cases} | CUDA_ONLY
+    covered = {rid for rid, cases in FAILING.items() if cases} | CUDA_ONLY | ENVIRONMENT_ONLY
     assert not ids - covered, f"rules without a fix-applies test: {ids - covered}"
 
 
@@ -199,6 +204,35 @@ def test_cuda_max_connections_rule(monkeypatch):
     assert CommOverlapConfig.from_config(compose(overrides + ["train.device=cpu"]), 2).tp.enabled
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     assert not problems(overrides + ["overlap.tp=true"])
+
+
+def test_compile_environment_rule(monkeypatch):
+    """train.compile=true refused without dynamo, or with inductor on CPU and no C++ compiler
+    (faked); the fix (train.compile=false) clears it, and aot_eager needs no compiler."""
+    import torch
+    import torch._dynamo
+
+    from mpoverlap.overlap import compile_rules
+
+    def problems(ov):
+        return [p for p in validate(compose(ov)) if p.rule == "compile.environment"]
+
+    on = ["train.compile=true", "train.device=cpu"]
+    assert not problems(on) and not problems(["train.device=cpu"])
+    monkeypatch.setattr(compile_rules, "cxx_compiler", lambda: "")
+    found = problems(on)
+    assert found and "C++ compiler" in found[0].render() and "train.compile=true" in found[0].render()
+    assert found[0].fix == ["train.compile=false"] and not problems(on + found[0].fix)
+    assert not problems(on + ["train.compile_backend=aot_eager"])
+    # on CUDA (faked): Triton's launcher wants a C compiler
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compile_rules, "c_compiler", lambda: "")
+    found = problems(["train.compile=true", "train.device=cuda"])
+    assert found and "C compiler" in found[0].render() and not problems(["train.compile=true", "train.device=cuda",
+                                                                         "train.compile=false"])
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    found = problems(on + ["train.compile_backend=aot_eager"])
+    assert found and "does not support this Python" in found[0].render()
 
 
 def test_default_config_is_valid():

@@ -113,6 +113,7 @@ _CHOICES = {
     "parallel.cp_attention_backend": ("auto", "fused", "explicit", "cudnn"),
     "train.on_nonfinite": ("stop", "skip"),
     "train.precision": ("fp32", "bf16"),
+    "train.compile_backend": ("inductor", "aot_eager", "eager"),  # = models/fused.py BACKENDS
     "train.grad_reduce_dtype": ("fp32", "bf16"),
     "train.dp_sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
 }

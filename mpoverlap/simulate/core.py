@@ -51,6 +51,12 @@ class SimResult:
     useful_share: float = 1.0  # model FLOPs / FLOPs run (recomputation, head, attention's causal half)
     update_s: float = 0.0  # the critical stage's work after the last backward (in compute_s)
     comm_cpu_s: float = 0.0  # CPU time its hidden communication took from compute (in compute_s)
+    # of compute_s, the memory-bound seconds (memory.py's bytes at hardware.hbm_bw; 0 = not
+    # modelled); the rest is compute-bound (FLOPs at peak x gemm_efficiency)
+    memory_s: float = 0.0
+    # mean stage FLOP seconds (at the GEMM rate) over mean stage compute: what the memory-bound
+    # time, the update and the CPU of hidden communication leave to the GEMMs
+    compute_bound_share: float = 1.0
     # EP forward/backward pairing (overlap.ep_pairing, pairing.py): whether modelled and why,
     # and per pair and unpaired pass the seconds of ep exposed ({"F", "B", "F_alone", "B_alone"})
     ep_pairing: str = ""
@@ -147,10 +153,12 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     in_flight = {m: 0.0 for m in MODES}
     exposed = {m: 0.0 for m in MODES}
     compute = update[crit]
+    memory = update_memory_seconds(cfg, lo, hw, crit)
     for v in range(lo.vpp):
         cost: ChunkCost = costs[chunk_index(crit, v, lo.pp, layout)]
         for kind in ("F", "B"):
             compute += micro * cost.compute[kind]
+            memory += micro * cost.memory[kind]
             for m, t in cost.in_flight[kind].items():
                 in_flight[m] += micro * t
             for m, t in cost.exposed[kind].items():
@@ -182,16 +190,20 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     world = lo.world
     per_stage = [micro * sum(costs[v * lo.pp + s].compute[k] for v in range(lo.vpp) for k in ("F", "B"))
                  for s in range(lo.pp)]
-    run_flops = sum(per_stage) / lo.pp * hw.flops * world
+    # each stage's compute-bound seconds: its FLOPs at the GEMM rate (compute less memory-bound)
+    flop_s = [per_stage[s] - micro * sum(costs[v * lo.pp + s].memory[k] for v in range(lo.vpp) for k in ("F", "B"))
+              for s in range(lo.pp)]
+    run_flops = sum(flop_s) / lo.pp * hw.flops * world
     avg_compute = sum(per_stage[s] + update[s] for s in range(lo.pp)) / lo.pp + stolen
     result = SimResult(step_s=step, compute_s=compute, bubble_s=bubble, in_flight_s=in_flight, exposed_s=exposed,
                        tokens_per_s=tokens / step, mfu=model_flops / (step * world * hw.peak_flops),
                        critical_stage=crit, enabled=enabled,
                        links={k: v.name for k, v in links.items() if k in ("tp", "cp", "dp", "ep", "pp")},
-                       avg_compute_s=avg_compute, update_s=update[crit], comm_cpu_s=stolen,
+                       avg_compute_s=avg_compute, update_s=update[crit], comm_cpu_s=stolen, memory_s=memory,
                        ledger_pp={"in_flight_s": sum(real.ledger_in_flight) / lo.pp,
                                   "exposed_s": sum(real.ledger_exposed) / lo.pp + posted} if lo.pp > 1 else {},
                        useful_share=model_flops / run_flops if run_flops else 1.0,
+                       compute_bound_share=sum(flop_s) / lo.pp / avg_compute if avg_compute else 1.0,
                        ep_pairing=pairing_why if lo.ep > 1 else "", ep_pairing_exposed=pairing_exposed,
                        bubble_forms=forms)
     return result
@@ -215,15 +227,27 @@ def hidden_comm_cpu(hw: Hardware, links, on_wire: Dict[str, float], exposed: Dic
 def update_seconds(cfg: Any, lo: Layout, hw: Hardware, stage: int) -> float:
     """Seconds of one rank of `stage` after its last backward: gradient norm, clip, AdamW and
     zeroing the gradient buffer, `hw.update_s_per_param` per parameter it updates (its
-    parameters, over dp x cp when the optimizer is sharded, as DataParallelAdamW shards them)."""
+    parameters, over dp x cp when the optimizer is sharded, as DataParallelAdamW shards them),
+    or, where the preset gives the HBM bandwidth, their bytes at that rate (memory.py)."""
+    return updated_params(cfg, lo, stage) * hw.update_s_per_param + update_memory_seconds(cfg, lo, hw, stage)
+
+
+def update_memory_seconds(cfg: Any, lo: Layout, hw: Hardware, stage: int) -> float:
+    """The memory-bound part of `update_seconds`: the update's bytes at hardware.hbm_bw."""
+    from mpoverlap.simulate.memory import update_bytes
+
+    return hw.memory_seconds(update_bytes(updated_params(cfg, lo, stage))) if hw.hbm_bw > 0 else 0.0
+
+
+def updated_params(cfg: Any, lo: Layout, stage: int) -> float:
+    """Parameters one rank of `stage` updates: its own, over dp x cp when the optimizer is
+    sharded (as DataParallelAdamW shards them)."""
     from mpoverlap.data_parallel.levels import resolve_level
 
-    if hw.update_s_per_param <= 0:
-        return 0.0
     t = cfg.train
     level = resolve_level(getattr(t, "dp_sharding", "none"), bool(getattr(t, "distributed_optimizer", False)))
     shard = lo.dp * lo.cp if level != "none" else 1
-    return stage_params(cfg, lo, stage) / shard * hw.update_s_per_param
+    return stage_params(cfg, lo, stage) / shard
 
 
 def _pp_message_bytes(cfg: Any, lo: Layout, c: int) -> float:
@@ -280,9 +304,15 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
              f"{f' (of it {r.comm_cpu_s * 1e3:,.2f} ms CPU of hidden communication)' if r.comm_cpu_s > 0 else ''}, "
              f"pipeline idle {r.bubble_s * 1e3:,.2f} ms (bubble and stage imbalance), exposed communication "
              f"{exposed * 1e3:,.2f} ms",
+             f"  of the compute: compute-bound {(r.compute_s - r.memory_s) * 1e3:,.2f} ms (FLOPs at "
+             f"{hw.peak_flops / 1e12:,.4g} TFLOP/s x {hw.gemm_efficiency:.2f}), memory-bound "
+             + (f"{r.memory_s * 1e3:,.2f} ms ({r.memory_s * hw.hbm_bw / 1e9:,.1f} GB of norms, activations, RoPE, "
+                f"casts, residual adds, the fp32 loss and the update at {hw.hbm_bw / 1e12:,.4g} TB/s HBM)"
+                if hw.hbm_bw > 0 else "not modelled (hardware.hbm_bw not set: gemm_efficiency covers the step)"),
              f"  {r.tokens_per_s:,.0f} tokens/s, MFU {100 * r.mfu:.1f}% of {hw.peak_flops / 1e12:,.4g} TFLOP/s peak",
              f"  why: MFU = GEMM fraction {hw.gemm_efficiency:.2f} x useful share {r.useful_share:.2f} (model FLOPs "
-             f"over FLOPs run: recomputation and the head counted as run) x busy share "
+             f"over FLOPs run: recomputation and the head counted as run) x compute-bound share "
+             f"{r.compute_bound_share:.2f} (FLOP seconds over compute: the rest memory-bound and the update) x busy share "
              f"{r.avg_compute_s / r.step_s:.2f} (mean stage compute over the step; the rest is pipeline idle "
              f"{r.bubble_s / r.step_s:.0%} and exposed communication {exposed / r.step_s:.0%} on the slowest stage)",
              "  mode | overlap | link  | in flight (ms/step) | exposed (ms/step) | exposed share | of step",

@@ -13,6 +13,8 @@ sequence, tp the tensor-parallel degree; backward is twice the forward):
   output head      2 t H V / tp on the last chunk
 Recomputation adds to backward the forward of what it replays: `full` whole blocks (the first
 model.recompute_num_layers of each chunk), `selective` the attention core.
+Beside the FLOPs at peak x gemm_efficiency, each layer and the head carry memory-bound seconds:
+their elementwise bytes (memory.py) at hardware.hbm_bw (0 where the preset does not set it).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from mpoverlap.pipeline.actions import stage_of
 from mpoverlap.overlap.layout import Layout
 from mpoverlap.simulate.collectives import collective_time, steps
 from mpoverlap.simulate.hardware import Hardware, Link
+from mpoverlap.simulate.memory import head_bytes, layer_bytes
 from mpoverlap.simulate.overlap import cp_ring_exposed, ep_chunks_exposed, ring_exposed
 from mpoverlap.simulate.pairing import LayerPass
 
@@ -39,6 +42,8 @@ class ChunkCost:
     """One microbatch through one model chunk on its stage: seconds of compute and, per mode,
     of communication in flight and exposed, for the forward ("F") and the backward ("B")."""
     compute: Dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
+    # of `compute`, the memory-bound seconds (memory.py's bytes at hardware.hbm_bw)
+    memory: Dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     in_flight: Dict[str, Dict[str, float]] = field(default_factory=lambda: {"F": {}, "B": {}})
     exposed: Dict[str, Dict[str, float]] = field(default_factory=lambda: {"F": {}, "B": {}})
     # per layer of the chunk, in forward order: its forward and its backward cut into the
@@ -128,6 +133,15 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             b_time = (2 * (fwd - expert_flops) + extra) / rate + 2 * gemms
             if moe and i in replayed:  # full recompute replays the experts too
                 b_time += gemms - expert_flops / rate
+            # the memory-bound time (elementwise work, casts, the weights' casts and gradient
+            # accumulation) after the GEMMs, on the same stream: it adds (pre-dispatch compute
+            # for pairing); the communication above hides under the GEMMs only
+            mem = {k: hw.memory_seconds(v) for k, v in layer_bytes(cfg, lo, i, c).items()}
+            mem["B"] += mem["F"] if i in replayed else 0.0  # full recompute replays the forward's
+            f_time += mem["F"]
+            b_time += mem["B"]
+            for k in ("F", "B"):
+                cost.memory[k] += mem[k]
             cost.compute["F"] += f_time
             cost.compute["B"] += b_time
             passes = {"F": LayerPass(f_time), "B": LayerPass(b_time)}
@@ -145,8 +159,11 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             for k in ("F", "B"):
                 cost.layers[k].append(passes[k])
         if chunk == lo.pp * lo.vpp - 1:
-            cost.compute["F"] += head_flops(cfg, lo) / rate
-            cost.compute["B"] += 2 * head_flops(cfg, lo) / rate
+            head = {k: hw.memory_seconds(v) for k, v in head_bytes(cfg, lo, c).items()}
+            cost.compute["F"] += head_flops(cfg, lo) / rate + head["F"]
+            cost.compute["B"] += 2 * head_flops(cfg, lo) / rate + head["B"]
+            for k in ("F", "B"):
+                cost.memory[k] += head[k]
         costs.append(cost)
     return costs
 

@@ -52,6 +52,14 @@ class Hardware:
     # FLOP/s a rank's routed experts run at on one dispatch chunk's rows (many small GEMMs):
     # how long the experts hide the token exchanges under EP overlap. 0 = `flops`.
     expert_flops: float = 0.0
+    # HBM bytes/s (hardware.hbm_bw): the rate of the memory-bound time (memory.py: norms,
+    # activations, casts, the fp32 loss, the update). 0 = not modelled: the preset's
+    # gemm_efficiency covers the whole step (fitted end to end, or measured on the model).
+    hbm_bw: float = 0.0
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds `nbytes` of elementwise traffic take at the HBM bandwidth (0 when not modelled)."""
+        return nbytes / self.hbm_bw if self.hbm_bw > 0 else 0.0
 
     @property
     def flops(self) -> float:
@@ -76,7 +84,8 @@ def from_config(cfg: Any, rates: Optional[Sequence[Dict[str, float]]] = None) ->
     hw = Hardware(name=str(h.name), gpus_per_node=int(h.gpus_per_node), peak_flops=float(h.peak_flops),
                   gemm_efficiency=float(h.gemm_efficiency), hbm_bytes=float(h.hbm_gb) * 1e9,
                   intra=Link(float(h.intra_bw), float(h.intra_latency), "intra", eff),
-                  inter=Link(float(h.inter_bw), float(h.inter_latency), "inter", eff))
+                  inter=Link(float(h.inter_bw), float(h.inter_latency), "inter", eff),
+                  hbm_bw=float(h.get("hbm_bw", 0.0) or 0.0))
     if bool(h.measure):
         hw = with_rates(hw, cfg, rates or [measured_rates(cfg)])
     return hw
@@ -168,7 +177,10 @@ def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Har
     efficiency = hw.inter.efficiency
     if shaped and all(r.get("link_efficiency") for r in rates):
         efficiency = tuple((op, sum(r["link_efficiency"][op] for r in rates) / len(rates)) for op in COLLECTIVES)
+    # the model's measured rate covers its whole forward and backward, elementwise work included:
+    # no separate memory-bound time (hbm_bw 0)
     return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak, update_s_per_param=mean("update_s_per_param"),
+                   hbm_bw=0.0,
                    expert_flops=mean("expert_flops"), comm_cpu_s_per_byte=mean("comm_cpu_s_per_byte"),
                    intra=replace(hw.intra, bandwidth=link, latency=latency, efficiency=efficiency),
                    inter=replace(hw.inter, bandwidth=link, latency=latency, efficiency=efficiency))
@@ -212,7 +224,8 @@ def tc_rate(device: str = "lo") -> Optional[float]:
 
 def describe(hw: Hardware) -> str:
     return (f"{hw.name}: {hw.gpus_per_node} GPUs/node, {hw.peak_flops / 1e12:,.4g} TFLOP/s peak x "
-            f"{hw.gemm_efficiency:.2f}, HBM {hw.hbm_bytes / 1e9:,.0f} GB, intra {hw.intra.bandwidth / 1e9:,.4g} GB/s "
+            f"{hw.gemm_efficiency:.2f}, HBM {hw.hbm_bytes / 1e9:,.0f} GB"
+            + (f" at {hw.hbm_bw / 1e12:,.4g} TB/s" if hw.hbm_bw > 0 else "") + f", intra {hw.intra.bandwidth / 1e9:,.4g} GB/s "
             f"({hw.intra.latency * 1e6:g} us), inter {hw.inter.bandwidth / 1e9:,.4g} GB/s ({hw.inter.latency * 1e6:g} us)"
             + (f", update {hw.update_s_per_param * 1e9:.2f} ns/parameter" if hw.update_s_per_param > 0 else "")
             + (f", communication CPU {hw.comm_cpu_s_per_byte * 1e9:.2f} ns/byte" if hw.comm_cpu_s_per_byte > 0 else "")

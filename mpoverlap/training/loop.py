@@ -69,7 +69,7 @@ class Trainer(Resumable):
         layout = schedule_layout(cfg.parallel, cfg.parallel.vpp)
         self.chunks = [c.to(state.device) for c in build_chunks(
             cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, layout=layout, tp=self.tp, moe=moe,
-            **attention)]
+            compile_backend=str(t.compile_backend) if t.compile else None, **attention)]
         self.moe_layers = [layer for c in self.chunks for layer in c.moe_layers()]
         # One chunk: the model itself. Pipelined: this stage's chunks, whose blocks keep their
         # global names; `params_by_name` maps the layout-free names used in checkpoints.

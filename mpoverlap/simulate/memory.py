@@ -1,0 +1,115 @@
+"""Memory-bound time: the bytes the step's elementwise work moves through HBM (norms,
+activations, RoPE, casts, residual adds, copies, the fp32 loss, the weights' casts and gradient
+accumulation, the optimizer), at `hardware.hbm_bw` bytes/s. Each operator reads its inputs and
+writes its output once (one kernel per operator, as eager PyTorch runs them; no fusion), so
+these are the bytes of the model's own code (models/gpt.py, models/layers.py), counted here
+operator by operator; only the backward's factor is an assumption (see BACKWARD).
+
+Per rank, layer and microbatch forward (t tokens = b s / cp, tn = t / tp under sequence
+parallelism else t; q and g the local query and K/V rows (N D / tp, G D / tp); F the local MLP
+width; r = 4 bytes: the residual stream is fp32, the embedding's dtype, and stays fp32 under
+autocast since its adds promote; c the compute dtype's bytes; k = 1 when c < 4, i.e. autocast
+casts each GEMM's fp32 input and weight to c, else 0):
+  norms (2)          2 tn H (2 r + k (r + c))       one fused norm kernel; autocast's cast of its
+                                                    output for the next GEMM
+  RoPE (q and k)     t (q + g) (6 c + 24)           -x2, cat, x cos, rot sin, add, .to(c): the
+                                                    cos/sin tables are fp32, so the products are
+  copies             2 c t (g + q)                  v made contiguous for attention; the output's
+                                                    transpose to [B, S, h] before the projection
+  residual adds (2)  2 tn H (2 r + c)               fp32 + the projection's c output -> fp32
+  MLP activation     t F c (5 swiglu, 2 gelu)       silu and the product; gelu
+  MoE                the activation on its t' k rows of width F_e; the permutation and its
+                     inverse (a copy each of t' k H c); the shared expert as a dense MLP
+  weights            k P (4 + c)                    autocast's cast of the layer's P fp32 weights
+                                                    (each microbatch's forward: its own cache)
+Backward: BACKWARD x the forward's activation bytes (each operator's backward reads the gradient
+of its output and the inputs it saved, writes the gradient of its inputs); weights: the weight
+gradient written by its GEMM in c, read and added to the fp32 gradient buffer: P (2 c + 8)
+(GEMM output written and read back, fp32 read and written).
+Head (last chunk, T = t V / tp logits): the head GEMM's output written in c; `.float()`
+(k T (c + 4)); cross entropy's log-softmax (read and written in fp32: 8 T); backward: its gradient
+(12 T: gradient, saved output, result) and the cast back (k T (4 + c)).
+Per step, after the last backward (`update_bytes`): AdamW reads weight, gradient, m and v and
+writes weight, m and v (28 bytes a parameter, fp32), the gradient norm reads the gradient (4),
+zeroing the gradient buffer writes it (4): 36 bytes a parameter it updates.
+
+With train.compile=true (models/fused.py) the compiled regions read their inputs and write their
+outputs once each (`COMPILED`): the first norm and its cast tn H (r + c); the attention's residual
+add with the MLP's norm tn H (2 r + 2 c); RoPE t (q + g) 2 c; SwiGLU 3 t F c (GeLU 2 t F c); the
+block's last residual add stays eager (tn H (2 r + c)), as do the copies, casts of weights and
+the rest (`train.compile` read here as the memory term only; the GEMM rate is unchanged).
+
+Not modelled: flash attention's own traffic (inside the compute term, at the GEMM rate), the
+embedding lookup and its gradient (t H per microbatch, small beside the above), host time.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mpoverlap.models.init import padded_vocab_size, qkv_rows
+from mpoverlap.overlap.estimate.params import expert_ffn, is_moe_layer, layer_params, shared_expert_ffn
+from mpoverlap.overlap.layout import Layout
+
+# The backward of an elementwise operator moves about twice its forward's bytes: it reads the
+# gradient of the output and the saved input(s) and writes the input's gradient (an add's
+# backward is free, a product's reads both inputs). An assumption, like the FLOPs' 2x.
+BACKWARD = 2.0
+RESIDUAL = 4  # the residual stream's bytes (fp32)
+UPDATE_BYTES_PER_PARAM = 36  # AdamW 28 + gradient norm 4 + zeroing 4 (fp32)
+
+
+def _casts(c: int) -> int:
+    return 1 if c < 4 else 0
+
+
+def _activation(m: Any, rows: float, width: float, c: int, fused: bool = False) -> float:
+    """The MLP's activation on `rows` rows of `width`: silu and the product (swiglu: read 2
+    write 1 and read 1 write 1; fused: read 2 write 1) or gelu (read 1 write 1)."""
+    if m.activation != "swiglu":
+        return rows * width * c * 2
+    return rows * width * c * (3 if fused else 5)
+
+
+def layer_bytes(cfg: Any, lo: Layout, i: int, c: int) -> dict:
+    """{"F": forward bytes, "B": backward bytes} of layer i per rank and microbatch."""
+    from mpoverlap.simulate.costs import moe_tokens
+
+    m = cfg.model
+    H, tp, r, k = m.hidden_size, lo.tp, RESIDUAL, _casts(c)
+    t = cfg.train.micro_batch_size * m.seq_length / lo.cp
+    sp = bool(cfg.parallel.sequence_parallel) and tp > 1
+    tn = t / tp if sp else t
+    q_all, kv_all, _ = qkv_rows(m)
+    q, g = q_all / tp, kv_all / tp
+    fused = bool(getattr(cfg.train, "compile", False))
+    if fused:  # the compiled regions: norm + cast, add + norm + cast, RoPE; the last add eager
+        act = tn * H * (r + c) + tn * H * (2 * r + 2 * c) + t * (q + g) * 2 * c + tn * H * (2 * r + c)
+    else:
+        act = 2 * tn * H * (2 * r + k * (r + c))  # norms
+        act += t * (q + g) * (6 * c + 24)  # RoPE on q and k
+        act += 2 * tn * H * (2 * r + c)  # residual adds
+    act += 2 * c * t * (g + q)  # copies around attention
+    if is_moe_layer(m, i):
+        rows = moe_tokens(cfg, lo) * m.moe_top_k
+        act += _activation(m, rows, expert_ffn(m), c) + 2 * 2 * rows * H * c  # experts stay eager
+        if m.shared_expert:
+            act += _activation(m, t, shared_expert_ffn(m) / tp, c, fused)
+    else:
+        act += _activation(m, t, m.ffn_hidden_size / tp, c, fused)
+    dense, expert = layer_params(cfg, lo, i)
+    params = dense + expert
+    return {"F": act + k * params * (4 + c), "B": BACKWARD * act + params * (2 * c + 8)}
+
+
+def head_bytes(cfg: Any, lo: Layout, c: int) -> dict:
+    """{"F", "B"} bytes of the output head's logits and the fp32 loss per rank and microbatch."""
+    m = cfg.model
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    T = cfg.train.micro_batch_size * m.seq_length / lo.cp * V / lo.tp
+    k = _casts(c)
+    return {"F": T * (c + k * (c + 4) + 8), "B": T * (12 + k * (4 + c))}
+
+
+def update_bytes(params: float) -> float:
+    """Bytes of the step's update after the last backward for `params` updated parameters."""
+    return params * UPDATE_BYTES_PER_PARAM

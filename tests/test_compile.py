@@ -1,0 +1,139 @@
+"""train.compile=true (models/fused.py): each block's elementwise math compiled, against eager.
+
+One spawn of 2 gloo ranks trains, for gpt_tiny and llama_tiny, the eager dp 2 reference and the
+compiled model at dp 2 and at tp 2 + SP, 5 steps each in fp32, same seed and global batch:
+losses and gradient norms within 1e-5 (relative) of the reference, the bound the project's
+layout parity keeps (DESIGN.md, numerics promises: fp32 rounding; fused kernels reorder a norm's
+sum). It also counts dynamo's graphs: one per region (norm, add_norm, rope, activation) and
+layout, not one per layer.
+
+Backend: the spawn runs `train.compile_backend=aot_eager` by default (dynamo's tracing and AOT
+autograd's forward/backward graphs, the path inductor compiles, without code generation), because
+inductor builds C++ kernels on CPU: measured 2026-11-27 on this 2-core machine, shared, llama_tiny's
+four regions took ~40 s to compile in fp32, and this spawn's 16 graphs (2 models x 2 layouts x 4
+regions, forward and backward) several minutes, past the suite's budget.
+MPOVERLAP_TEST_INDUCTOR=1 runs the same spawn with inductor (the acceptance's parity);
+`test_inductor_single_process` runs inductor on one region set when that variable is set too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import run_distributed  # noqa: E402
+
+STEPS = 5
+RTOL = 1e-5
+BACKEND = "inductor" if os.environ.get("MPOVERLAP_TEST_INDUCTOR") == "1" else "aot_eager"
+BASE = ["train.precision=fp32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_interval=1",
+        "train.lr=1e-3", "train.lr_warmup_steps=0", "train.progress=false", "data.max_bytes=200000",
+        "model.num_layers=2", "model.seq_length=64"]
+LAYOUTS = {"eager_dp2": ["parallel.dp=2"],
+           "compiled_dp2": ["parallel.dp=2", "train.compile=true"],
+           "compiled_tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true"],
+           # the zero-bubble schedule's deferred W and full recomputation's replay around the regions
+           "compiled_pp2_zb1p_recompute": ["parallel.pp=2", "parallel.pp_schedule=zb1p", "model.recompute=full",
+                                           "train.compile=true"]}
+
+
+def _train(rank, world, models, root, backend):
+    import time
+    from pathlib import Path
+
+    import torch._dynamo
+
+    from mpoverlap.config import compose
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    out = {}
+    for model in models:
+        for name, overrides in LAYOUTS.items():
+            run_dir = Path(root) / f"{model}-{name}"
+            cfg = compose([f"model={model}", *BASE, *overrides, f"train.steps={STEPS}", f"run.dir={run_dir}",
+                           "train.device=cpu", f"train.compile_backend={backend}"])
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            start = time.perf_counter()
+            trainer = Trainer(cfg, init_distributed(cfg), run_dir)
+            rows = []
+            for _ in range(STEPS):
+                res = trainer.train_step()
+                rows.append((trainer._mean_over_replicas(res["loss_local"]), float(res["grad_norm"])))
+            layers = sum(len(c.layers) for c in trainer.chunks)
+            out[f"{model}-{name}"] = {"rows": rows, "layers": layers,
+                                      "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - before,
+                                      "seconds": time.perf_counter() - start}
+    if rank == 0:  # in this spawn, where dynamo is warm already
+        out["layernorm_gelu"] = _layernorm_gelu(backend)
+    return out
+
+
+def _layernorm_gelu(backend):
+    """The LayerNorm and GeLU regions (the tiny models are RMSNorm + SwiGLU), one process: the
+    largest difference of the loss, every weight gradient and the input's (hidden states into a
+    chunk without the embedding), relative to eager's largest magnitude."""
+    from mpoverlap.config import compose
+    from mpoverlap.models.gpt import GPT
+
+    cfg = compose(["model=gpt_tiny", "model.norm=layernorm", "model.activation=gelu", "model.num_layers=2",
+                   "model.seq_length=64"]).model
+    ref = GPT(cfg, seed=3, pre_process=False)
+    got = GPT(cfg, seed=3, pre_process=False, compile_backend=backend)
+    x = torch.randn(2, cfg.seq_length, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for model in (ref, got):
+        xi = x.clone().requires_grad_(True)
+        loss = model.loss(model(xi, torch.arange(cfg.seq_length)), targets)
+        loss.backward()
+        grads.append([loss.detach(), xi.grad] + [p.grad for p in model.parameters()])
+    return [float((b - a).abs().max() / a.abs().max()) for a, b in zip(*grads)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compile")
+    return run_distributed(_train, 2, ["gpt_tiny", "llama_tiny"], str(root), BACKEND, timeout_s=1200)[0]
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "llama_tiny"])
+@pytest.mark.parametrize("layout", ["compiled_dp2", "compiled_tp2_sp", "compiled_pp2_zb1p_recompute"])
+def test_compiled_matches_eager_reference(runs, model, layout):
+    ref, got = runs[f"{model}-eager_dp2"], runs[f"{model}-{layout}"]
+    assert ref["graphs"] == 0  # eager: nothing compiled
+    for step, ((l_ref, g_ref), (l, g)) in enumerate(zip(ref["rows"], got["rows"])):
+        assert l == pytest.approx(l_ref, rel=RTOL), (step, l, l_ref)
+        assert g == pytest.approx(g_ref, rel=RTOL), (step, g, g_ref)
+    # at most one new graph per region (norm, add_norm, rope, activation) for this layout's
+    # shapes, shared by every layer (per-layer compiles: 4 x layers); the spawn's first compiled
+    # run compiles all four (2 layers), later ones only the regions whose shapes (or grad mode)
+    # are new to the process
+    assert got["layers"] >= 1 and got["graphs"] <= 4, got["graphs"]
+    assert runs["gpt_tiny-compiled_dp2"]["graphs"] == 4
+
+
+def test_layernorm_gelu_regions_match_eager(runs):
+    diffs = runs["layernorm_gelu"]
+    assert len(diffs) > 10 and max(diffs) <= RTOL, diffs
+
+
+@pytest.mark.skipif(BACKEND != "inductor", reason="inductor's C++ builds: MPOVERLAP_TEST_INDUCTOR=1")
+def test_inductor_single_process():
+    """llama_tiny compiled with inductor on one process, fp32: loss and gradients of eager's."""
+    from mpoverlap.config import compose
+    from mpoverlap.models.gpt import GPT
+
+    cfg = compose(["model=llama_tiny", "model.num_layers=2"]).model
+    ref, got = GPT(cfg, seed=5), GPT(cfg, seed=5, compile_backend="inductor")
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(2))
+    out = []
+    for model in (ref, got):
+        loss = model.loss(model(tokens), tokens)
+        loss.backward()
+        out.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*out):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-7)
