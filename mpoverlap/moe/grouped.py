@@ -9,9 +9,11 @@ and input gradient are zeros.
     grouped_mm(a [N, K], b [L, K, M], offs)   -> [N, M]       row block l times b[l]
     grouped_wgrad(a [N, K], g [N, M], offs)   -> [L, K, M]    a_l^T g_l  (zeros for empty groups)
 
-Both use `torch._grouped_mm` (CUDA sm90+, and CPU in fp32/bf16) when the dtype and the 16-byte
-stride rule allow, else a fallback whose operator count does not depend on L either (each row
-gathers its expert's weight: L times the memory, for the small test shapes and fp64 only).
+Both use `torch._grouped_mm` (CUDA bf16 on sm90/sm100, and CPU in fp32/bf16) when the dtype
+and the 16-byte stride rule allow, else a fallback whose operator count does not depend on L
+either and that reads nothing on the host (each row gathers its expert's weight: memory N*K*M,
+for the small test shapes, fp64 and fp32 on a GPU; past FALLBACK_MAX_BYTES torch's own
+fallback, which reads the offsets on the host).
 
 GroupedMLPFn is the whole expert MLP (swiglu: down(silu(gate) * up); gelu: down(gelu(up))) as
 one autograd Function: forward 2 grouped GEMMs; backward 2 for the input gradient and 2 for the
@@ -40,10 +42,23 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 
 def _use_library(*tensors: torch.Tensor) -> bool:
+    """torch._grouped_mm's own kernels: on CPU (fp32/bf16/fp16), on CUDA bf16 on sm90/sm100
+    (elsewhere torch falls back to a loop over the groups that reads the offsets on the host)."""
     dev = tensors[0].device
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
-        return False
-    return dev.type in ("cpu", "cuda") and _aligned(*tensors)
+    if dev.type == "cuda":
+        return (all(t.dtype == torch.bfloat16 for t in tensors)
+                and torch.cuda.get_device_capability(dev)[0] in (9, 10) and _aligned(*tensors))
+    return dev.type == "cpu" and _aligned(*tensors)
+
+
+# The row-gather fallback holds one weight per row: above this many bytes (fp32 training of a
+# real model on a GPU) torch's own fallback is used instead (a host read of the offsets per
+# product: train.precision=bf16 on sm90+ avoids both).
+FALLBACK_MAX_BYTES = 256 * 2**20
+
+
+def _small(n: int, k: int, m: int, t: torch.Tensor) -> bool:
+    return n * k * m * t.element_size() <= FALLBACK_MAX_BYTES or t.dtype not in _GROUPED_DTYPES
 
 
 def row_groups(offs: torch.Tensor, n: int) -> torch.Tensor:
@@ -53,7 +68,7 @@ def row_groups(offs: torch.Tensor, n: int) -> torch.Tensor:
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """a [N, K], b [L, K, M] (any strides), offs [L] int32 -> [N, M] (rows past offs[-1]: undefined)."""
-    if _use_library(a, b):
+    if _use_library(a, b) or not _small(a.shape[0], a.shape[1], b.shape[2], a):
         return torch._grouped_mm(a, b, offs=offs)
     g = row_groups(offs, a.shape[0]).clamp_max(b.shape[0] - 1)
     return torch.bmm(a.unsqueeze(1), b.index_select(0, g)).squeeze(1)
@@ -62,7 +77,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 def grouped_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """a [N, K], g [N, M], offs [L] -> [L, K, M] = a_l^T g_l (rows past offs[-1] not read)."""
     at = a.t()
-    if _use_library(at, g):
+    if _use_library(at, g) or not _small(a.shape[0], a.shape[1] * offs.shape[0], 1, a):
         return torch._grouped_mm(at, g, offs=offs)
     L = offs.shape[0]
     rows = row_groups(offs, a.shape[0])
