@@ -68,6 +68,8 @@ def row_groups(offs: torch.Tensor, n: int) -> torch.Tensor:
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """a [N, K], b [L, K, M] (any strides), offs [L] int32 -> [N, M] (rows past offs[-1]: undefined)."""
+    if a.shape[0] == 0:  # no rows on this rank (the kernels reject an empty operand's strides)
+        return a.new_zeros((0, b.shape[2]))
     if _use_library(a, b) or not _small(a.shape[0], a.shape[1], b.shape[2], a):
         return torch._grouped_mm(a, b, offs=offs)
     g = row_groups(offs, a.shape[0]).clamp_max(b.shape[0] - 1)
@@ -76,6 +78,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 def grouped_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """a [N, K], g [N, M], offs [L] -> [L, K, M] = a_l^T g_l (rows past offs[-1] not read)."""
+    if a.shape[0] == 0:
+        return a.new_zeros((offs.shape[0], a.shape[1], g.shape[1]))
     at = a.t()
     if _use_library(at, g) or not _small(a.shape[0], a.shape[1] * offs.shape[0], 1, a):
         return torch._grouped_mm(at, g, offs=offs)
