@@ -11,9 +11,9 @@ and input gradient are zeros.
 
 Both use `torch._grouped_mm` (CUDA bf16 on sm90/sm100, and CPU in fp32/bf16) when the dtype
 and the 16-byte stride rule allow, else a fallback whose operator count does not depend on L
-either and that reads nothing on the host (each row gathers its expert's weight: memory N*K*M,
-for the small test shapes, fp64 and fp32 on a GPU; past FALLBACK_MAX_BYTES torch's own
-fallback, which reads the offsets on the host).
+either and that reads nothing on the host (every row times every expert, then each row's own:
+L times the FLOPs, memory N*L*M; for the small test shapes, fp64 and fp32 on a GPU; past
+FALLBACK_MAX_BYTES torch's own fallback, which reads the offsets on the host).
 
 GroupedMLPFn is the whole expert MLP (swiglu: down(silu(gate) * up); gelu: down(gelu(up))) as
 one autograd Function: forward 2 grouped GEMMs; backward 2 for the input gradient and 2 for the
@@ -51,8 +51,8 @@ def _use_library(*tensors: torch.Tensor) -> bool:
     return dev.type == "cpu" and _aligned(*tensors)
 
 
-# The row-gather fallback holds one weight per row: above this many bytes (fp32 training of a
-# real model on a GPU) torch's own fallback is used instead (a host read of the offsets per
+# The fallback holds [N, L, M] products: above this many bytes (fp32 training of a real model on
+# a GPU) torch's own fallback is used instead (a host read of the offsets per
 # product: train.precision=bf16 on sm90+ avoids both).
 FALLBACK_MAX_BYTES = 256 * 2**20
 
@@ -70,10 +70,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """a [N, K], b [L, K, M] (any strides), offs [L] int32 -> [N, M] (rows past offs[-1]: undefined)."""
     if a.shape[0] == 0:  # no rows on this rank (the kernels reject an empty operand's strides)
         return a.new_zeros((0, b.shape[2]))
-    if _use_library(a, b) or not _small(a.shape[0], a.shape[1], b.shape[2], a):
+    N, L, M = a.shape[0], b.shape[0], b.shape[2]
+    if _use_library(a, b) or not _small(N, L, M, a):
         return torch._grouped_mm(a, b, offs=offs)
-    g = row_groups(offs, a.shape[0]).clamp_max(b.shape[0] - 1)
-    return torch.bmm(a.unsqueeze(1), b.index_select(0, g)).squeeze(1)
+    # Every row times every expert's weight (one GEMM, L times the FLOPs), then each row's own.
+    every = a.matmul(b.transpose(0, 1).reshape(b.shape[1], L * M)).view(N, L, M)
+    g = row_groups(offs, N).clamp_max(L - 1)
+    return every.gather(1, g.view(N, 1, 1).expand(N, 1, M)).squeeze(1)
 
 
 def grouped_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
