@@ -187,6 +187,12 @@ class GroupedExperts(nn.Module):
             blocks = 2 if activation == "swiglu" else 1
             for p, dim, b in ((self.w_in, 1, blocks), (self.w_out, 2, 1)):
                 p.tensor_model_parallel, p.partition_dim, p.partition_blocks = True, dim, b
+        # state_dict() / load_state_dict() in the per-expert modules' names ("<g>.gate_up.weight"
+        # under this module): torch-format weights of either path load into the other.
+        self._per_expert_keys = {attr: [n.split(".experts.", 1)[1] for n in getattr(self, attr).expert_names]
+                                 for attr in ("w_in", "w_out")}
+        self.register_state_dict_post_hook(_state_dict_per_expert)
+        self.register_load_state_dict_pre_hook(_load_per_expert)
 
     @property
     def num_local_experts(self) -> int:
@@ -231,3 +237,16 @@ def per_expert_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tens
                 view.partition_blocks = t.partition_blocks
             out[n] = view
     return out
+
+
+def _state_dict_per_expert(module: GroupedExperts, state_dict, prefix: str, local_metadata) -> None:
+    for attr, keys in module._per_expert_keys.items():
+        stacked = state_dict.pop(prefix + attr)
+        for l, key in enumerate(keys):
+            state_dict[prefix + key] = stacked[l]
+
+
+def _load_per_expert(module: GroupedExperts, state_dict, prefix: str, *args) -> None:
+    for attr, keys in module._per_expert_keys.items():
+        if all(prefix + key in state_dict for key in keys):
+            state_dict[prefix + attr] = torch.stack([state_dict.pop(prefix + key) for key in keys])
