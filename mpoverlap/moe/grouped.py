@@ -23,6 +23,8 @@ precision as the deferrable linear (wgrad/functions.py): weights cast to the com
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -61,6 +63,19 @@ def _small(n: int, k: int, m: int, t: torch.Tensor) -> bool:
     return n * k * m * t.element_size() <= FALLBACK_MAX_BYTES or t.dtype not in _GROUPED_DTYPES
 
 
+def _library(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm; should a CUDA kernel refuse an operand's layout (transposed views),
+    once more on row-major copies (the layouts it documents), with a warning."""
+    try:
+        return torch._grouped_mm(a, b, offs=offs)
+    except RuntimeError as err:
+        if a.device.type != "cuda":
+            raise
+        warnings.warn(f"torch._grouped_mm refused {tuple(a.stride())} x {tuple(b.stride())} strides ({err}); "
+                      "retrying on contiguous copies")
+        return torch._grouped_mm(a.contiguous(), b.contiguous(), offs=offs)
+
+
 def row_groups(offs: torch.Tensor, n: int) -> torch.Tensor:
     """[n] long: the group of each row (L for rows past offs[-1])."""
     return torch.searchsorted(offs, torch.arange(n, device=offs.device, dtype=offs.dtype), right=True)
@@ -72,7 +87,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
         return a.new_zeros((0, b.shape[2]))
     N, L, M = a.shape[0], b.shape[0], b.shape[2]
     if _use_library(a, b) or not _small(N, L, M, a):
-        return torch._grouped_mm(a, b, offs=offs)
+        return _library(a, b, offs)
     # Every row times every expert's weight (one GEMM, L times the FLOPs), then each row's own.
     every = a.matmul(b.transpose(0, 1).reshape(b.shape[1], L * M)).view(N, L, M)
     g = row_groups(offs, N).clamp_max(L - 1)
@@ -85,7 +100,7 @@ def grouped_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch
         return a.new_zeros((offs.shape[0], a.shape[1], g.shape[1]))
     at = a.t()
     if _use_library(at, g) or not _small(a.shape[0], a.shape[1] * offs.shape[0], 1, a):
-        return torch._grouped_mm(at, g, offs=offs)
+        return _library(at, g, offs)
     L = offs.shape[0]
     rows = row_groups(offs, a.shape[0])
     a = a.masked_fill((rows == L).unsqueeze(1), 0)  # rows past offs[-1] may hold anything
