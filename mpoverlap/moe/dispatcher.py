@@ -72,7 +72,7 @@ class ChunkCounts:
 
 @dataclass
 class Pending:
-    handles: List[CommHandle]
+    handles: List[Optional[CommHandle]]  # None: an identity exchange (one rank)
     links: List[tuple]  # (input with autograd history, buffer being written, backward fn)
     ctx: Dict[str, Any]
 
@@ -83,8 +83,10 @@ class Pending:
         copying into the output inside wait(), which would otherwise overwrite the output's
         autograd history."""
         for h in self.handles:
-            h.wait()
-        return [_Link.apply(x, [buf], fn) for x, buf, fn in self.links]
+            if h is not None:
+                h.wait()
+        # buf None: one rank, the exchange was the identity (nothing copied, no reverse)
+        return [x if buf is None else _Link.apply(x, [buf], fn) for x, buf, fn in self.links]
 
 
 class _Link(torch.autograd.Function):
@@ -149,6 +151,8 @@ class _Exchange:
 
 def _a2a(x, group, out_splits, in_splits, ledger, ex: _Exchange):
     """Issue all_to_all of x (no autograd); returns (handle, link)."""
+    if group is None:  # one rank: the identity, no copy in either direction
+        return None, (x, None, None)
     x = ex.prepare(x)
     buf = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     h = all_to_all(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger,
@@ -165,6 +169,8 @@ def _a2a(x, group, out_splits, in_splits, ledger, ex: _Exchange):
 
 def _gather(x, group, size, ledger, ex: _Exchange):
     """Issue all_gather [T, ...] -> [R*T, ...]; backward reduce-scatters."""
+    if group is None:  # one rank: the identity, no copy in either direction
+        return None, (x, None, None)
     x = ex.prepare(x)
     buf = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
     h = all_gather(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger)
@@ -179,6 +185,8 @@ def _gather(x, group, size, ledger, ex: _Exchange):
 
 def _scatter(x, group, size, ledger, ex: _Exchange):
     """Issue reduce_scatter [R*T, ...] -> [T, ...]; backward all-gathers."""
+    if group is None:  # one rank: the identity, no copy in either direction
+        return None, (x, None, None)
     x = ex.prepare(x)
     buf = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
     h = reduce_scatter(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger)

@@ -222,7 +222,8 @@ class MoELayer(nn.Module):
                     # chunk (only the handles: `finish` keeps its place, so the replay saves
                     # its tensors in the forward's order, as the checkpoint requires).
                     for handle in combines[i].handles:
-                        handle.wait()
+                        if handle is not None:  # None: one rank's identity exchange
+                            handle.wait()
             ys = [finish(i, c) for i, c in enumerate(combines)]
         else:
             if self.shared_expert is not None:
