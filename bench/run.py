@@ -8,7 +8,7 @@ no iproute2), the DP benchmark runs on the bare loopback and the output says so.
 Writes bench/results/<timestamp>/results.json and results.md and prints the table.
 
     python -m bench.run [--overhead-repeats 8] [--dp-repeats 6] [--block 5] [--rate 2gbit]
-                        [--skip-overhead] [--skip-overhead-launch] [--skip-dp] [--no-netns]
+                        [--skip-overhead] [--skip-overhead-launch] [--skip-moe] [--skip-dp] [--no-netns]
                         [--modes tp,cp,pp,ep,bubble] [--modes-repeats 5] [--modes-block 4] [--modes-budget 150]
                         [--skip-scaling] [--scaling-worlds 1,2,4,8] [--scaling-steps 12]
                         [--skip-memory] [--memory-layouts dp2,...] [--memory-steps 3]
@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench import async_ckpt, dp_overlap, long_context, memory, modes, overhead, predict, scaling, timelines, zero, zero_bubble
+from bench import async_ckpt, dp_overlap, long_context, memory, modes, moe_step, overhead, predict, scaling, timelines, zero, zero_bubble
 from bench import zero_bubble_report
 from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
 
@@ -119,6 +119,16 @@ def run_overhead_launch(args, out: Path) -> Dict[str, Any]:
     proc = _run(cmd)
     if proc.returncode != 0:
         raise SystemExit(f"bench.overhead (launch-bound) failed with exit status {proc.returncode}")
+    return json.loads(path.read_text())
+
+
+def run_moe_step(args, out: Path) -> Dict[str, Any]:
+    """bench.moe_step (issue 46): an MoE model's step on one process, grouped experts against the
+    per-expert loop (tokens/s, GEMM share)."""
+    path = out / "moe_step.json"
+    proc = _run([sys.executable, "-m", "bench.moe_step", "--json", str(path), "--threads", str(args.threads)])
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.moe_step failed with exit status {proc.returncode}")
     return json.loads(path.read_text())
 
 
@@ -434,6 +444,8 @@ def main() -> None:
                    help="blocks during which other processes used more cores than this are left out (default 0.1)")
     p.add_argument("--no-netns", action="store_true", help="run the DP, modes, scaling and timeline runs on the bare loopback")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--skip-moe", action="store_true",
+                   help="skip bench/moe_step.py (an MoE step on one process: grouped experts vs the per-expert loop)")
     p.add_argument("--skip-overhead-launch", action="store_true",
                    help="skip the launch-bound overhead line (32 thin layers against a plain loop with fused AdamW)")
     p.add_argument("--skip-dp", action="store_true")
@@ -484,6 +496,8 @@ def main() -> None:
         results["overhead"] = run_overhead(args, out)
     if not args.skip_overhead_launch:
         results["overhead_launch"] = run_overhead_launch(args, out)
+    if not args.skip_moe:
+        results["moe_step"] = run_moe_step(args, out)
     if not args.skip_dp:
         results["dp"] = run_dp(args, out)
     for scenario in [x.strip() for x in args.modes.split(",") if x.strip() and x.strip() != "none"]:
@@ -523,7 +537,7 @@ def main() -> None:
     if results.get("ep_pairing"):
         from bench import ep_pairing
         table += "\n" + ep_pairing.render(results)
-    for section in (zero.render(results), zero_bubble_report.render(results), scaling.render(results), memory.render(results), timelines.render(results),
+    for section in (moe_step.render(results), zero.render(results), zero_bubble_report.render(results), scaling.render(results), memory.render(results), timelines.render(results),
                     async_ckpt.render(results), long_context.render(results), predict.render(results.get("predicted") or [])):
         if section:
             table += "\n" + section

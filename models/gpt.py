@@ -228,9 +228,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Every parameter from its own generator: depends only on seed, name and shape.
-        Tensor-parallel layers already sliced their shard of the same full tensor."""
+        Tensor-parallel layers already sliced their shard of the same full tensor; stacked
+        experts (`expert_names`) drew each expert's slice from its per-expert name."""
         for name, p in self.named_parameters():
-            if not hasattr(p, "tensor_model_parallel"):
+            if not hasattr(p, "tensor_model_parallel") and not hasattr(p, "expert_names"):
                 p.copy_(init_tensor(name, p.shape, self.cfg, seed))
 
     def forward(self, tokens_BS: torch.Tensor,

@@ -100,6 +100,7 @@ def moe_mlp(name: str, cfg, seed: int, moe: Optional[dict], shared_expert: Optio
                             cfg=cfg, seed=seed, activation=cfg.activation, dispatcher=cfg.moe_dispatcher,
                             aux_loss_coeff=cfg.moe_aux_loss_coeff, z_loss_coeff=cfg.moe_z_loss_coeff,
                             capacity_factor=cfg.moe_capacity_factor, shared_expert=shared_expert,
-                            router_options=router_options(cfg), **ctx)
+                            router_options=router_options(cfg),
+                            grouped_gemm=getattr(cfg, "moe_grouped_gemm", True), **ctx)
     layer.aux_loss_scale = 1.0
     return layer

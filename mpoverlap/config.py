@@ -65,6 +65,10 @@ class ModelConfig:
     moe_z_loss_coeff: float = 1e-3  # router z-loss coefficient
     moe_capacity_factor: Optional[float] = None  # None = dropless; else drop beyond capacity
     moe_dispatcher: str = "alltoall"  # alltoall | allgather
+    # Experts as stacked weights run by grouped GEMMs (true), or one module per expert run in
+    # a Python loop over host row counts (false: the reference path; a host read per layer and
+    # microbatch, operators growing with the experts). Checkpoints are the same either way.
+    moe_grouped_gemm: bool = True
     # Fine-grained MoE (DeepSeek-MoE / Qwen-MoE class). The shared expert's hidden size (with
     # shared_expert=true; null = the expert width). N shared experts of width F are one
     # shared MLP of width N * F (their outputs add up), so a count is written as its width.

@@ -60,8 +60,12 @@ HOT_STEP_BUDGETS = {
     "moe-fine-ep2-bias": (["model=moe_fine_tiny", "model.moe_router_score=sigmoid", "model.moe_router_norm_topk=true",
                            "model.moe_router_bias_update_rate=0.01", "parallel.dp=2", "parallel.ep=2",
                            "overlap.ep=true"], 1 + 1 * 2),
+    # Issue 46: at ep 1 the grouped experts read nothing (rows per expert stay on the device),
+    # with a capacity factor too (dropped slots ride as zero rows): the norm's read alone.
     "moe-fine-etp2-sp": (["model=moe_fine_tiny", "model.moe_router_bias_update_rate=0.01", "parallel.tp=2",
-                          "parallel.etp=2", "parallel.sequence_parallel=true", "parallel.dp=1"], 1 + 1 * 4),
+                          "parallel.etp=2", "parallel.sequence_parallel=true", "parallel.dp=1"], 1),
+    "moe-ep1-capacity": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2",
+                          "model.moe_capacity_factor=1.0"], 1),
 }
 
 
@@ -69,7 +73,8 @@ HOT_STEP_BUDGETS = {
 def test_hot_step_reads_the_host_within_budget(name):
     """Outside log steps, with clipping: one host read per step (the non-finite decision on
     the gradient norm), none in the forward, backward (collective matmul, ring and all-to-all
-    attention included), gradient reduction or optimizer; MoE adds one per layer and microbatch."""
+    attention included), gradient reduction or optimizer; MoE at ep > 1 adds one per layer and
+    microbatch (every chunk's split sizes together), at ep 1 none."""
     layout, budget = HOT_STEP_BUDGETS[name]
     overrides = SMALL + layout + ["train.grad_clip=1.0", "train.log_interval=100"]
     with tempfile.TemporaryDirectory() as run_dir:

@@ -197,6 +197,30 @@ def test_etp_slices_the_seed_drawn_expert_weights():
         torch.testing.assert_close(a(x) + b(x), f(x), rtol=1e-5, atol=1e-6)
 
 
+
+def test_grouped_experts_hold_the_per_expert_weights_and_outputs():
+    """Issue 46: the stacked experts' slices are the per-expert modules' weights (same names,
+    same etp slices), and the grouped GEMMs' etp partial outputs sum to the per-expert loop's."""
+    from mpoverlap.moe.experts import Experts, GroupedExperts
+    from mpoverlap.tensor_parallel.layers import shard_tensor
+
+    cfg = compose(["model=moe_fine_tiny"]).model
+    kw = dict(first_expert_index=4, name_prefix="layers.1.mlp", cfg=cfg, seed=7)
+    loop = Experts(2, 64, 32, **kw)
+    ref = loop.global_names()
+    parts = [GroupedExperts(2, 64, 32, etp_rank=r, etp_size=2, **kw) for r in range(2)]
+    for part, r in zip(parts, range(2)):
+        got = part.global_names()
+        assert set(got) == set(ref)
+        for name, w in got.items():
+            dim = 0 if name.endswith("gate_up.weight") else 1
+            assert w.partition_dim == dim and torch.equal(w, shard_tensor(ref[name], dim, r, 2, 2 - dim))
+    x = torch.randn(7, 64)
+    counts = torch.tensor([3, 4])
+    torch.testing.assert_close(parts[0](x, counts) + parts[1](x, counts), loop(x, [3, 4]), rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(w, ref[n]) for n, w in GroupedExperts(2, 64, 32, **kw).global_names().items())
+
+
 def test_estimate_splits_experts_over_etp_and_counts_its_traffic():
     from mpoverlap.overlap.estimate import estimate
 

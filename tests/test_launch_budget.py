@@ -20,8 +20,20 @@ def _overrides(hidden=64, layers=2, micro=2, precision="bf16"):
             "train.log_interval=100", "data.max_bytes=200000", "train.device=cpu", "train.progress=false"]
 
 
+def _moe_overrides(experts, micro, grouped=True):
+    """moe_tiny at 2 layers (both MoE, top-2), narrow, bf16, `experts` experts, `micro` microbatches."""
+    return ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176",
+            "model.moe_ffn_hidden_size=32", f"model.num_experts={experts}", f"model.moe_grouped_gemm={str(grouped).lower()}",
+            "model.seq_length=16", "train.micro_batch_size=2", f"train.global_batch_size={2 * micro}",
+            "train.precision=bf16", "train.grad_clip=1.0", "train.log_interval=100", "data.max_bytes=200000",
+            "train.device=cpu", "train.progress=false"]
+
+
 # name -> overrides; (layers, microbatches) on a grid for the per-layer-per-microbatch figure.
 RUNS = {
+    # issue 46: the experts' operators do not grow with their number (the per-expert loop's do)
+    **{f"moe-E{e}-m{m}": _moe_overrides(e, m) for e in (8, 64) for m in (1, 2)},
+    **{f"moe-loop-E{e}-m{m}": _moe_overrides(e, m, grouped=False) for e in (8, 64) for m in (1, 2)},
     **{f"bf16-L{L}-m{m}": _overrides(layers=L, micro=m) for L, m in ((2, 1), (4, 1), (6, 1), (2, 2), (2, 3), (4, 2))},
     "bf16-wide": _overrides(hidden=256),
     "fp32-narrow": _overrides(precision="fp32"),
@@ -83,3 +95,19 @@ def test_launches_grow_linearly_with_depth_and_microbatches(counts):
           f"{per_2_layers[0] / 2 - per_layer_micro:g}; per microbatch outside the layers: "
           f"{per_micro[0] - 2 * per_layer_micro:g}; {counts['bf16-L2-m2'][2]}")
     assert per_layer_micro > 0
+
+
+def test_moe_launches_do_not_grow_with_the_experts(counts):
+    """Issue 46: 8 -> 64 experts (top-2, 2 MoE layers): the operators of one microbatch (both
+    layers' forward and backward: ops(m=2) - ops(m=1)) are the same, and so are the step's
+    (the stacked expert weights are the same parameters; the norm's views may differ by
+    VIEW_SLACK per region, 2 stacked regions here). The per-expert loop (moe_grouped_gemm=false,
+    main's path before issue 46) shows what the budget catches: its microbatch grows."""
+    per_micro = {k: counts[f"{k}-m2"][0] - counts[f"{k}-m1"][0]
+                 for k in ("moe-E8", "moe-E64", "moe-loop-E8", "moe-loop-E64")}
+    print(f"\nMoE operators per microbatch (2 layers): {per_micro}")
+    assert per_micro["moe-E64"] == per_micro["moe-E8"], (per_micro, counts["moe-E8-m2"][2], counts["moe-E64-m2"][2])
+    assert abs(counts["moe-E64-m2"][0] - counts["moe-E8-m2"][0]) <= 2 * VIEW_SLACK, \
+        (counts["moe-E8-m2"][2], counts["moe-E64-m2"][2])
+    assert counts["moe-E64-m2"][1] == counts["moe-E8-m2"][1]  # foreach tensors: the same parameters
+    assert per_micro["moe-loop-E64"] > per_micro["moe-loop-E8"] + 2 * (64 - 8), per_micro

@@ -3,7 +3,9 @@ writes and what it reads back.
 
 Every value is keyed by its layout-free parameter name (pipeline stages keep their blocks'
 global names, experts their global index) and placed in the FULL tensor by offsets, so the
-checkpoint does not depend on the layout that wrote it:
+checkpoint does not depend on the layout that wrote it. A stacked expert parameter (the
+grouped experts' [L, ...] weights, moe/experts.py) is written as its experts' tensors, under
+the per-expert names it lists in `expert_names`, as the per-expert modules write them:
 
     model.<name>                  the parameter
     optimizer.exp_avg.<name>      AdamW's moments, same shape
@@ -92,12 +94,25 @@ class TrainStateChunks:
         self.ddp, self.optimizer, self.dp_names = ddp, optimizer, dp_names
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
-    def _name(self, p: nn.Parameter) -> str:
-        return self.dp_names[self.ddp.buffer.name_of[p]]
+    def _add(self, out: Dict[str, Chunks], shapes: Dict[str, tuple], p: nn.Parameter, chunks: Chunks) -> None:
+        """Add p's chunks (boxes of its full tensor) to `out` under p's layout-free name, or a
+        stacked expert parameter's under each expert's name (box dim 0 = the local expert)."""
+        full = partition_of(p, self.tp_rank, self.tp_size).global_shape(p.shape)
+        names = getattr(p, "expert_names", None)
+        if names is None:
+            name = self.dp_names[self.ddp.buffer.name_of[p]]
+            out.setdefault(name, []).extend(chunks)
+            shapes[name] = full
+            return
+        for offsets, view in chunks:
+            for i in range(view.shape[0]):  # checkpoint time only: a loop over the experts is fine
+                name = names[offsets[0] + i]
+                out.setdefault(name, []).append((offsets[1:], view[i]))
+                shapes[name] = full[1:]
 
-    def _entries(self, pieces: Dict[str, Chunks], params: Dict[str, nn.Parameter]) -> Dict[str, ShardedEntry]:
-        return {name: ShardedEntry(partition_of(params[name], self.tp_rank, self.tp_size).global_shape(
-            params[name].shape), chunks) for name, chunks in pieces.items() if chunks}
+    @staticmethod
+    def _entries(pieces: Dict[str, Chunks], shapes: Dict[str, tuple]) -> Dict[str, ShardedEntry]:
+        return {name: ShardedEntry(shapes[name], chunks) for name, chunks in pieces.items() if chunks}
 
     def for_save(self) -> Dict[str, dict]:
         """{"model": {name: entry}, "optimizer": {"step", "exp_avg": {...}, "exp_avg_sq": {...}}}
@@ -109,7 +124,7 @@ class TrainStateChunks:
             moments.setdefault(pc.name, []).append((pc, m))
         model: Dict[str, Chunks] = {}
         optim: Dict[str, Dict[str, Chunks]] = {k: {} for k in MOMENT_KEYS}
-        params = {}
+        shapes: Dict[str, tuple] = {}
         for bucket in buf.buckets:
             w_lo, w_hi = _write_range(self.ddp, bucket.index)
             for p in bucket.params:
@@ -117,26 +132,24 @@ class TrainStateChunks:
                 lo, hi = max(start, w_lo), min(end, w_hi)
                 if lo >= hi or not _writes(p, self.tp_rank, self.ddp.bucket_group(bucket.index).spans_tp):
                     continue
-                name = self._name(p)
-                params[name] = p
                 part = partition_of(p, self.tp_rank, self.tp_size)
-                model.setdefault(name, []).extend(range_chunks(
+                self._add(model, shapes, p, range_chunks(
                     self.ddp.held_params(bucket.index, lo, hi), p.shape, part, lo - start, hi - start))
                 pc, m = next((pc, m) for pc, m in moments[buf.name_of[p]] if pc.lo <= lo and hi <= pc.hi)
                 for k in MOMENT_KEYS:
                     flat = (m[k][lo - pc.lo:hi - pc.lo] if m is not None
                             else torch.zeros(hi - lo, dtype=pc.main.dtype, device=pc.main.device))
-                    optim[k].setdefault(name, []).extend(range_chunks(flat, p.shape, part, lo - start, hi - start))
-        return {"model": self._entries(model, params),
+                    self._add(optim[k], shapes, p, range_chunks(flat, p.shape, part, lo - start, hi - start))
+        return {"model": self._entries(model, shapes),
                 "optimizer": {"step": self.optimizer.step_count,
-                              **{k: self._entries(optim[k], params) for k in MOMENT_KEYS}}}
+                              **{k: self._entries(optim[k], shapes) for k in MOMENT_KEYS}}}
 
     def for_load(self, step: int) -> Dict[str, dict]:
         """The same keys as views to fill in place: the parameters this rank holds and fresh
         AdamW moments at `step` (the checkpoint's; none at step 0)."""
         buf = self.ddp.buffer
         model: Dict[str, Chunks] = {}
-        params = {}
+        shapes: Dict[str, tuple] = {}
         for bucket in buf.buckets:
             h_lo, h_hi = self.ddp.held_range(bucket.index)
             for p in bucket.params:
@@ -144,19 +157,15 @@ class TrainStateChunks:
                 lo, hi = max(start, h_lo), min(end, h_hi)
                 if lo >= hi:
                     continue
-                name = self._name(p)
-                params[name] = p
-                model.setdefault(name, []).extend(range_chunks(
+                self._add(model, shapes, p, range_chunks(
                     self.ddp.held_params(bucket.index, lo, hi), p.shape,
                     partition_of(p, self.tp_rank, self.tp_size), lo - start, hi - start))
         by_buf_name = {buf.name_of[p]: p for p in buf.params}
         optim: Dict[str, Dict[str, Chunks]] = {k: {} for k in MOMENT_KEYS}
         for pc, m in self.optimizer.reset_moments(step):
             p = by_buf_name[pc.name]
-            name = self._name(p)
-            params[name] = p
             for k in MOMENT_KEYS:
-                optim[k].setdefault(name, []).extend(range_chunks(
+                self._add(optim[k], shapes, p, range_chunks(
                     m[k], p.shape, partition_of(p, self.tp_rank, self.tp_size), pc.a, pc.b))
-        return {"model": self._entries(model, params),
-                "optimizer": {"step": step, **{k: self._entries(optim[k], params) for k in MOMENT_KEYS}}}
+        return {"model": self._entries(model, shapes),
+                "optimizer": {"step": step, **{k: self._entries(optim[k], shapes) for k in MOMENT_KEYS}}}

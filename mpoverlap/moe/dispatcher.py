@@ -4,12 +4,17 @@ Both dispatchers split each exchange into `*_start` (issues, returns a Pending h
 CommHandle) and `*_finish` (waits, returns tensors), so the layer decides what runs while a
 handle is in flight. `dispatch`/`combine` are start+finish back to back. All handles: mode "ep".
 
-Counts and host reads. The split sizes of uneven exchanges and the per-expert row counts are
-host integers, and reading a device tensor on the host waits for the GPU (ending any overlap
-in flight). So `exchange_counts` exchanges every chunk's per-expert counts in ONE collective,
-waited at once, and copies all of them to the host in ONE read per layer and microbatch;
-`ChunkCounts` carries each chunk's figures to `dispatch_start`/`dispatch_finish`, and nothing
-else in a dispatch or combine reads the device.
+Counts and host reads. The split sizes of uneven exchanges are host integers, and reading a
+device tensor on the host waits for the GPU (ending any overlap in flight). So
+`exchange_counts` exchanges every chunk's per-expert counts in ONE collective, waited at once,
+and copies all of them to the host in ONE read per layer and microbatch; `ChunkCounts`
+carries each chunk's figures to `dispatch_start`/`dispatch_finish`, and nothing else in a
+dispatch or combine reads the device. The grouped experts (moe/grouped.py) take the rows per
+local expert as a device tensor (`ChunkCounts.device_counts`), so with one ep rank
+(`host_counts=False`, the default) nothing is read at all: every slot, dropped ones included
+(sorted last), travels as a row, the sizes being T*k, known on the host; the experts give the
+rows past the last expert's zeros. The per-expert loop (model.moe_grouped_gemm=false) sets
+`host_counts=True`: it splits its rows by host integers.
 
 AllToAllDispatcher (R = ep_size, L = num_experts / R local experts, T tokens, k = top_k):
     exchange_counts: one all_to_all of every chunk's per-expert counts [chunks, R, L]; then
@@ -58,7 +63,8 @@ class ChunkCounts:
     """One chunk's slot counts: host integers (read once per layer for all chunks) and, for
     the all-to-all regroup, the device tensor they came from."""
     num_kept: int  # slots this rank sorts for the exchange (the all-gather: for its own experts)
-    local_counts: List[int]  # [L] rows each local expert computes
+    local_counts: Optional[List[int]]  # [L] rows each local expert computes (None: not read)
+    device_counts: Optional[torch.Tensor] = None  # [L] the same on the device
     in_splits: List[int] = None  # [R] rows sent to each rank (all-to-all)
     out_splits: List[int] = None  # [R] rows received from each rank (all-to-all)
     recv_counts: Optional[torch.Tensor] = None  # [R, L] device (all-to-all)
@@ -66,7 +72,7 @@ class ChunkCounts:
 
 @dataclass
 class Pending:
-    handles: List[CommHandle]
+    handles: List[Optional[CommHandle]]  # None: an identity exchange (one rank)
     links: List[tuple]  # (input with autograd history, buffer being written, backward fn)
     ctx: Dict[str, Any]
 
@@ -77,8 +83,10 @@ class Pending:
         copying into the output inside wait(), which would otherwise overwrite the output's
         autograd history."""
         for h in self.handles:
-            h.wait()
-        return [_Link.apply(x, [buf], fn) for x, buf, fn in self.links]
+            if h is not None:
+                h.wait()
+        # buf None: one rank, the exchange was the identity (nothing copied, no reverse)
+        return [x if buf is None else _Link.apply(x, [buf], fn) for x, buf, fn in self.links]
 
 
 class _Link(torch.autograd.Function):
@@ -143,6 +151,8 @@ class _Exchange:
 
 def _a2a(x, group, out_splits, in_splits, ledger, ex: _Exchange):
     """Issue all_to_all of x (no autograd); returns (handle, link)."""
+    if group is None:  # one rank: the identity, no copy in either direction
+        return None, (x, None, None)
     x = ex.prepare(x)
     buf = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     h = all_to_all(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger,
@@ -159,6 +169,8 @@ def _a2a(x, group, out_splits, in_splits, ledger, ex: _Exchange):
 
 def _gather(x, group, size, ledger, ex: _Exchange):
     """Issue all_gather [T, ...] -> [R*T, ...]; backward reduce-scatters."""
+    if group is None:  # one rank: the identity, no copy in either direction
+        return None, (x, None, None)
     x = ex.prepare(x)
     buf = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
     h = all_gather(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger)
@@ -173,6 +185,8 @@ def _gather(x, group, size, ledger, ex: _Exchange):
 
 def _scatter(x, group, size, ledger, ex: _Exchange):
     """Issue reduce_scatter [R*T, ...] -> [T, ...]; backward all-gathers."""
+    if group is None:  # one rank: the identity, no copy in either direction
+        return None, (x, None, None)
     x = ex.prepare(x)
     buf = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
     h = reduce_scatter(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger)
@@ -187,7 +201,7 @@ def _scatter(x, group, size, ledger, ex: _Exchange):
 
 class _Base:
     def __init__(self, ep_group, ep_size: int, ep_rank: int, num_experts: int, overlap: bool = False,
-                 ledger=None) -> None:
+                 ledger=None, host_counts: bool = False) -> None:
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} not divisible by ep={ep_size}")
         if (ep_group is None) != (ep_size == 1):
@@ -202,6 +216,24 @@ class _Base:
         self.overlap, self.ledger = overlap, (ledger if ep_group is not None else None)
         self.backward_trace = None
         self._exchanges = 0
+        # Rows per expert as host ints (the per-expert loop), else device counts; ep > 1 reads
+        # the split sizes on the host either way.
+        self.host_counts = host_counts
+        self.reads_host = host_counts or ep_size > 1
+
+    def rows_per_expert(self, counts: ChunkCounts):
+        """What the experts take: host ints for the per-expert loop, else the device counts."""
+        return counts.local_counts if self.host_counts else counts.device_counts
+
+    def _unread_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
+        """One rank, no host read: every slot a row (T*k, dropped ones last), device counts."""
+        out = []
+        for ids in expert_ids_per_chunk:
+            n = ids.numel()
+            c = expert_counts(ids, self.num_experts)
+            out.append(ChunkCounts(num_kept=n, local_counts=None, device_counts=c, in_splits=[n], out_splits=[n],
+                                   recv_counts=None))
+        return out
 
     def _exchange(self) -> _Exchange:
         self._exchanges += 1
@@ -223,6 +255,8 @@ class AllToAllDispatcher(_Base):
     def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
         """Slots each source rank sends to each of this rank's experts, per chunk: one
         all_to_all and one host read for all chunks."""
+        if not self.reads_host:
+            return self._unread_counts(expert_ids_per_chunk)
         n, R, L = len(expert_ids_per_chunk), self.size, self.num_local
         send = torch.stack([expert_counts(ids, self.num_experts) for ids in expert_ids_per_chunk])  # [n, E]
         send_RnL = send.view(n, R, L).transpose(0, 1).contiguous()
@@ -235,7 +269,7 @@ class AllToAllDispatcher(_Base):
         return [ChunkCounts(num_kept=sum(map(sum, sent[i])),
                             local_counts=[sum(got[i][r][l] for r in range(R)) for l in range(L)],
                             in_splits=[sum(c) for c in sent[i]], out_splits=[sum(c) for c in got[i]],
-                            recv_counts=recv_RnL[:, i, :])
+                            recv_counts=recv_RnL[:, i, :], device_counts=recv_RnL[:, i, :].sum(0))
                 for i in range(n)]
 
     # The math around the two exchanges, shared with the forward/backward pairing
@@ -251,12 +285,17 @@ class AllToAllDispatcher(_Base):
         """Received rows [src rank][local expert] -> (tokens [N, H] grouped by local expert,
         rows per local expert (host ints))."""
         counts = ctx["counts"]
+        if self.size == 1:  # one source rank: the rows are grouped by expert already
+            ctx["index"] = None
+            return recv_NH, self.rows_per_expert(counts)
         tokens, index = regroup(recv_NH, counts.recv_counts)
         ctx["index"] = index
-        return tokens, counts.local_counts
+        return tokens, self.rows_per_expert(counts)
 
     def experts_to_send(self, expert_out_NH, ctx):
         """Expert outputs back in the received row order (the combine exchange's input)."""
+        if ctx["index"] is None:
+            return expert_out_NH
         return expert_out_NH.index_select(0, inverse_index(ctx["index"]))
 
     def combined_tokens(self, out_NH, ctx):
@@ -287,12 +326,15 @@ class AllToAllDispatcher(_Base):
 class AllGatherDispatcher(_Base):
     def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
         """Every rank's per-expert counts of every chunk: one all_gather and one host read."""
+        if not self.reads_host:
+            return self._unread_counts(expert_ids_per_chunk)
         n, R, L, lo = len(expert_ids_per_chunk), self.size, self.num_local, self.first_expert
         mine = torch.stack([expert_counts(ids, self.num_experts) for ids in expert_ids_per_chunk])  # [n, E]
         every = mine.new_empty((R * n, self.num_experts))
         all_gather(every, mine, self.group, mode=MODE, ledger=self.ledger).wait()
-        host = every[:, lo:lo + L].reshape(R, n, L).sum(0).tolist()  # the one host read: [n][L]
-        return [ChunkCounts(num_kept=sum(host[i]), local_counts=host[i]) for i in range(n)]
+        local = every[:, lo:lo + L].reshape(R, n, L).sum(0)  # [n, L]
+        host = local.tolist()  # the one host read: [n][L]
+        return [ChunkCounts(num_kept=sum(host[i]), local_counts=host[i], device_counts=local[i]) for i in range(n)]
 
     def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, counts: ChunkCounts) -> Pending:
         T, k = expert_ids_Tk.shape
@@ -317,7 +359,7 @@ class AllGatherDispatcher(_Base):
         local_ids = torch.where(mine, ids - lo, torch.full_like(ids, -1))
         tokens, order, _ = permute(xs_RTH, local_ids, self.num_local, ctx["counts"].num_kept)
         ctx.update(order=order, weights=ws_RTk)
-        return tokens, ctx["counts"].local_counts
+        return tokens, self.rows_per_expert(ctx["counts"])
 
     def experts_to_partial_sums(self, expert_out_NH, ctx):
         """Weighted partial sums of the group's tokens [R*T, H] (the reduce-scatter's input)."""

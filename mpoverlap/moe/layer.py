@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from mpoverlap.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
-from mpoverlap.moe.experts import Experts
+from mpoverlap.moe.experts import Experts, GroupedExperts
 from mpoverlap.moe.expert_tp import ExpertTP, expert_tp
 from mpoverlap.moe.router import TopKRouter
 from mpoverlap.moe.sequence_shards import SequenceShards, sequence_shards
@@ -222,7 +222,8 @@ class MoELayer(nn.Module):
                     # chunk (only the handles: `finish` keeps its place, so the replay saves
                     # its tensors in the forward's order, as the checkpoint requires).
                     for handle in combines[i].handles:
-                        handle.wait()
+                        if handle is not None:  # None: one rank's identity exchange
+                            handle.wait()
             ys = [finish(i, c) for i, c in enumerate(combines)]
         else:
             if self.shared_expert is not None:
@@ -244,21 +245,29 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
                     capacity_factor: Optional[float] = None,
                     shared_expert: Optional[nn.Module] = None,
                     shards: Optional[SequenceShards] = None, router_options: Optional[dict] = None,
-                    expert_tp: Optional[ExpertTP] = None) -> MoELayer:
+                    expert_tp: Optional[ExpertTP] = None, grouped_gemm: bool = True) -> MoELayer:
     """Router f"{name}.router.weight", experts f"{name}.experts.{g}.*", this rank's experts
     [ep_rank * E/ep, (ep_rank + 1) * E/ep). `shards`: the ranks holding the other parts of
-    this rank's sequences (SP, CP), over which the router's statistics are summed."""
+    this rank's sequences (SP, CP), over which the router's statistics are summed.
+    `grouped_gemm` (model.moe_grouped_gemm): stacked experts run by grouped GEMMs, no host
+    read at ep 1; False: one module per expert, a Python loop over host row counts."""
     kinds = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
     if dispatcher not in kinds:
         raise ValueError(f"dispatcher {dispatcher!r}; one of {sorted(kinds)}")
-    disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger)
+    disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger, host_counts=not grouped_gemm)
     router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
                         capacity_factor=capacity_factor, shards=shards, random_stream=ep_rank,
                         **(router_options or {}))
-    experts = Experts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
-                      name_prefix=name, cfg=cfg, seed=seed, activation=activation,
-                      etp_rank=expert_tp.rank if expert_tp else 0, etp_size=expert_tp.size if expert_tp else 1)
+    etp = dict(etp_rank=expert_tp.rank if expert_tp else 0, etp_size=expert_tp.size if expert_tp else 1)
+    if grouped_gemm:
+        # Dropped slots travel as rows past the last expert's when nothing reads the counts.
+        experts = GroupedExperts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
+                                 name_prefix=name, cfg=cfg, seed=seed, activation=activation,
+                                 padded=capacity_factor is not None and not disp.reads_host, **etp)
+    else:
+        experts = Experts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
+                          name_prefix=name, cfg=cfg, seed=seed, activation=activation, **etp)
     return MoELayer(router, experts, disp, overlap=overlap, num_chunks=num_chunks,
                     shared_expert=shared_expert, expert_tp=expert_tp)
 

@@ -244,13 +244,13 @@ def expert_rate(cfg: Any, lo: Any, repeats: int = 15, copies: int = 1) -> float:
 
 
 def expert_work(cfg: Any, lo: Any) -> Tuple[Callable[[], None], float]:
-    """(work, its FLOPs): this rank's routed experts (`Experts`, E/ep of them, the model's
+    """(work, its FLOPs): this rank's routed experts (`GroupedExperts` or `Experts`, E/ep of them, the model's
     activation and expert width) forward + backward on one dispatch chunk's rows (the rank's
     MoE tokens x top_k / overlap.ep_chunks, as a balanced router sends them), split evenly over
     the experts. Run it with torch on one thread (`one_thread`)."""
     import torch
 
-    from mpoverlap.moe.experts import Experts
+    from mpoverlap.moe.experts import Experts, GroupedExperts
     from mpoverlap.overlap.estimate.params import expert_ffn, mlp_mult
     from mpoverlap.simulate.costs import moe_tokens
 
@@ -258,11 +258,15 @@ def expert_work(cfg: Any, lo: Any) -> Tuple[Callable[[], None], float]:
     local = max(1, m.num_experts // max(1, lo.ep))
     chunks = max(1, int(cfg.overlap.ep_chunks))
     rows = max(local, int(moe_tokens(cfg, lo) * m.moe_top_k) // chunks)
-    experts = Experts(local, m.hidden_size, expert_ffn(m), first_expert_index=0, name_prefix="rate", cfg=m,
-                      seed=0, activation=m.activation)
+    # The experts the model runs: grouped GEMMs (model.moe_grouped_gemm, the default) or the loop.
+    kind = GroupedExperts if getattr(m, "moe_grouped_gemm", True) else Experts
+    experts = kind(local, m.hidden_size, expert_ffn(m), first_expert_index=0, name_prefix="rate", cfg=m,
+                   seed=0, activation=m.activation)
     x = torch.randn(rows, m.hidden_size, requires_grad=True)
     counts = [rows // local] * local
     counts[-1] += rows - sum(counts)
+    if kind is GroupedExperts:
+        counts = torch.tensor(counts)
 
     def work() -> None:
         y = experts(x, counts)

@@ -109,17 +109,20 @@ class Resumable:
     def _init_from_hf(self, directory: str) -> None:
         """checkpoint.init_from: a Hugging Face directory's full tensors, resharded like a resume."""
         from mpoverlap.interop.hf_import import read_state
+        from mpoverlap.moe.experts import per_expert_tensors
 
         t0 = time.perf_counter()
         # This rank's shards only: its stage's and experts' parameters, its TP slice of each.
-        shards, self.init_bytes_read = read_state(directory, self.cfg.model, self.params_by_name,
+        # Stacked expert weights as their experts' tensors, under the per-expert names.
+        shards, self.init_bytes_read = read_state(directory, self.cfg.model, per_expert_tensors(self.params_by_name),
                                                   self.state.coords.tp, self.state.grid.tp)
         with self.ddp.full_params(write_back=True):
+            params = per_expert_tensors(self.params_by_name)  # views of the storage held now
             for name, value in shards.items():
-                if value.shape != self.params_by_name[name].shape:
+                if value.shape != params[name].shape:
                     raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape "
-                                          f"{tuple(value.shape)} here, {tuple(self.params_by_name[name].shape)} expected")
-                self.params_by_name[name].copy_(value)
+                                          f"{tuple(value.shape)} here, {tuple(params[name].shape)} expected")
+                params[name].copy_(value)
         self.log(f"initialised from {directory} ({time.perf_counter() - t0:.2f}s)")
 
     def maybe_resume(self) -> None:

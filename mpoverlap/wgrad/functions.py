@@ -107,14 +107,15 @@ class Embedding(nn.Embedding):
 
 
 def attach_deferral(module: nn.Module, deferral) -> int:
-    """Hand `deferral` to every deferrable layer under `module` (Linear, Embedding, and the
-    tensor-parallel layers through their TPComm); returns how many got it. Layers that keep
+    """Hand `deferral` to every deferrable layer under `module` (Linear, Embedding, modules
+    marked `defers_weight_grad` such as the grouped experts, and the tensor-parallel layers
+    through their TPComm); returns how many got it. Layers that keep
     their weight gradient in B: norms, the MoE router, biases."""
     from mpoverlap.tensor_parallel.comm_spec import TPComm
 
     count = 0
     for sub in module.modules():
-        if isinstance(sub, (Linear, Embedding)):
+        if isinstance(sub, (Linear, Embedding)) or getattr(sub, "defers_weight_grad", False):
             sub.wgrad = deferral
             count += 1
         elif isinstance(getattr(sub, "comm", None), TPComm):
