@@ -37,6 +37,8 @@ JOBS = {
     # issued: step 6 carries it, both ranks save at 6 (logged steps are 4, 8, ...).
     "sigterm": (2, ["parallel.dp=2", "train.log_interval=4", "checkpoint.interval=0"], 100, "sigterm"),
     "verbose_pp2": (2, ["parallel.pp=2"], 1, "verbose"),
+    # Host reads of a step with the per-step stop agreement and without it (a groupless one).
+    "reads": (2, ["parallel.dp=2"], 1, "reads"),
     # Rank 1's gradient is NaN in step 2 only: the update of step 2 must be skipped everywhere.
     "skip": (2, ["parallel.dp=2", "train.on_nonfinite=skip"], 4, "nan_at_2"),
 }
@@ -84,12 +86,26 @@ def _worker(rank, world, jobs, root):
         finally:
             os.environ.pop("MPOVERLAP_VERBOSE_P2P", None)
         snapshots = []
+        reads = None
+        if action == "reads":
+            from mpoverlap.training.host_sync import count_host_reads
+            from mpoverlap.training.preemption import StopAgreement
+
+            trainer.train_step()  # lazy state first (AdamW moments)
+            reads, agreement = {}, trainer.stop
+            for side, stop in (("agreement", agreement),
+                               ("none", StopAgreement(None, trainer.state.device, trainer.ledger))):
+                trainer.stop = stop
+                with count_host_reads() as counted:
+                    trainer.train_step()
+                reads[side] = counted.by_site()
+            trainer.stop = agreement  # run() below: past train.steps already, nothing to do
         torch = _job(rank, trainer, action, snapshots)
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):
             result = trainer.run()
         report = {"result": {k: v for k, v in result.items() if k != "losses"},
-                  "stderr": stderr.getvalue().splitlines(), "pp_ops": None}
+                  "stderr": stderr.getvalue().splitlines(), "pp_ops": None, "reads": reads}
         if action == "nan_at_2":
             report["unchanged"] = [all(torch.equal(a, b) for a, b in zip(s0, s1))
                                    for s0, s1 in zip(snapshots, snapshots[1:])]
@@ -168,6 +184,18 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_next_step(ran):
     for row in logged:
         stop = row["comm"]["stop"]
         assert (stop["ops"], stop["bytes"]) == (1, 4) and 0 <= stop["exposed_s"] <= stop["time_s"], stop
+
+
+def test_the_stop_agreement_adds_no_host_read(ran):
+    """The agreed stop flag is read in the gradient norm's host read (one `.tolist()` of both
+    instead of `float(norm)`): a dp 2 step makes as many host reads as without the agreement."""
+    _, reports = ran
+    for rank_report in reports["reads"]:
+        reads = rank_report["reads"]
+        assert sum(reads["agreement"].values()) == sum(reads["none"].values()), reads
+        # One read, the norm's (with the flag): "tolist at data_parallel/optimizer.py:<line>".
+        assert [site.split(" at ")[1].rsplit(":", 1)[0] for site in reads["agreement"]] == \
+            ["data_parallel/optimizer.py"] and sum(reads["agreement"].values()) == 1, reads
 
 
 def test_val_loss_at_every_layout_equals_single_process(ran):
