@@ -32,7 +32,7 @@ test: setup
 # launch/slurm.sbatch on a two-node SLURM cluster made on this machine (root; installs
 # slurm-wlm and munge with apt-get when missing): launch/slurm-testcluster.sh, tests/test_slurm.py.
 test-slurm: setup
-	MPOVERLAP_TEST_SLURM=1 $(VENV)/bin/pytest -q -rs tests/test_slurm.py
+	MPOVERLAP_TEST_SLURM=1 $(VENV)/bin/pytest -q -rs -s tests/test_slurm.py
 
 # Back-to-back mpoverlap-train and bench runs, each must exit 0 without an abort (about 2 minutes).
 test-exits: setup

@@ -154,8 +154,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 1234
-    # A log step gathers metrics from every rank, all-reduces the loss and agrees on preemption:
-    # host syncs that stall a GPU, so only every 10th step pays them by default.
+    # A log step gathers metrics from every rank and all-reduces the loss: host syncs that stall
+    # a GPU, so only every 10th step pays them by default. (SIGTERM is agreed at every step,
+    # read with the gradient norm: training/preemption.py.)
     log_interval: int = 10
     eval_interval: int = 0  # 0 = only at the end
     eval_iters: int = 4

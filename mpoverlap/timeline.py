@@ -32,7 +32,7 @@ Span = Tuple[float, float]  # (start, end), seconds
 
 # (in flight, exposed) colours per mode: a light and a saturated shade of one hue.
 MODE_COLOURS = {"dp": ("#9ecae1", "#08519c"), "tp": ("#fdd0a2", "#d94801"), "pp": ("#dadaeb", "#54278f"),
-                "cp": ("#a1d99b", "#006d2c"), "ep": ("#fcbba1", "#a50f15")}
+                "cp": ("#a1d99b", "#006d2c"), "ep": ("#fcbba1", "#a50f15"), "stop": ("#d9d9d9", "#525252")}
 COMPUTE_COLOUR = "#969696"
 # Pipeline actions: (colour, legend) per shown kind; "B-input" is a B whose W was deferred.
 ACTION_STYLE = {"F": ("#4292c6", "F: forward"),

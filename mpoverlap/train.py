@@ -108,6 +108,8 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from mpoverlap.training.preemption import AGENT_SIGNALS, SigtermForwarder
+
     lo = build_layout(cfg)
     world = lo.world
     # Every worker must agree on the run directory: resolve it once here.
@@ -127,16 +129,19 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"mpoverlap-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": 120},
         max_restarts=0, monitor_interval=0.5, start_method="spawn",
+        # SIGTERM is ours (SigtermForwarder): the agent keeps collecting the workers' results.
+        signals_to_handle=AGENT_SIGNALS,
     )
     # The workers print their own errors (one paragraph, or a traceback for a bug); torch
     # elastic's agent would repeat each as a multi-screen log in the launcher.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, worker_entry)(worker_overrides)
+        with SigtermForwarder():
+            results = elastic_launch(config, worker_entry)(worker_overrides)
     except SignalException as sig:
-        # The workers got the same signal: each saved a checkpoint at its next step boundary.
-        print(f"mpoverlap: stopped by {sig.sigval.name}; the workers saved a checkpoint at the next step "
-              "boundary (see above); rerun the same command to resume", file=sys.stderr)
+        # The agent's own shutdown (SIGINT, a second SIGTERM): its workers got the signal too.
+        print(f"mpoverlap: stopped by {sig.sigval.name}; the workers saved a checkpoint at their next step "
+              "boundary if they could (see above); rerun the same command to resume", file=sys.stderr)
         return 0
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
@@ -145,7 +150,12 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
         print(f"mpoverlap: run failed: rank {rank} exited with code {failure.exitcode}"
               f"{_failure_reason(failure)}; see its message above", file=sys.stderr)
         return EXIT_FAILED
-    return 0 if results is not None else EXIT_FAILED
+    if results is None:
+        return EXIT_FAILED
+    if any(isinstance(r, dict) and r.get("preempted") for r in results.values()):
+        print("mpoverlap: stopped by SIGTERM; the workers saved a checkpoint (see above); rerun the same "
+              "command to resume", file=sys.stderr)
+    return 0
 
 
 def _failure_reason(failure: Any) -> str:

@@ -40,8 +40,11 @@ def test_keep_prunes_to_newest(tmp_path, one_rank_group):
 
 
 def test_save_killed_half_way_leaves_previous_loadable(tmp_path, one_rank_group, monkeypatch):
-    ck = Checkpointer(tmp_path, keep=3)
+    """Also with the config every checkpoint carries (config.yaml, written into the .partial
+    directory first): a killed save's directory holds it, and is still never picked."""
+    ck = Checkpointer(tmp_path, keep=3, config_yaml="model:\n  num_layers: 2\n")
     ck.save(1, _state(1))
+    assert (tmp_path / "step_00000001" / "config.yaml").read_text() == "model:\n  num_layers: 2\n"
     import torch.distributed.checkpoint as dcp
 
     real_save = dcp.save
@@ -54,7 +57,7 @@ def test_save_killed_half_way_leaves_previous_loadable(tmp_path, one_rank_group,
     monkeypatch.setattr(dcp, "save", dies_half_way)
     with pytest.raises(KeyboardInterrupt):
         ck.save(2, _state(2))
-    assert (tmp_path / "step_00000002.partial").is_dir()
+    assert (tmp_path / "step_00000002.partial" / "config.yaml").is_file()
     assert ck.latest().name == "step_00000001"
     assert ck.load(ck.latest(), _state(0))["meta"]["step"] == 1
     # A directory that looks complete but lacks the COMPLETE marker is never picked either.

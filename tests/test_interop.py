@@ -42,27 +42,36 @@ SHAPE = [o for o in SMALL if o.startswith("model.")]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """{kind: (run dir, export dir)}: 2 steps at dp2 x tp2 x pp2 (both kinds in one spawn of 8
-    ranks, each a full Trainer.run()), exported (MoE in shards)."""
+    ranks, each a full Trainer.run()), exported (MoE in shards). checkpoint.dir lies outside
+    run.dir (shared storage, as on clusters): the export gets the checkpoint alone, no
+    --config, and reads the config the checkpoint carries."""
     from inproc_train import run_chains
 
     root = tmp_path_factory.mktemp("trained")
-    run_chains({kind: [(8, [*SMALL, *model, *LAYOUT, "checkpoint.interval=2"], 2)] for kind, model in MODELS.items()},
+    run_chains({kind: [(8, [*SMALL, *model, *LAYOUT, "checkpoint.interval=2",
+                            f"checkpoint.dir={root / 'shared_storage' / kind}"], 2)] for kind, model in MODELS.items()},
                root)
     out = {}
     for kind in MODELS:
-        run = root / kind
+        run, store = root / kind, root / "shared_storage" / kind
         hf = run / "hf"
+        assert (store / "step_00000002" / "config.yaml").is_file() and not (store.parent / "config.yaml").exists()
         shard = ["--max-shard-size", "200KB"] if kind == "moe" else []
-        assert export_main([str(run), "--out", str(hf), *shard]) == 0
+        assert export_main([str(store), "--out", str(hf), *shard]) == 0
         out[kind] = (run, hf)
     return out
+
+
+def checkpoint_of(run: Path) -> Path:
+    """The newest complete checkpoint of `run` (its checkpoint.dir, else <run>/checkpoints)."""
+    return resolve_step_dir(OmegaConf.load(run / "config.yaml").checkpoint.dir or run)
 
 
 def reference_logits(run: Path, tokens: torch.Tensor) -> torch.Tensor:
     """The single-process mpoverlap model with the checkpoint's weights."""
     cfg = OmegaConf.load(run / "config.yaml")
     model = GPT(cfg.model)
-    weights, _ = read_checkpoint(resolve_step_dir(run))
+    weights, _ = read_checkpoint(checkpoint_of(run))
     model.load_state_dict(weights, strict=True)
     with torch.no_grad():
         return model.eval()(tokens)
@@ -149,7 +158,7 @@ def test_import_at_a_layout_starts_from_the_exported_weights(trained, tmp_path):
     data, _ = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
     batch = global_batch(data, 0, cfg.train.global_batch_size, cfg.train.seed)
     model = GPT(cfg.model)
-    model.load_state_dict(read_checkpoint(resolve_step_dir(run))[0])
+    model.load_state_dict(read_checkpoint(checkpoint_of(run))[0])
     with torch.no_grad():
         ref = model.loss(model(batch[:, :-1]), batch[:, 1:]).item()
     got = rows(tmp_path / "imp")[0]["loss"]
@@ -169,7 +178,9 @@ def test_init_from_shape_mismatch_refused_before_workers(trained, tmp_path):
 
 
 def _fake_checkpoint(root: Path, overrides) -> Path:
-    """A complete one-process checkpoint (initial weights) of the model `overrides` describe."""
+    """A complete one-process checkpoint (initial weights) of the model `overrides` describe,
+    as checkpoints were written before they carried their config: the run's config.yaml
+    beside checkpoints/, none inside the step directory."""
     import torch.distributed.checkpoint as dcp
 
     from mpoverlap.training.resume import shape_keys
@@ -183,6 +194,20 @@ def _fake_checkpoint(root: Path, overrides) -> Path:
     (step / "COMPLETE").write_text("{}")
     (root / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return root
+
+
+def test_old_checkpoint_away_from_its_run_needs_config_and_config_overrides(tmp_path, capsys):
+    """A checkpoint without its own config.yaml, moved away from its run directory: refused
+    with the keys it lacks and the fix; --config supplies them. (The checkpoints written now
+    carry their config: the `trained` fixture exports one with no --config.)"""
+    run = _fake_checkpoint(tmp_path / "run", LLAMA)
+    moved = tmp_path / "elsewhere" / "step_00000000"
+    moved.parent.mkdir()
+    (run / "checkpoints" / "step_00000000").rename(moved)
+    assert export_main([str(moved), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "model.rope_base" in err and "pass --config" in err, err
+    assert export_main([str(moved), "--out", str(tmp_path / "hf"), "--config", str(run / "config.yaml")]) == 0
 
 
 @pytest.mark.parametrize("overrides,named", [

@@ -114,16 +114,21 @@ def test_two_hosts_train_fail_and_resume_on_the_single_process_curve(hosts, tmp_
     report.append(f"worker killed: everything gone in {took:.1f}s")
     assert took < GONE_WITHIN_S, took
 
-    # 4. Resume again, then SIGTERM every worker (what SLURM's preemption does): each saves at
-    #    the next logged step and both agents exit 0.
+    # 4. Resume again, then SIGTERM every worker (what SLURM's preemption does): every rank
+    #    agrees at the next step boundary, saves, and every process exits 0.
     last = _newest_complete(run)
     agents = _launch(hosts, run, tmp_path / "a3")
     _wait_rows(run, len(rows(run)) + 2, agents)
     for pid in [p for host in (0, 1) for p in hosts.pids(host) if p not in (agents[0].pid, agents[1].pid)]:
         os.kill(pid, signal.SIGTERM)
+    took = _wait_gone(hosts, agents)
     assert [a.wait(timeout=90) for a in agents] == [0, 0], _log(tmp_path / "a3", "agent0.err")[-3000:]
     out = _log(tmp_path / "a3", "agent0.out") + _log(tmp_path / "a3", "agent1.out")
     assert f"at step {last}" in out and "SIGTERM: saved a checkpoint at step" in out
+    save = re.search(r"SIGTERM: saved a checkpoint at step (\d+) in ([0-9.]+)s", out)
+    report.append(f"SIGTERM: checkpoint at step {save.group(1)} (saved in {save.group(2)}s), every process "
+                  f"gone in {took:.1f}s")
+    assert took < 20, took  # the step, the save and the interpreters' teardown
 
     # Every logged step of the three launches (resumed steps appear twice) against the
     # single-process run of the same model and global batch.

@@ -1,6 +1,6 @@
 """The training loop's step bookkeeping, through `Trainer.run()` (what `mpoverlap-train` runs)
 inside one spawn per world size: the LR schedule against its formula, rows averaged over
-`train.log_interval`, SIGTERM between logged steps saving at the next one, `val_loss` at
+`train.log_interval`, SIGTERM on one rank stopping every rank at the next step, `val_loss` at
 pp 2, tp 2 + SP, cp 2 and ZeRO-3 equal to the single-process value, the
 MPOVERLAP_VERBOSE_P2P lines, and `train.on_nonfinite=skip` leaving the weights untouched."""
 import contextlib
@@ -33,9 +33,12 @@ JOBS = {
     **{f"val_{name}": (2, ov, 2, None) for name, ov in VAL_LAYOUTS.items()},
     "every_step": (2, ["parallel.dp=2", *LR], 8, None),
     "every_2": (2, ["parallel.dp=2", *LR, "train.log_interval=2"], 8, None),
-    # SIGTERM arrives on rank 1 after step 4; logged steps are 3, 6, ...: it saves at 6.
-    "sigterm": (2, ["parallel.dp=2", "train.log_interval=3", "checkpoint.interval=0"], 100, "sigterm"),
+    # SIGTERM arrives on rank 1 during step 5 (in its loss), after the step's stop flag was
+    # issued: step 6 carries it, both ranks save at 6 (logged steps are 4, 8, ...).
+    "sigterm": (2, ["parallel.dp=2", "train.log_interval=4", "checkpoint.interval=0"], 100, "sigterm"),
     "verbose_pp2": (2, ["parallel.pp=2"], 1, "verbose"),
+    # Host reads of a step with the per-step stop agreement and without it (a groupless one).
+    "reads": (2, ["parallel.dp=2"], 1, "reads"),
     # Rank 1's gradient is NaN in step 2 only: the update of step 2 must be skipped everywhere.
     "skip": (2, ["parallel.dp=2", "train.on_nonfinite=skip"], 4, "nan_at_2"),
 }
@@ -51,17 +54,17 @@ def _job(rank, trainer, action, snapshots):
         out = step_fn()
         if action == "nan_at_2":  # (not under ZeRO-3: its parameters' storage is freed between uses)
             snapshots.append([p.detach().clone() for p in trainer.model.parameters()])
-        if action == "sigterm" and trainer.step == 4 and rank == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
         return out
     trainer.train_step = train_step
-    if action == "nan_at_2":
+    if action in ("nan_at_2", "sigterm"):
         loss_fn = trainer.model.loss
 
         def poisoned_loss(logits, targets):
             loss = loss_fn(logits, targets)
+            if action == "sigterm" and trainer.step == 4 and rank == 1:  # inside step 5
+                os.kill(os.getpid(), signal.SIGTERM)
             # The second step's loss on rank 1: its gradients, hence the reduced ones, are NaN.
-            return loss * math.nan if trainer.step == 1 and rank == 1 else loss
+            return loss * math.nan if action == "nan_at_2" and trainer.step == 1 and rank == 1 else loss
         trainer.model.loss = poisoned_loss
     return torch
 
@@ -83,12 +86,26 @@ def _worker(rank, world, jobs, root):
         finally:
             os.environ.pop("MPOVERLAP_VERBOSE_P2P", None)
         snapshots = []
+        reads = None
+        if action == "reads":
+            from mpoverlap.training.host_sync import count_host_reads
+            from mpoverlap.training.preemption import StopAgreement
+
+            trainer.train_step()  # lazy state first (AdamW moments)
+            reads, agreement = {}, trainer.stop
+            for side, stop in (("agreement", agreement),
+                               ("none", StopAgreement(None, trainer.state.device, trainer.ledger))):
+                trainer.stop = stop
+                with count_host_reads() as counted:
+                    trainer.train_step()
+                reads[side] = counted.by_site()
+            trainer.stop = agreement  # run() below: past train.steps already, nothing to do
         torch = _job(rank, trainer, action, snapshots)
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):
             result = trainer.run()
         report = {"result": {k: v for k, v in result.items() if k != "losses"},
-                  "stderr": stderr.getvalue().splitlines(), "pp_ops": None}
+                  "stderr": stderr.getvalue().splitlines(), "pp_ops": None, "reads": reads}
         if action == "nan_at_2":
             report["unchanged"] = [all(torch.equal(a, b) for a, b in zip(s0, s1))
                                    for s0, s1 in zip(snapshots, snapshots[1:])]
@@ -152,14 +169,33 @@ def test_rows_average_comm_over_the_log_interval(ran):
         assert a["comm"]["dp"]["ops"] > 0
 
 
-def test_sigterm_between_logged_steps_saves_at_the_next_one(ran):
+def test_sigterm_on_one_rank_stops_every_rank_at_the_next_step(ran):
+    """Not at the next logged step (8): the per-step stop flag (StopAgreement) carries rank 1's
+    signal of step 5 to rank 0 in step 6; the stop step gets its metrics row, and the ledger
+    counts the agreement under `stop`: one 4-byte all-reduce per step."""
     root, reports = ran
     for rank_report in reports["sigterm"]:
         assert rank_report["result"]["steps"] == 6 and rank_report["result"]["preempted"], rank_report["result"]
     saved = sorted(p.name for p in (root / "sigterm" / "checkpoints").iterdir())
     assert saved == ["step_00000006"], saved
     assert (root / "sigterm" / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
-    assert [r["step"] for r in metrics(root, "sigterm") if "loss" in r] == [3, 6]
+    logged = [r for r in metrics(root, "sigterm") if "loss" in r]
+    assert [r["step"] for r in logged] == [4, 6]
+    for row in logged:
+        stop = row["comm"]["stop"]
+        assert (stop["ops"], stop["bytes"]) == (1, 4) and 0 <= stop["exposed_s"] <= stop["time_s"], stop
+
+
+def test_the_stop_agreement_adds_no_host_read(ran):
+    """The agreed stop flag is read in the gradient norm's host read (one `.tolist()` of both
+    instead of `float(norm)`): a dp 2 step makes as many host reads as without the agreement."""
+    _, reports = ran
+    for rank_report in reports["reads"]:
+        reads = rank_report["reads"]
+        assert sum(reads["agreement"].values()) == sum(reads["none"].values()), reads
+        # One read, the norm's (with the flag): "tolist at data_parallel/optimizer.py:<line>".
+        assert [site.split(" at ")[1].rsplit(":", 1)[0] for site in reads["agreement"]] == \
+            ["data_parallel/optimizer.py"] and sum(reads["agreement"].values()) == 1, reads
 
 
 def test_val_loss_at_every_layout_equals_single_process(ran):

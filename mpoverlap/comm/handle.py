@@ -33,7 +33,9 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.autograd.profiler as _autograd_profiler
 
-MODES = ("dp", "tp", "pp", "cp", "ep")
+# The five overlap modes, and `stop`: the world's one-element agreement on stopping at each step
+# (training/preemption.py: StopAgreement), issued at a step's start and waited at its end.
+MODES = ("dp", "tp", "pp", "cp", "ep", "stop")
 
 
 def now() -> float:

@@ -78,9 +78,10 @@ def read_checkpoint(step_dir: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, 
 
 
 def find_run_config(step_dir: Path):
-    """The config.yaml of the run that wrote the checkpoint: checkpoint.dir defaults to
-    <run.dir>/checkpoints, so it is two levels up; None when not found."""
-    for parent in (step_dir.parent.parent, step_dir.parent, step_dir):
+    """The config the checkpoint was written with: its own config.yaml (every checkpoint
+    carries one), else, for checkpoints written before they did, the run's: checkpoint.dir
+    defaults to <run.dir>/checkpoints, so two levels up; None when not found."""
+    for parent in (step_dir, step_dir.parent.parent, step_dir.parent):
         if (parent / "config.yaml").is_file():
             return parent / "config.yaml"
     return None
@@ -93,8 +94,9 @@ def model_keys(step_dir: Path, meta: Dict[str, Any], config_path: str | Path | N
 
     path = Path(config_path) if config_path else find_run_config(step_dir)
     if path is None or not path.is_file():
-        raise ConversionError(f"the run's config.yaml was not found next to {step_dir} (looked in "
-                              f"{step_dir.parent.parent}); the checkpoint's meta lacks model."
+        raise ConversionError(f"no config.yaml in {step_dir} (a checkpoint written before checkpoints carried "
+                              f"their config) nor in its run directory {step_dir.parent.parent}; the checkpoint's "
+                              "meta lacks model."
                               f"{', model.'.join(CONFIG_ONLY_KEYS[:2])}, which change the numerics: pass "
                               "--config <run.dir>/config.yaml")
     cfg = OmegaConf.load(path)

@@ -37,7 +37,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-shard-size", default="5GB",
                         help="split model.safetensors into shards of at most this size (default 5GB)")
     parser.add_argument("--config", default=None,
-                        help="the run's config.yaml (default: found next to the checkpoint)")
+                        help="a config.yaml that overrides the checkpoint's own (default: the one inside "
+                             "the checkpoint; for checkpoints written before they carried one, the run's)")
     args = parser.parse_args(argv)
     try:
         done = export(args.checkpoint, args.out, args.max_shard_size, args.config)

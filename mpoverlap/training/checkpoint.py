@@ -1,7 +1,7 @@
 """Checkpoints with torch.distributed.checkpoint, saved atomically, optionally in the background.
 
 Layout of `checkpoint.dir`:
-    step_00000030/          a complete checkpoint (DCP shards + .metadata + COMPLETE)
+    step_00000030/          a complete checkpoint (DCP shards + .metadata + config.yaml + COMPLETE)
     step_00000060.partial/  a save in progress or one killed half way: never loaded
 
 A save writes into `<name>.partial`, then rank 0 marks it COMPLETE and renames it; the rename
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
+CONFIG = "config.yaml"  # the resolved config the checkpoint was written with
 
 
 class CheckpointError(Exception):
@@ -150,10 +151,13 @@ class _InFlight:
 
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 2, async_save: bool = False, group=None,
-                 log: Optional[Callable[[str], None]] = None) -> None:
+                 log: Optional[Callable[[str], None]] = None, config_yaml: Optional[str] = None) -> None:
         """async_save=True needs `group` (from `checkpoint_io_group`) when a process group exists;
-        `log` prints a line (rank 0 only is the caller's choice)."""
+        `log` prints a line (rank 0 only is the caller's choice); `config_yaml`: the resolved
+        config of the run, written into every checkpoint as CONFIG (the checkpoint describes
+        itself wherever checkpoint.dir lives)."""
         self.dir = Path(directory)
+        self.config_yaml = config_yaml
         self.keep = max(1, int(keep))
         self.async_save = bool(async_save)
         if self.async_save and dist.is_initialized() and group is None:
@@ -207,6 +211,8 @@ class Checkpointer:
             # Created here, not by DCP's writer (whose planning runs in the background thread of an
             # asynchronous save): a save under way is visible as `.partial` once save() returns.
             partial.mkdir()
+            if self.config_yaml is not None:  # inside .partial: COMPLETE covers it too
+                (partial / CONFIG).write_text(self.config_yaml)
         _barrier(group)
 
     def _complete(self, step: int, final: Path, partial: Path, saved_s: float) -> None:

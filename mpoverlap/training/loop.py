@@ -33,7 +33,7 @@ from mpoverlap.training.node_failure import lost_peer
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflops, moe_summary, peak_memory_bytes,
                                         throughput)
-from mpoverlap.training.preemption import PREEMPTED_MARKER, PreemptionFlag
+from mpoverlap.training.preemption import PREEMPTED_MARKER, StopAgreement
 from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.pipeline_glue import (PipelineRunner, build_chunks, schedule_layout,
@@ -116,11 +116,14 @@ class Trainer(Resumable):
         # checkpoint.async_save: the background writes talk over a gloo group of their own.
         async_save = bool(cfg.checkpoint.async_save)
         self.checkpointer = Checkpointer(ck_dir, keep=cfg.checkpoint.keep, async_save=async_save, log=self.log,
-                                         group=checkpoint_io_group(t.comm_timeout_s) if async_save else None)
+                                         group=checkpoint_io_group(t.comm_timeout_s) if async_save else None,
+                                         config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
         # train.precision: the same autocast on CPU and CUDA (parameters stay fp32).
         self.autocast = autocast_context(t.precision, state.device)
         self.step = 0
         self.faults = FaultInjector(state.rank)
+        # SIGTERM on any rank: every rank stops at the same step boundary (one flag per step).
+        self.stop = StopAgreement(state.world_group, state.device, self.ledger)
         self.pipeline = None
         self.pairing_trace = None  # a list: the paired sub-steps' order (tests/test_pairing.py)
         if self.pp > 1:
@@ -162,6 +165,7 @@ class Trainer(Resumable):
         batch = global_batch(self.train_data, self.step, t.global_batch_size, t.seed)
         micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
         t0 = time.perf_counter()
+        self.stop.issue()  # in flight under the whole step; waited before the norm
         self.ddp.start_step()
         if self.pipeline is not None:
             loss_sum = self.pipeline.train_microbatches(micro, self.pairing_trace)
@@ -180,7 +184,8 @@ class Trainer(Resumable):
             wait_all(allreduce_sequence_parallel_grads(
                 self.sequence_parallel_params, self.tp["tp_group"], self.ledger, self.overlap.tp.enabled,
                 grads=self.ddp.reduced_grads(self.sequence_parallel_params)))
-        grad_norm = self.optimizer.clip_grad_norm(t.grad_clip)
+        # One host read for the norm and the agreed stop flag (no sync of the flag's own).
+        grad_norm, stop_flag = self.optimizer.clip_grad_norm_with(t.grad_clip, self.stop.flag_to_read())
         # The norm is global (reduced over every group that shards gradients), so every rank
         # takes the same decision; a non-finite loss makes non-finite gradients.
         skipped = not math.isfinite(grad_norm)
@@ -197,7 +202,7 @@ class Trainer(Resumable):
         step_time = time.perf_counter() - t0
         self.step += 1
         return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
-                "skipped": skipped}
+                "skipped": skipped, "stop": self.stop.agreed(stop_flag)}
 
     def _train_microbatches(self, micro) -> torch.Tensor:
         if self.overlap.ep_pairing.enabled:  # pp 1 (pp > 1: the pipeline's paired table)
@@ -279,6 +284,18 @@ class Trainer(Resumable):
         if self.is_rank0:
             print(message, flush=True)
 
+    def _stop_for_sigterm(self, losses: List[float]) -> Dict[str, Any]:
+        """Every rank agreed to stop after this step: save it (waiting a save in flight, an
+        asynchronous one too: written, marked COMPLETE and renamed before the return)."""
+        t0 = time.perf_counter()
+        self.save()
+        self.checkpointer.wait()
+        if self.is_rank0:  # for launchers that cannot tell a preemption stop (slurm.sbatch)
+            (self.run_dir / PREEMPTED_MARKER).write_text(f"{self.step}\n")
+        self.log(f"SIGTERM: saved a checkpoint at step {self.step} in {time.perf_counter() - t0:.2f}s and stopped; "
+                 "rerun the same command to continue")
+        return {"steps": self.step, "losses": losses, "preempted": True}
+
     # ---- the run ----------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
@@ -301,7 +318,7 @@ class Trainer(Resumable):
         losses = []
         wall0 = time.perf_counter()
         last_logged = self.step
-        preemption = PreemptionFlag()
+        self.stop.install()
         try:
             while self.step < t.steps:
                 profiler.step_begin(self.step + 1)
@@ -311,37 +328,28 @@ class Trainer(Resumable):
                     writer.write({"step": self.step, "nonfinite": True, "action": "skipped the update",
                                   "grad_norm": out["grad_norm"]})
                     progress.log(f"step {self.step}: non-finite gradient (norm {out['grad_norm']}), update skipped")
-                if self.step % t.log_interval == 0 or self.step == t.steps:
+                # A stop (SIGTERM on any rank, agreed by every rank in this step) logs its step too.
+                if self.step % t.log_interval == 0 or self.step == t.steps or out["stop"]:
                     row = self.log_row(out, self.step - last_logged)
                     last_logged = self.step
                     losses.append(row["loss"])
                     writer.write(row)
                     progress.update(row)
+                if out["stop"]:
+                    return self._stop_for_sigterm(losses)
                 if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
                     val = self.evaluate()
                     writer.write({"step": self.step, "val_loss": val})
                     progress.log(f"step {self.step}: validation loss {val:.4f}")
                 if cfg.checkpoint.interval and (self.step % cfg.checkpoint.interval == 0 or self.step == t.steps):
                     self.save()
-                # Agreeing costs a tiny collective and a host sync: only at log steps (SLURM's
-                # --signal=TERM@120 leaves ample time), and at the last step.
-                at_log = self.step % t.log_interval == 0 or self.step == t.steps
-                if at_log and preemption.agreed(self.state.device):
-                    if not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
-                        self.save()
-                    self.checkpointer.wait()  # an asynchronous save: written and renamed before exit
-                    if self.is_rank0:  # for launchers that cannot tell a preemption stop (slurm.sbatch)
-                        (self.run_dir / PREEMPTED_MARKER).write_text(f"{self.step}\n")
-                    self.log(f"SIGTERM: saved a checkpoint at step {self.step} and stopped; rerun the same "
-                             "command to continue")
-                    return {"steps": self.step, "losses": losses, "preempted": True}
             val = self.evaluate()
             writer.write({"step": self.step, "val_loss": val})
             self.checkpointer.wait()
         finally:
             self.checkpointer.wait(raise_error=False)  # never leave a thread writing behind an error
             profiler.close()
-            preemption.restore()
+            self.stop.restore()
             progress.close()
             writer.close()
         self.log(f"done: {self.step} steps in {time.perf_counter() - wall0:.1f}s, validation loss {val:.4f}; "
