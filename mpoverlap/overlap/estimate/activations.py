@@ -20,7 +20,8 @@ f = residual-stream bytes, 4: the residual stays fp32 under autocast; c = comput
          SwiGLU gate|up output, silu(gate), the product          4F c
   MoE MLP instead (not split over TP; S/tp tokens with SP): router logits and probabilities,
     top-k, log-sum-exp (fp32) 2E*4 + 12k + 40 bytes; the permuted tokens, the experts' outputs and
-    their unpermuted copy 3kH c; each routed copy runs an expert MLP (4 or 2 x expert width, c);
+    their unpermuted copy 3kH c; each routed copy runs an expert MLP that keeps its up projection's
+    output (2 or 1 x expert width, c; the per-expert loop, model.moe_grouped_gemm=false, 4 or 2);
     the shared expert a dense MLP of the expert width.
   The last chunk adds the final norm and the loss's fp32 log-softmax (or, vocab-parallel,
   softmax) over V/tp per token; the first the token ids.
@@ -109,7 +110,11 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
         total += tokens * (2 * E * 4 + 12 * k + 40)
         # the shared expert is split over TP like a dense MLP
         total += tokens_tp * mult * shared_expert_ffn(m) * c // lo.tp
-        total += expert_tokens * (3 * k * H * c + k * mult * (fe // etp) * c)
+        # The grouped experts (model.moe_grouped_gemm, mpoverlap/moe/grouped.py) keep only the
+        # up projection's output (2F swiglu, F gelu) and recompute the activation in backward;
+        # the per-expert loop keeps autograd's (4F / 2F, as a dense MLP).
+        per_copy = mult // 2 if getattr(m, "moe_grouped_gemm", True) else mult
+        total += expert_tokens * (3 * k * H * c + k * per_copy * (fe // etp) * c)
     else:
         total += tokens_tp * mult * m.ffn_hidden_size * c // lo.tp
     return total
