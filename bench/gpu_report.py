@@ -25,13 +25,16 @@ def _run(cmd: List[str], cwd: Optional[Path] = None) -> Optional[str]:
 
 
 def git_commit(repo: Path) -> str:
-    """HEAD (with `+dirty` for uncommitted changes to tracked files); else $GPU_CHECK_COMMIT
-    (a copy without .git: the launching side passes it); else 'unknown'."""
+    """$GPU_CHECK_COMMIT when set (the launching side knows what it copied: a copy on a GPU
+    machine may sit beside a stale .git from an earlier call); else HEAD (with `+dirty` for
+    uncommitted changes to tracked files); else 'unknown'."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     head = _run(["git", "rev-parse", "HEAD"], repo)
     if head:
         dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
         return head + ("+dirty" if dirty else "")
-    return os.environ.get("GPU_CHECK_COMMIT") or "unknown (no git here; set GPU_CHECK_COMMIT=<sha>)"
+    return "unknown (no git here; set GPU_CHECK_COMMIT=<sha>)"
 
 
 def environment(repo: Path) -> Dict[str, Any]:
