@@ -3,7 +3,10 @@
 On CPU a collective's duration cannot be set by its size (loopback is fast and noisy), so the
 peer sets it: rank 1 joins each collective D ms after rank 0 issued it, so rank 0's handle
 completes ~D ms after issue. Compute is a sleep of C ms between issue and wait. Sleeps need
-no CPU, so the 2-core machine's scheduling noise (a few ms) stays well under the 10% allowed.
+no CPU, but on a loaded machine (`make test` runs two test files at once) a sleeper can wake, or
+a rank leave the barrier, tens of ms late: each scenario measures that lateness (the peer's
+joins and rank 0's wake-ups against the schedule, on the machine-wide monotonic clock both
+ranks read) and the bound is 10% plus the lateness seen in that scenario.
 
 Expected, for one handle: time_s = D; exposed_s = max(0, D - C) (C = 0: overlap off).
 All scenarios run in ONE 2-process spawn; rank 0 keeps the ledger, rank 1 only paces.
@@ -42,13 +45,16 @@ SCENARIOS = {
 }
 
 
-def _sleep_until(start: float, at_ms: float) -> None:
+def _sleep_until(start: float, at_ms: float, late: list = None) -> None:
+    """Sleep until `at_ms` after `start`; append to `late` how many ms after it this woke."""
     left = start + at_ms * MS - time.perf_counter()
     if left > 0:
         time.sleep(left)
+    if late is not None:
+        late.append((time.perf_counter() - start) / MS - at_ms)
 
 
-def _rank0_scenario(name, ledger, groups, start):
+def _rank0_scenario(name, ledger, groups, start, late):
     import torch
 
     from mpoverlap.comm import all_reduce, reduce_scatter, send_recv
@@ -58,37 +64,37 @@ def _rank0_scenario(name, ledger, groups, start):
 
     if name.startswith("compute<comm"):
         h = issue("dp")
-        _sleep_until(start, 100)
+        _sleep_until(start, 100, late)
         h.wait()
     elif name.startswith("compute>comm"):
         h = issue("dp")
-        _sleep_until(start, 350)
+        _sleep_until(start, 350, late)
         h.wait()
     elif name == "two queued handles":
         h1 = issue("dp")
-        _sleep_until(start, 50)
+        _sleep_until(start, 50, late)
         h2 = issue("dp")
-        _sleep_until(start, 100)
+        _sleep_until(start, 100, late)
         h1.wait()
         h2.wait()
     elif name.startswith("overlap off"):
         issue("dp").wait()
     elif name == "two modes at once":
         dp, pp = issue("dp"), issue("pp", "second")
-        _sleep_until(start, 100)
+        _sleep_until(start, 100, late)
         dp.wait()
         pp.wait()
     elif name.startswith("p2p receive"):
         h = send_recv([], [(torch.empty(8), 1)], None, mode="pp", ledger=ledger)
-        _sleep_until(start, 350)
+        _sleep_until(start, 350, late)
         h.wait()
     elif name.startswith("reduce-scatter"):
         h = reduce_scatter(torch.empty(4), torch.ones(8), groups["world"], mode="tp", ledger=ledger)
-        _sleep_until(start, 350)
+        _sleep_until(start, 350, late)
         h.wait()
     elif name.startswith("gap between"):
         issue("dp").wait()
-        _sleep_until(start, 300)
+        _sleep_until(start, 300, late)
         issue("dp").wait()
     else:
         raise KeyError(name)
@@ -102,31 +108,47 @@ def _accuracy_worker(rank, world):
     for group in groups.values():  # first use of a group may set up state: keep it out of the timings
         dist.all_reduce(torch.ones(8), group=group)
     ledger = CommLedger()
-    measured = {}
+    measured, starts, late = {}, {}, {}
     for name, (peer_joins, _) in SCENARIOS.items():
         dist.barrier()  # both ranks leave together: the common start of the scenario
-        start = time.perf_counter()
+        start = starts[name] = time.perf_counter()
+        late[name] = []
         if rank == 0:
-            _rank0_scenario(name, ledger, groups, start)
+            _rank0_scenario(name, ledger, groups, start, late[name])
             measured[name] = ledger.reset()
         else:
             for at_ms, op in peer_joins:
-                _sleep_until(start, at_ms)
+                _sleep_until(start, at_ms, late[name])
                 if op == "send":
                     dist.send(torch.ones(8), dst=0)
                 elif op == "reduce_scatter":
                     dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8), group=groups["world"])
                 else:
                     dist.all_reduce(torch.ones(8), group=groups[op])
-    return measured
+    return measured, starts, late
 
 
 @pytest.fixture(scope="module")
-def measured():
-    return run_distributed(_accuracy_worker, 2)[0]
+def timed():
+    """(rank 0's ledger per scenario, {scenario: ms of scheduling lateness}): the most any join
+    of the peer or any wake-up of rank 0 came after its place in the schedule, the peer's
+    measured from rank 0's start (its barrier exit included). perf_counter is CLOCK_MONOTONIC,
+    one clock for both processes."""
+    (measured, starts0, late0), (_, starts1, late1) = run_distributed(_accuracy_worker, 2)
+    lateness = {}
+    for name in SCENARIOS:
+        skew = (starts1[name] - starts0[name]) / MS
+        lateness[name] = max([0.0, *late0[name], *(x + skew for x in late1[name])])
+    return measured, lateness
 
 
-def test_ledger_matches_known_durations(measured):
+@pytest.fixture(scope="module")
+def measured(timed):
+    return timed[0]
+
+
+def test_ledger_matches_known_durations(timed):
+    measured, lateness = timed
     lines, errors = [], []
     for name, (peer_joins, expected) in SCENARIOS.items():
         got = measured[name]
@@ -134,10 +156,10 @@ def test_ledger_matches_known_durations(measured):
         for mode, (time_ms, exposed_ms) in expected.items():
             for field, want in (("time_s", time_ms), ("exposed_s", exposed_ms)):
                 have = got[mode][field] / MS
-                allowed = TOLERANCE * (want if want else time_ms)
+                allowed = TOLERANCE * (want if want else time_ms) + lateness[name]
                 ok = abs(have - want) <= allowed
                 lines.append(f"{name:<48} {mode} {field:<9} expected {want:6.1f} ms  measured {have:6.1f} ms"
-                             f"  ({'ok' if ok else 'OFF'})")
+                             f"  (+-{allowed:5.1f}, late {lateness[name]:5.1f})  ({'ok' if ok else 'OFF'})")
                 if not ok:
                     errors.append(lines[-1])
     print("\n" + "\n".join(lines))

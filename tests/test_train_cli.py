@@ -488,7 +488,6 @@ F9 = ["model.num_layers=8", "model.hidden_size=64", "model.num_attention_heads=4
       "train.progress=false", "train.log_interval=1"]
 F9_LAYOUTS = {
     "f9_ref": [],
-    "f9_mb1": ["train.micro_batch_size=1"],  # the trajectory's own sensitivity, for the report
     "f9_tp2_sp_cm": ["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=true"],
     "f9_pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2"],
     "f9_cp2": ["parallel.cp=2"],
@@ -656,15 +655,14 @@ def test_bf16_residual_stream_is_one_dtype_in_every_layout(bf16_runs):
     for name in ("f9_pp2_vpp2", "f9_dp2"):
         for key, tol in (("loss", 1e-6), ("grad_norm", 1e-5)):
             assert abs(bf16_runs[name][0][key] - ref[0][key]) <= tol * ref[0][key], (name, key)
-    floor = rel_gaps(bf16_runs["f9_mb1"], ref, "loss")
-    gaps = {name: rel_gaps(bf16_runs[name], ref, "loss") for name in F9_LAYOUTS if name not in ("f9_ref", "f9_mb1")}
-    print(f"\nfinding 9, 20 steps, largest relative loss gap to the bf16 single process: {gaps}; "
-          f"its micro-batch-1 twin: {floor:.2e}")
+    gaps = {name: rel_gaps(bf16_runs[name], ref, "loss") for name in F9_LAYOUTS if name != "f9_ref"}
+    print(f"\nfinding 9, 20 steps, largest relative loss gap to the bf16 single process: {gaps}")
     assert len(ref) == 20 and all(len(bf16_runs[name]) == 20 for name in gaps)
     # 2e-2 (issue 32's bound for curves): on the five kernel paths of the bf16 notes above the four
-    # layouts reached 4.4e-4..1.0e-3 and the micro-batch-1 twin 2.5e-4..3.8e-4 (step 1: loss 0, grad
-    # norm 6.8e-7..7.6e-7 against the 1e-5 above): 13x margin or more on every bound of this test.
-    assert max(gaps.values()) <= 2e-2, (gaps, floor)
+    # layouts reached 4.4e-4..1.0e-3 and a micro-batch-1 twin of the reference 2.5e-4..3.8e-4 (a report
+    # figure, no longer trained since issue 43's time cut) (step 1: loss 0, grad norm 6.8e-7..7.6e-7
+    # against the 1e-5 above): 13x margin or more on every bound of this test.
+    assert max(gaps.values()) <= 2e-2, gaps
     for name, mode, tol in (("f9_pp2_vpp2", "pp", 0.0), ("f9_tp2_sp_cm", "tp", 0.03)):
         est = estimate(compose([*F9, *F9_LAYOUTS[name]]), 2).comm_bytes_per_step[mode]
         got = bf16_runs[name][-1]["comm"][mode]["bytes"]
