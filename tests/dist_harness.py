@@ -56,10 +56,11 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, fn: Callabl
 # starts with them loaded (a spawned worker spends ~3 s of CPU importing torch and mpoverlap; a
 # test session starts a few hundred workers on 2 cores). The second line is what a worker's first
 # Trainer imports lazily: torch.optim's first optimizer imports torch._dynamo, the first compose
-# Hydra, the first validation the last rule modules (together ~0.5 s of CPU per worker).
+# Hydra, the first validation the last rule modules (together ~0.5 s of CPU per worker), the first
+# save or resume the sharded checkpoint planners (torch.distributed.checkpoint, ~1 s).
 _PRELOAD = ["torch", "torch.distributed", "mpoverlap.config", "mpoverlap.training.loop", "mpoverlap.training.setup",
             "torch._dynamo", "hydra.compose", "hydra.initialize", "mpoverlap.overlap.cp_rules",
-            "mpoverlap.overlap.dp_rules", "mpoverlap.overlap.ep_rules"]
+            "mpoverlap.overlap.dp_rules", "mpoverlap.overlap.ep_rules", "mpoverlap.checkpoint"]
 
 
 def _context():

@@ -9,14 +9,20 @@ the same way.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 
-from mpoverlap.checkpoint import ShardedLoadPlanner, ShardedSavePlanner, TrainStateChunks
 from mpoverlap.moe.balance import expert_biases
 from mpoverlap.overlap.rules import _show
 from mpoverlap.training.checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    from mpoverlap.checkpoint import TrainStateChunks
+
+# mpoverlap.checkpoint (torch.distributed.checkpoint's planners, DTensor) is imported where a save
+# or a load happens: a run that neither saves nor resumes does not pay its import (about 1 s of CPU
+# per rank at start-up).
 
 # Model fields a checkpoint must agree on to be loadable into this model (every key that changes
 # a parameter's shape or presence, or how the weights are read: RoPE scaling).
@@ -75,6 +81,8 @@ class Resumable:
         return meta
 
     def _state_chunks(self) -> TrainStateChunks:
+        from mpoverlap.checkpoint import TrainStateChunks
+
         return TrainStateChunks(self.ddp, self.optimizer, self.dp_names, self.state.coords.tp, self.state.grid.tp)
 
     def _small_state(self) -> Dict[str, Any]:
@@ -91,6 +99,8 @@ class Resumable:
 
     def save(self) -> None:
         self.optimizer.finish_param_sync()
+        from mpoverlap.checkpoint import ShardedSavePlanner
+
         t0 = time.perf_counter()
         path = self.checkpointer.save(self.step, self.save_state(), planner=ShardedSavePlanner())
         if not self.checkpointer.async_save:  # an async save logs when staged and when written
@@ -98,6 +108,8 @@ class Resumable:
 
     @torch.no_grad()
     def _load(self, path, step: int) -> None:
+        from mpoverlap.checkpoint import ShardedLoadPlanner
+
         state = {**self._state_chunks().for_load(step), **self._small_state(), "meta": self._meta_template(path)}
         self.checkpointer.load(path, state, planner=ShardedLoadPlanner())
         # The parameters and moments were filled in place; ZeRO-3 gathers from the new shards.
