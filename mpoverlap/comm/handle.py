@@ -36,6 +36,11 @@ import torch.autograd.profiler as _autograd_profiler
 # The five overlap modes, and `stop`: the world's one-element agreement on stopping at each step
 # (training/preemption.py: StopAgreement), issued at a step's start and waited at its end.
 MODES = ("dp", "tp", "pp", "cp", "ep", "stop")
+# Ops whose works gave no completion future (gloo's p2p and reduce-scatter): asking again costs a
+# C++ exception (~50 us of host time, as much as the transfer) on every handle, so the first
+# refusal of an op sends its later handles straight to the background wait, the path such works
+# always take (exact for any work: it waits the work itself).
+_NO_FUTURE_OPS: set = set()
 
 
 def now() -> float:
@@ -131,6 +136,10 @@ class CommHandle:
         if not self._works:
             self.completed_at = self.issued_at
             return
+        if self.op in _NO_FUTURE_OPS:
+            if self._ledger is not None:
+                self._background = self._ledger.wait_in_background(self._works, self._stamp_completed)
+            return
         remaining = [len(self._works)]
 
         def done(_fut: Any) -> None:
@@ -144,6 +153,7 @@ class CommHandle:
                 work.get_future().add_done_callback(done)
             except (RuntimeError, AttributeError):
                 remaining[0] = -1  # no future (gloo p2p, reduce-scatter): see below
+                _NO_FUTURE_OPS.add(self.op)
         if remaining[0] < 0 and self._ledger is not None:
             # Such works report completion only once waited: wait them on the ledger's pool,
             # so the completion time is the transfer's end, not this handle's wait().
