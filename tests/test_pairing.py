@@ -194,17 +194,25 @@ def test_exchanges_in_flight_under_the_other_microbatch_and_reads_unchanged():
         assert r["on"]["reads"]["tolist"] == 2 * m + 1, r["on"]["reads"]
         assert r["zero3"]["held"] == (0, {}), r["zero3"]["held"]
         # Full recompute: the forward's exchanges as with selective; each paired backward replays its
-        # MoE blocks' forward sub-steps (direction "R"), every replayed exchange in flight while the
-        # other microbatch computes; no extra host read (the replay reuses the forward's counts).
+        # MoE blocks' forward sub-steps (direction "R"), so it has twice the forward's exchange
+        # points: every replayed exchange issued while the paired forward still has sub-steps left
+        # is in flight under the forward's compute (the first replayed layer always: its 8
+        # exchanges per paired backward), the later ones run alone once the forward ended; no
+        # extra host read (the replay reuses the forward's counts).
         full = r["full"]["trace"]
         assert len(_in_flight_under_other([e for e in full if e[1] != "R"], m)) == (m - 1) * 2 * 2 * 8
         replays = []
         for i, (mb, d, kind, name) in enumerate(full):
             if d == "R" and kind == "issue" and mb <= m - 2:
                 j = next(j for j in range(i + 1, len(full)) if full[j] == (mb, "R", "wait", name))
-                replays.append((mb, name, {_sub_step(t[3]) for t in full[i + 1:j] if t[0] != mb and t[2] == "compute"}))
+                forward_end = max(k for k, t in enumerate(full) if t[:2] == (mb + 1, "F"))
+                other = {_sub_step(t[3]) for t in full[i + 1:j] if t[0] != mb and t[2] == "compute"}
+                replays.append((mb, name, i < forward_end, other))
         assert len(replays) == (m - 1) * 2 * 8, len(replays)
-        assert all(other for *_, other in replays), [f for f in replays if not f[2]][:4]
+        assert not [f for f in replays if f[2] and not f[3]], [f for f in replays if f[2] and not f[3]][:4]
+        assert sum(1 for f in replays if f[3]) >= (m - 1) * 8, sum(1 for f in replays if f[3])
+        print(f"rank {rank}: {sum(1 for f in replays if f[3])} of {len(replays)} replayed exchanges under the other "
+              "microbatch's compute")
         assert r["full"]["reads"] == r["off"]["reads"], (r["full"]["reads"], r["off"]["reads"])
 
 

@@ -30,7 +30,9 @@ forward sub-steps with autograd - pre-dispatch, dispatch issued, YIELD, shared e
 experts, combines issued, YIELD, combine - then runs their mirrored backward: the replay's
 exchanges are in flight under the other program's compute like the forward's, and the replay
 reuses the forward's chunk counts (no second counts exchange or host read, the router
-statistics recorded once). The trace names the replay's events direction "R".
+statistics recorded once). The trace names the replay's events direction "R". A paired backward
+has twice its forward's exchange points then: its last ones (the chunk's first MoE blocks) run
+after the forward's last sub-step, with nothing of the other side to hide under.
 """
 from __future__ import annotations
 
