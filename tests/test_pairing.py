@@ -2,11 +2,11 @@
 
 Parity: each paired layout reproduces its SINGLE-PROCESS loss curve (fp32, 6 steps, 1e-5
 relative; the gradient norm and the router's aux loss too): moe_tiny at ep 2 (one chunk with
-selective recompute too), edp 2 x ep 2, tp 2 + SP with etp 2 and with etp 1, a shared expert,
+selective recompute too; with full recompute), edp 2 x ep 2, tp 2 + SP with etp 2 and with etp 1, a shared expert,
 capacity, the all-gather dispatcher, ZeRO-1/2/3, cp 2 (ring and a2a), bf16 (against the bf16 single-process run, 5e-3), and moe_fine_tiny
 (dense first layer, aux-loss-free bias, shared experts split over tp; with tp 2 + SP and etp
 2, and with etp 2 without SP under ZeRO-3); pipelined (pp 2 x vpp 2 x dp 2 x ep 2, the paired
-interleaved table): plain, ZeRO-3, ZeRO-1 with overlap.pp=false, and moe_fine_tiny. All layouts of one world size train in
+interleaved table): plain, ZeRO-3, ZeRO-1 with overlap.pp=false and full recompute, and moe_fine_tiny. All layouts of one world size train in
 one spawn (tests/inproc_train.py); the strict ledger (tests/conftest.py) checks that every
 handle is waited.
 
@@ -48,6 +48,7 @@ LAYOUTS = {
     "ep2": (2, ["parallel.dp=2", "parallel.ep=2", *PAIR], "ref"),
     "ep2_chunks1_selective": (2, ["parallel.dp=2", "parallel.ep=2", "overlap.ep_chunks=1",
                                   "model.recompute=selective", *PAIR], "ref"),
+    "ep2_full": (2, ["parallel.dp=2", "parallel.ep=2", "model.recompute=full", *PAIR], "ref"),
     "ep2_shared": (2, ["parallel.dp=2", "parallel.ep=2", "model.shared_expert=true", *PAIR], "shared_ref"),
     "ep2_capacity": (2, ["parallel.dp=2", "parallel.ep=2", *CAPACITY, *PAIR], "capacity_ref"),
     "ep2_zero3": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim_grads_params", *PAIR], "ref"),
@@ -64,8 +65,10 @@ LAYOUTS = {
     # interleaved table; the fine model's first chunk is its dense layer alone
     "pp2_vpp2_ep2": (4, [*PP2, *PAIR], "ref16"),
     "pp2_vpp2_ep2_zero3": (4, [*PP2, "train.dp_sharding=optim_grads_params", *PAIR], "ref16"),
-    "pp2_vpp2_ep2_zero1_pp_off": (4, [*PP2, "train.dp_sharding=optim", "overlap.dp_param_gather=true",
-                                      "overlap.pp=false", *PAIR], "ref16"),
+    # ... with ZeRO-1, overlap.pp=false and full recompute (each MoE block's forward replayed as
+    # sub-steps in its backward: pairing/steps.py _Replayed)
+    "pp2_vpp2_ep2_zero1_pp_off_full": (4, [*PP2, "train.dp_sharding=optim", "overlap.dp_param_gather=true",
+                                           "overlap.pp=false", "model.recompute=full", *PAIR], "ref16"),
     "fine_pp2_vpp2_ep2": (4, [*FINE, *PP2, *PAIR], "fine_ref16"),
     "tp2_sp_etp2_dp2_ep2": (4, [*SP_ETP, "parallel.dp=2", "parallel.ep=2", *PAIR], "ref"),
     "tp2_sp_dp2_ep2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.ep=2",
@@ -126,7 +129,8 @@ def _wiring(rank, world, root):
 
     out = {}
     for name, extra in (("off", ["overlap.ep_pairing=false"]), ("on", PAIR),
-                        ("zero3", [*PAIR, "train.dp_sharding=optim_grads_params"])):
+                        ("zero3", [*PAIR, "train.dp_sharding=optim_grads_params"]),
+                        ("full", [*PAIR, "model.recompute=full"])):
         cfg = compose([*SMALL, *extra, f"run.dir={Path(root) / name}"])
         trainer = Trainer(cfg, init_distributed(cfg), Path(root) / name)
         trainer.pairing_trace = []
@@ -171,7 +175,7 @@ def test_exchanges_in_flight_under_the_other_microbatch_and_reads_unchanged():
         results = run_distributed(_wiring, 2, root, timeout_s=600)
     m = 12 // (2 * 2)
     for rank, r in enumerate(results):
-        assert r["on"]["paired"] and not r["off"]["paired"] and r["zero3"]["paired"]
+        assert r["on"]["paired"] and not r["off"]["paired"] and r["zero3"]["paired"] and r["full"]["paired"]
         assert r["off"]["trace"] == []
         for name in ("on", "zero3"):
             flights = _in_flight_under_other(r[name]["trace"], m)
@@ -189,6 +193,27 @@ def test_exchanges_in_flight_under_the_other_microbatch_and_reads_unchanged():
         assert r["on"]["reads"] == r["off"]["reads"], (r["on"]["reads"], r["off"]["reads"])
         assert r["on"]["reads"]["tolist"] == 2 * m + 1, r["on"]["reads"]
         assert r["zero3"]["held"] == (0, {}), r["zero3"]["held"]
+        # Full recompute: the forward's exchanges as with selective; each paired backward replays its
+        # MoE blocks' forward sub-steps (direction "R"), so it has twice the forward's exchange
+        # points: every replayed exchange issued while the paired forward still has sub-steps left
+        # is in flight under the forward's compute (the first replayed layer always: its 8
+        # exchanges per paired backward), the later ones run alone once the forward ended; no
+        # extra host read (the replay reuses the forward's counts).
+        full = r["full"]["trace"]
+        assert len(_in_flight_under_other([e for e in full if e[1] != "R"], m)) == (m - 1) * 2 * 2 * 8
+        replays = []
+        for i, (mb, d, kind, name) in enumerate(full):
+            if d == "R" and kind == "issue" and mb <= m - 2:
+                j = next(j for j in range(i + 1, len(full)) if full[j] == (mb, "R", "wait", name))
+                forward_end = max(k for k, t in enumerate(full) if t[:2] == (mb + 1, "F"))
+                other = {_sub_step(t[3]) for t in full[i + 1:j] if t[0] != mb and t[2] == "compute"}
+                replays.append((mb, name, i < forward_end, other))
+        assert len(replays) == (m - 1) * 2 * 8, len(replays)
+        assert not [f for f in replays if f[2] and not f[3]], [f for f in replays if f[2] and not f[3]][:4]
+        assert sum(1 for f in replays if f[3]) >= (m - 1) * 8, sum(1 for f in replays if f[3])
+        print(f"rank {rank}: {sum(1 for f in replays if f[3])} of {len(replays)} replayed exchanges under the other "
+              "microbatch's compute")
+        assert r["full"]["reads"] == r["off"]["reads"], (r["full"]["reads"], r["off"]["reads"])
 
 
 def test_check_states_the_extra_activation_memory_of_pairing():

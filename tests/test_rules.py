@@ -136,13 +136,10 @@ FAILING = {
                                     "train.global_batch_size=8", "train.micro_batch_size=2",
                                     "overlap.ep_pairing=true"], None)],
     "ep_pairing.pp_needs_interleaved": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
-                                          "parallel.vpp=2", "parallel.pp_schedule=zb1p", "overlap.ep_pairing=true"],
-                                         None)],
+                                          "parallel.pp_schedule=1f1b", "overlap.ep_pairing=true"], None)],
     "ep_pairing.needs_two_microbatches": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2",
                                            "train.global_batch_size=8", "train.micro_batch_size=4",
                                            "overlap.ep_pairing=true"], None)],
-    "ep_pairing.no_full_recompute": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "model.recompute=full",
-                                       "overlap.ep_pairing=true"], None)],
     "ep_pairing.needs_ep_overlap": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep=false",
                                      "overlap.ep_pairing=true"], None)],
     "mode.required_applies": [(["overlap.tp=true"], None), (["overlap.pp=true"], None),
@@ -359,13 +356,19 @@ def test_ep_pairing_auto_resolves_off_with_the_reason_and_on_where_it_applies():
     assert on.enabled and "paired" in on.reason
     for extra, why in ((["parallel.pp=2"], "parallel.vpp=1"), (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv"],
                                                                   "parallel.pp_schedule=zbv"),
-                       (["model.recompute=full"], "model.recompute=full"),
+                       (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zb1p"], "parallel.pp_schedule=zb1p"),
                        (["train.micro_batch_size=4", "train.global_batch_size=8"], "microbatch"), (["parallel.ep=1"], "parallel.ep=1")):
         cfg = compose([*moe, *extra])
         assert not [p for p in validate(cfg) if p.rule.startswith("ep_pairing")]
         state = CommOverlapConfig.from_config(cfg).ep_pairing
         assert not state.enabled and why in state.reason, (extra, state.reason)
     assert not CommOverlapConfig.from_config(compose(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2"])).ep_pairing.enabled
+    # full recompute: paired (each MoE block's forward replayed as sub-steps in its backward)
+    assert CommOverlapConfig.from_config(compose([*moe, "model.recompute=full"])).ep_pairing.enabled
+    # zb1p at vpp 2 with true: the paired zb1p table, accepted
+    zb1p = compose([*moe, "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zb1p", "overlap.ep_pairing=true"])
+    assert not [p for p in validate(zb1p) if p.rule.startswith("ep_pairing")]
+    assert "zb1p" in CommOverlapConfig.from_config(zb1p).ep_pairing.reason
     # pp 2 x vpp 2 (the interleaved table): paired
     piped = CommOverlapConfig.from_config(compose([*moe, "parallel.pp=2", "parallel.vpp=2"])).ep_pairing
     assert piped.enabled and "FB" in piped.reason, piped.reason

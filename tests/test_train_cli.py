@@ -254,11 +254,16 @@ MOE_SEQ_LAYOUTS = {
                              "model.moe_dispatcher=allgather"],
     "ep2_tp2_pp2_sp_all": ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                            "overlap.dp=true", "overlap.tp=true", "overlap.pp=true", "overlap.ep=true"],
+    # the paired zb1p table (issue 47) with tp 2 + SP and the experts split over tp (etp 2)
+    "ep2_tp2_sp_etp2_pp2_vpp2_zb1p_paired": ["parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "parallel.pp=2",
+                                             "parallel.vpp=2", "parallel.sequence_parallel=true",
+                                             "parallel.pp_schedule=zb1p", "overlap.tp=true", "overlap.ep=true",
+                                             "overlap.ep_pairing=true"],
 }
 
 
 MOE_SEQ_WORLD = {"ref_dp1": 1, "ref_dp2": 2, "tp2": 4, "cp2": 4, "tp2_sp": 4, "cp2_tp2_sp": 8, "ep2_tp2_sp_allgather": 4,
-                 "ep2_tp2_pp2_sp_all": 8}
+                 "ep2_tp2_pp2_sp_all": 8, "ep2_tp2_sp_etp2_pp2_vpp2_zb1p_paired": 8}
 
 
 @pytest.fixture(scope="module")

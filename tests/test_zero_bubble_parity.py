@@ -4,8 +4,9 @@ steps, alone and composed with dp (sharding none, optim_grads (ZeRO-2) and optim
 tp 2 + SP (collective matmul on and off), cp 2 with selective recompute, MoE ep 2 and full
 recompute. zbv (two chunks per stage in a V, the tied embedding and head both on stage 0) at
 pp 2 and pp 4, with dp 2 (none, ZeRO-2 for gpt and llama, ZeRO-3 tied), tp 2 + SP, MoE ep 2 and
-full recompute; the paired V (overlap.ep_pairing with zbv) on moe_fine_tiny at dp 2 x ep 2
-with selective recompute. Every layout against the single-process run of its model (bf16 zb1p / zbv:
+full recompute; the paired V (overlap.ep_pairing with zbv) and the paired zb1p table (pp 2 x vpp 2)
+on moe_fine_tiny at dp 2 x ep 2, each with selective recompute and with full recompute (the V's
+under ZeRO-2, zb1p's under ZeRO-1). Every layout against the single-process run of its model (bf16 zb1p / zbv:
 tests/test_train_cli.py's bf16 fixture, against its floors). One spawn per world size (tests/inproc_train.py)."""
 import json
 import os
@@ -48,6 +49,8 @@ LAYOUTS = {
 }
 ZBV = ["parallel.pp_schedule=zbv", "parallel.vpp=2"]
 L8 = ["model.num_layers=8"]
+FINE_PAIRED = ["model=moe_fine_tiny", *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true",
+               "overlap.ep_pairing=true"]
 LAYOUTS.update({
     "ref_8layers": L8,
     "zbv_pp2": [*ZBV, *L4, "parallel.pp=2", "overlap.pp=true"],
@@ -69,15 +72,24 @@ LAYOUTS.update({
     # the paired V (pipeline/zbv_paired.py): F of one chunk paired with B of the other, each B's W
     # deferred out of the pair (moe_fine_tiny: a dense first layer, shared experts)
     "moe_fine_ref": ["model=moe_fine_tiny", *L4],
-    "zbv_paired_moe_fine_dp2_ep2_pp2_selective": ["model=moe_fine_tiny", *ZBV, *L4, "parallel.dp=2", "parallel.ep=2",
-                                                  "parallel.pp=2", "overlap.ep=true", "overlap.ep_pairing=true",
-                                                  "model.recompute=selective"],
+    "zbv_paired_moe_fine_dp2_ep2_pp2_selective": [*FINE_PAIRED, *ZBV, "model.recompute=selective"],
+    # full recompute (each MoE block's forward sub-steps replayed as sub-steps in its backward,
+    # pairing/steps.py _Replayed, the replay's exchanges in flight under the pair's other side),
+    # composed with ZeRO-2 (one spawn's worth of layouts: the test budget)
+    "zbv_paired_moe_fine_dp2_ep2_pp2_full_zero2": [*FINE_PAIRED, *ZBV, "model.recompute=full",
+                                                   "train.dp_sharding=optim_grads"],
+    # the paired zb1p table (vpp 2): the paired interleaved order, each B's W placed where the stage
+    # idles; with selective recompute, and with full recompute and ZeRO-1
+    "zb_paired_moe_fine_dp2_ep2_pp2_vpp2_selective": [*FINE_PAIRED, *ZB, "parallel.vpp=2", "model.recompute=selective"],
+    "zb_paired_moe_fine_dp2_ep2_pp2_vpp2_full_zero1": [*FINE_PAIRED, *ZB, "parallel.vpp=2", "model.recompute=full",
+                                                       "train.dp_sharding=optim"],
 })
 REFS = {"zb_pp4": "ref_4layers", "zb_pp2_vpp2": "ref_4layers", "zb_moe_dp2_ep2_pp2": "moe_ref",
         "zb_dp2_pp2_zero3": "ref_untied", "zbv_pp2": "ref_4layers", "zbv_pp4": "ref_8layers",
         "zbv_pp2_recompute_full": "ref_4layers", "zbv_dp2_pp2": "ref_4layers", "zbv_dp2_pp2_zero3": "ref_4layers",
         "zbv_tp2_sp_pp2": "ref_4layers", "zbv_moe_dp2_ep2_pp2": "moe_ref_4layers", "zbv_dp2_pp2_zero2": "ref_4layers",
-        "zbv_llama_dp2_pp2_zero2": "llama_ref", "zbv_paired_moe_fine_dp2_ep2_pp2_selective": "moe_fine_ref"}
+        "zbv_llama_dp2_pp2_zero2": "llama_ref",
+        **{name: "moe_fine_ref" for name in LAYOUTS if "_paired_moe_fine_" in name}}
 LAYOUTS["ref_untied"] = ["model.tie_embeddings=false"]
 
 
@@ -201,3 +213,19 @@ def test_pp_bubble_in_metrics_and_log_line_is_the_executors_blocked_time(chains)
                     printed[int(match.group(1))] = match.group(2)
         assert printed == {step: "/".join(f"{b * 1e3:.1f}" for b in per_stage)
                            for step, per_stage in blocked.items()}, (name, printed, blocked)
+
+
+def test_paired_full_recompute_replays_the_exchanges_in_the_ledger(runs):
+    """Pairing with model.recompute=full replays each MoE block's forward in its backward as
+    sub-steps (pairing/steps.py `_Replayed`): its dispatch and combine all-to-alls go out again,
+    counted under ep, and its counts exchange does not (the forward's counts are reused). Per
+    step and rank: 4 microbatches x 1.5 MoE layers per stage on average (moe_fine_tiny's 4 layers
+    over 2 x 2 chunks, layer 0 dense) x 4 token chunks (overlap.ep_chunks) x 2 (dispatch and
+    combine) = 48 more ep operations than the same table with selective recompute; every handle
+    waited inside its step (0 <= exposed <= in flight)."""
+    for schedule in ("zbv_paired_moe_fine_dp2_ep2_pp2", "zb_paired_moe_fine_dp2_ep2_pp2_vpp2"):
+        full = runs[next(n for n in LAYOUTS if n.startswith(f"{schedule}_full"))]
+        selective = runs[f"{schedule}_selective"]
+        for f, s in zip(full, selective):
+            assert f["comm"]["ep"]["ops"] - s["comm"]["ep"]["ops"] == 48, (schedule, f["comm"]["ep"], s["comm"]["ep"])
+            assert 0 <= f["comm"]["ep"]["exposed_s"] <= f["comm"]["ep"]["time_s"]

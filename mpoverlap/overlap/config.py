@@ -101,10 +101,16 @@ def _resolve_pairing(lo: Layout) -> ModeState:
     obstacles = pairing_obstacles(lo)
     if requested == "false":
         return ModeState(requested, False, "off as requested: each microbatch's forward and backward run alone")
-    zbv = lo.pp not in (None, 1) and str(getattr(lo.cfg.parallel, "pp_schedule", "auto")) == "zbv"
+    schedule = str(getattr(lo.cfg.parallel, "pp_schedule", "auto"))
+    zbv = lo.pp not in (None, 1) and schedule == "zbv"
+    zb1p = lo.pp not in (None, 1) and schedule == "zb1p" and lo.vpp not in (None, 1)
     if zbv and requested == "auto":
         return ModeState(requested, False, "parallel.pp_schedule=zbv: the paired V (pipeline/zbv_paired.py) runs only "
                                            "when asked for (overlap.ep_pairing=true) until its benchmark shows a gain")
+    if zb1p and requested == "auto":
+        return ModeState(requested, False, "parallel.pp_schedule=zb1p: the paired zb1p table (pipeline/zero_bubble.py) "
+                                           "runs only when asked for (overlap.ep_pairing=true) until its benchmark "
+                                           "shows a gain")
     if obstacles:  # `true` never reaches here with an obstacle: the rules refuse it first
         _, values, why, _ = obstacles[0]
         keys = ", ".join(f"{k}={v}" for k, v in values.items())
@@ -113,6 +119,10 @@ def _resolve_pairing(lo: Layout) -> ModeState:
         return ModeState(requested, True, "the paired V: each steady-state forward of one chunk paired with a "
                                           "backward of the stage's other chunk into an overlapped FB action, its "
                                           "weight gradients deferred to the W after the pair")
+    if zb1p:
+        return ModeState(requested, True, "the paired zb1p table: the interleaved table's steady-state forward and "
+                                          "backward actions paired into overlapped FB actions, each B's weight "
+                                          "gradients deferred to a W placed where the stage would idle")
     if lo.pp not in (None, 1):
         return ModeState(requested, True, "the interleaved table's steady-state forward and backward actions paired "
                                           "into overlapped FB actions, each one's expert all-to-alls in flight under "

@@ -5,8 +5,9 @@ overlap chunks the tokens of one MoE layer's forward and backward and waits ever
 the layer returns (or its backward finishes), so nothing is in flight across a pipeline send or
 a layer boundary; full activation recomputation replays a whole block's forward, dispatch and
 combine included, with the same issue-and-wait order. Forward/backward pairing
-(overlap.ep_pairing, the end of this file) does keep one microbatch's all-to-all in flight under
-another's computation across layers: there Megatron's refusal of full recomputation applies.
+(overlap.ep_pairing, the end of this file) keeps one microbatch's all-to-all in flight under
+another's computation across layers; under full recomputation the paired sub-steps replay a
+block's forward as sub-steps in its backward (pairing/steps.py), so it composes too.
 """
 from __future__ import annotations
 
@@ -226,14 +227,16 @@ def pairing_obstacles(lo: Layout) -> list:
                     ["overlap.ep_pairing=auto"]))
     if lo.pp not in (None, 1) and lo.vpp == 1:
         out.append(("ep_pairing.pp_needs_vpp", {"parallel.pp": lo.pp, "parallel.vpp": 1},
-                    "pipelined pairing runs overlapped F/B actions in the interleaved table (Megatron's "
-                    "combined 1F1B requires virtual chunks too); at vpp=1 the 1F1B table is not paired",
+                    "pipelined pairing runs overlapped F/B actions in the interleaved table, in zb1p's at vpp >= 2 "
+                    "or in the zbv V (Megatron's combined 1F1B requires virtual chunks too); at vpp=1 (1F1B, zb1p) "
+                    "a pair's backward waits for the next stage's pair, which waits for the forward this stage "
+                    "sends after its previous pair, so neighbouring stages would take turns instead of overlapping",
                     ["parallel.vpp=2"]))
     schedule = str(getattr(lo.cfg.parallel, "pp_schedule", "auto"))
-    if lo.pp not in (None, 1) and schedule in ("zb1p", "1f1b"):
+    if lo.pp not in (None, 1) and schedule == "1f1b":
         out.append(("ep_pairing.pp_needs_interleaved", {"parallel.pp_schedule": schedule},
-                    f"pipelined pairing pairs the steady-state F and B of the interleaved table or of the "
-                    f"zbv V (parallel.pp_schedule=zbv); {schedule} has no paired table",
+                    "pipelined pairing pairs the steady-state F and B of the interleaved table (plain or zb1p, "
+                    "vpp >= 2) or of the zbv V; 1f1b has one chunk per stage and no paired table",
                     ["parallel.pp_schedule=interleaved"]))
     n = lo.num_microbatches
     if lo.pp not in (None, 1) and schedule == "zbv":
@@ -253,12 +256,6 @@ def pairing_obstacles(lo: Layout) -> list:
                      "train.micro_batch_size": lo.cfg.train.micro_batch_size},
                     f"{n} microbatch per step: there is no other microbatch to pair a forward with",
                     [f"train.global_batch_size={2 * lo.cfg.train.global_batch_size}"]))
-    if getattr(m, "recompute", "none") == "full":
-        out.append(("ep_pairing.no_full_recompute", {"model.recompute": "full"},
-                    "full recomputation replays a whole block, exchanges included, inside its backward, where "
-                    "the pairing runs that block as separate sub-steps with the other microbatch between them "
-                    "(Megatron refuses the same combination)",
-                    ["model.recompute=selective"]))
     if lo.mode("ep") == "false":
         out.append(("ep_pairing.needs_ep_overlap", {"overlap.ep": "false"},
                     "overlap.ep=false asks for every expert exchange to be waited at once; pairing keeps them "
@@ -272,15 +269,13 @@ _PAIRING_RULES = {
     "ep_pairing.pp_needs_vpp": (("overlap.ep_pairing", "parallel.pp", "parallel.vpp"),
                                 "overlap.ep_pairing=true at parallel.pp > 1 needs parallel.vpp >= 2"),
     "ep_pairing.pp_needs_interleaved": (("overlap.ep_pairing", "parallel.pp_schedule"),
-                                        "overlap.ep_pairing=true at parallel.pp > 1 runs the interleaved schedule"),
+                                        "overlap.ep_pairing=true at parallel.pp > 1 runs the interleaved, zb1p or zbv schedule"),
     "ep_pairing.v_microbatches": (("overlap.ep_pairing", "parallel.pp_schedule", "train.global_batch_size"),
                                   "overlap.ep_pairing=true with zbv needs at least 2pp microbatches per step"),
     "ep_pairing.v_untied": (("overlap.ep_pairing", "parallel.pp_schedule", "model.tie_embeddings"),
                             "overlap.ep_pairing=true with zbv needs untied embeddings"),
     "ep_pairing.needs_two_microbatches": (("overlap.ep_pairing", "train.global_batch_size", "train.micro_batch_size"),
                                           "overlap.ep_pairing=true needs at least two microbatches per step"),
-    "ep_pairing.no_full_recompute": (("overlap.ep_pairing", "model.recompute"),
-                                     "overlap.ep_pairing=true is refused with model.recompute=full"),
     "ep_pairing.needs_ep_overlap": (("overlap.ep_pairing", "overlap.ep"),
                                     "overlap.ep_pairing=true needs overlap.ep not false"),
 }

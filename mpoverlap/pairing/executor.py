@@ -100,9 +100,6 @@ def train_paired(model, microbatches: Sequence, split: Callable, ddp, *, autocas
     `split(mb) -> (tokens, targets, positions)`; `ddp`: the DataParallel wrapper of `model`
     (gradient readiness, ZeRO-3 gathers); `trace` receives (microbatch, "F"|"B",
     "compute"|"issue"|"wait", name) events in program order."""
-    if getattr(model, "num_recomputed", 0):
-        raise ValueError("overlap.ep_pairing runs a block as sub-steps: model.recompute=full cannot replay it "
-                         "(rule ep_pairing.no_full_recompute); use model.recompute=selective")
     pins = UnitPins(ddp.gatherer) if ddp.gatherer is not None else None
     # The tied embedding's weight gets gradient from the head and the embedding segments.
     ddp.hold_ready([p for _, params in model.foreign_reads() for p in params])

@@ -53,9 +53,6 @@ class PairedChunks:
 
     def __init__(self, chunks: Sequence, ddp, inputs: Callable[[int], tuple], num_microbatches: int,
                  autocast=None, trace: Optional[List] = None) -> None:
-        if any(getattr(c, "num_recomputed", 0) for c in chunks):
-            raise ValueError("overlap.ep_pairing runs a block as sub-steps: model.recompute=full cannot replay it "
-                             "(rule ep_pairing.no_full_recompute); use model.recompute=selective")
         self.chunks, self.ddp, self.inputs = list(chunks), ddp, inputs
         self.num_microbatches = num_microbatches
         self.autocast, self.trace = autocast, trace
@@ -79,6 +76,12 @@ class PairedChunks:
         if grad is not None:
             run.tape.add_grad(run.result.pop("output"), grad)
         yield from run.tape.backward_steps()
+        self.ddp.release_ready()
+
+    def weights_done(self) -> None:
+        """After a W action (zero-bubble paired tables): a held parameter (a tied head's
+        embedding copy) whose deferred gradient that W accumulated becomes ready now, not at the
+        end of its B, when nothing of it had arrived yet."""
         self.ddp.release_ready()
 
     def run(self, forward: Optional[ChunkRun], backward) -> None:

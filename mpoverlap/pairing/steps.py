@@ -21,16 +21,29 @@ reverse combines waited, experts backward (all chunks in one autograd call), rev
 issued, shared expert backward, YIELD,
 reverse dispatches waited, pre-dispatch backward. Dense blocks, the embedding and the head
 (with the loss) are one segment each: compute only, no YIELD.
+
+model.recompute=full (the chunk's first model.recompute_num_layers blocks): a dense block's
+segment runs it under torch's checkpoint (mpoverlap/recompute). A MoE block's forward runs the
+sub-steps above without autograd on a scratch tape (its exchanges in flight at the same YIELDs),
+keeping only its input; its backward (`_Replayed`, one tape entry that yields) first replays the
+forward sub-steps with autograd - pre-dispatch, dispatch issued, YIELD, shared expert and
+experts, combines issued, YIELD, combine - then runs their mirrored backward: the replay's
+exchanges are in flight under the other program's compute like the forward's, and the replay
+reuses the forward's chunk counts (no second counts exchange or host read, the router
+statistics recorded once). The trace names the replay's events direction "R". A paired backward
+has twice its forward's exchange points then: its last ones (the chunk's first MoE blocks) run
+after the forward's last sub-step, with nothing of the other side to hide under.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from mpoverlap.moe.dispatcher import AllGatherDispatcher
 from mpoverlap.moe.layer import MoELayer
 from mpoverlap.pairing.tape import YIELD, Exchange, Tape, UnitUse
+from mpoverlap.recompute import recomputed
 
 
 def is_paired_moe(block) -> bool:
@@ -57,14 +70,18 @@ def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: t
     else:
         x, cos, sin = model.embed(tokens_BS, position_ids)  # x is tokens_BS itself: the received hidden
         tape.entries.append(_InputGrad(x, result))
-    for name, block in model.layers.items():
+    replayed = getattr(model, "num_recomputed", 0)  # model.recompute=full: the chunk's first blocks
+    for j, (name, block) in enumerate(model.layers.items()):
         UnitUse.mark(tape, pins, f"layers.{name}", True)
         if is_paired_moe(block):
-            x = yield from _moe_block(tape, name, block, x, cos, sin)
+            if j < replayed:
+                x = yield from _replayed_moe_block(tape, name, block, x, cos, sin)
+            else:
+                x = yield from _moe_block(tape, name, block, x, cos, sin)
         else:
             seg = tape.segment(f"layers.{name}", [x])
             x_in, = seg.leaves
-            x = block(x_in, cos, sin)
+            x = recomputed(block, x_in, cos, sin, replaying=[block.mlp]) if j < replayed else block(x_in, cos, sin)
             seg.close(tape, [x])
         UnitUse.mark(tape, pins, f"layers.{name}", False)
     if not model.post_process:
@@ -153,7 +170,10 @@ class _AllGatherChunk:
         return out
 
 
-def _moe_block(tape: Tape, name: str, block, x, cos, sin):
+def _moe_block(tape: Tape, name: str, block, x, cos, sin, counts=None, kept: Optional[dict] = None):
+    """The MoE block's sub-steps (module docstring). `counts`: a replay's (model.recompute=full),
+    the chunks' counts its forward exchanged (the same routing: no second exchange or host read,
+    no router statistics recorded twice); `kept` receives this forward's counts."""
     layer: MoELayer = block.mlp
     d = layer.dispatcher
     chunk_kind = _AllGatherChunk if isinstance(d, AllGatherDispatcher) else _AllToAllChunk
@@ -162,9 +182,13 @@ def _moe_block(tape: Tape, name: str, block, x, cos, sin):
     x1 = x_in + block.attn(block.attn_norm(x_in), cos, sin)
     h = block.mlp_norm(x1)
     x_own, parts, r = layer.route(h)
-    counts = d.exchange_counts([ids for _, ids, _ in parts])  # the layer's one host read
+    replay = counts is not None
+    if not replay:
+        counts = d.exchange_counts([ids for _, ids, _ in parts])  # the layer's one host read
+    if kept is not None:
+        kept["counts"] = counts
     chunks = [chunk_kind(d, part, c) for part, c in zip(parts, counts)]
-    if layer.training and not layer.recomputing:
+    if layer.training and not layer.recomputing and not replay:
         layer._record(r)
     aux = r.aux_loss + r.z_loss if layer.attaches_aux() else None
     post_inputs = [t for c in chunks for t in c.post_inputs]
@@ -208,3 +232,73 @@ def _moe_block(tape: Tape, name: str, block, x, cos, sin):
     x2 = x1_in + layer.output(y, shared_in, aux_in, h.shape)
     seg.close(tape, [x2])
     return x2
+
+
+# ---- model.recompute=full ------------------------------------------------------------------
+def _stepwise(steps, context: Callable):
+    """The generator `steps` with each of its steps (not the other program's, run at its
+    yields) inside `context()`; returns what `steps` returns."""
+    while True:
+        with context():
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+        yield
+
+
+def _replayed_moe_block(tape: Tape, name: str, block, x, cos, sin):
+    """A MoE block under full recomputation: its sub-steps run as in `_moe_block` (the
+    exchanges in flight at the same yields, under the other program's compute) but without
+    autograd, on a scratch tape that is dropped, so the block keeps only its input x; the tape
+    gets one `_Replayed` entry whose backward replays the sub-steps and then runs their
+    backward (tape.py)."""
+    device = x.device.type
+    autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    kept: dict = {}
+    scratch = Tape(tape.microbatch, tape._log)
+    out = yield from _stepwise(_moe_block(scratch, name, block, x, cos, sin, kept=kept), torch.no_grad)
+    out = out.detach().requires_grad_()
+    tape.entries.append(_Replayed(name, block, x, out, cos, sin, kept["counts"], autocast))
+    return out
+
+
+class _Replayed:
+    """The backward of a fully recomputed MoE block, a generator (tape.py): the block's forward
+    sub-steps again on a fresh tape with autograd (the forward's autocast state, its chunks'
+    counts), each exchange issued and waited at the same sub-step boundaries as in the forward
+    (yielding between, so the other microbatch's compute runs under them), then that tape's
+    backward (the reverse exchanges likewise); the input's gradient goes back to `tape`. The
+    ledger counts the replay's exchanges under ep like the forward's."""
+
+    def __init__(self, name, block, x, out, cos, sin, counts, autocast) -> None:
+        self.name, self.block, self.x, self.out = name, block, x, out
+        self.cos, self.sin, self.counts, self.autocast = cos, sin, counts, autocast
+
+    def backward_steps(self, tape: Tape):
+        grad = tape.take_grad(self.out)
+        log = tape._log  # the replay's forward sub-steps traced as direction "R"
+        replay = Tape(tape.microbatch, (lambda e: log((e[0], "R" if e[1] == "F" else e[1], *e[2:]))) if log else None)
+        replay.entries.append(_HandBack(self.x, tape))
+        enabled, dtype = self.autocast
+        device = self.x.device.type
+        out = yield from _stepwise(_moe_block(replay, self.name, self.block, self.x, self.cos, self.sin,
+                                              counts=self.counts),
+                                   lambda: torch.autocast(device, dtype=dtype, enabled=enabled))
+        if grad is not None:
+            replay.add_grad(out, grad)
+        self.block = self.x = self.out = self.cos = self.sin = self.counts = None
+        yield from replay.backward_steps()
+
+
+class _HandBack:
+    """The first entry of a replay's tape: hands the block input's gradient to the outer tape."""
+
+    def __init__(self, x: torch.Tensor, outer: Tape) -> None:
+        self.x, self.outer = x, outer
+
+    def backward(self, tape: Tape) -> None:
+        grad = tape.take_grad(self.x)
+        if grad is not None:
+            self.outer.add_grad(self.x, grad)
+        self.x = self.outer = None

@@ -68,6 +68,8 @@ class Tape:
         for entry in reversed(self.entries):
             if entry is YIELD:
                 yield
+            elif hasattr(entry, "backward_steps"):  # an entry with yields of its own (steps._Replayed)
+                yield from entry.backward_steps(self)
             else:
                 entry.backward(self)
         self.entries.clear()

@@ -50,9 +50,9 @@ Paired tables (overlap.ep_pairing, pipeline/paired.py): `paired` (pairing/pipeli
 PairedChunks) runs every forward and backward as sub-step programs instead of `forward_step`
 and one autograd call; an F marked `paired` and the B after it run as ONE action, their
 programs interleaved (the backward first), both inputs waited before it, both outputs posted
-after it (the table posts nothing between them). In the paired V (zbv with pairing) a B that
-has a W runs its sub-steps in the deferral region of its queue, one step at a time, so the W
-after the pair computes its weight gradients.
+after it (the table posts nothing between them). In the paired V (zbv with pairing) and the
+paired zb1p table a B that has a W runs its sub-steps in the deferral region of its queue, one
+step at a time, so its W (after the pair) computes its weight gradients.
 
 Profiling: each action (its receive wait, compute and posts) runs inside a `pp/<action>` range,
 e.g. `pp/F(mb0,v1)`, in a torch profiler trace while one records, and as NVTX on CUDA.
@@ -350,6 +350,8 @@ class PipelineExecutor:
             if self.shared:
                 self._fold_shared(queue, last=self.last_weight_of_mb[action.microbatch] == index)
             queue.run()
+            if self.paired is not None:
+                self.paired.weights_done()
             return
         grad = self._take_received(index, action.recv) if action.recv is not None else None
         if self.backward_hook is not None:

@@ -24,9 +24,13 @@ it for every table built; in the free-communication simulation the bubble equals
 interleaved table's. Price: one more (microbatch, chunk) of activations alive per stage in
 the steady state; the drain has one more lone backward.
 
-The interleaved schedule (vpp >= 2) is paired here; zbv has its own paired table (zbv_paired.py,
-the DualPipeV-class V). 1F1B (vpp = 1) has the same dependency every stage, and zb1p has no
-paired table (rules ep_pairing.pp_needs_vpp and ep_pairing.pp_needs_interleaved refuse them).
+The interleaved schedule (vpp >= 2) is paired here, and zb1p at vpp >= 2 is this order with
+one W per B placed by zero_bubble.insert_weight_actions_paired (a pair placed as one compute, so
+no W lands between its F and its B); zbv has its own paired table (zbv_paired.py, the
+DualPipeV-class V). At vpp = 1 (1F1B, zb1p) the extra warm-up forward removes the
+self-dependency, but a pair's B then waits for the next stage's pair, which waits for the F this
+stage sends after its previous pair: neighbouring stages take turns (tests/test_paired_schedules.py
+times it), so rules ep_pairing.pp_needs_vpp and ep_pairing.pp_needs_interleaved refuse them.
 """
 from __future__ import annotations
 

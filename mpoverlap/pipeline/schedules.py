@@ -46,7 +46,7 @@ from mpoverlap.pipeline.paired import paired_order
 from mpoverlap.pipeline.program import ComputeOrder, posting_programs, simulate_compute
 from mpoverlap.pipeline.zbv import zbv_order
 from mpoverlap.pipeline.zbv_paired import zbv_paired_order
-from mpoverlap.pipeline.zero_bubble import insert_weight_actions
+from mpoverlap.pipeline.zero_bubble import insert_weight_actions, insert_weight_actions_paired
 
 SCHEDULE_KINDS = ("1f1b", "interleaved", "zb1p", "zbv")
 # `parallel.pp_schedule` values: auto = schedule_kind(vpp), or one of SCHEDULE_KINDS.
@@ -184,8 +184,13 @@ def pairing_constraints(kind: str, pp: int, vpp: int) -> List[str]:
         return []
     if kind == "zbv":  # the paired V (zbv_paired.py)
         return []
-    return [f"forward/backward pairing at pp={pp} runs in the interleaved schedule (vpp >= 2), not in "
-            f"{kind!r}; set parallel.vpp=2 and parallel.pp_schedule=interleaved"]
+    if kind == "zb1p" and vpp >= 2:  # the paired interleaved table with W actions (zero_bubble.py)
+        return []
+    return [f"forward/backward pairing at pp={pp} runs in the interleaved schedule, zb1p at vpp >= 2 or zbv, "
+            f"not in {kind!r} at vpp={vpp}: with one chunk per stage a pair's backward waits for the next "
+            "stage's pair, which waits for this stage's previous pair (the F it sends leaves only after its "
+            "pair), so neighbouring stages take turns instead of running together; "
+            "set parallel.vpp=2 (with parallel.pp_schedule=interleaved or zb1p)"]
 
 
 def _build_orders(kind: str, pp: int, vpp: int, num_microbatches: int, pairing: bool = False):
@@ -203,7 +208,10 @@ def _build_orders(kind: str, pp: int, vpp: int, num_microbatches: int, pairing: 
         return [order for order, _ in pairs], [p for _, p in pairs]
     if pairing:
         pairs = [paired_order(*_interleaved_parts(pp, vpp, num_microbatches, s)) for s in range(pp)]
-        return [order for order, _ in pairs], [p for _, p in pairs]
+        orders, paired = [order for order, _ in pairs], [p for _, p in pairs]
+        if defers_weight_grads(kind):  # zb1p: each B's W placed as insert_weight_actions does
+            return insert_weight_actions_paired(orders, paired, pp, vpp)
+        return orders, paired
     return _plain_orders(kind, pp, vpp, num_microbatches), [set() for _ in range(pp)]
 
 

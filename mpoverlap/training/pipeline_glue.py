@@ -127,8 +127,9 @@ class PipelineRunner:
         self.num_microbatches = num_microbatches
         self.schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
         self.layout = chunk_layout(self.schedule)
-        # overlap.ep_pairing: the paired interleaved table, every chunk run as sub-step programs
-        # (rule ep_pairing.pp_needs_interleaved keeps other schedules off).
+        # overlap.ep_pairing: the paired table (interleaved, zb1p at vpp >= 2, or the zbv V), every
+        # chunk run as sub-step programs (rules ep_pairing.pp_needs_vpp / pp_needs_interleaved keep
+        # the one-chunk tables off).
         tables = build_schedule(self.schedule, pp, vpp, num_microbatches, pairing=pairing)
         self.paired = None
         if pairing:

@@ -200,7 +200,7 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
                     for v in range(lo.vpp)
                     for i in recomputed_in_chunk(cfg, lo, chunk_index(stage, v, lo.pp, layout), mode)], default=0)
     if lo.pp == 1:
-        if mode != "full" and pairing_on(cfg, lo):  # (full recompute refuses pairing)
+        if pairing_on(cfg, lo):
             extra = pairing_extra_bytes(cfg, lo, conv, micro_batch, mode)
             return [{"bytes": sum(per_chunk) + extra + replay(0), "chunks_in_flight": 2 * lo.vpp,
                      "layers_in_flight": cfg.model.num_layers + 1, "pairing_extra": extra}]
@@ -244,10 +244,12 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     # before the B frees anything), each chunk-microbatch holding its MoE layers' sub-step
     # boundary buffers too.
     paired_orders = None
-    if mode != "full" and not zero_bubble and pairing_on(cfg, lo):
+    if not zero_bubble and pairing_on(cfg, lo):
         paired_orders = compute_orders(kind, lo.pp, lo.vpp, micro, pairing=True)
         with_boundaries = [per_chunk[k] + sum(pairing_boundary_bytes(cfg, lo, i, conv, micro_batch)
-                                              for i in chunk_layers(cfg, lo, k)) for k in range(lo.pp * lo.vpp)]
+                                              for i in chunk_layers(cfg, lo, k)
+                                              if i not in recomputed_in_chunk(cfg, lo, k, mode))
+                           for k in range(lo.pp * lo.vpp)]
     out = []
     for stage, order in enumerate(orders):
         peak, peak_alive = peak_of(stage, order, per_chunk)
@@ -294,7 +296,9 @@ def pairing_extra_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: in
     layers = [layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode) for i in range(cfg.model.num_layers)]
     total = chunk_activation_bytes(cfg, lo, 0, conv, micro_batch, mode)
     rest = total - sum(layers)  # head (final norm, loss) and token ids
-    paired = [b + pairing_boundary_bytes(cfg, lo, i, conv, micro_batch) for i, b in enumerate(layers)]
+    replayed = set(recomputed_in_chunk(cfg, lo, 0, mode))  # full: the block input only, no boundary
+    paired = [b + (0 if i in replayed else pairing_boundary_bytes(cfg, lo, i, conv, micro_batch))
+              for i, b in enumerate(layers)]
     L = len(paired)
     both = max(sum(paired[:t + 1]) + sum(paired[:L - t]) for t in range(L)) if L else 0
     return both + 2 * rest - total
