@@ -27,12 +27,13 @@ run: setup
 	$(VENV)/bin/mpoverlap-train $(RUN_ARGS)
 
 # Two pytest workers (pytest-xdist), each file whole on one worker (its module fixtures, which
-# train many layouts in one spawn, run once), the longest files first (tests/conftest.py):
+# train many layouts in one spawn, run once), the longest files first (tests/conftest.py; without
+# --no-loadscope-reorder xdist would sort files by their number of tests, the long few-test files last):
 # a file's single-process reference or pipeline warm-up leaves a core idle that the other
 # worker fills. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: setup
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # launch/slurm.sbatch on a two-node SLURM cluster made on this machine (root; installs
 # slurm-wlm and munge with apt-get when missing): launch/slurm-testcluster.sh, tests/test_slurm.py.
