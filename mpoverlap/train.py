@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -25,6 +26,8 @@ from mpoverlap.overlap.rules import validate
 
 EXIT_INVALID = 2
 EXIT_FAILED = 1
+# How often the self-launcher's elastic agent looks at its workers.
+_MONITOR_S = 0.5
 
 # Errors a user can act on: printed as one paragraph, no traceback.
 _USER_ERRORS = ("DataError", "CheckpointError", "ConfigError", "NonFiniteError", "PeerLostError")
@@ -61,8 +64,10 @@ def _record(fn):
 def worker_entry(overrides: List[str]) -> Any:
     """Runs inside each worker (elastic launcher or torchrun). Module-level so spawn can pickle it."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by an elastic agent: end with it
+        from mpoverlap.training.fork_server import restore_signals
         from mpoverlap.training.node_failure import die_with_parent
 
+        restore_signals()  # forked from the self-launcher's fork server: its ignored signals back to default
         die_with_parent()
     world = world_size_from_env()
     cfg, code = _compose_and_validate(overrides, world)
@@ -79,6 +84,12 @@ def worker_entry(overrides: List[str]) -> Any:
         if type(err).__name__ in _USER_ERRORS:
             # The user can act on it: one paragraph, no traceback, a non-zero exit.
             print(f"mpoverlap: rank {rank}: {err}", file=sys.stderr, flush=True)
+            if type(err).__name__ == "PeerLostError":
+                # Not the cause: the rank that stopped first is. Its agent names the first worker
+                # exit it sees, so this one waits two of its polls; a worker forked from the fork
+                # server exits without an interpreter teardown and would otherwise be seen in the
+                # same poll as the dead peer, and named in its place.
+                time.sleep(2 * _MONITOR_S)
             raise SystemExit(EXIT_FAILED) from None
         print(f"mpoverlap: rank {rank} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
@@ -125,10 +136,19 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
 
         apply_max_connections(CommOverlapConfig.from_config(cfg, world))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    # CPU workers fork from a server that imported torch and the trainer once (training/fork_server.py:
+    # ~6 s of CPU less per rank). CUDA workers stay spawned, fresh interpreters, until a GPU run has
+    # checked that nothing the server imports initialises the CUDA driver before the fork.
+    if device_choice(cfg.train.device, world)[0] == "cpu":
+        from mpoverlap.training import fork_server
+
+        start_method = fork_server.start()
+    else:
+        start_method = "spawn"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"mpoverlap-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": 120},
-        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+        max_restarts=0, monitor_interval=_MONITOR_S, start_method=start_method,
         # SIGTERM is ours (SigtermForwarder): the agent keeps collecting the workers' results.
         signals_to_handle=AGENT_SIGNALS,
     )

@@ -45,8 +45,9 @@ def _launch(run_dir, *overrides, fault=None):
                             start_new_session=True)
 
 
-def _workers(launcher_pid):
-    pids = []
+def _children():
+    """{parent pid: [(pid, command line)]} of every process."""
+    out = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -55,8 +56,32 @@ def _workers(launcher_pid):
             cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if int(stat[1]) == launcher_pid and "spawn_main" in cmd:
-            pids.append(int(proc.name))
+        out.setdefault(int(stat[1]), []).append((int(proc.name), cmd))
+    return out
+
+
+def _workers(launcher_pid):
+    """The launcher's worker processes: forked by its fork server (training/fork_server.py; the
+    server is the launcher's child), or spawned children where the launcher spawns."""
+    children = _children()
+    pids = []
+    for pid, cmd in children.get(launcher_pid, []):
+        if "multiprocessing.forkserver" in cmd:
+            pids += [worker for worker, _ in children.get(pid, [])]
+        elif "spawn_main" in cmd:
+            pids.append(pid)
+    return sorted(pids)
+
+
+def _launched(launcher_pid):
+    """Every process the launcher started (its workers, its fork server, multiprocessing's
+    resource tracker)."""
+    children = _children()
+    pids, todo = [], [launcher_pid]
+    while todo:
+        kids = [pid for pid, _ in children.get(todo.pop(), [])]
+        pids += kids
+        todo += kids
     return pids
 
 
@@ -85,7 +110,8 @@ def test_sigterm_saves_and_resume_continues_the_curve(tmp_path):
     while not (run / "checkpoints" / "step_00000010" / "COMPLETE").is_file():
         assert time.time() < deadline and proc.poll() is None, "the run did not save step 10"
         time.sleep(0.05)
-    workers = _workers(proc.pid)
+    workers = _launched(proc.pid)  # the workers, the fork server and multiprocessing's resource tracker
+    assert len(_workers(proc.pid)) == 2, workers
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=90)
@@ -129,7 +155,7 @@ def test_killed_worker_brings_the_run_down_and_rerun_resumes_exactly(tmp_path):
     run = tmp_path / "kill"
     proc = _launch(run, *KILL_LAYOUT)
     _wait_for_steps(run, 5)
-    workers = _workers(proc.pid)
+    workers, launched = _workers(proc.pid), _launched(proc.pid)
     assert len(workers) == 4
     os.kill(workers[1], signal.SIGKILL)
     t0 = time.time()
@@ -139,7 +165,10 @@ def test_killed_worker_brings_the_run_down_and_rerun_resumes_exactly(tmp_path):
     assert "run failed: rank 1 exited" in err and "SIGKILL" in err
     print(f"\nall processes gone {took:.1f}s after SIGKILL; launcher said: {err.strip().splitlines()[-1]}")
     assert took < 60, took
-    assert not [p for p in workers if Path(f"/proc/{p}").exists()]
+    # The fork server and the resource tracker end when they read the launcher's pipes closed.
+    while any(Path(f"/proc/{p}").exists() for p in launched) and time.time() - t0 < 60:
+        time.sleep(0.05)
+    assert not [p for p in launched if Path(f"/proc/{p}").exists()]
     last = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if (p / "COMPLETE").exists())
     steps = last + 3
     again = train(run, *KILL_LAYOUT, steps=steps)
@@ -178,7 +207,7 @@ def hung_run(tmp_path_factory):
     def watch():
         try:
             _wait_for_steps(run, 2)
-            result["workers"] = _workers(proc.pid)
+            result["workers"] = _launched(proc.pid)
             t0 = time.time()
             result["out"], result["err"] = proc.communicate(timeout=120)
             result["took"], result["returncode"] = time.time() - t0, proc.returncode
