@@ -128,7 +128,8 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
     worker_overrides = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}",
                                                                                f"parallel.dp={lo.dp}"]
     # auto with fewer GPUs than ranks runs on CPU: the rank-0 worker prints why (setup.py).
-    if device_choice(cfg.train.device, world)[0] == "cuda":
+    device = device_choice(cfg.train.device, world)[0]
+    if device == "cuda":
         # TP/CP overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA starts in the workers
         # (they inherit it); only then, and never over the user's own value (a value other
         # than 1 turned an `auto` mode off, or was refused for `true`, by the rule engine).
@@ -139,7 +140,7 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
     # CPU workers fork from a server that imported torch and the trainer once (training/fork_server.py:
     # ~6 s of CPU less per rank). CUDA workers stay spawned, fresh interpreters, until a GPU run has
     # checked that nothing the server imports initialises the CUDA driver before the fork.
-    if device_choice(cfg.train.device, world)[0] == "cpu":
+    if device == "cpu":
         from mpoverlap.training import fork_server
 
         start_method = fork_server.start()
