@@ -93,11 +93,11 @@ def lo_tx_bytes() -> float:
         return float("nan")
 
 
-def foreign_cores(both: List[tuple]) -> float:
-    """Cores that processes other than our two ranks used during a block: machine busy time
-    (rank 0's reading) minus both ranks' CPU time, over rank 0's wall time."""
-    (busy, own0, wall), (_, own1, _) = both
-    return max(0.0, busy - own0 - own1) / max(wall, 1e-9)
+def foreign_cores(ranks: List[tuple]) -> float:
+    """Cores that processes other than our ranks used during a block: machine busy time (rank
+    0's reading) minus every rank's CPU time, over rank 0's wall time."""
+    busy, _, wall = ranks[0]
+    return max(0.0, busy - sum(own for _, own, _ in ranks)) / max(wall, 1e-9)
 
 
 def rotating_blocks(sides: Dict[str, object], args, log_prefix: str = "bench") -> List[Dict[str, object]]:
@@ -190,7 +190,7 @@ def gathered_foreign_cores(block: Dict[str, Any]) -> float:
 
     both: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(both, (block["busy_s"], block["own_cpu_s"], block["wall_s"]))
-    return foreign_cores(both[:2])
+    return foreign_cores(both)
 
 
 def log_round(prefix: str, r: int, quiet: Dict[str, int]) -> None:

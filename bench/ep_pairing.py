@@ -244,6 +244,9 @@ def predict_variants(res: Dict[str, Any], rate: str, probe: bool = True) -> Dict
         experts = (lo.num_microbatches or 1) * sum(p.experts for k in ("F", "B") for p in cost.layers[k])
         out[name] = {"step_s": r.step_s, "ep_in_flight_s": r.in_flight_s["ep"], "ep_exposed_s": r.exposed_s["ep"],
                      "share": r.exposed_share["ep"], "pairing": r.ep_pairing, "experts_s": experts,
+                     # a rank's CPU over the step: its compute at a core's speed
+                     "rank_cores": r.avg_compute_s / r.step_s / r.core_sharing.get("stretch", 1.0),
+                     "core_stretch": r.core_sharing.get("stretch", 1.0),
                      "exchanges_over_experts": r.in_flight_s["ep"] / experts if experts else 0.0,
                      "expert_gflops": hw.expert_flops / 1e9, "model_gflops": hw.flops / 1e9,
                      "link_mb_s": hw.inter.bandwidth / 1e6}

@@ -16,9 +16,11 @@ a step's time is the slowest of the 4 ranks.
 All with overlap.ep=true overlap.ep_chunks=1 (as bench.ep_pairing's "pairing" variant: the
 exchanges hide under the other microbatch, not under the layer's own chunks), overlap.pp=true.
 Per variant: median step and interquartile range, the ledger's ep in flight and exposed per step
-and rank, its exposed share, the pipeline bubble (the executors' blocked time), and the
-simulator's prediction beside each (bench.ep_pairing.predict_variants; at pp > 1 the simulator
-does not model pairing: it times the unpaired table and says so).
+and rank, its exposed share, the pipeline bubble (the executors' blocked time), the cores each
+rank used (its process CPU over the block's wall time), and the simulator's prediction beside
+each (bench.ep_pairing.predict_variants: the paired tables at pp > 1, the model's and the
+experts' rates timed in the rounds by a rate probe (bench/rate_probe.py, one block per round on
+all 4 ranks at once, as the variants), and the 4 ranks' sharing of this machine's cores).
 
     bash bench/netns.sh .venv/bin/python -m bench.ep_pairing_pp [--block 3] [--repeats 3] [--json F]
 """
@@ -36,6 +38,7 @@ from bench.common import add_block_args, close_trainers, free_port, init_bench_w
 from bench.ep_pairing import COMMON as EP_COMMON
 
 WORLD = 4
+PROBE = "rate_probe"
 VARIANTS = {"zbv": ("zbv", False), "zbv_pairing": ("zbv", True), "interleaved_pairing": ("interleaved", True),
             "interleaved": ("interleaved", False)}
 DEFAULTS = dict(hidden=512, ffn=320, seq=128, layers=4, micro_batch=2, microbatches=8, experts=32, top_k=8)
@@ -78,6 +81,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     init_bench_worker(rank, port, WORLD)
     import torch.distributed as dist
 
+    from bench.rate_probe import ModelRateSide, summarize as rate_summary
     from mpoverlap.config import compose
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
@@ -94,12 +98,18 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
         for side in sides.values():
             side.collect(False)
             side.settle()
-        blocks = rotating_blocks(sides, args, log_prefix="ep_pairing_pp")
+        # the model's and the experts' rates in these rounds (the variants share the model and
+        # the dispatch chunk: one probe)
+        probe = ModelRateSide(next(iter(sides.values())).t.cfg)
+        blocks = rotating_blocks({**sides, PROBE: probe}, args, log_prefix="ep_pairing_pp")
         gathered: List[Any] = [None] * WORLD
         dist.all_gather_object(gathered, {"blocks": blocks, "first_loss": first_loss})
         if rank == 0:
-            res = summarize([g["blocks"] for g in gathered], list(sides))
+            per_rank = [g["blocks"] for g in gathered]
+            res = summarize(per_rank, list(sides))
+            row = rate_summary(per_rank, PROBE, probe, args.quiet_cores)
             res.update(base_overrides=base, variant_overrides=variant_overrides(),
+                       model_rate_probe={name: row for name in sides},
                        first_loss={k: [g["first_loss"][k] for g in gathered] for k in sides})
             Path(args.json_tmp).write_text(json.dumps(res, indent=2))
     finally:
@@ -121,6 +131,8 @@ def summarize(per_rank: List[List[dict]], order: List[str]) -> Dict[str, Any]:
         out["variants"][name] = {"blocks": len(idx), "step": stats(steps), "ep_in_flight_ms": flight * 1e3,
                                  "ep_exposed_ms": exposed * 1e3, "exposed_share": exposed / flight if flight else 0.0,
                                  "bubble_ms": stats([e["bubble_s"] for e in extras])["median_s"] * 1e3,
+                                 "rank_cores": stats([per_rank[r][i]["own_cpu_s"] / per_rank[r][i]["wall_s"]
+                                                      for r in range(len(per_rank)) for i in idx])["median_s"],
                                  "foreign_cores": [round(per_rank[0][i]["foreign_cores"], 2) for i in idx]}
     return out
 
@@ -160,8 +172,9 @@ def render(results: Dict[str, Any]) -> str:
         return ""
     rows, pred = res["variants"], res.get("predicted") or {}
     lines = ["| variant | median step (ms) | IQR (ms) | ep in flight (ms/step/rank) | exposed (ms) | exposed share | "
-             "pp bubble (ms/rank) | predicted step (ms) | error | predicted share |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "pp bubble (ms/rank) | cores per rank | predicted step (ms) | error | predicted share | "
+             "predicted cores per rank |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in VARIANTS:
         r, p = rows.get(name), pred.get(name)
         if r is None:
@@ -169,9 +182,9 @@ def render(results: Dict[str, Any]) -> str:
         st = r["step"]
         cells = [f"{st['median_s'] * 1e3:.0f}", f"{st['q1_s'] * 1e3:.0f}-{st['q3_s'] * 1e3:.0f}",
                  f"{r['ep_in_flight_ms']:.0f}", f"{r['ep_exposed_ms']:.0f}", f"{r['exposed_share']:.2f}",
-                 f"{r['bubble_ms']:.0f}"]
-        cells += ([f"{p['step_s'] * 1e3:.0f}", f"{p['step_s'] / st['median_s'] - 1:+.0%}", f"{p['share']:.2f}"]
-                  if p else ["-"] * 3)
+                 f"{r['bubble_ms']:.0f}", f"{r['rank_cores']:.2f}" if "rank_cores" in r else "-"]
+        cells += ([f"{p['step_s'] * 1e3:.0f}", f"{p['step_s'] / st['median_s'] - 1:+.0%}", f"{p['share']:.2f}",
+                   f"{p['rank_cores']:.2f}" if "rank_cores" in p else "-"] if p else ["-"] * 4)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name in ("zbv_pairing", "interleaved_pairing"):
         if name in pred:

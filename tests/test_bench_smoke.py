@@ -294,11 +294,11 @@ def test_ep_pairing_pp_bench_variants_validate_and_render():
         assert CommOverlapConfig.from_config(cfg, 4).ep_pairing.enabled == name.endswith("pairing")
     step = {"n": 4, "median_s": 2.0, "min_s": 1.9, "q1_s": 1.95, "q3_s": 2.05}
     rows = {n: {"blocks": 3, "step": dict(step, median_s=m), "ep_in_flight_ms": 400.0, "ep_exposed_ms": 100.0,
-                "exposed_share": 0.25, "bubble_ms": 50.0, "foreign_cores": [0.0]}
+                "exposed_share": 0.25, "bubble_ms": 50.0, "rank_cores": 0.45, "foreign_cores": [0.0]}
             for n, m in (("zbv", 2.0), ("zbv_pairing", 1.8), ("interleaved_pairing", 1.9), ("interleaved", 2.1))}
-    pred = {n: {"step_s": 2.2, "share": 0.3, "pairing": "not modelled at pp 2 x vpp 2 (pp 1 only)"} for n in rows}
+    pred = {n: {"step_s": 2.2, "share": 0.3, "rank_cores": 0.48, "pairing": "on: the paired table"} for n in rows}
     text = ep_pairing_pp.render({"ep_pairing_pp": {"variants": rows, "predicted": pred}})
-    assert "| zbv_pairing | 1800 | 1950-2050 | 400 | 100 | 0.25 | 50 | 2200 | +22% | 0.30 |" in text
+    assert "| zbv_pairing | 1800 | 1950-2050 | 400 | 100 | 0.25 | 50 | 0.45 | 2200 | +22% | 0.30 | 0.48 |" in text
     assert "zbv + pairing / the better of zbv and interleaved + pairing: 0.947 (goal <= 0.95)." in text
     assert ep_pairing_pp.render({}) == ""
 

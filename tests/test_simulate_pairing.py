@@ -176,3 +176,75 @@ def test_simulate_cli_shows_pairing(capsys):
     out = capsys.readouterr().out
     assert "ep forward/backward pairing (overlap.ep_pairing): on: microbatch 0's forward alone, 3" in out
     assert "ep exposed per pair" in out
+
+
+@pytest.mark.parametrize("kind,pp,vpp,m", [("interleaved", 2, 2, 8), ("zb1p", 2, 2, 8), ("zbv", 2, 2, 8),
+                                           ("interleaved", 4, 2, 8), ("zb1p", 4, 2, 8), ("zbv", 4, 2, 8)])
+def test_engine_runs_a_paired_table_as_the_timed_table(kind, pp, vpp, m):
+    """At pp > 1 the simulator's pipeline engine runs the paired table (engine.run_pipeline's
+    `pair_duration`): with free p2p and fixed costs every compute starts and ends where the
+    tables' own timed run (program.simulate_compute, which validate.py and the W placement use)
+    puts it; a pair's F part starts at the pair's start, its B part ends at the pair's end."""
+    from mpoverlap.pipeline import chunk_layout, compute_orders
+    from mpoverlap.pipeline.program import simulate_compute
+    from mpoverlap.pipeline.schedules import paired_forwards
+    from mpoverlap.simulate.engine import run_pipeline
+
+    F, B, W = 1.0, 1.5, 0.7  # distinct, so a part timed as the other shows
+    cost = {"F": F, "B": B, "W": W}
+    orders = compute_orders(kind, pp, vpp, m, pairing=True)
+    paired = paired_forwards(kind, pp, vpp, m)
+    has_w = any(k == "W" for o in orders for k, _, _ in o)
+    ref = simulate_compute(orders, pp, vpp, F, B, W if has_w else 0.0, chunk_layout(kind), paired=paired)
+    run = run_pipeline(pp, vpp, m, lambda k, c: cost[k], lambda a, b: 0.0, True, schedule=kind,
+                       pair_duration=lambda f, b: (F, B))
+    assert sum(role == 1 for s in run.pairs for role, _ in s) == sum(len(p) for p in paired) > 0
+    for stage in range(pp):
+        assert run.orders[stage] == [tuple(a) for a in orders[stage]]
+        for (role, _), (start, end), (r_start, r_end) in zip(run.pairs[stage], run.times[stage], ref[stage]):
+            if role != 2:
+                assert start == pytest.approx(r_start)
+            if role != 1:
+                assert end == pytest.approx(r_end)
+
+
+def _moe_pp(schedule, *extra):
+    from mpoverlap.config import compose
+
+    # a CPU-like rate (1e11 FLOP/s, no memory-bound term) and link (250 MB/s): exchanges about
+    # as long as the experts, one dispatch chunk (the pairing hides them, nothing else does)
+    return compose(["model=moe_tiny", "parallel.world_size=4", "parallel.pp=2", "parallel.vpp=2", "parallel.ep=2",
+                    "overlap.ep=true", "overlap.ep_chunks=1", "overlap.pp=true", "model.tie_embeddings=false",
+                    f"parallel.pp_schedule={schedule}", "hardware=h100_sxm", "hardware.peak_flops=1e11",
+                    "hardware.hbm_bw=0", "hardware.inter_bw=2.5e8", "hardware.intra_bw=2.5e8",
+                    "train.micro_batch_size=2", "train.global_batch_size=32", *extra])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zb1p", "zbv"])
+def test_simulated_pipeline_step_with_pairing(schedule):
+    """moe_tiny at pp 2 x vpp 2 x dp 2 x ep 2, 8 microbatches, exchanges : experts about 1:1: the
+    paired table is simulated (its line says so and counts the critical stage's pairs); its ep
+    exposed is the stage's pairs and lone passes (the counts of its table times the per-pair and
+    per-lone-pass figures), within the ep in flight and well below the unpaired table's (which
+    hides nothing at one chunk); the step shorter."""
+    from mpoverlap.pipeline import compute_orders
+    from mpoverlap.pipeline.schedules import paired_forwards
+    from mpoverlap.simulate import from_config, simulate
+
+    base = _moe_pp(schedule)
+    hw = from_config(base)
+    off, on = simulate(_with_pairing(base, "false"), hw), simulate(_with_pairing(base, "true"), hw)
+    assert off.ep_pairing.startswith("off") and off.ep_pairing_exposed == {}
+    assert on.ep_pairing.startswith(f"on: the paired {schedule} table"), on.ep_pairing
+    assert f"pairs on stage {on.critical_stage}" in on.ep_pairing
+    x = on.ep_pairing_exposed
+    assert x["F"] + x["B"] < x["F_alone"] + x["B_alone"]
+    order = compute_orders(schedule, 2, 2, 8, pairing=True)[on.critical_stage]
+    pairs = len(paired_forwards(schedule, 2, 2, 8)[on.critical_stage])
+    lone = {k: sum(kind == k for kind, _, _ in order) - pairs for k in ("F", "B")}
+    assert on.exposed_s["ep"] == pytest.approx(pairs * (x["F"] + x["B"]) + lone["F"] * x["F_alone"]
+                                               + lone["B"] * x["B_alone"])
+    assert off.exposed_s["ep"] == pytest.approx(off.in_flight_s["ep"])
+    assert 0 < on.exposed_s["ep"] <= on.in_flight_s["ep"]
+    assert on.exposed_s["ep"] < 0.7 * off.exposed_s["ep"]
+    assert on.step_s < off.step_s

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from mpoverlap.overlap.config import CommOverlapConfig
 from mpoverlap.overlap.estimate.comm import comm_ops
@@ -28,7 +28,7 @@ from mpoverlap.simulate.collectives import collective_time, group_links
 from mpoverlap.simulate.costs import MODES, ChunkCost, chunk_costs, step_ops
 from mpoverlap.simulate.engine import last_backward_spans, run_pipeline
 from mpoverlap.simulate.hardware import Hardware
-from mpoverlap.simulate.pairing import apply_pairing, pairing_state
+from mpoverlap.simulate.pairing import PipelinePairing, apply_pairing, pairing_state
 from mpoverlap.simulate.plain import plain
 from mpoverlap.simulate.overlap import bucket_finish, buckets_over, gather_exposed
 
@@ -65,6 +65,9 @@ class SimResult:
     # action costs, pooled over the stages and each stage's own ({"schedule", "pooled" (F, B, W),
     # "form", "per_stage"}); printed beside the simulated idle
     bubble_forms: Dict[str, Any] = field(default_factory=dict)
+    # more ranks than CPU cores (a measured machine): {"ranks", "cores", "stretch" (compute's
+    # slow-down), "runnable" (the fraction of the step a rank computes)}; {} otherwise
+    core_sharing: Dict[str, float] = field(default_factory=dict)
 
     @property
     def exposed_share(self) -> Dict[str, float]:
@@ -72,6 +75,41 @@ class SimResult:
 
 
 def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
+    """The step of `cfg`'s layout on `hw`. Where the ranks share fewer CPU cores than there are
+    ranks (`hw.cores`, a measured machine: a benchmark's 4 ranks on 2 cores), compute runs slower
+    by how many ranks want a core at once: a rank runnable (computing) a fraction r of the step
+    shares the cores with the others' expected (N - 1) r, so its compute stretches by
+    max(1, (1 + (N - 1) r) / cores); the rates are slowed by that factor (`_shared`) and the step
+    simulated again until the fraction r it gives settles (a fixed point, damped)."""
+    lo = build_layout(plain(cfg), world_size)
+    if not hw.cores or lo.world <= hw.cores:
+        return _simulate(cfg, hw, world_size)
+    stretch, r = 1.0, None
+    for _ in range(30):
+        r = _simulate(cfg, _shared(hw, stretch), world_size)
+        runnable = min(1.0, r.avg_compute_s / r.step_s) if r.step_s > 0 else 1.0
+        want = max(1.0, (1 + (lo.world - 1) * runnable) / hw.cores)
+        if abs(want - stretch) < 1e-4 * stretch:
+            break
+        stretch = 0.5 * (stretch + want)
+    r.mfu /= stretch  # against the machine's own peak, not the slowed one
+    r.core_sharing = {"ranks": lo.world, "cores": hw.cores, "stretch": stretch,
+                      "runnable": min(1.0, r.avg_compute_s / r.step_s) if r.step_s > 0 else 1.0}
+    return r
+
+
+def _shared(hw: Hardware, stretch: float) -> Hardware:
+    """`hw` with every compute rate slowed by `stretch` (the update and the CPU of hidden
+    communication take `stretch` times as long); links unchanged."""
+    from dataclasses import replace
+
+    return replace(hw, peak_flops=hw.peak_flops / stretch, expert_flops=hw.expert_flops / stretch,
+                   update_s_per_param=hw.update_s_per_param * stretch,
+                   comm_cpu_s_per_byte=hw.comm_cpu_s_per_byte * stretch,
+                   hbm_bw=hw.hbm_bw / stretch if hw.hbm_bw > 0 else 0.0)
+
+
+def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
     from mpoverlap.models.gpt import flops_per_token
 
     cfg = plain(cfg)
@@ -83,7 +121,8 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     micro = lo.num_microbatches or 1
     costs = chunk_costs(cfg, lo, hw, links, enabled, c)
     paired, pairing_why = pairing_state(cfg, lo.pp, lo.vpp, lo.ep, enabled["ep"], micro, ov.modes().get("ep_pairing"))
-    pairing_exposed = apply_pairing(costs[0], micro, cfg.overlap.ep_chunks) if paired else {}
+    pipe_pairs = PipelinePairing(costs, cfg.overlap.ep_chunks) if paired and lo.pp > 1 else None
+    pairing_exposed = apply_pairing(costs[0], micro, cfg.overlap.ep_chunks) if paired and pipe_pairs is None else {}
     pp_msg = _pp_message_bytes(cfg, lo, c)
     T = lo.tp * lo.cp * lo.dp
 
@@ -96,14 +135,28 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     schedule = resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp) if lo.pp > 1 else None
     zero_bubble = schedule is not None and defers_weight_grads(schedule)
 
-    def duration(kind: str, chunk: int) -> float:
+    def seconds(kind: str, chunk: int, ep_exposed: Optional[float] = None) -> float:
+        """One action; `ep_exposed`: its ep exposed as pairing leaves it (None: the chunk's own)."""
+        whole = costs[chunk].duration(kind) if kind != "W" else 0.0
+        if ep_exposed is not None and kind != "W":
+            whole += ep_exposed - costs[chunk].exposed[kind].get("ep", 0.0)
         if not zero_bubble or kind == "F":
-            return costs[chunk].duration(kind)
+            return whole
         # Zero bubble: W = the weight-gradient GEMMs, one per forward GEMM (paper Table 1:
         # T_W ~ T_F), at most half the backward; B keeps the rest (input gradient, recompute,
         # the backward's communication).
         weight = min(costs[chunk].compute["F"], costs[chunk].compute["B"] / 2)
-        return weight if kind == "W" else costs[chunk].duration("B") - weight
+        return weight if kind == "W" else whole - weight
+
+    def duration(kind: str, chunk: int) -> float:
+        # in a paired table the lone forwards and backwards run the pairing's programs alone
+        return seconds(kind, chunk, pipe_pairs.alone(chunk)[kind] if pipe_pairs and kind != "W" else None)
+
+    pair_duration = None
+    if pipe_pairs is not None:
+        def pair_duration(f_chunk: int, b_chunk: int) -> Tuple[float, float]:
+            x = pipe_pairs.pair(f_chunk, b_chunk)
+            return seconds("F", f_chunk, x["F"]), seconds("B", b_chunk, x["B"])
 
     # DP per stage: gradient buckets under the last backward, parameter gather under the first forward.
     dp = [_dp_stage(cfg, lo, hw, links, s, c) for s in range(lo.pp)]
@@ -113,12 +166,14 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
                  for s in range(lo.pp)]
     gather_wait = [0.0] * lo.pp
     if ov.dp_param_gather.enabled:
-        probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, schedule=schedule)
+        probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, schedule=schedule,
+                             pair_duration=pair_duration)
         starts = [probe.times[s][0][0] for s in range(lo.pp)]
         gather_wait = [max(0.0, gather_exposed(dp[s]["gather"], first_fwd[s], dp[s]["buckets"]) - starts[s])
                        for s in range(lo.pp)]
-    free = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, gather_wait, schedule)
-    real = (run_pipeline(lo.pp, lo.vpp, micro, duration, hop, ov.pp.enabled, gather_wait, schedule)
+    free = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, gather_wait, schedule,
+                        pair_duration)
+    real = (run_pipeline(lo.pp, lo.vpp, micro, duration, hop, ov.pp.enabled, gather_wait, schedule, pair_duration)
             if lo.pp > 1 else free)
     ends = []
     tails = []
@@ -163,6 +218,14 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
                 in_flight[m] += micro * t
             for m, t in cost.exposed[kind].items():
                 exposed[m] += micro * t
+    if pipe_pairs is not None:
+        # ep exposed per action of the critical stage's paired table: each pair's sides, the
+        # lone forwards and backwards alone; the counts exchanges in flight beside the dispatches
+        exposed["ep"], pairing_exposed = pipe_pairs.stage_exposed(real, crit)
+        for v in range(lo.vpp):
+            in_flight["ep"] += micro * pipe_pairs.counts(chunk_index(crit, v, lo.pp, layout))
+        pairs = sum(1 for role, _ in real.pairs[crit] if role == 1)
+        pairing_why += f"; {pairs} pairs on stage {crit}"
     # pp in flight as the ledger counts its handles (post to completion): a blocking transfer
     # also waits for its peer to post (rendezvous), which the wire time alone does not show,
     # and what that costs the step can exceed the wire time.
@@ -324,6 +387,10 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
         e = r.exposed_s.get(m, 0.0)
         lines.append(f"  {m:<4} | {'ON' if r.enabled[m] else 'off':<7} | {r.links.get(m, '-'):<5} | {t * 1e3:>19,.3f} | "
                      f"{e * 1e3:>17,.3f} | {e / t:>13.2f} | {e / r.step_s:>6.1%}")
+    if r.core_sharing:
+        c = r.core_sharing
+        lines.append(f"  cores shared: {c['ranks']} ranks on {c['cores']} cores, each computing {c['runnable']:.0%} of "
+                     f"the step: compute x{c['stretch']:.2f} (the rates above are a core's)")
     if r.bubble_forms:
         lines.append(bubble_form_line(r.bubble_forms, r.bubble_s, "the simulated idle above"))
     if r.ep_pairing:

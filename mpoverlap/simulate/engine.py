@@ -11,6 +11,12 @@ is free: transfers on one link go one at a time) and completes `hop_time` later,
 sender and the receiver alike. So with overlap off a sender is held until its peer reaches
 the receive (posted as late as the global posting order lets it), and the two stages run in
 near lock-step; with overlap on the receives are posted ahead and the sender rarely waits.
+
+Paired tables (overlap.ep_pairing, pipeline/paired.py and zbv_paired.py): a paired F and the
+B after it run as one overlapped action, as the executor runs them: the pair starts once both
+inputs have arrived (both receives are posted before it), its F part and B part take what
+`pair_duration(f_chunk, b_chunk)` says (the two sides' compute and each side's exchanges left
+exposed beside the other's compute, simulate/pairing.py), and nothing is posted between them.
 """
 from __future__ import annotations
 
@@ -35,13 +41,17 @@ class PipelineRun:
     ledger_exposed: List[float] = None
     ends: List[float] = None  # per stage, when its last handle completed (run() returns)
     layout: str = "loop"  # how the schedule placed the chunks (pipeline/actions.py)
+    # per stage, per action: (pair role, partner's chunk) as _Compiled.actions (0, -1: unpaired)
+    pairs: List[List[Tuple[int, int]]] = None
 
 
 @lru_cache(maxsize=256)
-def _programs(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Optional[str] = None):
+def _programs(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Optional[str] = None,
+              pairing: bool = False):
     """Per stage, the executor's steps: ("post", batch id), ("wait", batch id) or
-    ("compute", action index); with the batches (tuples of P2POp) and the actions."""
-    tables = build_schedule(schedule or schedule_kind(vpp), pp, vpp, microbatches)
+    ("compute", action index); with the batches (tuples of P2POp) and the actions.
+    `pairing`: the paired table (build_schedule's)."""
+    tables = build_schedule(schedule or schedule_kind(vpp), pp, vpp, microbatches, pairing=pairing)
     out = []
     for table in tables:
         steps, batches = [], []
@@ -70,7 +80,9 @@ class _Compiled:
     posted batch ids, their ops) with head 0 none (the posts before the first compute) / 1 wait
     of batch `index` / 2 compute of action `index`; an op is (is_send, message id, src stage,
     dst stage). `mids[batch]`: the batch's message ids; `actions`: (kind, chunk, recv id or -1,
-    whether its send is a local hand-over, send id or -1)."""
+    whether its send is a local hand-over, send id or -1, pair role, partner's chunk, partner's
+    recv id or -1) with pair role 0 unpaired, 1 a paired F (its partner the B after it), 2 that B
+    (its partner the F before it)."""
 
     programs: tuple
     steps: tuple
@@ -81,8 +93,9 @@ class _Compiled:
 
 
 @lru_cache(maxsize=256)
-def _compiled(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Optional[str] = None) -> _Compiled:
-    programs = _programs(pp, vpp, microbatches, overlap, schedule)
+def _compiled(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Optional[str] = None,
+              pairing: bool = False) -> _Compiled:
+    programs = _programs(pp, vpp, microbatches, overlap, schedule, pairing)
     ids: Dict[object, int] = {}
 
     def mid(message) -> int:
@@ -107,24 +120,43 @@ def _compiled(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Opt
                 fused.append([1 if what == "wait" else 2, index, [], []])
         steps.append(tuple((head, index, tuple(posted), tuple(posted_ops)) for head, index, posted, posted_ops in fused))
         mids.append(tuple(tuple(mid(op.message) for op in batch) for batch in batches))
-        actions.append(tuple((a.kind, a.chunk, -1 if a.recv is None else mid(a.recv), a.send in local,
-                              -1 if a.send is None else mid(a.send)) for a in table))
+        def recv_id(a) -> int:
+            return -1 if a.recv is None else mid(a.recv)
+
+        compiled = []
+        for i, a in enumerate(table):
+            role, partner = 0, None
+            if a.paired:
+                role, partner = 1, table[i + 1]
+            elif i > 0 and table[i - 1].paired:
+                role, partner = 2, table[i - 1]
+            compiled.append((a.kind, a.chunk, recv_id(a), a.send in local, -1 if a.send is None else mid(a.send), role,
+                             -1 if partner is None else partner.chunk, -1 if partner is None else recv_id(partner)))
+        actions.append(tuple(compiled))
     kinds = frozenset(a.kind for _, _, table in programs for a in table)
     return _Compiled(programs, tuple(steps), tuple(mids), tuple(actions), len(ids), kinds)
 
 
 def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, int], float],
                  hop_time: Callable[[int, int], float], overlap: bool,
-                 first_extra: Sequence[float] = (), schedule: Optional[str] = None) -> PipelineRun:
+                 first_extra: Sequence[float] = (), schedule: Optional[str] = None,
+                 pair_duration: Optional[Callable[[int, int], Tuple[float, float]]] = None) -> PipelineRun:
     """`duration(kind, chunk)`: seconds of one action (kind "F", "B", and "W" for a zero-bubble
     `schedule`, whose "B" is then the input gradient only); `hop_time(src_stage, dst_stage)`:
     seconds of one message; `first_extra[s]`: seconds added to stage s's first action (a
     parameter gather it waits for). `schedule`: a pipeline.SCHEDULE_KINDS value (None: from vpp).
-    A message between two chunks of one stage (zbv's turn) is ready when its producer ends."""
+    A message between two chunks of one stage (zbv's turn) is ready when its producer ends.
+    `pair_duration(f_chunk, b_chunk)`: runs the schedule's paired table (overlap.ep_pairing),
+    each pair taking (its F part, its B part) seconds; `duration` then times the lone actions."""
     overlap = bool(overlap)
-    prog = _compiled(pp, vpp, microbatches, overlap, schedule)
+    prog = _compiled(pp, vpp, microbatches, overlap, schedule, pair_duration is not None)
     num_chunks = pp * vpp
     dur = {(k, c): duration(k, c) for k in sorted(prog.kinds) for c in range(num_chunks)}
+    pair_dur: Dict[Tuple[int, int], Tuple[float, float]] = {}
+    for actions in prog.actions:
+        for kind, chunk, _, _, _, role, partner, _ in actions:
+            if role == 1 and (chunk, partner) not in pair_dur:
+                pair_dur[(chunk, partner)] = pair_duration(chunk, partner)
     hops = [0.0] * (pp * pp)  # by src * pp + dst
     for a in range(pp):
         for b in range(pp):
@@ -142,6 +174,7 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
     post_time: List[List[float]] = [[0.0] * len(m) for m in prog.mids]
     exposed = [0.0] * pp
     position = [0] * pp
+    held = [-1] * pp  # per stage, a paired F's local hand-over, ready when its pair ends
     remaining = sum(len(steps) for steps in prog.steps)
     while remaining:
         progressed = False
@@ -158,20 +191,28 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
                     exposed[stage] += end - now
                     now = end
                 elif head == 2:  # compute
-                    kind, chunk, recv, local_send, send = actions[index]
+                    kind, chunk, recv, local_send, send, role, partner, partner_recv = actions[index]
                     start = now
-                    if overlap and recv >= 0:
-                        ready = done[recv]
-                        if ready is None:
+                    # a pair starts once both its inputs exist; its B part right after its F part
+                    needs = (recv, partner_recv) if role == 1 else () if role == 2 else (recv,)
+                    if overlap and any(r >= 0 for r in needs):
+                        ready = [done[r] for r in needs if r >= 0]
+                        if None in ready:
                             break
-                        start = max(start, ready)
+                        start = max([start] + ready)
                         exposed[stage] += start - now
-                    took = dur[(kind, chunk)] + (first_extra[stage] if index == 0 and first_extra else 0.0)
+                    took = (dur[(kind, chunk)] if role == 0 else pair_dur[(chunk, partner)][0] if role == 1
+                            else pair_dur[(partner, chunk)][1])
+                    took += first_extra[stage] if index == 0 and first_extra else 0.0
                     times[stage].append((start, start + took))
                     busy[stage] += took
                     now = start + took
-                    if local_send:
+                    if local_send and role == 1:  # a pair's sends leave after its B part
+                        held[stage] = send
+                    elif local_send:
                         done[send] = now
+                    if role == 2 and held[stage] >= 0:
+                        done[held[stage]], held[stage] = now, -1
                 for b in batches:
                     posted_at[b] = now
                 # posts: a transfer starts once both ends posted and its link is free
@@ -204,8 +245,10 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
             ends[stage] = max(ends[stage], complete)
         exposed[stage] += ends[stage] - free[stage]  # run() waits the sends still in flight
     orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for _, _, table in prog.programs]
+    pairs = [[(a[5], a[6]) for a in actions] for actions in prog.actions]
     return PipelineRun(times=times, orders=orders, busy=busy, p2p_in_flight=in_flight, ledger_in_flight=ledger_in,
-                       ledger_exposed=exposed, ends=ends, layout=chunk_layout(schedule or schedule_kind(vpp)))
+                       ledger_exposed=exposed, ends=ends, layout=chunk_layout(schedule or schedule_kind(vpp)),
+                       pairs=pairs)
 
 
 def last_backward_spans(run: PipelineRun, stage: int, pp: int) -> Dict[int, Tuple[float, float]]:

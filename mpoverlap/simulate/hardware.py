@@ -56,6 +56,10 @@ class Hardware:
     # activations, casts, the fp32 loss, the update). 0 = not modelled: the preset's
     # gemm_efficiency covers the whole step (fitted end to end, or measured on the model).
     hbm_bw: float = 0.0
+    # CPU cores the ranks of a measured machine share (`measured_rates`: this machine's); 0 =
+    # every rank computes on a device of its own (the GPU presets). With more ranks than cores
+    # the simulator stretches compute by how many ranks want a core at once (core.simulate).
+    cores: int = 0
 
     def memory_seconds(self, nbytes: float) -> float:
         """Seconds `nbytes` of elementwise traffic take at the HBM bandwidth (0 when not modelled)."""
@@ -120,6 +124,7 @@ def measured_rates(cfg: Any) -> Dict[str, float]:
       experts at, forward + backward, on one dispatch chunk's rows (`expert_rate`);
     - comm_cpu_s_per_byte: CPU seconds (process time, gloo's threads and the kernel's
       loopback included) per byte a rank sends, from `loopback_rate`'s probe of `world` ranks;
+    - cores: the cores this process may run on (the ranks of a benchmark share them);
     - link_bytes_s, link_latency, link_efficiency: what that probe's ranks moved together in an
       all-reduce, its latency per collective step and each collective's rate over the
       all-reduce's, or 0 (and {}) outside a namespace whose loopback carries a tbf rate;
@@ -143,9 +148,18 @@ def measured_rates(cfg: Any) -> Dict[str, float]:
     return {"peak_flops": peak, "model_flops": rate,
             "update_s_per_param": update_seconds_per_param(cfg, copies=copies),
             "expert_flops": expert_rate(cfg, lo, copies=copies) if m.num_experts else 0.0,
-            "comm_cpu_s_per_byte": probe["cpu_s_per_byte"], "link_bytes_s": probe["bytes_s"] if shaped else 0.0,
+            "comm_cpu_s_per_byte": probe["cpu_s_per_byte"], "cores": available_cores(),
+            "link_bytes_s": probe["bytes_s"] if shaped else 0.0,
             "link_latency": probe["latency"] if shaped else 0.0,
             "link_efficiency": dict(probe["efficiency"]) if shaped else {}, "at": at}
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity; the machine's where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Hardware:
@@ -153,7 +167,8 @@ def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Har
     - peak_flops the mean peak, gemm_efficiency the mean model rate over it (the peak is at
       least that rate: a noisy peak below the model's own rate would cap the efficiency and
       slow the model);
-    - update_s_per_param, expert_flops, comm_cpu_s_per_byte: their means;
+    - update_s_per_param, expert_flops, comm_cpu_s_per_byte: their means; cores the fewest
+      (0 where a result predates the key);
     - bandwidth, latency and each collective's efficiency: the probe's (inside a namespace whose
       loopback carries a tbf rate, as bench/netns.sh sets it), else the preset's inter_bw,
       inter_latency and collective_efficiency (bench/predict.py sets them to that probe's
@@ -182,6 +197,7 @@ def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Har
     return replace(hw, peak_flops=peak, gemm_efficiency=rate / peak, update_s_per_param=mean("update_s_per_param"),
                    hbm_bw=0.0,
                    expert_flops=mean("expert_flops"), comm_cpu_s_per_byte=mean("comm_cpu_s_per_byte"),
+                   cores=min(int(r.get("cores", 0) or 0) for r in rates),
                    intra=replace(hw.intra, bandwidth=link, latency=latency, efficiency=efficiency),
                    inter=replace(hw.inter, bandwidth=link, latency=latency, efficiency=efficiency))
 

@@ -33,7 +33,14 @@ The unpaired first forward and last backward are the same programs run alone
 `apply_pairing` turns the per-microbatch costs (costs.ChunkCost, one chunk at pp 1) into the
 per-microbatch average the pipeline engine adds up: exposed ep per forward =
 (alone + (m-1) x paired) / m, the same for the backward; the counts exchanges' latency joins
-the forward's ep in flight. Not modelled: pp > 1.
+the forward's ep in flight.
+
+At pp > 1 (the paired interleaved, zb1p and zbv tables, pipeline/paired.py and zbv_paired.py)
+a pair is a forward of one (microbatch, chunk) beside a backward of another chunk of the same
+stage, and the lone forwards and backwards of the table's warm-up and drain run the same
+programs alone. `PipelinePairing` gives the engine (engine.run_pipeline's `pair_duration`)
+each pair's exposed seconds per side from the two chunks' layer passes, and each lone action's;
+the step's ep exposed is the sum over the critical stage's actions (core.simulate).
 """
 from __future__ import annotations
 
@@ -79,15 +86,13 @@ def pairing_state(cfg: Any, pp: int, vpp: int, ep: int, ep_overlap: bool, microb
     """(whether the simulator pairs forward and backward microbatches, why). `resolved`: the
     build's own resolution of `overlap.ep_pairing` (CommOverlapConfig's ModeState, where the
     build has it: its rules say where pairing runs); without it, `overlap.ep_pairing` true or
-    auto where it applies: ep > 1 with EP overlap on (the exchanges asynchronous), pp 1 (the
-    only layout modelled), at least 2 microbatches (a pair needs two)."""
+    auto where it applies: ep > 1 with EP overlap on (the exchanges asynchronous), at least 2
+    microbatches (a pair needs two), and at pp > 1 a schedule with a paired table
+    (pipeline.pairing_constraints: interleaved, zb1p at vpp >= 2, zbv)."""
     if resolved is not None:
         if not resolved.enabled:
             return False, resolved.reason if resolved.reason.startswith("off") else f"off: {resolved.reason}"
-        if pp > 1 or vpp > 1:
-            return False, f"not modelled at pp {pp} x vpp {vpp} (pp 1 only)"
-        return True, (f"on: microbatch 0's forward alone, {microbatches - 1} forward/backward pair(s), the last "
-                      "backward alone")
+        return _modelled(cfg, pp, vpp, microbatches)
     want = requested(cfg)
     if want not in ("true", "auto"):
         return False, "off (overlap.ep_pairing=false)" if want == "false" else f"off (overlap.ep_pairing={want})"
@@ -95,12 +100,28 @@ def pairing_state(cfg: Any, pp: int, vpp: int, ep: int, ep_overlap: bool, microb
         return False, "off: ep = 1, no expert exchanges"
     if not ep_overlap:
         return False, "off: EP overlap is off (the exchanges are waited where issued)"
-    if pp > 1 or vpp > 1:
-        return False, f"not modelled at pp {pp} x vpp {vpp} (pp 1 only)"
     if microbatches < 2:
         return False, "off: 1 microbatch, nothing to pair with"
-    return True, (f"on: microbatch 0's forward alone, {microbatches - 1} forward/backward pair(s), the last "
-                  "backward alone")
+    return _modelled(cfg, pp, vpp, microbatches)
+
+
+def _modelled(cfg: Any, pp: int, vpp: int, microbatches: int) -> Tuple[bool, str]:
+    if pp == 1:
+        if vpp > 1:
+            return False, f"not modelled at pp 1 x vpp {vpp}"
+        return True, (f"on: microbatch 0's forward alone, {microbatches - 1} forward/backward pair(s), the last "
+                      "backward alone")
+    from mpoverlap.pipeline import resolve_schedule
+    from mpoverlap.pipeline.schedules import pairing_constraints
+
+    par = getattr(cfg, "parallel", None)
+    kind = resolve_schedule(getattr(par, "pp_schedule", "auto") if par is not None else "auto", vpp)
+    problems = pairing_constraints(kind, pp, vpp)
+    if problems:
+        return False, "off: " + problems[0]
+    return True, (f"on: the paired {kind} table (pp {pp} x vpp {vpp}, {microbatches} microbatches), each pair one "
+                  "action of a forward beside a backward of another chunk of the stage, the warm-up forwards and "
+                  "the drain's backwards alone")
 
 
 YIELD = ("yield",)
@@ -172,11 +193,9 @@ def round_robin(first: List, second: List) -> List:
 def pair_program(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: int,
                  other_f: float = 0.0, other_b: float = 0.0) -> List:
     """One pair: the backward of a microbatch (`bwd`, layers in forward order; it runs them last
-    to first, and runs first) beside the forward of the next one (`fwd`, the same layers in
-    forward order), round-robin at their YIELDs. Exchange names start with "F:" or "B:" (whose
-    microbatch waits)."""
-    if len(bwd) != len(fwd):
-        raise ValueError(f"a pair needs the same layers on both sides ({len(fwd)} forward, {len(bwd)} backward)")
+    to first, and runs first) beside the forward of another (`fwd`, in forward order: at pp 1
+    the same layers, in a pipeline table those of another chunk of the stage), round-robin at
+    their YIELDs. Exchange names start with "F:" or "B:" (whose microbatch waits)."""
     return round_robin(backward_program(bwd, chunks, other_b), forward_program(fwd, chunks, other_f))
 
 
@@ -200,6 +219,61 @@ def alone_exposed(fwd: Sequence[LayerPass], bwd: Sequence[LayerPass], chunks: in
     f = _by_side(round_robin(forward_program(fwd, chunks, other_f), []))[FORWARD]
     b = _by_side(round_robin([], backward_program(bwd, chunks, other_b)))[BACKWARD]
     return {FORWARD: f, BACKWARD: b}
+
+
+def _others(cost: Any) -> Tuple[float, float]:
+    """The compute of a chunk outside its layer passes (embedding, head and loss), F and B."""
+    return tuple(max(0.0, cost.compute[k] - sum(p.compute for p in cost.layers[k])) for k in (FORWARD, BACKWARD))
+
+
+class PipelinePairing:
+    """Pairing in a pipeline table: per chunk the lone forward's and backward's exposed ep
+    (`alone(chunk)`), per (forward's chunk, backward's chunk) the pair's (`pair(f, b)`), from
+    `costs` (costs.ChunkCost per model chunk) and `chunks` (overlap.ep_chunks); memoised."""
+
+    def __init__(self, costs: Sequence[Any], chunks: int) -> None:
+        self.costs, self.chunks = costs, chunks
+        self._alone: Dict[int, Dict[str, float]] = {}
+        self._pairs: Dict[Tuple[int, int], Dict[str, float]] = {}
+
+    def alone(self, chunk: int) -> Dict[str, float]:
+        if chunk not in self._alone:
+            c = self.costs[chunk]
+            self._alone[chunk] = alone_exposed(c.layers[FORWARD], c.layers[BACKWARD], self.chunks, *_others(c))
+        return self._alone[chunk]
+
+    def pair(self, f_chunk: int, b_chunk: int) -> Dict[str, float]:
+        key = (f_chunk, b_chunk)
+        if key not in self._pairs:
+            f, b = self.costs[f_chunk], self.costs[b_chunk]
+            self._pairs[key] = pair_exposed(f.layers[FORWARD], b.layers[BACKWARD], self.chunks, _others(f)[0],
+                                            _others(b)[1])
+        return self._pairs[key]
+
+    def stage_exposed(self, run: Any, stage: int) -> Tuple[float, Dict[str, float]]:
+        """(ep exposed over the actions of `stage` in `run`, an engine.PipelineRun of the paired
+        table; for the report the mean per pair of each side, {"F", "B"}, and per lone pass,
+        {"F_alone", "B_alone"})."""
+        from mpoverlap.pipeline.actions import chunk_index
+
+        pp, total = len(run.orders), 0.0
+        sides: Dict[str, List[float]] = {"F": [], "B": [], "F_alone": [], "B_alone": []}
+        for (kind, _mb, v), (role, partner) in zip(run.orders[stage], run.pairs[stage]):
+            if kind not in (FORWARD, BACKWARD):
+                continue
+            chunk = chunk_index(stage, v, pp, run.layout)
+            if role == 0:
+                x = self.alone(chunk)[kind]
+                sides[kind + "_alone"].append(x)
+            else:
+                x = (self.pair(chunk, partner) if role == 1 else self.pair(partner, chunk))[kind]
+                sides[kind].append(x)
+            total += x
+        return total, {k: sum(v) / len(v) if v else 0.0 for k, v in sides.items()}
+
+    def counts(self, chunk: int) -> float:
+        """The counts exchanges of one forward of `chunk` (in flight, beside its dispatches)."""
+        return sum(p.counts for p in self.costs[chunk].layers[FORWARD])
 
 
 def apply_pairing(cost: Any, microbatches: int, chunks: int) -> Dict[str, float]:
