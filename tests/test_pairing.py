@@ -257,6 +257,14 @@ def test_check_states_the_extra_activation_memory_of_pairing():
     assert off.pairing_extra_bytes == 0 and on.pairing_extra_bytes > 0
     assert on.stages[0].memory_bytes["activations"] == off.stages[0].memory_bytes["activations"] + on.pairing_extra_bytes
     assert "unpaired table's peak" in render_estimate(on)
+    # the zero-bubble tables: the paired zb1p order and the paired V, each stage's peak from its
+    # own paired order (W closures kept from B to W as unpaired, boundary buffers until the B)
+    for schedule, extra in (("zb1p", []), ("zbv", ["model.tie_embeddings=false"])):
+        zb = [*piped, f"parallel.pp_schedule={schedule}", "train.global_batch_size=32", *extra]  # m = 4 = 2pp
+        off, on = (estimate(compose([*zb, f"overlap.ep_pairing={v}"])) for v in ("false", "true"))
+        assert on.pairing_extra_bytes != 0, schedule
+        assert (on.stages[0].memory_bytes["activations"]
+                == off.stages[0].memory_bytes["activations"] + on.pairing_extra_bytes), schedule
 
 
 def _pipelined_wiring(rank, world, root):

@@ -193,16 +193,22 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
                 elif head == 2:  # compute
                     kind, chunk, recv, local_send, send, role, partner, partner_recv = actions[index]
                     start = now
-                    # a pair starts once both its inputs exist; its B part right after its F part
-                    needs = (recv, partner_recv) if role == 1 else () if role == 2 else (recv,)
-                    if overlap and any(r >= 0 for r in needs):
-                        ready = [done[r] for r in needs if r >= 0]
-                        if None in ready:
-                            break
-                        start = max([start] + ready)
+                    if overlap and role != 2:  # a pair starts once both its inputs exist
+                        if recv >= 0:
+                            ready = done[recv]
+                            if ready is None:
+                                break
+                            start = max(start, ready)
+                        if role == 1 and partner_recv >= 0:
+                            ready = done[partner_recv]
+                            if ready is None:
+                                break
+                            start = max(start, ready)
                         exposed[stage] += start - now
-                    took = (dur[(kind, chunk)] if role == 0 else pair_dur[(chunk, partner)][0] if role == 1
-                            else pair_dur[(partner, chunk)][1])
+                    if role == 0:
+                        took = dur[(kind, chunk)]
+                    else:  # its B part right after its F part
+                        took = pair_dur[(chunk, partner)][0] if role == 1 else pair_dur[(partner, chunk)][1]
                     took += first_extra[stage] if index == 0 and first_extra else 0.0
                     times[stage].append((start, start + took))
                     busy[stage] += took

@@ -239,12 +239,13 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
                 peak, peak_alive = now, alive
         return peak, peak_alive
 
-    # overlap.ep_pairing at pp > 1 (pipeline/paired.py): the paired table (one more warm-up
-    # forward per stage; a pair's F grows while its B frees, counted as the F's chunk complete
-    # before the B frees anything), each chunk-microbatch holding its MoE layers' sub-step
-    # boundary buffers too.
+    # overlap.ep_pairing at pp > 1 (pipeline/paired.py, zbv_paired.py): the paired table (the
+    # interleaved and zb1p orders with one more warm-up forward per stage, the paired V; a
+    # pair's F grows while its B frees, counted as the F's chunk complete before the B frees
+    # anything; with W actions a B keeps what its W needs, as unpaired), each chunk-microbatch
+    # holding its MoE layers' sub-step boundary buffers too until its B.
     paired_orders = None
-    if not zero_bubble and pairing_on(cfg, lo):
+    if pairing_on(cfg, lo):
         paired_orders = compute_orders(kind, lo.pp, lo.vpp, micro, pairing=True)
         with_boundaries = [per_chunk[k] + sum(pairing_boundary_bytes(cfg, lo, i, conv, micro_batch)
                                               for i in chunk_layers(cfg, lo, k)

@@ -122,6 +122,10 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _signed_mib(n: float) -> str:
+    return ("+" if n >= 0 else "-") + _mib(abs(n))
+
+
 def _flops(n: float) -> str:
     for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
         if n >= scale:
@@ -153,9 +157,10 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
     lines.append(f"    activations of one layer, one microbatch: {_mib(est.layer_activation_bytes)}")
     if est.pairing_extra_bytes:
         if len(est.stages) > 1:
-            lines.append("    forward/backward pairing (overlap.ep_pairing): the paired interleaved table's one extra "
-                         "warm-up forward per stage and the sub-step boundary buffers: "
-                         f"+{_mib(est.pairing_extra_bytes)} over the unpaired table's peak on stage 0 (in the peak above)")
+            lines.append("    forward/backward pairing (overlap.ep_pairing): the paired table's order (interleaved and "
+                         "zb1p: one extra warm-up forward per stage; zbv: the paired V) and the sub-step boundary "
+                         f"buffers: {_signed_mib(est.pairing_extra_bytes)} against the unpaired table's peak on stage 0 "
+                         "(in the peak above)")
         else:
             lines.append("    forward/backward pairing (overlap.ep_pairing): a second microbatch in flight, the forward "
                          "of i+1 beside the backward of i (layer t beside layer L-1-t): "
