@@ -12,6 +12,13 @@ difference between their medians is the agreement's cost; the ledger's `stop` fi
 in-flight and exposed time per step.
 
     python -m bench.stop_agreement [--block 8] [--repeats 6] [--layers 2] [--json F]
+
+The closest A/B: one step per block, every step kept, many rounds (each round one step of each
+side back to back, the order alternating), read as paired differences (`paired`: the rounds'
+mean difference of the step and of rank 0's process CPU per step, with 95% intervals):
+
+    python -m bench.stop_agreement --block 1 --block-warmup 0 --repeats 1500 --max-repeats 1500 \
+        --min-quiet 0 --time-budget 600
 """
 from __future__ import annotations
 
@@ -78,9 +85,41 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
                                                   for k in ("ops", "bytes", "time_s", "exposed_s")}
             a, n = out["agreement"]["step_s"]["median_s"], out["none"]["step_s"]["median_s"]
             out["ratio_agreement_over_none"] = a / n
+            out["paired"] = paired_rounds(blocks, list(sides), args.block)
             Path(args.json_tmp).write_text(json.dumps(out))
     finally:
         close_trainers([trainer] if trainer is not None else [])
+
+
+def paired_rounds(blocks: List[Dict[str, Any]], names: List[str], steps_per_block: int) -> Dict[str, Any]:
+    """The A/B as paired differences: each round steps one block of each side back to back, so
+    the machine's drift (other load, frequency, this VM's neighbours) is nearly the same for
+    both; per round the agreement's mean step minus none's, and the same for rank 0's process
+    CPU per step (its threads and gloo's included): their means over the rounds, standard
+    errors and 95% intervals (mean +- 1.96 SE; the rounds independent), and relative to none."""
+    a_name, n_name = names
+    rounds = [blocks[i:i + 2] for i in range(0, len(blocks) - 1, 2)]
+
+    def per_round(key):
+        out = []
+        for pair in rounds:
+            by = {b["name"]: b for b in pair}
+            if set(by) == {a_name, n_name}:
+                out.append((key(by[a_name]), key(by[n_name])))
+        return out
+
+    def summary(pairs) -> Dict[str, float]:
+        d = [a - n for a, n in pairs]
+        mean, base = statistics.fmean(d), statistics.fmean(n for _, n in pairs)
+        se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+        return {"rounds": len(d), "mean_diff_ms": mean * 1e3, "se_ms": se * 1e3,
+                "ci95_ms": [(mean - 1.96 * se) * 1e3, (mean + 1.96 * se) * 1e3],
+                "none_mean_ms": base * 1e3, "relative": mean / base, "ci95_relative": [(mean - 1.96 * se) / base,
+                                                                                     (mean + 1.96 * se) / base]}
+
+    step = per_round(lambda b: statistics.fmean(b["times"]))
+    cpu = per_round(lambda b: b["own_cpu_s"] / steps_per_block)
+    return {"step": summary(step), "cpu_per_step": summary(cpu)} if len(step) > 1 else {}
 
 
 def run(args) -> Dict[str, Any]:
