@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 RUN_ARGS ?= parallel.dp=2 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true overlap.dp_bucket_mb=0.5 train.steps=200 train.log_interval=20 train.eval_interval=100 checkpoint.interval=100
 BENCH_ARGS ?=
 
-.PHONY: setup run test test-slurm test-exits bench gpu-check gpu-wheels clean
+.PHONY: setup run test test-slurm test-exits test-compositions bench gpu-check gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ test: setup
 # slurm-wlm and munge with apt-get when missing): launch/slurm-testcluster.sh, tests/test_slurm.py.
 test-slurm: setup
 	MPOVERLAP_TEST_SLURM=1 $(VENV)/bin/pytest -q -rs -s tests/test_slurm.py
+
+# Parity of compositions that make test's 20 minutes leave out (the paired V with tp + SP + etp
+# at world 8, the paired V in bf16; about a minute): tests/test_paired_compositions.py.
+test-compositions: setup
+	$(VENV)/bin/pytest -q -rs -s -m compositions tests/test_paired_compositions.py
 
 # Back-to-back mpoverlap-train and bench runs, each must exit 0 without an abort (about 2 minutes).
 test-exits: setup
