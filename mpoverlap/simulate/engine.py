@@ -45,13 +45,19 @@ class PipelineRun:
     pairs: List[List[Tuple[int, int]]] = None
 
 
+@lru_cache(maxsize=128)
+def _tables(kind: str, pp: int, vpp: int, microbatches: int, pairing: bool):
+    """build_schedule's tables, built once for both posting programs (each table carries both)."""
+    return tuple(tuple(t) for t in build_schedule(kind, pp, vpp, microbatches, pairing=pairing))
+
+
 @lru_cache(maxsize=256)
 def _programs(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Optional[str] = None,
               pairing: bool = False):
     """Per stage, the executor's steps: ("post", batch id), ("wait", batch id) or
     ("compute", action index); with the batches (tuples of P2POp) and the actions.
     `pairing`: the paired table (build_schedule's)."""
-    tables = build_schedule(schedule or schedule_kind(vpp), pp, vpp, microbatches, pairing=pairing)
+    tables = _tables(schedule or schedule_kind(vpp), pp, vpp, microbatches, pairing)
     out = []
     for table in tables:
         steps, batches = [], []
