@@ -214,6 +214,8 @@ def predict_variants(res: Dict[str, Any], rate: str, probe: bool = True) -> Dict
     from bench.predict import _compose, shaped_link
     from bench.rate_probe import machine_of
     from mpoverlap.overlap.layout import build_layout
+    from dataclasses import replace
+
     from mpoverlap.simulate.core import simulate
     from mpoverlap.simulate.costs import chunk_costs
     from mpoverlap.simulate.collectives import group_links
@@ -247,6 +249,9 @@ def predict_variants(res: Dict[str, Any], rate: str, probe: bool = True) -> Dict
                      # a rank's CPU over the step: its compute at a core's speed
                      "rank_cores": r.avg_compute_s / r.step_s / r.core_sharing.get("stretch", 1.0),
                      "core_stretch": r.core_sharing.get("stretch", 1.0),
+                     # the same step with a core per rank (a machine with enough cores)
+                     "step_s_core_per_rank": (simulate(cfg, replace(hw, cores=0)).step_s if r.core_sharing
+                                              else r.step_s),
                      "exchanges_over_experts": r.in_flight_s["ep"] / experts if experts else 0.0,
                      "expert_gflops": hw.expert_flops / 1e9, "model_gflops": hw.flops / 1e9,
                      "link_mb_s": hw.inter.bandwidth / 1e6}

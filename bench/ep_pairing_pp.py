@@ -23,6 +23,11 @@ experts' rates timed in the rounds by a rate probe (bench/rate_probe.py, one blo
 all 4 ranks at once, as the variants), and the 4 ranks' sharing of this machine's cores).
 
     bash bench/netns.sh .venv/bin/python -m bench.ep_pairing_pp [--block 3] [--repeats 3] [--json F]
+
+The simulator again on a saved result (its rates), at other microbatch counts, with this
+machine's shared cores and with a core per rank (no measuring):
+
+    bash bench/netns.sh .venv/bin/python -m bench.ep_pairing_pp --predict-from F [--microbatches-list 4,8,16]
 """
 from __future__ import annotations
 
@@ -142,6 +147,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"default {v}")
     p.add_argument("--no-predict", action="store_true", help="skip the simulator's prediction")
+    p.add_argument("--predict-from", help="no run: the simulator on this saved result's rates (--json's file)")
+    p.add_argument("--microbatches-list", default="4,8,16",
+                   help="with --predict-from: the microbatch counts per pipeline (default 4,8,16)")
 
 
 def run(args) -> Dict[str, Any]:
@@ -193,7 +201,31 @@ def render(results: Dict[str, Any]) -> str:
         best = min(rows["zbv"]["step"]["median_s"], rows["interleaved_pairing"]["step"]["median_s"])
         lines.append(f"\nzbv + pairing / the better of zbv and interleaved + pairing: "
                      f"{rows['zbv_pairing']['step']['median_s'] / best:.3f} (goal <= 0.95).")
+    if all(n in pred and "step_s_core_per_rank" in pred[n] for n in ("zbv", "zbv_pairing", "interleaved_pairing")):
+        lines.append("Predicted: " + goal_line(pred, "step_s") + "; with a core per rank: "
+                     + goal_line(pred, "step_s_core_per_rank") + ".")
     return "\n".join(lines) + "\n"
+
+
+def goal_line(pred: Dict[str, Any], key: str) -> str:
+    """The four predicted steps (ms) and the goal's ratio, from `pred[variant][key]`."""
+    steps = ", ".join(f"{n} {pred[n][key] * 1e3:.0f}" for n in VARIANTS if n in pred)
+    ratio = pred["zbv_pairing"][key] / min(pred["zbv"][key], pred["interleaved_pairing"][key])
+    return f"{steps} ms, ratio {ratio:.3f}"
+
+
+def predict_from(path: str, microbatches: List[int]) -> None:
+    """The simulator on a saved result's rates (`--predict-from`), at each microbatch count."""
+    from bench.ep_pairing import predict_variants
+
+    res = json.loads(Path(path).read_text())
+    mb = next(int(o.split("=")[1]) for o in res["base_overrides"] if o.startswith("train.micro_batch_size="))
+    for m in microbatches:
+        res["base_overrides"] = [o for o in res["base_overrides"] if not o.startswith("train.global_batch_size=")]
+        res["base_overrides"].append(f"train.global_batch_size={mb * m * 2}")  # dp 2
+        pred = predict_variants(res, os.environ.get("RATE", "2gbit"), probe=bool(os.environ.get("MPO_BENCH_LINK")))
+        print(f"m = {m}: shared cores: {goal_line(pred, 'step_s')}; a core per rank: "
+              f"{goal_line(pred, 'step_s_core_per_rank')}", flush=True)
 
 
 def main() -> None:
@@ -203,6 +235,9 @@ def main() -> None:
     p.add_argument("--link", default=os.environ.get("MPO_BENCH_LINK", "loopback, not rate-limited"),
                    help="text describing the link, recorded in the result")
     args = p.parse_args()
+    if args.predict_from:
+        predict_from(args.predict_from, [int(x) for x in args.microbatches_list.split(",")])
+        return
     res = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

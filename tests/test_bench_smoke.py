@@ -296,8 +296,12 @@ def test_ep_pairing_pp_bench_variants_validate_and_render():
     rows = {n: {"blocks": 3, "step": dict(step, median_s=m), "ep_in_flight_ms": 400.0, "ep_exposed_ms": 100.0,
                 "exposed_share": 0.25, "bubble_ms": 50.0, "rank_cores": 0.45, "foreign_cores": [0.0]}
             for n, m in (("zbv", 2.0), ("zbv_pairing", 1.8), ("interleaved_pairing", 1.9), ("interleaved", 2.1))}
-    pred = {n: {"step_s": 2.2, "share": 0.3, "rank_cores": 0.48, "pairing": "on: the paired table"} for n in rows}
+    pred = {n: {"step_s": 2.2, "share": 0.3, "rank_cores": 0.48, "pairing": "on: the paired table",
+                "step_s_core_per_rank": c} for n, c in (("zbv", 1.6), ("zbv_pairing", 1.2),
+                                                        ("interleaved_pairing", 1.5), ("interleaved", 1.7))}
     text = ep_pairing_pp.render({"ep_pairing_pp": {"variants": rows, "predicted": pred}})
+    assert ("with a core per rank: zbv 1600, zbv_pairing 1200, interleaved_pairing 1500, interleaved 1700 ms, "
+            "ratio 0.800") in text
     assert "| zbv_pairing | 1800 | 1950-2050 | 400 | 100 | 0.25 | 50 | 0.45 | 2200 | +22% | 0.30 | 0.48 |" in text
     assert "zbv + pairing / the better of zbv and interleaved + pairing: 0.947 (goal <= 0.95)." in text
     assert ep_pairing_pp.render({}) == ""
