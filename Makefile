@@ -41,7 +41,7 @@ test-slurm: setup
 	MPOVERLAP_TEST_SLURM=1 $(VENV)/bin/pytest -q -rs -s tests/test_slurm.py
 
 # Parity of compositions that make test's 20 minutes leave out (the paired V with tp + SP + etp
-# at world 8, the paired V in bf16; about a minute): tests/test_paired_compositions.py.
+# at world 8, the paired tables with ZeRO-3 and in bf16; about a minute): tests/test_paired_compositions.py.
 test-compositions: setup
 	$(VENV)/bin/pytest -q -rs -s -m compositions tests/test_paired_compositions.py
 
