@@ -1,7 +1,7 @@
 """The simulator on a machine whose ranks share fewer CPU cores than there are ranks
 (`Hardware.cores`, measured: bench.ep_pairing_pp runs 4 gloo ranks on 2 cores). Compute stretches
 by how many ranks want a core at once, max(1, (1 + (N - 1) r) / cores) for a rank computing a
-fraction r of the step, found as a fixed point (core.simulate); with a core per rank nothing
+fraction r of the step, found as a fixed point (simulate/sharing.py); with a core per rank nothing
 changes. Checked against bench.ep_pairing_pp's measurement in docs/benchmarks.md (the predicted
 cores per rank beside the measured ones)."""
 from __future__ import annotations
@@ -22,7 +22,8 @@ def _cfg(*extra):
 
 def test_ranks_sharing_cores_stretch_compute_to_the_fixed_point():
     from mpoverlap.simulate import from_config, simulate
-    from mpoverlap.simulate.core import _shared, _simulate
+    from mpoverlap.simulate.core import _simulate
+    from mpoverlap.simulate.sharing import slowed
 
     cfg = _cfg()
     hw = from_config(cfg)
@@ -36,7 +37,7 @@ def test_ranks_sharing_cores_stretch_compute_to_the_fixed_point():
     assert c["stretch"] == pytest.approx(max(1.0, (1 + 3 * c["runnable"]) / 2), rel=1e-3)
     assert 1.0 < c["stretch"] < 2.0
     # the result is the step at rates slowed by that stretch; links unchanged
-    again = _simulate(cfg, _shared(replace(hw, cores=2), c["stretch"]))
+    again = _simulate(cfg, slowed(replace(hw, cores=2), c["stretch"]))
     assert shared.step_s == pytest.approx(again.step_s)
     assert shared.in_flight_s["ep"] == pytest.approx(own.in_flight_s["ep"])
     assert shared.step_s > own.step_s

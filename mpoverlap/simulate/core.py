@@ -75,38 +75,14 @@ class SimResult:
 
 
 def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
-    """The step of `cfg`'s layout on `hw`. Where the ranks share fewer CPU cores than there are
-    ranks (`hw.cores`, a measured machine: a benchmark's 4 ranks on 2 cores), compute runs slower
-    by how many ranks want a core at once: a rank runnable (computing) a fraction r of the step
-    shares the cores with the others' expected (N - 1) r, so its compute stretches by
-    max(1, (1 + (N - 1) r) / cores); the rates are slowed by that factor (`_shared`) and the step
-    simulated again until the fraction r it gives settles (a fixed point, damped)."""
+    """The step of `cfg`'s layout on `hw`; where its ranks share fewer CPU cores than there are
+    ranks (`hw.cores`), with compute stretched as sharing.py says."""
+    from mpoverlap.simulate.sharing import with_shared_cores
+
     lo = build_layout(plain(cfg), world_size)
     if not hw.cores or lo.world <= hw.cores:
         return _simulate(cfg, hw, world_size)
-    stretch, r = 1.0, None
-    for _ in range(30):
-        r = _simulate(cfg, _shared(hw, stretch), world_size)
-        runnable = min(1.0, r.avg_compute_s / r.step_s) if r.step_s > 0 else 1.0
-        want = max(1.0, (1 + (lo.world - 1) * runnable) / hw.cores)
-        if abs(want - stretch) < 1e-4 * stretch:
-            break
-        stretch = 0.5 * (stretch + want)
-    r.mfu /= stretch  # against the machine's own peak, not the slowed one
-    r.core_sharing = {"ranks": lo.world, "cores": hw.cores, "stretch": stretch,
-                      "runnable": min(1.0, r.avg_compute_s / r.step_s) if r.step_s > 0 else 1.0}
-    return r
-
-
-def _shared(hw: Hardware, stretch: float) -> Hardware:
-    """`hw` with every compute rate slowed by `stretch` (the update and the CPU of hidden
-    communication take `stretch` times as long); links unchanged."""
-    from dataclasses import replace
-
-    return replace(hw, peak_flops=hw.peak_flops / stretch, expert_flops=hw.expert_flops / stretch,
-                   update_s_per_param=hw.update_s_per_param * stretch,
-                   comm_cpu_s_per_byte=hw.comm_cpu_s_per_byte * stretch,
-                   hbm_bw=hw.hbm_bw / stretch if hw.hbm_bw > 0 else 0.0)
+    return with_shared_cores(lambda h: _simulate(cfg, h, world_size), hw, lo.world)
 
 
 def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
