@@ -107,6 +107,9 @@ def _compiled(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Opt
     def mid(message) -> int:
         return ids.setdefault(message, len(ids))
 
+    def recv_id(action) -> int:
+        return -1 if action.recv is None else mid(action.recv)
+
     local = set()
     for _, _, table in programs:
         here = {a.chunk for a in table}
@@ -126,9 +129,6 @@ def _compiled(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Opt
                 fused.append([1 if what == "wait" else 2, index, [], []])
         steps.append(tuple((head, index, tuple(posted), tuple(posted_ops)) for head, index, posted, posted_ops in fused))
         mids.append(tuple(tuple(mid(op.message) for op in batch) for batch in batches))
-        def recv_id(a) -> int:
-            return -1 if a.recv is None else mid(a.recv)
-
         compiled = []
         for i, a in enumerate(table):
             role, partner = 0, None
