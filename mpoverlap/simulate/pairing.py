@@ -281,15 +281,11 @@ def apply_pairing(cost: Any, microbatches: int, chunks: int) -> Dict[str, float]
     forward and per backward is the step's average over `microbatches` with pairing: the lone
     forward and backward (`alone_exposed`) and m-1 pairs (`pair_exposed` of its layer passes).
     Returns {"F", "B": exposed per pair} and the lone {"F_alone", "B_alone"}, for the report."""
-    m = microbatches
-    layers_f, layers_b = cost.layers[FORWARD], cost.layers[BACKWARD]
-    other_f = max(0.0, cost.compute[FORWARD] - sum(p.compute for p in layers_f))
-    other_b = max(0.0, cost.compute[BACKWARD] - sum(p.compute for p in layers_b))
-    paired = pair_exposed(layers_f, layers_b, chunks, other_f, other_b)
-    alone = alone_exposed(layers_f, layers_b, chunks, other_f, other_b)
+    m, one = microbatches, PipelinePairing([cost], chunks)
+    paired, alone = one.pair(0, 0), one.alone(0)
     for kind in (FORWARD, BACKWARD):
         cost.exposed[kind]["ep"] = (alone[kind] + (m - 1) * paired[kind]) / m
     # the counts exchanges' calls, on the link in these programs (the unpaired model leaves
     # their latency out), are in flight too
-    cost.in_flight[FORWARD]["ep"] = cost.in_flight[FORWARD].get("ep", 0.0) + sum(p.counts for p in layers_f)
+    cost.in_flight[FORWARD]["ep"] = cost.in_flight[FORWARD].get("ep", 0.0) + one.counts(0)
     return {**paired, "F_alone": alone[FORWARD], "B_alone": alone[BACKWARD]}
