@@ -39,8 +39,10 @@ MODES = {
     "cp": (["parallel.cp=2"], "overlap.cp"),
     "ep": ([*MOE, "parallel.dp=2", "parallel.ep=2"], "overlap.ep"),
 }
-# The shares measured (deterministic: issue and wait order, not time): dp 6/7, tp 72/72, pp 2/6,
-# cp 8/32, ep 56/68 handles deferred with overlap on, 0 with it off.
+# The shares measured (issue, compute and wait order, not time): dp 6/7, tp 72/72, pp 3/6 (the
+# pipeline's computes counted since 2026-11-28: by other handles' issues alone it read 2/6 and,
+# on a loaded fresh clone, 1/6, a completed send freed before the next issue), cp 8/32, ep 56/68
+# handles deferred with overlap on, 0 with it off.
 MIN_DEFERRED = {"dp": 0.5, "tp": 0.9, "pp": 0.3, "cp": 0.2, "ep": 0.5}
 ZERO3 = ["parallel.dp=2", "train.dp_sharding=optim_grads_params", "model.num_layers=4", "overlap.dp=true"]
 ZERO = {
@@ -76,10 +78,13 @@ def _switches(trainer) -> dict:
     return found
 
 
-def _deferred(handles) -> dict:
-    """mode -> (handles, deferred ones): deferred = another handle was issued after this one's
-    post and before its wait began (ordering only: no time threshold)."""
-    issues = sorted(h[1] for h in handles)
+def _deferred(handles, computes=()) -> dict:
+    """mode -> (handles, deferred ones): deferred = another handle was issued, or a pipeline
+    action began computing (`computes`, the executor's trace), after this one's post and before
+    its wait began (ordering only: no time threshold). The computes count because the executor
+    frees a send that has already completed at its next step (`_reap_sends`): whether another
+    handle was issued first depends on when the transfer finished, not on the wiring."""
+    issues = sorted([h[1] for h in handles] + list(computes))
     out = {}
     for mode, _issued, posted, wait_began in handles:
         n, d = out.get(mode, (0, 0))
@@ -151,12 +156,16 @@ def _probe(rank, world, specs, root):
         trainer.ledger.recorder = lambda h: handles.append((h.mode, h.issued_at, h.posted_at, h.wait_began_at))
         tp_trace = _trace_tp_layers(trainer)
         zero = _zero_probes(trainer) if trainer.ddp.shard_grads else None
+        executor = getattr(getattr(trainer, "pipeline", None), "executor", None)
         trainer.train_step()
         trainer.ddp.peak_grad_bucket_bytes = 0
         handles.clear()
         tp_trace.clear()
+        if executor is not None:
+            executor.trace.clear()
         trainer.train_step()  # the second step: ZeRO-2's after-step gathers are in it too
-        deferred = _deferred(handles)
+        computes = [t for kind, _, t in executor.trace if kind == "compute"] if executor is not None else []
+        deferred = _deferred(handles, computes)
         if "tp" in deferred:
             deferred["tp"] = _tp_deferred(tp_trace)
         row = {"switches": _switches(trainer), "deferred": deferred}
