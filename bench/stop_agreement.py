@@ -1,15 +1,15 @@
 """What the per-step stop agreement costs (issue 48): the same dp 2 Trainer stepped with and
 without it, in the same 2 gloo ranks, in rotating blocks (bench.common.rotating_blocks).
 
-  agreement: `Trainer.train_step()` as `mpoverlap-train` runs it: each step issues the stop
-             flag's 4-byte MAX all-reduce over the world at its start and reads it with the
-             gradient norm (training/preemption.py: StopAgreement)
-  none:      the same Trainer with a StopAgreement of no group: nothing issued, the norm read
-             alone (what every step did before issue 48)
+  agreement: `Trainer.train_step()` as `mpoverlap-train` runs it: the stop agreement's
+             watcher and signaller threads running (each rank's watcher in a store wait), its
+             boundary check at each step's end (training/stop_agreement.py)
+  none:      the same Trainer with an agreement of no store: no threads, the boundary reads the
+             rank's own flag (what a world-1 run does)
 
 Both sides train the same model on the same data (one Trainer, the sides take turns), so the
-difference between their medians is the agreement's cost; the ledger's `stop` figures give its
-in-flight and exposed time per step.
+difference between their medians is the agreement's cost; the ledger's `stop` figures (none
+without a signal) would show any store traffic in a step.
 
     python -m bench.stop_agreement [--block 8] [--repeats 6] [--layers 2] [--json F]
 
@@ -61,16 +61,18 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     init_bench_worker(rank, port)
     from mpoverlap.config import compose
     from mpoverlap.training.loop import Trainer
-    from mpoverlap.training.preemption import StopAgreement
+    from mpoverlap.training.stop_agreement import StopAgreement
     from mpoverlap.training.setup import init_distributed
 
     trainer = None
     try:
         cfg = compose(_overrides(args, tmp))
         trainer = Trainer(cfg, init_distributed(cfg), Path(tmp))
+        trainer.stop.start(trainer.step)  # what Trainer.run's install starts (without the handler)
         sides = {"agreement": _Side(trainer, trainer.stop),
-                 "none": _Side(trainer, StopAgreement(None, trainer.state.device, trainer.ledger))}
+                 "none": _Side(trainer, StopAgreement(None, 1, trainer.state.rank, trainer.ledger))}
         blocks = rotating_blocks(sides, args, log_prefix="bench.stop_agreement")
+        trainer.stop.restore()
         if rank == 0:
             out: Dict[str, Any] = {"config": _overrides(args, "<tmp>"), "blocks": len(blocks)}
             for name in sides:

@@ -198,10 +198,9 @@ def test_exchanges_in_flight_under_the_other_microbatch_and_reads_unchanged():
             assert not wrong, f"rank {rank} {name}: exchanges not beside the other's {BESIDE}: {wrong[:6]}"
             firsts = [f for f in flights if f[1] == "F" and f[2].endswith(".dispatch0")]
             assert firsts and all("experts" in f[3] for f in firsts), firsts
-        # One host read per MoE layer and microbatch, paired or not, plus the step's grad norm
-        # (a tolist too since issue 48: the norm and the stop flag read together).
+        # One host read per MoE layer and microbatch, paired or not (plus the step's grad norm).
         assert r["on"]["reads"] == r["off"]["reads"], (r["on"]["reads"], r["off"]["reads"])
-        assert r["on"]["reads"]["tolist"] == 2 * m + 1, r["on"]["reads"]
+        assert r["on"]["reads"]["tolist"] == 2 * m, r["on"]["reads"]
         assert r["zero3"]["held"] == (0, {}), r["zero3"]["held"]
         # Full recompute: the forward's exchanges as with selective; each paired backward replays its
         # MoE blocks' forward sub-steps (direction "R"), so it has twice the forward's exchange
@@ -327,4 +326,4 @@ def test_pipelined_pairs_overlap_exchanges_and_keep_the_reads():
         wrong = [f for f in flights if BESIDE[f[0], _sub_step(f[1])] not in f[2]]
         assert not wrong, f"rank {rank}: exchanges not beside the other's {BESIDE}: {wrong[:6]}"
         assert on["reads"] == off["reads"], (on["reads"], off["reads"])
-        assert on["reads"]["tolist"] == on["moe_layers"] * m + 1, on["reads"]  # + the norm with the stop flag
+        assert on["reads"]["tolist"] == on["moe_layers"] * m, on["reads"]

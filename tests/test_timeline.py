@@ -65,9 +65,8 @@ def test_timeline_handles_are_consistent(run_dir):
         assert len(meta) == 1 and meta[0]["rank"] == rank and meta[0]["world"] == 2
         assert [s["step"] for s in steps] == list(PROFILED)
         bounds = {s["step"]: (s["begin"], s["end"]) for s in steps}
-        # dp's buckets, and the stop flag every rank agrees on at each step (training/preemption.py)
-        assert comms and {c["mode"] for c in comms} == {"dp", "stop"}
-        assert sum(c["mode"] == "stop" for c in comms) == len(steps)
+        # dp's buckets only (the stop agreement exchanges nothing in a step without a SIGTERM)
+        assert comms and {c["mode"] for c in comms} == {"dp"}
         for c in comms:
             begin, end = bounds[c["step"]]
             assert c["issued_at"] <= c["completed_at"], c

@@ -33,8 +33,8 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.autograd.profiler as _autograd_profiler
 
-# The five overlap modes, and `stop`: the world's one-element agreement on stopping at each step
-# (training/preemption.py: StopAgreement), issued at a step's start and waited at its end.
+# The five overlap modes, and `stop`: the ranks' agreement on the step to stop after a SIGTERM
+# (training/stop_agreement.py: store requests, recorded at the step it decided).
 MODES = ("dp", "tp", "pp", "cp", "ep", "stop")
 # Ops whose works gave no completion future (gloo's p2p and reduce-scatter): asking again costs a
 # C++ exception (~50 us of host time, as much as the transfer) on every handle, so the first

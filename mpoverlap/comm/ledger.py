@@ -135,6 +135,18 @@ class CommLedger:
             return
         self._add(handle)
 
+    def record_span(self, mode: str, op: str, nbytes: int, start: float, end: float,
+                    blocked: Optional[Tuple[float, float]] = None) -> None:
+        """Communication that went through no handle (the stop agreement's store requests,
+        training/stop_agreement.py): one op of `nbytes`, in flight over [start, end], and
+        `blocked` the span compute waited on it."""
+        row = self._totals[mode]
+        row["ops"] += 1
+        row["bytes"] += nbytes
+        self._intervals[mode].append((min(start, end), end))
+        if blocked is not None and blocked[1] > blocked[0]:
+            self._blocked[mode].append((max(blocked[0], min(start, end)), min(blocked[1], end)))
+
     def end_step(self) -> None:
         """The step boundary: resolve the CUDA timings already complete (their events go back
         to the pool) and, in strict mode, raise for every handle nobody waited. A handle marked

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -223,12 +223,6 @@ class DataParallelAdamW:
         """Global L2 norm of the full averaged gradient; scale gradients by
         max_norm / (norm + 1e-6) when that is < 1 (max_norm <= 0: only compute). A non-finite
         norm is returned without touching the gradients."""
-        return self.clip_grad_norm_with(max_norm, None)[0]
-
-    def clip_grad_norm_with(self, max_norm: float, extra: Optional[torch.Tensor]) -> Tuple[float, Optional[float]]:
-        """clip_grad_norm, and the value of `extra` (a one-element tensor, e.g. the stop flag
-        agreed over the world) read in the same host read as the norm: the step's one sync
-        reads both. (norm, extra's value or None)."""
         self.ddp.finish_grad_sync()
         if not self._sharded:
             sq = self._square_sums()[0]
@@ -239,16 +233,12 @@ class DataParallelAdamW:
                 dist.all_reduce(sq, group=self.ddp.group)
         else:
             sq = self._sharded_square_sum()
-        extra_value = None
-        if extra is None:
-            norm = float(sq.sqrt())
-        else:
-            norm, extra_value = torch.stack([sq.sqrt(), extra.to(sq.dtype).reshape(())]).tolist()
+        norm = float(sq.sqrt())
         if max_norm > 0 and math.isfinite(norm):
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_(self._clip_regions, coef)
-        return norm, extra_value
+        return norm
 
     def _sharded_square_sum(self) -> torch.Tensor:
         """Squares of [replicated dense, tp-sharded dense, tp-sharded expert (etp), expert]

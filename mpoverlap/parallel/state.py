@@ -47,12 +47,6 @@ class ParallelState:
                            "by leaving it out of `skip`")
         return self.groups[kind]
 
-    @property
-    def world_group(self) -> Optional[Any]:
-        """The default group (every rank), for what the whole world agrees on (the stop flag of
-        training/preemption.py); None at world 1."""
-        return dist.group.WORLD if self.world > 1 and dist.is_initialized() else None
-
     def ranks(self, kind: str) -> list:
         return self.grid.group_of(kind, self.rank)
 

@@ -33,7 +33,8 @@ from mpoverlap.training.node_failure import lost_peer
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflops, moe_summary, peak_memory_bytes,
                                         throughput)
-from mpoverlap.training.preemption import PREEMPTED_MARKER, StopAgreement
+from mpoverlap.training.preemption import PREEMPTED_MARKER
+from mpoverlap.training.stop_agreement import StopAgreement
 from mpoverlap.training.profiling import RunProfiler
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.pipeline_glue import (PipelineRunner, build_chunks, schedule_layout,
@@ -122,8 +123,9 @@ class Trainer(Resumable):
         self.autocast = autocast_context(t.precision, state.device)
         self.step = 0
         self.faults = FaultInjector(state.rank)
-        # SIGTERM on any rank: every rank stops at the same step boundary (one flag per step).
-        self.stop = StopAgreement(state.world_group, state.device, self.ledger)
+        # SIGTERM on any rank: every rank stops after the same step (agreed through the
+        # rendezvous store once a signal came; nothing per step).
+        self.stop = StopAgreement.default(state.world, state.rank, self.ledger, float(t.comm_timeout_s))
         self.pipeline = None
         self.pairing_trace = None  # a list: the paired sub-steps' order (tests/test_pairing.py)
         if self.pp > 1:
@@ -165,7 +167,6 @@ class Trainer(Resumable):
         batch = global_batch(self.train_data, self.step, t.global_batch_size, t.seed)
         micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
         t0 = time.perf_counter()
-        self.stop.issue()  # in flight under the whole step; waited before the norm
         self.ddp.start_step()
         if self.pipeline is not None:
             loss_sum = self.pipeline.train_microbatches(micro, self.pairing_trace)
@@ -184,8 +185,7 @@ class Trainer(Resumable):
             wait_all(allreduce_sequence_parallel_grads(
                 self.sequence_parallel_params, self.tp["tp_group"], self.ledger, self.overlap.tp.enabled,
                 grads=self.ddp.reduced_grads(self.sequence_parallel_params)))
-        # One host read for the norm and the agreed stop flag (no sync of the flag's own).
-        grad_norm, stop_flag = self.optimizer.clip_grad_norm_with(t.grad_clip, self.stop.flag_to_read())
+        grad_norm = self.optimizer.clip_grad_norm(t.grad_clip)  # the step's one host read
         # The norm is global (reduced over every group that shards gradients), so every rank
         # takes the same decision; a non-finite loss makes non-finite gradients.
         skipped = not math.isfinite(grad_norm)
@@ -202,7 +202,7 @@ class Trainer(Resumable):
         step_time = time.perf_counter() - t0
         self.step += 1
         return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
-                "skipped": skipped, "stop": self.stop.agreed(stop_flag)}
+                "skipped": skipped, "stop": self.stop.at_boundary(self.step)}
 
     def _train_microbatches(self, micro) -> torch.Tensor:
         if self.overlap.ep_pairing.enabled:  # pp 1 (pp > 1: the pipeline's paired table)
@@ -318,7 +318,7 @@ class Trainer(Resumable):
         losses = []
         wall0 = time.perf_counter()
         last_logged = self.step
-        self.stop.install()
+        self.stop.install(self.step)
         try:
             while self.step < t.steps:
                 profiler.step_begin(self.step + 1)

@@ -1,83 +1,15 @@
-"""SIGTERM handling: every rank agrees at each step boundary (StopAgreement), saves and returns;
-the self-launcher passes its own SIGTERM on to its workers (SigtermForwarder)."""
+"""SIGTERM handling around the workers: the self-launcher passes its own SIGTERM on to them
+(SigtermForwarder); inside them every rank agrees on the step to stop after
+(training/stop_agreement.py), saves and returns."""
 from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Optional
-
-import torch
-import torch.distributed as dist
-
-from mpoverlap.comm import all_reduce
 
 # Written into run.dir by rank 0 after a SIGTERM stop saved its checkpoint (the step, one
 # line), removed when a run starts. torchrun exits non-zero when it was signalled even though
 # every worker saved and exited 0: launch/slurm.sbatch reads this file to exit 0 instead.
 PREEMPTED_MARKER = "PREEMPTED"
-
-
-class StopAgreement:
-    """Every rank's stop flag, agreed at every step: SIGTERM (SLURM preemption, a launcher
-    shutting down) on any rank stops every rank at the same step boundary, where the loop saves
-    a checkpoint and returns.
-
-    Each step issues a one-element MAX all-reduce of this rank's flag over the world at its
-    start (`issue`) and waits it before the gradient norm (`flag_to_read`), so the collective
-    runs under the step's forward and backward like any other handle; the ledger counts it
-    under the mode `stop` (4 bytes per step). The flag's value is read in the same host read
-    as the gradient norm (DataParallelAdamW.clip_grad_norm_with): no host sync of its own.
-    A signal that lands during step k is in the flag of step k + 1 (or of k, if it came before
-    k's issue): every rank stops at the end of k or k + 1. At world 1 nothing is issued."""
-
-    MODE = "stop"
-
-    def __init__(self, group: Optional[Any], device: torch.device, ledger: Any) -> None:
-        self.raised = False
-        self._group, self._ledger = group, ledger
-        self._flag = torch.zeros((), device=device) if group is not None else None
-        self._handle = None
-        self._previous = None
-
-    # -- the signal -------------------------------------------------------------------------
-    def install(self) -> None:
-        """SIGTERM sets the flag (Trainer.run: for the run's duration)."""
-        self._previous = signal.signal(signal.SIGTERM, self._handle_signal)
-
-    def _handle_signal(self, signum, frame) -> None:
-        self.raised = True
-
-    def restore(self) -> None:
-        """Back to the previous handler, unless the run stopped for a SIGTERM: then the process
-        is on its way out and a second SIGTERM (SLURM signals every process of the step, and
-        torchrun's agent forwards its own to the workers) must not kill it with the default
-        action, which its agent would report as a failed worker."""
-        if self._previous is not None and not self.raised:
-            signal.signal(signal.SIGTERM, self._previous)
-        self._previous = None
-
-    # -- the agreement ----------------------------------------------------------------------
-    def issue(self) -> None:
-        """At the start of a step: this rank's flag into the world's MAX all-reduce."""
-        if self._flag is None:
-            return
-        self._flag.fill_(1.0 if self.raised else 0.0)  # a scalar argument: no host read
-        self._handle = all_reduce(self._flag, self._group, mode=self.MODE, ledger=self._ledger,
-                                  op=dist.ReduceOp.MAX)
-
-    def flag_to_read(self) -> Optional[torch.Tensor]:
-        """Before the gradient norm: the issued all-reduce waited (on CUDA: the stream ordered
-        after it, no host wait), and the agreed flag to read with the norm; None at world 1."""
-        if self._handle is None:
-            return None
-        self._handle.wait()
-        self._handle = None
-        return self._flag
-
-    def agreed(self, value: Optional[float]) -> bool:
-        """The step's decision from the value read with the norm (None: world 1, no
-        collective; this rank's own flag is the world's)."""
-        return bool(value) if value is not None else self.raised
 
 
 # The signals torch elastic's agent turns into its shutdown (LaunchConfig.signals_to_handle's

@@ -158,9 +158,6 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # every chunk's per-expert counts (int64).
             per_layer = 4 * tokens * m.moe_top_k * H * c + min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8
             ops.append(("ep", "all_to_all", per_layer * moe_here * micro, lo.ep))
-    if (lo.world or 1) > 1:
-        # The stop flag every rank agrees on at each step (training/preemption.py): one fp32.
-        ops.append(("stop", "all_reduce", 4, lo.world))
     return ops + replayed_ops(cfg, lo, busiest, c)
 
 
