@@ -1,0 +1,86 @@
+"""SIGTERM to a self-launched run (issue 48's acceptance, measured): `mpoverlap-train` dp 2 x
+tp 2 (4 ranks) at train.log_interval=50 saving every step; once step N's checkpoint is COMPLETE
+(step N + 1 in flight) the launcher gets SIGTERM. Prints the step the ranks stopped after, the
+save's time, the time from the signal until every process of the launch is gone against one
+step + the save + 5 s, then runs the same command again (it resumes) and an uninterrupted run,
+and compares their last logged loss and validation loss.
+
+    python -m bench.sigterm_stop [--after 5] [--steps 40] [--out DIR] [--no-resume]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List
+
+TRAIN = str(Path(sys.executable).with_name("mpoverlap-train"))
+
+
+def overrides(steps: int) -> List[str]:
+    return ["parallel.dp=2", "parallel.tp=2", "model=gpt_tiny", "model.num_layers=4", "model.hidden_size=256",
+            "model.ffn_hidden_size=1024", "model.seq_length=128", "train.micro_batch_size=4",
+            "train.global_batch_size=16", f"train.steps={steps}", f"train.lr_decay_steps={steps}",
+            "train.log_interval=50", "checkpoint.interval=1", "checkpoint.keep=100", "train.progress=false",
+            "data.max_bytes=2000000"]
+
+
+def last_rows(run: Path):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--after", type=int, default=5, help="signal once this step's checkpoint is complete")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-resume", action="store_true")
+    args = p.parse_args()
+    root = Path(args.out or tempfile.mkdtemp(prefix="mpo-sigterm-"))
+    run = root / "stopped"
+    cmd = [TRAIN, *overrides(args.steps), f"run.dir={run}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    target = run / "checkpoints" / f"step_{args.after:08d}" / "COMPLETE"
+    while not target.is_file():
+        if proc.poll() is not None:
+            sys.exit(f"the run ended before step {args.after}: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.01)
+    t0 = time.time()
+    pids = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.time() - t0 < 300:
+        time.sleep(0.02)
+    gone_s = time.time() - t0
+    saved = re.search(r"SIGTERM: saved a checkpoint at step (\d+) in ([0-9.]+)s", out)
+    if proc.returncode != 0 or saved is None:
+        sys.exit(f"launcher exit {proc.returncode}, no SIGTERM save line: {err[-2000:]}")
+    stop, save_s = int(saved.group(1)), float(saved.group(2))
+    step_s = last_rows(run)[0][-1]["step_time_s"]
+    bound = step_s + save_s + 5
+    print(f"SIGTERM after step {args.after} ({args.after + 1} in flight): every rank stopped after step {stop} "
+          f"(k or k+1: {stop in (args.after + 1, args.after + 2)}), saved in {save_s:.2f}s, every process gone "
+          f"{gone_s:.2f}s after the signal (one step {step_s:.2f}s + save + 5 s = {bound:.2f}s: "
+          f"{'within' if gone_s <= bound else 'OVER'}); launcher exit {proc.returncode}")
+    if args.no_resume:
+        return
+    subprocess.run(cmd, check=True, capture_output=True)
+    ref = root / "uninterrupted"
+    subprocess.run([TRAIN, *overrides(args.steps), "checkpoint.interval=0", f"run.dir={ref}"], check=True,
+                   capture_output=True)
+    (a, va), (b, vb) = last_rows(run), last_rows(ref)
+    print(f"resumed with the same command: step {a[-1]['step']} loss {a[-1]['loss']!r} val {va[-1]['val_loss']!r}; "
+          f"uninterrupted: step {b[-1]['step']} loss {b[-1]['loss']!r} val {vb[-1]['val_loss']!r}; "
+          f"equal: {(a[-1]['loss'], va[-1]['val_loss']) == (b[-1]['loss'], vb[-1]['val_loss'])}")
+
+
+if __name__ == "__main__":
+    main()
