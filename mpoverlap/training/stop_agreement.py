@@ -8,8 +8,9 @@ reachable from every rank) and only once a signal came. Keys live under
 1. SIGTERM on a rank: its handler sets the rank's flag and wakes the rank's signaller thread.
    The signaller counts itself in `signalled`; the first to count sets every rank's
    `wake/<r>` (one request), so a signal on every rank at once (SLURM) costs one wake-up each.
-2. Each rank's watcher thread sits in a store wait on its own `wake/<rank>`, on a connection
-   of its own: a blocked socket read, no CPU and no traffic while nothing happens. Woken, it
+2. Each rank's watcher thread sits in a store wait on its own `wake/<rank>`: a blocked socket
+   read, no CPU and no traffic while nothing happens. (Each thread has a connection of its own,
+   `Store.clone()`: a store object is not for concurrent use from several threads.) Woken, it
    proposes the step this rank is in (steps completed + 1, read under the lock the loop's
    boundary takes), raises `max` to it (compare-and-set), and counts itself in `proposed`; the
    rank that completes the count publishes `done` = `max`.
@@ -53,6 +54,9 @@ class StopAgreementError(RuntimeError):
 
 
 class StopAgreement:
+    """One rank's side of the protocol above: `install` for a run, `at_boundary` after each
+    step, `restore` at its end."""
+
     def __init__(self, store: Optional[Any], world: int, rank: int, ledger: Any = None,
                  timeout_s: float = 600.0, name: Optional[str] = None) -> None:
         """`store`: the rendezvous store (None, or world 1: no agreement, this rank's flag
@@ -80,7 +84,9 @@ class StopAgreement:
 
     @classmethod
     def default(cls, world: int, rank: int, ledger: Any, timeout_s: float) -> "StopAgreement":
-        """On the default process group's store (world > 1)."""
+        """On the default process group's store (world > 1): the store torch.distributed was
+        initialised with (env://: the launcher's rendezvous store), which torch exposes only
+        through this private accessor (present since torch 1.x)."""
         store = None
         if world > 1:
             from torch.distributed.distributed_c10d import _get_default_store
@@ -109,7 +115,8 @@ class StopAgreement:
             self._signal.set()
         self._threads = [threading.Thread(target=self._watch, args=(self._store.clone(),), daemon=True,
                                           name="mpoverlap-stop-watch"),
-                         threading.Thread(target=self._signaller, daemon=True, name="mpoverlap-stop-signal")]
+                         threading.Thread(target=self._signaller, args=(self._store.clone(),), daemon=True,
+                                          name="mpoverlap-stop-signal")]
         for thread in self._threads:
             thread.start()
 
@@ -183,16 +190,16 @@ class StopAgreement:
     def _key(self, name: str) -> str:
         return f"{self._prefix}{self._run}/{name}"
 
-    def _signaller(self) -> None:
+    def _signaller(self, conn: Any) -> None:
         self._signal.wait()
         if self._closing:
             return
         try:
-            first = self._store.add(self._key("signalled"), 1) == 1
+            first = conn.add(self._key("signalled"), 1) == 1
             self._nbytes += 40
             if first:
                 keys = [self._key(f"wake/{r}") for r in range(self.world)]
-                self._store.multi_set(keys, ["stop"] * self.world)
+                conn.multi_set(keys, ["stop"] * self.world)
                 self._nbytes += sum(len(k) + 4 for k in keys)
         except Exception as e:
             self._failed(e)
