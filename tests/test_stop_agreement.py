@@ -112,14 +112,14 @@ def test_no_signal_no_store_request_in_any_step(server):
 def test_a_signal_in_step_6_stops_every_rank_after_step_6_or_7(server, signalled):
     """A stop requested halfway through step 6 (on rank 2, or on every rank at once as SLURM
     does): every rank stops after the same step, 6 or 7 (7 where a watcher woke after its rank
-    had finished 6); one rank's signaller wakes everyone (one multi_set in all); the ledger of the
-    stop counts the agreement: store bytes, in flight from the wake-up, exposed within it."""
+    had finished 6); the first rank signalled wakes everyone (one multi_set in all); the ledger
+    of the stop counts the agreement: store bytes, in flight from the wake-up, exposed within."""
     name = f"signal-{len(signalled)}"
     stopped, counts, ledgers, live = run_ranks(server, name, steps=30, step_s=0.05,
                                                signal_at=dict.fromkeys(signalled, 6))
     assert len(set(stopped.values())) == 1 and stopped[0] in (6, 7), stopped
-    assert sum(c[("signal", "multi_set")] for c in counts.values()) == 1
-    assert sum(c[("signal", "add")] for c in counts.values()) == len(signalled)
+    assert sum(c[("main", "multi_set")] for c in counts.values()) == 1
+    assert sum(c[("main", "add")] for c in counts.values()) == len(signalled)
     for rank in range(WORLD):
         stop = ledgers[rank].summary()["stop"]
         assert stop["ops"] == 1 and stop["bytes"] > 0 and 0 <= stop["exposed_s"] <= stop["time_s"], stop

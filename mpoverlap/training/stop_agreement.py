@@ -5,11 +5,11 @@ The ranks agree through the rendezvous store (the TCPStore the process group was
 reachable from every rank) and only once a signal came. Keys live under
 `mpoverlap/stop/<elastic restart>/<instance>/<run>/`:
 
-1. SIGTERM on a rank: its handler sets the rank's flag and wakes the rank's signaller thread.
-   The signaller counts itself in `signalled`; the first to count sets every rank's
-   `wake/<r>` (one request), so a signal on every rank at once (SLURM) costs one wake-up each.
+1. SIGTERM on a rank: its handler (on the main thread, the main connection) sets the rank's
+   flag and counts the rank in `signalled`; the first to count sets every rank's `wake/<r>`
+   (one request), so a signal on every rank at once (SLURM) costs one wake-up each.
 2. Each rank's watcher thread sits in a store wait on its own `wake/<rank>`: a blocked socket
-   read, no CPU and no traffic while nothing happens. (Each thread has a connection of its own,
+   read, no CPU and no traffic while nothing happens. (It has a connection of its own,
    `Store.clone()`: a store object is not for concurrent use from several threads.) Woken, it
    proposes the step this rank is in (steps completed + 1, read under the lock the loop's
    boundary takes), raises `max` to it (compare-and-set), and counts itself in `proposed`; the
@@ -69,15 +69,14 @@ class StopAgreement:
         if self._store is not None:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             self._prefix = f"mpoverlap/stop/{restart}/{next(_instances) if name is None else name}/"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # RLock: the signal handler may run while this thread holds it
         self._completed = 0
         self._proposed: Optional[int] = None
         self._target: Optional[int] = None
         self._woke_at: Optional[float] = None
-        self._nbytes = 0  # what this rank's watcher and signaller sent the store
+        self._nbytes = 0  # what this rank sent the store for the agreement
         self._error: Optional[BaseException] = None
-        self._closing = False
-        self._signal = threading.Event()
+        self._closing = self._signalled = False
         self._threads: List[threading.Thread] = []
         self._previous = None
         self._run = 0
@@ -95,13 +94,13 @@ class StopAgreement:
 
     # -- the run ------------------------------------------------------------------------------
     def install(self, completed: int = 0) -> None:
-        """For the run's duration (Trainer.run): SIGTERM requests the stop, and the watcher and
-        signaller threads start (`start`). `completed`: the steps done before (a resumed run's)."""
+        """For the run's duration (Trainer.run): SIGTERM requests the stop (`request`), and the
+        watcher thread starts (`start`). `completed`: the steps done before (a resumed run's)."""
         self._previous = signal.signal(signal.SIGTERM, self._handle_signal)
         self.start(completed)
 
     def start(self, completed: int = 0) -> None:
-        """The threads alone (no signal handler: tests, benchmarks, a thread that is not the
+        """The watcher alone (no signal handler: tests, benchmarks, a thread that is not the
         main one). Idempotent."""
         self._completed = completed
         if self._store is None or self._threads:
@@ -109,22 +108,33 @@ class StopAgreement:
         # A new run of the same agreement (Trainer.run again): its own keys, a fresh state.
         self._run += 1
         self._proposed = self._target = self._woke_at = self._error = None
-        self._closing, self._nbytes = False, 0
-        self._signal = threading.Event()
-        if self.raised:
-            self._signal.set()
+        self._closing = self._signalled = False
+        self._nbytes = 0
         self._threads = [threading.Thread(target=self._watch, args=(self._store.clone(),), daemon=True,
-                                          name="mpoverlap-stop-watch"),
-                         threading.Thread(target=self._signaller, args=(self._store.clone(),), daemon=True,
-                                          name="mpoverlap-stop-signal")]
-        for thread in self._threads:
-            thread.start()
+                                          name="mpoverlap-stop-watch")]
+        self._threads[0].start()
+        if self.raised:  # a signal before the watcher existed
+            self._wake_everyone()
 
     def request(self) -> None:
-        """What SIGTERM does: set this rank's flag and wake the signaller (no store request in
-        the handler itself)."""
+        """What SIGTERM does: set this rank's flag and, once per run, wake every rank's watcher
+        (the first rank signalled does; two store requests on this thread's connection)."""
         self.raised = True
-        self._signal.set()
+        if self._threads:
+            self._wake_everyone()
+
+    def _wake_everyone(self) -> None:
+        if self._signalled:
+            return
+        self._signalled = True
+        try:
+            if self._store.add(self._key("signalled"), 1) == 1:
+                keys = [self._key(f"wake/{r}") for r in range(self.world)]
+                self._store.multi_set(keys, ["stop"] * self.world)
+                self._nbytes += sum(len(k) + 4 for k in keys)
+            self._nbytes += 40
+        except Exception as e:  # raised at the next boundary: this rank cannot stop the others
+            self._failed(e)
 
     def _handle_signal(self, signum, frame) -> None:
         self.request()
@@ -140,7 +150,6 @@ class StopAgreement:
         if not self._threads:
             return
         self._closing = True
-        self._signal.set()
         try:  # the watcher's own key, unless a stop already set it
             self._store.compare_set(self._key(f"wake/{self.rank}"), "", "exit")
         except Exception:  # the store is gone (its host exited): so is the watcher's wait
@@ -186,23 +195,9 @@ class StopAgreement:
             self._ledger.record_span(MODE, "store", self._nbytes, self._woke_at or began, ended, (began, ended))
         return target
 
-    # -- the threads ----------------------------------------------------------------------------
+    # -- the watcher ----------------------------------------------------------------------------
     def _key(self, name: str) -> str:
         return f"{self._prefix}{self._run}/{name}"
-
-    def _signaller(self, conn: Any) -> None:
-        self._signal.wait()
-        if self._closing:
-            return
-        try:
-            first = conn.add(self._key("signalled"), 1) == 1
-            self._nbytes += 40
-            if first:
-                keys = [self._key(f"wake/{r}") for r in range(self.world)]
-                conn.multi_set(keys, ["stop"] * self.world)
-                self._nbytes += sum(len(k) + 4 for k in keys)
-        except Exception as e:
-            self._failed(e)
 
     def _watch(self, conn: Any) -> None:
         key = self._key(f"wake/{self.rank}")
