@@ -6,6 +6,10 @@ step + the save + 5 s, then runs the same command again (it resumes) and an unin
 and compares their last logged loss and validation loss.
 
     python -m bench.sigterm_stop [--after 5] [--steps 40] [--out DIR] [--no-resume]
+
+--two-hosts: the same layout under torchrun on the two network-namespace hosts of
+tests/multihost.py (root), and SIGTERM to ONE worker on host 1 only: the other three ranks learn
+of it through the stop agreement (nothing is resumed).
 """
 from __future__ import annotations
 
@@ -37,14 +41,65 @@ def last_rows(run: Path):
     return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def two_hosts(args, root: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from multihost import TwoHosts, unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        sys.exit(why)
+    run = root / "two-hosts"
+    with TwoHosts() as hosts:
+        agents = hosts.torchrun(["-m", "mpoverlap.train", *overrides(args.steps), f"run.dir={run}"],
+                                nproc_per_node=2, log_dir=root / "agents")
+        target = run / "checkpoints" / f"step_{args.after:08d}" / "COMPLETE"
+        deadline = time.time() + 300
+        while not target.is_file():
+            if any(a.poll() is not None for a in agents) or time.time() > deadline:
+                sys.exit(f"the run ended or stalled before step {args.after}: {[a.poll() for a in agents]}")
+            time.sleep(0.01)
+        # A worker: the agent's children that run mpoverlap.train (not the agent, not helpers).
+        workers = [p for p in hosts.pids(1) if p != agents[1].pid and _parent(p) == agents[1].pid]
+        if len(workers) != 2:
+            sys.exit(f"expected the agent's 2 workers on host 1, found {workers}")
+        worker = workers[-1]
+        t0 = time.time()
+        os.kill(worker, signal.SIGTERM)
+        while (any(a.poll() is None for a in agents) or hosts.pids(0) or hosts.pids(1)) and time.time() - t0 < 300:
+            time.sleep(0.02)
+        gone_s = time.time() - t0
+        codes = [a.wait(timeout=10) for a in agents]
+    out = "".join((root / "agents" / f"agent{i}.out").read_text() for i in range(2))
+    saved = re.search(r"SIGTERM: saved a checkpoint at step (\d+) in ([0-9.]+)s", out)
+    if saved is None:
+        sys.exit(f"agents exited {codes} without a SIGTERM save line")
+    stop, save_s = int(saved.group(1)), float(saved.group(2))
+    step_s = last_rows(run)[0][-1]["step_time_s"]
+    bound = step_s + save_s + 5
+    print(f"two hosts, torchrun: SIGTERM to one worker (pid {worker}) after step {args.after}: every rank stopped "
+          f"after step {stop} (k or k+1: {stop in (args.after + 1, args.after + 2)}), saved in {save_s:.2f}s, every "
+          f"process gone {gone_s:.2f}s after the signal (one step {step_s:.2f}s + save + 5 s = {bound:.2f}s: "
+          f"{'within' if gone_s <= bound else 'OVER'}); agents exited {codes}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--after", type=int, default=5, help="signal once this step's checkpoint is complete")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", default=None)
     p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--two-hosts", action="store_true", help="torchrun on two network-namespace hosts (root)")
     args = p.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="mpo-sigterm-"))
+    if args.two_hosts:
+        return two_hosts(args, root)
     run = root / "stopped"
     cmd = [TRAIN, *overrides(args.steps), f"run.dir={run}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
