@@ -337,3 +337,14 @@ def test_launch_bound_overhead_line_validates_and_renders():
     assert "## Framework overhead, launch-bound (many thin layers)" in text
     assert "| plain PyTorch loop (fused AdamW) | 160.0 |" in text and "**framework / plain = 1.250**;" in text
     assert "on this process's CPU time (least moved by other jobs): 1.125;" in text
+
+
+def test_sigterm_stop_bench_layout_validates_at_4_ranks():
+    """bench.sigterm_stop (issue 48): the dp 2 x tp 2 run it signals validates at 4 ranks with
+    train.log_interval=50 and a save every step (the step before the signal is known from its
+    checkpoint); the launch itself is the benchmark's (about 2 minutes), not the suite's."""
+    from bench import sigterm_stop
+
+    overrides = sigterm_stop.overrides(40)
+    assert {"train.log_interval=50", "checkpoint.interval=1", "parallel.tp=2"} <= set(overrides)
+    assert validate(compose(overrides), 4) == []
