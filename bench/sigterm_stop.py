@@ -41,6 +41,21 @@ def last_rows(run: Path):
     return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
 
 
+def stop_report(out: str, run: Path, after: int, gone_s: float, failed: bool, err: str = "") -> str:
+    """The stop as the run logged it (`SIGTERM: saved a checkpoint at step N in X s`) against
+    issue 48's bounds: after step k or k + 1 (k = after + 1, in flight at the signal), every
+    process gone within one step + the save + 5 s. Exits when the run failed or saved nothing."""
+    saved = re.search(r"SIGTERM: saved a checkpoint at step (\d+) in ([0-9.]+)s", out)
+    if failed or saved is None:
+        sys.exit(f"the run failed or wrote no SIGTERM save line: {err[-2000:]}")
+    stop, save_s = int(saved.group(1)), float(saved.group(2))
+    step_s = last_rows(run)[0][-1]["step_time_s"]
+    bound = step_s + save_s + 5
+    return (f"every rank stopped after step {stop} (k or k+1: {stop in (after + 1, after + 2)}), saved in "
+            f"{save_s:.2f}s, every process gone {gone_s:.2f}s after the signal (one step {step_s:.2f}s + save + 5 s "
+            f"= {bound:.2f}s: {'within' if gone_s <= bound else 'OVER'})")
+
+
 def _parent(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -77,16 +92,8 @@ def two_hosts(args, root: Path) -> None:
         gone_s = time.time() - t0
         codes = [a.wait(timeout=10) for a in agents]
     out = "".join((root / "agents" / f"agent{i}.out").read_text() for i in range(2))
-    saved = re.search(r"SIGTERM: saved a checkpoint at step (\d+) in ([0-9.]+)s", out)
-    if saved is None:
-        sys.exit(f"agents exited {codes} without a SIGTERM save line")
-    stop, save_s = int(saved.group(1)), float(saved.group(2))
-    step_s = last_rows(run)[0][-1]["step_time_s"]
-    bound = step_s + save_s + 5
-    print(f"two hosts, torchrun: SIGTERM to one worker (pid {worker}) after step {args.after}: every rank stopped "
-          f"after step {stop} (k or k+1: {stop in (args.after + 1, args.after + 2)}), saved in {save_s:.2f}s, every "
-          f"process gone {gone_s:.2f}s after the signal (one step {step_s:.2f}s + save + 5 s = {bound:.2f}s: "
-          f"{'within' if gone_s <= bound else 'OVER'}); agents exited {codes}")
+    print(f"two hosts, torchrun: SIGTERM to one worker (pid {worker}) after step {args.after}: "
+          f"{stop_report(out, run, args.after, gone_s, codes != [0, 0])}; agents exited {codes}")
 
 
 def main() -> None:
@@ -115,16 +122,8 @@ def main() -> None:
     while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.time() - t0 < 300:
         time.sleep(0.02)
     gone_s = time.time() - t0
-    saved = re.search(r"SIGTERM: saved a checkpoint at step (\d+) in ([0-9.]+)s", out)
-    if proc.returncode != 0 or saved is None:
-        sys.exit(f"launcher exit {proc.returncode}, no SIGTERM save line: {err[-2000:]}")
-    stop, save_s = int(saved.group(1)), float(saved.group(2))
-    step_s = last_rows(run)[0][-1]["step_time_s"]
-    bound = step_s + save_s + 5
-    print(f"SIGTERM after step {args.after} ({args.after + 1} in flight): every rank stopped after step {stop} "
-          f"(k or k+1: {stop in (args.after + 1, args.after + 2)}), saved in {save_s:.2f}s, every process gone "
-          f"{gone_s:.2f}s after the signal (one step {step_s:.2f}s + save + 5 s = {bound:.2f}s: "
-          f"{'within' if gone_s <= bound else 'OVER'}); launcher exit {proc.returncode}")
+    print(f"SIGTERM after step {args.after} ({args.after + 1} in flight): "
+          f"{stop_report(out, run, args.after, gone_s, proc.returncode != 0, err)}; launcher exit {proc.returncode}")
     if args.no_resume:
         return
     subprocess.run(cmd, check=True, capture_output=True)

@@ -74,7 +74,7 @@ class StopAgreement:
         self._proposed: Optional[int] = None
         self._target: Optional[int] = None
         self._woke_at: Optional[float] = None
-        self._nbytes = 0  # what this rank sent the store for the agreement
+        self._nbytes = 0  # what this rank sent the store for the agreement (keys and values, approximate)
         self._error: Optional[BaseException] = None
         self._closing = self._signalled = False
         self._threads: List[threading.Thread] = []
