@@ -131,7 +131,9 @@ class OverlapConfig:
     dp_prefetch: int = 1
     # EP detail: each microbatch's tokens are dispatched in this many chunks, so one chunk's
     # exchange is in flight while the experts compute another (on and off use the same chunks).
-    ep_chunks: int = 4
+    # auto: 4 where tokens are exchanged (parallel.ep > 1), 1 at ep 1, where there is nothing to
+    # hide and each chunk would only repeat the layer's operators (kernel launches on a GPU).
+    ep_chunks: Any = "auto"
     # auto | true | false: forward/backward pairing at pp 1 (mpoverlap/pairing): the forward of
     # microbatch i+1 runs with the backward of microbatch i, each one's expert all-to-alls in
     # flight under the other's computation. Composes with ep_chunks (the chunks of each layer).

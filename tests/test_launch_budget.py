@@ -34,6 +34,8 @@ RUNS = {
     # issue 46: the experts' operators do not grow with their number (the per-expert loop's do)
     **{f"moe-E{e}-m{m}": _moe_overrides(e, m) for e in (8, 64) for m in (1, 2)},
     **{f"moe-loop-E{e}-m{m}": _moe_overrides(e, m, grouped=False) for e in (8, 64) for m in (1, 2)},
+    # overlap.ep_chunks=auto is one chunk at ep 1 (nothing to hide); 4 chunks repeat the layer's ops
+    **{f"moe-E8-m{m}-chunks{c}": [*_moe_overrides(8, m), f"overlap.ep_chunks={c}"] for m in (1, 2) for c in (1, 4)},
     **{f"bf16-L{L}-m{m}": _overrides(layers=L, micro=m) for L, m in ((2, 1), (4, 1), (6, 1), (2, 2), (2, 3), (4, 2))},
     "bf16-wide": _overrides(hidden=256),
     "fp32-narrow": _overrides(precision="fp32"),
@@ -111,3 +113,14 @@ def test_moe_launches_do_not_grow_with_the_experts(counts):
         (counts["moe-E8-m2"][2], counts["moe-E64-m2"][2])
     assert counts["moe-E64-m2"][1] == counts["moe-E8-m2"][1]  # foreach tensors: the same parameters
     assert per_micro["moe-loop-E64"] > per_micro["moe-loop-E8"] + 2 * (64 - 8), per_micro
+
+
+def test_moe_default_chunks_at_ep1_do_not_repeat_the_layer(counts):
+    """At ep 1 the token exchanges are the identity, so overlap.ep_chunks=auto runs each MoE
+    layer as one chunk: the default's operators are exactly those of ep_chunks=1, and 4 chunks
+    (the default before, and still at ep > 1) would dispatch more per microbatch: every chunk's
+    permutation, grouped GEMMs and combine again (on a GPU, launches with nothing to overlap)."""
+    per_micro = {k: counts[f"moe-E8-m2{k}"][0] - counts[f"moe-E8-m1{k}"][0] for k in ("", "-chunks1", "-chunks4")}
+    print(f"\nMoE operators per microbatch (2 layers) at ep 1, default / 1 chunk / 4 chunks: {per_micro}")
+    assert counts["moe-E8-m2"][0] == counts["moe-E8-m2-chunks1"][0], per_micro
+    assert per_micro["-chunks4"] > 1.5 * per_micro[""], per_micro

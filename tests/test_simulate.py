@@ -92,6 +92,7 @@ def test_ep_exchanges_hide_under_the_experts_at_their_own_rate():
     from mpoverlap.config import compose
     from mpoverlap.overlap.estimate.core import compute_bytes
     from mpoverlap.overlap.estimate.params import expert_ffn
+    from mpoverlap.overlap.config import ep_chunks
     from mpoverlap.overlap.layout import build_layout
     from mpoverlap.simulate import from_config
     from mpoverlap.simulate.costs import chunk_costs
@@ -104,7 +105,7 @@ def test_ep_exchanges_hide_under_the_experts_at_their_own_rate():
     t = 2 * m.seq_length
     experts_s = 2 * t * m.moe_top_k * 3 * m.hidden_size * expert_ffn(m)
     router_s = 2 * t * m.hidden_size * m.num_experts
-    chunks = cfg.overlap.ep_chunks
+    chunks = ep_chunks(cfg)
     for expert_flops in (0.0, base.flops / 3):  # 0: the experts run at `flops`
         hw = replace(base, expert_flops=expert_flops)
         links = group_links(lo, hw)
@@ -496,6 +497,7 @@ def test_update_after_the_last_backward_by_hand():
     import dataclasses
 
     from mpoverlap.overlap.estimate.params import stage_params
+    from mpoverlap.overlap.config import ep_chunks
     from mpoverlap.overlap.layout import build_layout
     from mpoverlap.simulate import simulate
     from mpoverlap.simulate.core import update_seconds

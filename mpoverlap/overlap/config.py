@@ -155,6 +155,20 @@ def _resolve_param_gather(lo: Layout) -> ModeState:
                                       "each waited by the first forward that needs it")
 
 
+EP_CHUNKS_AUTO = 4
+
+
+def ep_chunks(cfg: Any) -> int:
+    """overlap.ep_chunks resolved: an integer as given; `auto` = EP_CHUNKS_AUTO where the experts'
+    tokens are exchanged (parallel.ep > 1), else 1 (at ep 1 the exchanges are the identity: more
+    chunks would hide nothing and only repeat the MoE layer's operators, a GPU's kernel launches).
+    Only called on a config the rule engine accepted (moe.values checks the value)."""
+    value = cfg.overlap.ep_chunks
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return EP_CHUNKS_AUTO if int(cfg.parallel.ep) > 1 else 1
+    return int(value)
+
+
 def expert_grad_ranks(lo: Layout) -> int:
     """The ranks the expert gradient buckets are reduced over: tp x edp when the experts are
     replicated over tp under SP (etp = 1), else edp; 1 without experts. Above 1 at dp x cp = 1

@@ -76,12 +76,17 @@ def _values(lo: Layout):
         ("model.moe_z_loss_coeff", m.moe_z_loss_coeff, m.moe_z_loss_coeff >= 0, "must not be negative", "1e-3"),
         ("model.moe_dispatcher", m.moe_dispatcher, m.moe_dispatcher in DISPATCHERS,
          f"must be one of {'|'.join(DISPATCHERS)}", DISPATCHERS[0]),
-        ("overlap.ep_chunks", o.ep_chunks, o.ep_chunks >= 1,
-         "each microbatch's tokens are dispatched in ep_chunks >= 1 chunks", "4"),
+        ("overlap.ep_chunks", o.ep_chunks, _chunks_ok(o.ep_chunks),
+         "each microbatch's tokens are dispatched in ep_chunks >= 1 chunks (or auto: 4 at parallel.ep > 1, "
+         "else 1)", "auto"),
     ]
     for key, value, ok, why, fix in checks:
         if not ok:
             yield Problem("moe.values", {key: value}, why, [f"{key}={fix}"])
+
+
+def _chunks_ok(value) -> bool:
+    return (isinstance(value, str) and value.strip().lower() == "auto") or as_positive_int(value) is not None
 
 
 @rule("ep.overlap_needs_moe", "ep", ("overlap.ep", "model.num_experts"),

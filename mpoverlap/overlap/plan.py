@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from mpoverlap.models.rope import rope_scaling_of
-from mpoverlap.overlap.config import CommOverlapConfig
+from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.overlap.estimate import estimate, render_estimate
 from mpoverlap.overlap.estimate.params import etp_size, model_params, shared_expert_ffn
 from mpoverlap.overlap.layout import build_layout
@@ -69,6 +69,12 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         lines.append(f"    overlap.{name:<16} {state.requested:>5} -> {flag}  {state.reason}")
     if ov.dp.enabled or ov.dp.requested == "false":
         lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
+    if cfg.model.num_experts > 0:
+        n, asked = ep_chunks(cfg), str(cfg.overlap.ep_chunks)
+        why = (f"each MoE layer's tokens dispatched in {n} chunk(s)" if lo.ep > 1 else
+               "ep 1: no token exchange to hide, one chunk" if n == 1 else
+               f"ep 1: {n} chunks hide nothing here and repeat the MoE layer's operators {n}x")
+        lines.append(f"    overlap.{'ep_chunks':<16} {asked:>5} -> {n:<3}  {why}")
     lines.extend(f"  note: {n}" for n in layout_notes(cfg, lo))
     grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=etp_size(cfg))
     lines.append("  rank groups:")

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from mpoverlap.overlap.config import CommOverlapConfig
+from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.overlap.estimate.comm import comm_ops
 from mpoverlap.overlap.estimate.core import compute_bytes
 from mpoverlap.overlap.estimate.params import chunk_layout_of, stage_params
@@ -97,8 +97,8 @@ def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRe
     micro = lo.num_microbatches or 1
     costs = chunk_costs(cfg, lo, hw, links, enabled, c)
     paired, pairing_why = pairing_state(cfg, lo.pp, lo.vpp, lo.ep, enabled["ep"], micro, ov.modes().get("ep_pairing"))
-    pipe_pairs = PipelinePairing(costs, cfg.overlap.ep_chunks) if paired and lo.pp > 1 else None
-    pairing_exposed = apply_pairing(costs[0], micro, cfg.overlap.ep_chunks) if paired and pipe_pairs is None else {}
+    pipe_pairs = PipelinePairing(costs, ep_chunks(cfg)) if paired and lo.pp > 1 else None
+    pairing_exposed = apply_pairing(costs[0], micro, ep_chunks(cfg)) if paired and pipe_pairs is None else {}
     pp_msg = _pp_message_bytes(cfg, lo, c)
     T = lo.tp * lo.cp * lo.dp
 

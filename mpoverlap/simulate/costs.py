@@ -27,6 +27,7 @@ from mpoverlap.overlap.estimate.comm import comm_ops, replayed_ops
 from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, expert_ffn, is_moe_layer, mlp_mult,
                                                shared_expert_ffn, stage_layers, stage_params)
 from mpoverlap.pipeline.actions import stage_of
+from mpoverlap.overlap.config import ep_chunks
 from mpoverlap.overlap.layout import Layout
 from mpoverlap.simulate.collectives import collective_time, steps
 from mpoverlap.simulate.hardware import Hardware, Link
@@ -149,7 +150,7 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate, share, i in replayed)
             _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
             if moe:
-                wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], cfg.overlap.ep_chunks,
+                wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], ep_chunks(cfg),
                            gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe))
                 # pairing's sub-steps: the router before the dispatch, the GEMMs after it; the
                 # forward's counts exchange (its few bytes are in the volume): one call's latency

@@ -251,12 +251,13 @@ def expert_work(cfg: Any, lo: Any) -> Tuple[Callable[[], None], float]:
     import torch
 
     from mpoverlap.moe.experts import Experts, GroupedExperts
+    from mpoverlap.overlap.config import ep_chunks
     from mpoverlap.overlap.estimate.params import expert_ffn, mlp_mult
     from mpoverlap.simulate.costs import moe_tokens
 
     m = cfg.model
     local = max(1, m.num_experts // max(1, lo.ep))
-    chunks = max(1, int(cfg.overlap.ep_chunks))
+    chunks = ep_chunks(cfg)
     rows = max(local, int(moe_tokens(cfg, lo) * m.moe_top_k) // chunks)
     # The experts the model runs: grouped GEMMs (model.moe_grouped_gemm, the default) or the loop.
     kind = GroupedExperts if getattr(m, "moe_grouped_gemm", True) else Experts

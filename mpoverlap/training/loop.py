@@ -20,7 +20,7 @@ from mpoverlap.data_parallel.levels import resolve_level, shards_grads
 from mpoverlap.models.gpt import flops_per_token, num_parameters
 from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import update_expert_biases
-from mpoverlap.overlap.config import CommOverlapConfig
+from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.pairing import train_paired
 from mpoverlap.parallel import ParallelState
@@ -63,7 +63,7 @@ class Trainer(Resumable):
             self.tp = tp_kwargs(state, sequence_parallel=bool(cfg.parallel.sequence_parallel),
                                 overlap=self.overlap.tp.enabled, ledger=self.ledger)
         self.pp = state.grid.pp
-        moe = (moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=cfg.overlap.ep_chunks,
+        moe = (moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=ep_chunks(cfg),
                           ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
                           etp=state.grid.etp)
                if cfg.model.num_experts > 0 else None)

@@ -19,6 +19,7 @@ from mpoverlap.models.init import head_dim_of, padded_vocab_size, query_groups
 from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer,
                                                moe_dense_unsplit, norm_params, stage_layers)
 from mpoverlap.overlap.estimate.sharding import dp_ops, expert_group_size
+from mpoverlap.overlap.config import ep_chunks
 from mpoverlap.overlap.layout import Layout
 
 PARAM_BYTES = 4  # gradients are reduced in fp32
@@ -148,7 +149,7 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # the gathered size for both (an all-gather's output, a reduce-scatter's input).
             # Plus one all_gather of every chunk's per-expert counts (int64), before the tokens.
             gathered = (lo.ep * tokens * (2 * H * c + m.moe_top_k * 4 + m.moe_top_k * 8)
-                        + lo.ep * min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8) * moe_here * micro
+                        + lo.ep * min(ep_chunks(cfg), tokens) * m.num_experts * 8) * moe_here * micro
             scattered = lo.ep * tokens * (2 * H * c + m.moe_top_k * 4) * moe_here * micro
             ops += [("ep", "all_gather", gathered, lo.ep), ("ep", "reduce_scatter", scattered, lo.ep)]
         else:
@@ -156,7 +157,7 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # expert) slot once forward and once backward (the ledger counts the sent buffer;
             # received sizes vary with routing but average the same), plus one all_to_all of
             # every chunk's per-expert counts (int64).
-            per_layer = 4 * tokens * m.moe_top_k * H * c + min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8
+            per_layer = 4 * tokens * m.moe_top_k * H * c + min(ep_chunks(cfg), tokens) * m.num_experts * 8
             ops.append(("ep", "all_to_all", per_layer * moe_here * micro, lo.ep))
     return ops + replayed_ops(cfg, lo, busiest, c)
 
@@ -210,12 +211,12 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
                     (lo.tp if sp else 1) * lo.cp))
     if lo.ep > 1 and n_moe:
         tokens = b * (s_cp // lo.tp if sp else s_cp)
-        counts = min(cfg.overlap.ep_chunks, tokens) * m.num_experts * 8
+        counts = min(ep_chunks(cfg), tokens) * m.num_experts * 8
         if m.moe_dispatcher == "allgather":
             k = m.moe_top_k
             ops.append(("ep", "all_gather", (lo.ep * tokens * (H * c + 12 * k) + lo.ep * counts) * n_moe * micro,
                         lo.ep))
-            n = min(cfg.overlap.ep_chunks, tokens)  # the layer's chunks: bounds i * T // n
+            n = min(ep_chunks(cfg), tokens)  # the layer's chunks: bounds i * T // n
             before_last = (n - 1) * tokens // n
             if before_last:
                 ops.append(("ep", "reduce_scatter", lo.ep * before_last * H * c * n_moe * micro, lo.ep))
