@@ -35,9 +35,12 @@ def weight_grad_2d(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class WeightGradGemm:
     """A deferred weight gradient that is one GEMM: dW [out, in] = grad_y^T x summed over the
     leading dims (grad_y [..., out], x [..., in]). Called, it returns dW, like any queued
-    closure; `accumulate_into(grad)` adds it into an existing gradient in place (addmm_), so
-    W neither allocates a weight-sized temporary nor reads and writes the gradient buffer a
-    second time for the addition (Megatron's gradient-accumulation fusion)."""
+    closure; `accumulate_into(grad)` adds it into an existing gradient in place: an fp32 GEMM
+    by addmm_, so W neither allocates a weight-sized temporary nor reads and writes the
+    gradient buffer a second time for the addition (Megatron's gradient-accumulation fusion);
+    a bf16 GEMM's product by one add_ into the fp32 gradient, the cast folded into the add
+    (no fp32 copy of the product, no autograd call; the same sum, bit for bit: the cast is
+    exact and the addition is fp32 either way)."""
 
     __slots__ = ("grad_y", "x")
 
@@ -52,19 +55,22 @@ class WeightGradGemm:
 
     def accumulate_into(self, grad: torch.Tensor) -> None:
         grad_t, x = self._operands()
-        grad.addmm_(grad_t, x)
+        if x.dtype == grad.dtype:
+            grad.addmm_(grad_t, x)
+        else:
+            grad.add_(grad_t.matmul(x))
 
 
 def _accumulates_in_place(param: torch.nn.Parameter, compute: WeightGrad) -> bool:
-    """Whether W may add `compute`'s GEMM straight into param.grad: an fp32 (parameter-dtype)
-    GEMM, an existing gradient of the parameter's shape (the data-parallel buffer's view), and
-    no tensor hook on the parameter that must see the gradient before it accumulates (the
-    sharded levels' pre-accumulate hooks allocate or wait for the bucket there: those take the
-    autograd path)."""
+    """Whether W may add `compute`'s GEMM straight into param.grad: one GEMM (operands of one
+    dtype: the parameter's, or bf16/fp16 under mixed precision), an existing gradient of the
+    parameter's dtype and shape (the data-parallel buffer's view), and no tensor hook on the
+    parameter that must see the gradient before it accumulates (the sharded levels'
+    pre-accumulate hooks allocate or wait for the bucket there: those take the autograd path)."""
     grad = param.grad
     return (isinstance(compute, WeightGradGemm) and grad is not None and grad.dtype == param.dtype
-            and compute.x.dtype == param.dtype and compute.grad_y.dtype == param.dtype
-            and grad.shape == param.shape and not getattr(param, "_backward_hooks", None))
+            and compute.x.dtype == compute.grad_y.dtype and grad.shape == param.shape
+            and not getattr(param, "_backward_hooks", None))
 
 
 def _accumulated(param: torch.nn.Parameter) -> None:
@@ -97,12 +103,12 @@ class WeightGradQueue:
         chunk's. A parameter queued twice (tied) is summed in queue order first, then
         accumulated once.
 
-        Speed: a parameter with one fp32 GEMM entry and a gradient already there (the usual
-        case: the data-parallel wrapper's `.grad` is a view of its buffer from the start) is
-        accumulated by `addmm_` into that tensor, and its post-accumulate
-        hooks are called as autograd would call them; anything else (bf16 GEMMs, the
-        collective-matmul sums, embeddings, tied weights, sharded levels' hooks, no .grad yet)
-        goes through `torch.autograd.backward`."""
+        Speed: a parameter with one GEMM entry and a gradient already there (the usual case:
+        the data-parallel wrapper's `.grad` is a view of its buffer from the start) is
+        accumulated into that tensor in place (`WeightGradGemm.accumulate_into`: fp32 by
+        `addmm_`, bf16 by one promoting `add_`), and its post-accumulate hooks are called as
+        autograd would call them; anything else (the collective-matmul sums, embeddings, tied
+        weights, sharded levels' hooks, no .grad yet) goes through `torch.autograd.backward`."""
         if self.ran:
             raise RuntimeError("a weight-gradient queue ran twice")
         self.ran = True
