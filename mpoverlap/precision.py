@@ -27,6 +27,24 @@ def autocast_context(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
+def step_cast_cache(precision: str, device: torch.device, params_sharded: bool):
+    """Around one step's microbatches: autocast's cast of each fp32 weight to bf16 is made once
+    per step instead of once per microbatch (and per pipeline chunk pass).
+
+    Autocast caches the casts of leaf tensors that require grad (the parameters) until the
+    outermost autocast region exits; each microbatch's forward is its own region, so each
+    re-cast every weight (on a GPU one copy kernel per weight per microbatch). This context is
+    an outer region with autocast OFF: nothing between the forwards (the loss, backward, the
+    pipeline's sends) is autocast, but the cache lives until it exits, before the optimizer
+    changes the weights. The values are the same casts, so results are bitwise those of
+    per-microbatch casts. Costs the bf16 copies' memory between microbatches (2 bytes a
+    parameter, which each microbatch's backward holds anyway); not used when the parameters
+    live sharded between uses (ZeRO-3: holding full bf16 copies would undo that), nor in fp32."""
+    if precision == "fp32" or params_sharded:
+        return nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 def _autocast_on(device_type: str) -> bool:
     try:
         return torch.is_autocast_enabled(device_type)

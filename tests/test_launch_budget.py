@@ -97,6 +97,49 @@ def test_launches_grow_linearly_with_depth_and_microbatches(counts):
           f"{per_2_layers[0] / 2 - per_layer_micro:g}; per microbatch outside the layers: "
           f"{per_micro[0] - 2 * per_layer_micro:g}; {counts['bf16-L2-m2'][2]}")
     assert per_layer_micro > 0
+    # bf16: each layer's 4 weight matrices (qkv, out, gate/up, down) are cast to bf16 once a step
+    # (precision.step_cast_cache), not once a microbatch: 4 operators per layer per step
+    assert per_2_layers[0] / 2 - per_layer_micro == 4, ops
+
+
+def test_bf16_weights_cast_once_a_step_bitwise():
+    """step_cast_cache around 3 microbatches: every parameter is cast to bf16 once (not 3 times)
+    and the gradients are bit for bit those of per-microbatch casts (the same casts)."""
+    import torch
+
+    from mpoverlap.config import compose
+    from mpoverlap.models.gpt import GPT
+    from mpoverlap.precision import autocast_context, step_cast_cache
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = compose(["model=llama_tiny", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176",
+                   "model.seq_length=16"]).model
+    tokens = torch.randint(0, 100, (3, 2, 16), generator=torch.Generator().manual_seed(0))
+    grads, casts = {}, {}
+    for cached in (False, True):
+        model = GPT(cfg, seed=1)
+        params = {p.data_ptr(): n for n, p in model.named_parameters()}
+        seen = []
+
+        class Casts(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.name() == "aten::_to_copy" and args[0].data_ptr() in params:
+                    seen.append(params[args[0].data_ptr()])
+                return func(*args, **(kwargs or {}))
+
+        outer = step_cast_cache("bf16", torch.device("cpu"), params_sharded=False) if cached else autocast_context("fp32", None)
+        with Casts(), outer:
+            for mb in tokens:
+                with autocast_context("bf16", torch.device("cpu")):
+                    logits = model(mb)
+                model.loss(logits.float(), mb).backward()
+        grads[cached] = {n: p.grad for n, p in model.named_parameters()}
+        casts[cached] = seen
+    matrices = {n for n, p in GPT(cfg, seed=1).named_parameters() if p.dim() == 2 and "embedding" not in n}
+    assert sorted(casts[True]) == sorted(set(casts[True])) and set(casts[True]) >= matrices, casts[True]
+    assert len(casts[False]) == 3 * len(casts[True])
+    for n, g in grads[False].items():
+        assert torch.equal(g, grads[True][n]), n
 
 
 def test_moe_launches_do_not_grow_with_the_experts(counts):

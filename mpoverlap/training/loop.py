@@ -24,7 +24,7 @@ from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.pairing import train_paired
 from mpoverlap.parallel import ParallelState
-from mpoverlap.precision import DTYPES, autocast_context
+from mpoverlap.precision import DTYPES, autocast_context, step_cast_cache
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
 from mpoverlap.training.checkpoint import Checkpointer, checkpoint_io_group
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
@@ -121,6 +121,7 @@ class Trainer(Resumable):
                                          config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
         # train.precision: the same autocast on CPU and CUDA (parameters stay fp32).
         self.autocast = autocast_context(t.precision, state.device)
+        self.cast_once = step_cast_cache(t.precision, state.device, self.sharding == "optim_grads_params")
         self.step = 0
         self.faults = FaultInjector(state.rank)
         # SIGTERM on any rank: every rank stops after the same step (agreed through the
@@ -168,10 +169,11 @@ class Trainer(Resumable):
         micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
         t0 = time.perf_counter()
         self.ddp.start_step()
-        if self.pipeline is not None:
-            loss_sum = self.pipeline.train_microbatches(micro, self.pairing_trace)
-        else:
-            loss_sum = self._train_microbatches(micro)
+        with self.cast_once:  # each weight cast to bf16 once a step, not once a microbatch
+            if self.pipeline is not None:
+                loss_sum = self.pipeline.train_microbatches(micro, self.pairing_trace)
+            else:
+                loss_sum = self._train_microbatches(micro)
         self.ddp.finish_grad_sync()
         if self.tied_embedding is not None:
             # Both copies of the tied embedding get the sum of their gradients: full gradients,
