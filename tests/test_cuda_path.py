@@ -66,6 +66,9 @@ HOT_STEP_BUDGETS = {
                           "parallel.etp=2", "parallel.sequence_parallel=true", "parallel.dp=1"], 1),
     "moe-ep1-capacity": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2",
                           "model.moe_capacity_factor=1.0"], 1),
+    # ... and at ep 2: the all-to-all pads every expert's queue to the capacity (fixed sizes)
+    "moe-ep2-capacity": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
+                          "overlap.ep=true", "model.moe_capacity_factor=1.0"], 1),
 }
 
 

@@ -102,7 +102,7 @@ def _capacity_one_hot(ids, weights, E, cap):
     onehot = torch.nn.functional.one_hot(flat, E)
     position = (onehot.cumsum(dim=0) * onehot).sum(dim=1) - 1
     keep = (position < cap).view_as(ids)
-    return torch.where(keep, ids, torch.full_like(ids, -1)), weights * keep, (~keep).sum()
+    return torch.where(keep, ids, torch.full_like(ids, -1)), weights * keep, (~keep).sum(), position.view_as(ids)
 
 
 def test_capacity_is_linear_in_slots_and_equals_the_one_hot_reference():
@@ -115,7 +115,7 @@ def test_capacity_is_linear_in_slots_and_equals_the_one_hot_reference():
     w = torch.rand(T, k, generator=g)
     for cap in (1, 20, 63, 10_000):
         got, ref = apply_capacity(ids, w, E, cap), _capacity_one_hot(ids, w, E, cap)
-        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert len(got) == len(ref) == 4 and all(torch.equal(a, b) for a, b in zip(got, ref))
     # No tensor of T*k x E elements is allocated (the one-hot would be 256,000 here).
     sizes = []
 

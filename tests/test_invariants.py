@@ -89,6 +89,9 @@ def _layouts():
     for rc in ("none", "full"):
         out[f"moe_allgather_ep2_{rc}"] = (2, [*MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_dispatcher=allgather",
                                               "overlap.ep=true", f"model.recompute={rc}"])
+        # issue 46: a capacity pads the all-to-all's queues (fixed sizes): the estimate is exact
+        out[f"moe_capacity_ep2_{rc}"] = (2, [*MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0",
+                                             "overlap.ep=true", f"model.recompute={rc}"])
     return out
 
 
@@ -261,6 +264,10 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
             got = sum(r[name]["comm"]["ep"]["bytes"] for r in results) / len(results)
             est = estimate(compose([*BASE, *LAYOUTS[name][1]]), 2).comm_bytes_per_step["ep"]
             assert abs(got - est) <= 0.03 * est, (name, got, est)
+            name = f"moe_capacity_ep2_{rc}"
+            got = [r[name]["comm"]["ep"]["bytes"] for r in results]
+            est = estimate(compose([*BASE, *LAYOUTS[name][1]]), 2).comm_bytes_per_step["ep"]
+            assert got == [est] * len(results), (name, got, est)
 
 
 def _zero3_gathers(rank, world, root):

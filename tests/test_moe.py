@@ -356,7 +356,56 @@ def _moe_worker(rank, world):
             report[(ep, dispatcher, "bitwise")] = all(
                 torch.equal(a[k_], b[k_]) for k_ in ("y", "dx", "router")) and all(
                 torch.equal(a["experts"][n], b["experts"][n]) for n in a["experts"])
+        report[(ep, "capacity")] = _capacity_checks(group, ep, me, ranks, x_of, w_of, rank)
     return report
+
+
+def _capacity_checks(group, ep, me, ranks, x_of, w_of, rank):
+    """Issue 46 item 3: a capacity at ep > 1 (all-to-all) pads every expert's queue to it, so the
+    layer reads nothing on the host; against the ep 1 reference with the same capacity (drops
+    are decided per rank over its own tokens, so the same slots drop), overlap on and off."""
+    from mpoverlap.comm import CommLedger
+    from mpoverlap.training.host_sync import count_host_reads
+
+    cap = dict(capacity_factor=0.75, num_chunks=3)
+    refs = {q: _grads(layer(**cap), x_of[q], w_of[q]) for q in ranks}
+    out = {}
+    for overlap in (False, True):
+        ledger = CommLedger()
+        moe = layer(group, ep, me, overlap=overlap, ledger=ledger, **cap)
+        with count_host_reads() as reads:
+            got = _grads(moe, x_of[rank], w_of[rank])
+        exp_ref = {n: sum(refs[q]["experts"][n] for q in ranks) for n in got["experts"]}
+        x = x_of[rank].reshape(-1, H)
+        r = moe.router(x)
+        out[overlap] = dict(
+            got=got, reads=reads.count, pads=moe.dispatcher.pads_capacity, dropped=int(r.stats["dropped"]),
+            y=rel_err(got["y"], refs[rank]["y"]), dx=rel_err(got["dx"], refs[rank]["dx"]),
+            router=rel_err(got["router"], refs[rank]["router"]),
+            experts=max(rel_err(g, exp_ref[n]) for n, g in got["experts"].items()),
+            ops=ledger.summary()["ep"]["ops"], bytes=ledger.summary()["ep"]["bytes"], capacity=r.capacity)
+    a, b = out[False]["got"], out[True]["got"]
+    bitwise = all(torch.equal(a[k_], b[k_]) for k_ in ("y", "dx", "router")) and all(
+        torch.equal(a["experts"][n], b["experts"][n]) for n in a["experts"])
+    return {o: {k_: v for k_, v in d.items() if k_ != "got"} for o, d in out.items()} | {"bitwise": bitwise}
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_capacity_at_ep_pads_to_it_and_reads_nothing(moe_reports, ep):
+    """Capacity 0.75 (12 tokens x top-2 over 8 experts: C = 3, some slots dropped), 3 chunks of
+    one queue position each: no host read in forward or backward, the ep 1 reference's outputs
+    and gradients (1e-5), overlap on and off bitwise equal, and the exchanges' bytes those of
+    the padded queues: 3 chunks x (dispatch + combine) x (forward + backward) of E x 1 rows."""
+    for rank, rep in enumerate(moe_reports):
+        c = rep[(ep, "capacity")]
+        assert c["bitwise"], rank
+        for overlap in (False, True):
+            r = c[overlap]
+            assert r["pads"] and r["capacity"] == 3 and r["dropped"] > 0, r
+            assert r["reads"] == 0, r
+            for what in ("y", "dx", "router", "experts"):
+                assert r[what] < 1e-5, (rank, overlap, what, r[what])
+            assert r["ops"] == 3 * 2 * 2 and r["bytes"] == 3 * 2 * 2 * E * 1 * H * 4, r
 
 
 @pytest.fixture(scope="module")

@@ -150,7 +150,9 @@ class MoELayer(nn.Module):
         if self.expert_tp is not None:  # experts split over tp: run them on the tp group's tokens
             xf, ids, weights = self.expert_tp.gather(xf, ids, weights)
         T = xf.shape[0]
-        n = max(1, min(self.num_chunks, T))
+        # Capacity-padded dispatch (all-to-all at ep > 1 with a capacity): one part, the
+        # dispatcher chunks the experts' queue positions instead (capacity_chunks).
+        n = 1 if self.dispatcher.pads_capacity else max(1, min(self.num_chunks, T))
         bounds = [i * T // n for i in range(n + 1)]  # host arithmetic: no tensor read
         return x_own, [(xf[a:b], ids[a:b], weights[a:b]) for a, b in zip(bounds, bounds[1:])], r
 
@@ -178,7 +180,12 @@ class MoELayer(nn.Module):
 
         # Every chunk's token counts in one exchange and one host read (they size the token
         # exchanges and the experts' row blocks); nothing else in the layer reads the device.
-        counts = d.exchange_counts([ids for _, ids, _ in parts])
+        # With a capacity at ep > 1 the sizes are known on the host: no exchange, no read.
+        if d.pads_capacity:
+            counts = d.capacity_chunks(parts[0][0], r, self.num_chunks)
+            parts = parts * len(counts)
+        else:
+            counts = d.exchange_counts([ids for _, ids, _ in parts])
 
         def issue(i):
             pending = d.dispatch_start(*parts[i], counts=counts[i])
@@ -231,7 +238,7 @@ class MoELayer(nn.Module):
                 log(("shared", -1))
             for i in range(len(parts)):
                 ys.append(finish(i, compute(i, issue(i))))
-        y = torch.cat(ys, dim=0)
+        y = d.assemble(ys, counts)
         d.backward_trace = None
         if self.training and torch.is_grad_enabled() and not self.recomputing:  # training forwards, once
             self._record(r)
@@ -245,16 +252,26 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
                     capacity_factor: Optional[float] = None,
                     shared_expert: Optional[nn.Module] = None,
                     shards: Optional[SequenceShards] = None, router_options: Optional[dict] = None,
-                    expert_tp: Optional[ExpertTP] = None, grouped_gemm: bool = True) -> MoELayer:
+                    expert_tp: Optional[ExpertTP] = None, grouped_gemm: bool = True,
+                    capacity_padding: bool = True) -> MoELayer:
     """Router f"{name}.router.weight", experts f"{name}.experts.{g}.*", this rank's experts
     [ep_rank * E/ep, (ep_rank + 1) * E/ep). `shards`: the ranks holding the other parts of
     this rank's sequences (SP, CP), over which the router's statistics are summed.
     `grouped_gemm` (model.moe_grouped_gemm): stacked experts run by grouped GEMMs, no host
-    read at ep 1; False: one module per expert, a Python loop over host row counts."""
+    read at ep 1; False: one module per expert, a Python loop over host row counts.
+    `capacity_padding`: with a capacity factor at ep > 1 (all-to-all dispatcher, grouped
+    experts, etp 1), every expert's queue is padded to the capacity so no size is read on the
+    host; False (forward/backward pairing, whose sub-steps chunk the tokens) keeps the exchanged
+    counts and their one host read per layer and microbatch."""
     kinds = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
     if dispatcher not in kinds:
         raise ValueError(f"dispatcher {dispatcher!r}; one of {sorted(kinds)}")
-    disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger, host_counts=not grouped_gemm)
+    pads = (capacity_padding and capacity_factor is not None and dispatcher == "alltoall" and expert_tp is None)
+    if dispatcher == "alltoall":
+        disp = AllToAllDispatcher(ep_group, ep_size, ep_rank, num_experts, overlap, ledger,
+                                  host_counts=not grouped_gemm, capacity_padding=pads)
+    else:
+        disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger, host_counts=not grouped_gemm)
     router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
                         capacity_factor=capacity_factor, shards=shards, random_stream=ep_rank,
@@ -264,7 +281,7 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
         # Dropped slots travel as rows past the last expert's when nothing reads the counts.
         experts = GroupedExperts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
                                  name_prefix=name, cfg=cfg, seed=seed, activation=activation,
-                                 padded=capacity_factor is not None and not disp.reads_host, **etp)
+                                 padded=capacity_factor is not None and ep_size == 1 and not disp.reads_host, **etp)
     else:
         experts = Experts(disp.num_local, hidden, ffn, first_expert_index=disp.first_expert,
                           name_prefix=name, cfg=cfg, seed=seed, activation=activation, **etp)
@@ -273,9 +290,10 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
 
 
 def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger, sequence_parallel: bool = False,
-               etp: int = 1) -> dict:
+               etp: int = 1, capacity_padding: bool = True) -> dict:
     """The expert-parallel context a model hands to its MoE layers (see models/layers.py)."""
     return {"ep_group": state.group("ep"), "ep_size": state.grid.ep, "ep_rank": state.coords.ep,
             "overlap": bool(overlap), "num_chunks": int(num_chunks), "ledger": ledger,
+            "capacity_padding": bool(capacity_padding),
             "shards": sequence_shards(state, sequence_parallel=sequence_parallel, ledger=ledger),
             "expert_tp": expert_tp(state, etp=etp, sequence_parallel=sequence_parallel, ledger=ledger)}

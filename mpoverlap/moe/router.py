@@ -56,6 +56,10 @@ class RouterOutput:
     aux_loss: torch.Tensor  # scalar, already multiplied by its coefficient
     z_loss: torch.Tensor  # scalar, already multiplied by its coefficient
     stats: Dict[str, torch.Tensor] = field(default_factory=dict)  # detached figures
+    # With a capacity: each kept slot's place in its expert's queue (token order), [T, k] long,
+    # and the capacity (host int); the all-to-all dispatcher pads every expert to it.
+    positions: Optional[torch.Tensor] = None
+    capacity: Optional[int] = None
 
 
 def z_loss_terms(logits_TE: torch.Tensor) -> torch.Tensor:
@@ -67,7 +71,8 @@ def z_loss_terms(logits_TE: torch.Tensor) -> torch.Tensor:
 def apply_capacity(expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_experts: int,
                    capacity: int):
     """Drop slots beyond `capacity` per expert, in token order. Returns (ids, weights,
-    dropped: a 0-d long tensor, so that no host read happens here).
+    dropped: a 0-d long tensor, so that no host read happens here, position [T, k] long: each
+    slot's place in its expert's queue, < capacity for the kept ones).
 
     A slot's place in its expert's queue comes from one stable sort of the T*k slots and the
     per-expert counts: O(T k log(T k)) work and O(T k + E) memory, never a [T*k, E] one-hot."""
@@ -81,7 +86,7 @@ def apply_capacity(expert_ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_ex
     keep = (position < capacity).view_as(expert_ids_Tk)
     ids = torch.where(keep, expert_ids_Tk, torch.full_like(expert_ids_Tk, -1))
     weights = weights_Tk * keep.to(weights_Tk.dtype)
-    return ids, weights, (~keep).sum()
+    return ids, weights, (~keep).sum(), position.view_as(expert_ids_Tk)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -211,12 +216,13 @@ class TopKRouter(nn.Module):
         aux_raw = share * E * (f * probs_sum).sum() / tokens_g
         z_raw = share * z_sum / tokens_g
         dropped = torch.zeros((), dtype=torch.long, device=ids.device)
-        cap = self.capacity(T)
+        cap, positions = self.capacity(T), None
         if cap is not None:
-            ids, weights, dropped = apply_capacity(ids, weights, E, cap)
+            ids, weights, dropped, positions = apply_capacity(ids, weights, E, cap)
         stats = {"tokens_per_expert": expert_counts(ids, E, torch.long), "dropped": dropped,
                  "aux_loss": (E * (f * probs_sum_g).sum() / tokens_g).detach(),
                  "z_loss": (z_sum_g / tokens_g).detach(),
                  # Slots routed to each expert before drops, over the ranks sharing these sequences.
                  "load": counts_g.detach()}
-        return RouterOutput(ids, weights, self.aux_loss_coeff * aux_raw, self.z_loss_coeff * z_raw, stats)
+        return RouterOutput(ids, weights, self.aux_loss_coeff * aux_raw, self.z_loss_coeff * z_raw, stats,
+                            positions=positions, capacity=cap)

@@ -6,6 +6,7 @@ from typing import Any, List, Optional
 from mpoverlap.models.rope import rope_scaling_of
 from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.overlap.estimate import estimate, render_estimate
+from mpoverlap.overlap.estimate.comm import padded_queue_rows
 from mpoverlap.overlap.estimate.params import etp_size, model_params, shared_expert_ffn
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.placement import placement_lines
@@ -71,7 +72,13 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
     if cfg.model.num_experts > 0:
         n, asked = ep_chunks(cfg), str(cfg.overlap.ep_chunks)
-        why = (f"each MoE layer's tokens dispatched in {n} chunk(s)" if lo.ep > 1 else
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_length // lo.cp // (
+            lo.tp if (lo.tp > 1 and bool(cfg.parallel.sequence_parallel)) else 1)
+        padded = padded_queue_rows(cfg, lo, tokens) if lo.ep > 1 else 0
+        why = (f"a capacity: every expert's queue padded to {padded // cfg.model.num_experts} rows, sent in "
+               f"{min(n, padded // cfg.model.num_experts)} chunk(s) of its positions; no host read" if padded else
+               f"each MoE layer's tokens dispatched in {n} chunk(s); one host read per MoE layer and microbatch "
+               "(the split sizes)" if lo.ep > 1 else
                "ep 1: no token exchange to hide, one chunk" if n == 1 else
                f"ep 1: {n} chunks hide nothing here and repeat the MoE layer's operators {n}x")
         lines.append(f"    overlap.{'ep_chunks':<16} {asked:>5} -> {n:<3}  {why}")

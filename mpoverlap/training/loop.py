@@ -65,7 +65,7 @@ class Trainer(Resumable):
         self.pp = state.grid.pp
         moe = (moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=ep_chunks(cfg),
                           ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
-                          etp=state.grid.etp)
+                          etp=state.grid.etp, capacity_padding=not self.overlap.ep_pairing.enabled)
                if cfg.model.num_experts > 0 else None)
         layout = schedule_layout(cfg.parallel, cfg.parallel.vpp)
         self.chunks = [c.to(state.device) for c in build_chunks(

@@ -152,6 +152,11 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
                         + lo.ep * min(ep_chunks(cfg), tokens) * m.num_experts * 8) * moe_here * micro
             scattered = lo.ep * tokens * (2 * H * c + m.moe_top_k * 4) * moe_here * micro
             ops += [("ep", "all_gather", gathered, lo.ep), ("ep", "reduce_scatter", scattered, lo.ep)]
+        elif padded_queue_rows(cfg, lo, tokens):
+            # A capacity (all-to-all, etp 1, no pairing): every expert's queue padded to the
+            # capacity, its rows exchanged forward and backward, no counts (moe/dispatcher.py).
+            per_layer = 4 * padded_queue_rows(cfg, lo, tokens) * H * c
+            ops.append(("ep", "all_to_all", per_layer * moe_here * micro, lo.ep))
         else:
             # Dropless all-to-all: the dispatch and the combine exchange every routed (token,
             # expert) slot once forward and once backward (the ledger counts the sent buffer;
@@ -220,9 +225,29 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
             before_last = (n - 1) * tokens // n
             if before_last:
                 ops.append(("ep", "reduce_scatter", lo.ep * before_last * H * c * n_moe * micro, lo.ep))
+        elif padded_queue_rows(cfg, lo, tokens):
+            ops.append(("ep", "all_to_all", 2 * padded_queue_rows(cfg, lo, tokens) * H * c * n_moe * micro, lo.ep))
         else:
             ops.append(("ep", "all_to_all", (2 * tokens * m.moe_top_k * H * c + counts) * n_moe * micro, lo.ep))
     return ops
+
+
+def padded_queue_rows(cfg: Any, lo: Layout, tokens: int) -> int:
+    """Rows one rank sends per MoE layer pass when the all-to-all dispatcher pads every expert's
+    queue to the capacity (a capacity factor, ep > 1, grouped experts, etp 1, no pairing; see
+    AllToAllDispatcher.capacity_chunks): E x n x ceil(C / n), C = ceil(factor x tokens x top_k / E),
+    n = min(ep_chunks, C). 0 when the exchange is not padded."""
+    import math
+
+    from mpoverlap.overlap.config import CommOverlapConfig
+
+    m = cfg.model
+    if (m.moe_capacity_factor is None or lo.ep <= 1 or m.moe_dispatcher != "alltoall" or etp_size(cfg) > 1
+            or not getattr(m, "moe_grouped_gemm", True) or CommOverlapConfig.from_config(cfg, lo.world).ep_pairing.enabled):
+        return 0
+    C = math.ceil(float(m.moe_capacity_factor) * tokens * m.moe_top_k / m.num_experts)
+    n = max(1, min(ep_chunks(cfg), C))
+    return m.num_experts * n * -(-C // n)
 
 
 def cp_local_qkv_bytes(cfg: Any, lo: Layout, c: int) -> Tuple[int, int]:
