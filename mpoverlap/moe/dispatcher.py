@@ -341,7 +341,7 @@ class AllToAllDispatcher(_Base):
     def sort_for_dispatch(self, x_TH, expert_ids_Tk, weights_Tk, counts: ChunkCounts):
         """-> (x_perm [num_kept, H] sorted by destination expert, ctx)."""
         T, k = expert_ids_Tk.shape
-        x_perm, order, _ = permute(x_TH, expert_ids_Tk, self.num_experts, counts.num_kept)
+        x_perm, order, _ = permute(x_TH, expert_ids_Tk, self.num_experts, counts.num_kept, counts=False)
         return x_perm, dict(order=order, weights=weights_Tk, T=T, k=k, counts=counts,
                             in_splits=counts.in_splits, out_splits=counts.out_splits)
 
@@ -435,7 +435,7 @@ class AllGatherDispatcher(_Base):
         ids = ctx["ids"]
         mine = (ids >= lo) & (ids < lo + self.num_local)
         local_ids = torch.where(mine, ids - lo, torch.full_like(ids, -1))
-        tokens, order, _ = permute(xs_RTH, local_ids, self.num_local, ctx["counts"].num_kept)
+        tokens, order, _ = permute(xs_RTH, local_ids, self.num_local, ctx["counts"].num_kept, counts=False)
         ctx.update(order=order, weights=ws_RTk)
         return tokens, self.rows_per_expert(ctx["counts"])
 

@@ -20,24 +20,25 @@ def expert_counts(expert_ids_Tk: torch.Tensor, num_experts: int, dtype=torch.lon
 
 
 def sort_slots(expert_ids_Tk: torch.Tensor, num_experts: int,
-               num_kept: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(order [N] long: flat slot indices sorted by expert, stable; counts [E] long).
-    Dropped slots (id -1) sort last and are left out, so N = number of kept slots. `num_kept`
-    (known to callers that read the counts once per layer) avoids a host read here."""
+               num_kept: Optional[int] = None, counts: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(order [N] long: flat slot indices sorted by expert, stable; counts [E] long, or None
+    when `counts` is False: the dispatchers have theirs already). Dropped slots (id -1) sort
+    last and are left out, so N = number of kept slots. `num_kept` (known to callers that read
+    the counts once per layer) avoids a host read here."""
     flat = expert_ids_Tk.reshape(-1)
     key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))
     _, order = torch.sort(key, stable=True)
     if num_kept is None:
         num_kept = int((flat >= 0).sum())  # host read: single-process callers and tests only
-    return order[:num_kept], expert_counts(expert_ids_Tk, num_experts)
+    return order[:num_kept], (expert_counts(expert_ids_Tk, num_experts) if counts else None)
 
 
 def permute(x_TH: torch.Tensor, expert_ids_Tk: torch.Tensor, num_experts: int,
-            num_kept: Optional[int] = None):
-    """x [T, H] -> (x_perm [N, H] grouped by expert, order [N], counts [E]).
+            num_kept: Optional[int] = None, counts: bool = True):
+    """x [T, H] -> (x_perm [N, H] grouped by expert, order [N], counts [E] or None, see sort_slots).
     x_perm[i] = x[order[i] // k]."""
     k = expert_ids_Tk.shape[1]
-    order, counts = sort_slots(expert_ids_Tk, num_experts, num_kept)
+    order, counts = sort_slots(expert_ids_Tk, num_experts, num_kept, counts)
     return x_TH.index_select(0, order // k), order, counts
 
 

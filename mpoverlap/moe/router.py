@@ -206,8 +206,8 @@ class TopKRouter(nn.Module):
         # Whole-microbatch totals: routed slots per expert, summed probabilities, summed z
         # terms and the token count, in one buffer and (when sequences are split) one
         # all-reduce. Evaluation forwards attach no loss: no exchange there.
-        local = torch.cat([expert_counts(ids, E, torch.float32), probs_sum.detach(), z_sum.detach().view(1),
-                           probs_sum.new_full((1,), float(T))])
+        routed = expert_counts(ids, E, torch.float32)  # slots per expert before drops
+        local = torch.cat([routed, probs_sum.detach(), z_sum.detach().view(1), probs_sum.new_full((1,), float(T))])
         totals = self.shards.sum(local) if torch.is_grad_enabled() else local
         counts_g, probs_sum_g = totals[:E], totals[E:2 * E]
         z_sum_g, tokens_g = totals[2 * E], totals[2 * E + 1].clamp_min(1.0)
@@ -219,7 +219,9 @@ class TopKRouter(nn.Module):
         cap, positions = self.capacity(T), None
         if cap is not None:
             ids, weights, dropped, positions = apply_capacity(ids, weights, E, cap)
-        stats = {"tokens_per_expert": expert_counts(ids, E, torch.long), "dropped": dropped,
+        # after drops: without a capacity the routed counts themselves (one cast, not a recount)
+        kept = routed.long() if cap is None else expert_counts(ids, E, torch.long)
+        stats = {"tokens_per_expert": kept, "dropped": dropped,
                  "aux_loss": (E * (f * probs_sum_g).sum() / tokens_g).detach(),
                  "z_loss": (z_sum_g / tokens_g).detach(),
                  # Slots routed to each expert before drops, over the ranks sharing these sequences.
