@@ -103,6 +103,18 @@ def top_kernels(step: Callable[[], Any], device: torch.device, n: int = 10) -> L
     return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
+def launches_per_step(step: Callable[[], Any], device: torch.device) -> Dict[str, int]:
+    """Operators one call of `step` dispatches (mpoverlap/training/launch_count.py; on a GPU each
+    is a kernel launch of host time): with the step time, the host time per operator a
+    host-bound step pays. One extra, counted call (the counter's own overhead slows it)."""
+    from mpoverlap.training.launch_count import count_launches
+
+    with count_launches() as launches:
+        step()
+        _sync(device)
+    return {"launches": launches.ops, "foreach_tensors": launches.foreach_tensors}
+
+
 def figures(times: List[float], tokens_per_step: int, flops_per_token: float, peak_tflops: Optional[float],
             device: torch.device) -> Dict[str, Any]:
     from mpoverlap.training.metrics import throughput
@@ -240,6 +252,8 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
             times = time_steps(runner.train_step, device, warmup, steps)
             row = figures(times, tokens, flops_per_token(m), peak, device)
             row["top_kernels"] = top_kernels(runner.train_step, device)
+            if side != "compiled":  # a dispatch mode around compiled regions could recompile them
+                row.update(launches_per_step(runner.train_step, device))
             result["sides"][side] = row
         except Exception as err:  # noqa: BLE001
             result["sides"][side] = {"error": f"{type(err).__name__}: {err}",

@@ -131,6 +131,7 @@ def test_plain_loop_side_runs_on_cpu(tmp_path):
     assert len(row["steps_s"]) == 2 and row["tokens_per_s"] == pytest.approx(4 * 32 / row["step_s"])
     assert r["simulated"]["hardware"] == "h100_sxm" and r["simulated"]["step_s"] > 0
     assert "mfu" not in row  # no peak known for a CPU: no made-up MFU
+    assert row["launches"] > 100 and row["foreach_tensors"] > 0, row  # the operators of one more step
 
 
 def test_cuda_tier_helpers_run_on_cpu(monkeypatch):
