@@ -14,7 +14,8 @@ local expert as a device tensor (`ChunkCounts.device_counts`), so with one ep ra
 (`host_counts=False`, the default) nothing is read at all: every slot, dropped ones included
 (sorted last), travels as a row, the sizes being T*k, known on the host; the experts give the
 rows past the last expert's zeros. The per-expert loop (model.moe_grouped_gemm=false) sets
-`host_counts=True`: it splits its rows by host integers.
+`host_counts=True`: it splits its rows by host integers. With a capacity at ep > 1 the
+all-to-all pads every expert's queue to it (`capacity_padding`, moe/padded.py): no read either.
 
 AllToAllDispatcher (R = ep_size, L = num_experts / R local experts, T tokens, k = top_k):
     exchange_counts: one all_to_all of every chunk's per-expert counts [chunks, R, L]; then
@@ -53,6 +54,7 @@ import torch
 
 from mpoverlap.comm.collectives import all_gather, all_to_all, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
+from mpoverlap.moe.padded import PaddedChunk, assemble_padded, capacity_chunks, to_experts, to_senders
 from mpoverlap.moe.permute import expert_counts, inverse_index, permute, regroup, unpermute
 
 MODE = "ep"
@@ -68,22 +70,6 @@ class ChunkCounts:
     in_splits: List[int] = None  # [R] rows sent to each rank (all-to-all)
     out_splits: List[int] = None  # [R] rows received from each rank (all-to-all)
     recv_counts: Optional[torch.Tensor] = None  # [R, L] device (all-to-all)
-
-
-@dataclass
-class PaddedChunk:
-    """One chunk of a capacity-padded all-to-all dispatch (see AllToAllDispatcher.capacity_chunks):
-    every expert's queue positions [index * width, (index + 1) * width), padded with zero rows,
-    so every size is known on the host and nothing is read."""
-    index: int
-    width: int  # queue positions per chunk (c)
-    x_ext: torch.Tensor  # [T + 1, H] the tokens and one zero row (row T), shared by the chunks
-    src: torch.Tensor  # [E * c] long: the x_ext row each sent row holds (T: padding)
-    in_splits: List[int]  # [R] L * c rows to every rank
-    out_splits: List[int]  # [R] L * c rows from every rank
-    device_counts: torch.Tensor  # [L] R * c rows per local expert (padding included)
-    row_of_slot: torch.Tensor  # [T * k] long: a slot's row in the assembled [E * C', H] (E * C': none)
-    weights: torch.Tensor  # [T, k] the router weights (0 where dropped)
 
 
 @dataclass
@@ -235,8 +221,7 @@ class _Base:
         # Rows per expert as host ints (the per-expert loop), else device counts; ep > 1 reads
         # the split sizes on the host either way.
         self.host_counts = host_counts
-        # A capacity at ep > 1 (all-to-all, grouped experts): every expert padded to it, the
-        # exchanges' sizes known on the host (`capacity_chunks`), nothing read.
+        # A capacity at ep > 1 (all-to-all, grouped experts): padded queues, nothing read.
         self.pads_capacity = capacity_padding and ep_size > 1 and not host_counts
         self.reads_host = host_counts or (ep_size > 1 and not self.pads_capacity)
 
@@ -296,45 +281,14 @@ class AllToAllDispatcher(_Base):
                 for i in range(n)]
 
     def capacity_chunks(self, x_TH, r, num_chunks: int) -> List[PaddedChunk]:
-        """A capacity C (router output `r`) bounds every expert's slots from this rank, so the
-        exchanges can be sized on the host: each expert's queue is padded to C' = n * c rows
-        (c = ceil(C / n)) and chunk i sends positions [i * c, (i + 1) * c) of every expert's
-        queue, E * c rows, L * c to each rank, padding as zero rows (an expert maps a zero row
-        to zero, and a padding row's output is never read, so it adds nothing to any gradient).
-        The token exchange volume is that of Megatron's pad-to-capacity (E * C rows a
-        microbatch), no count exchange, no host read. Chunks split the queue positions, not the
-        tokens, so `assemble` gathers every slot's row back from all chunks."""
-        T, k = r.expert_ids.shape
-        E, L, R, C = self.num_experts, self.num_local, self.size, int(r.capacity)
-        n = max(1, min(num_chunks, C))
-        c = -(-C // n)
-        ids, pos = r.expert_ids.reshape(-1), r.positions.reshape(-1)
-        dev = ids.device
-        slots = torch.arange(T * k, device=dev)
-        kept = ids >= 0
-        # the assembled row of each kept slot; a dropped slot gets a row past the table, its own
-        row_of_slot = torch.where(kept, ids.clamp_min(0) * (n * c) + pos, E * n * c + slots)
-        token_of_row = torch.full((E * n * c + T * k,), T, dtype=torch.long, device=dev)
-        token_of_row.index_copy_(0, row_of_slot, slots // k)  # one writer per row
-        by_chunk = token_of_row[:E * n * c].view(E, n, c)
-        x_ext = torch.cat([x_TH, x_TH.new_zeros((1, x_TH.shape[1]))])
-        splits = [L * c] * R
-        counts = torch.full((L,), R * c, dtype=torch.long, device=dev)
-        row_of_slot = torch.where(kept, row_of_slot, torch.full_like(row_of_slot, E * n * c))
-        return [PaddedChunk(i, c, x_ext, by_chunk[:, i].reshape(-1), splits, splits, counts, row_of_slot, r.weights)
-                for i in range(n)]
+        """With a capacity: the chunks of a dispatch padded to it (moe/padded.py), sized on the
+        host, nothing read."""
+        return capacity_chunks(x_TH, r, num_chunks, self.num_experts, self.num_local, self.size)
 
     def assemble(self, outputs: List[torch.Tensor], counts) -> torch.Tensor:
-        if not counts or not isinstance(counts[0], PaddedChunk):
-            return torch.cat(outputs, dim=0)
-        # outputs[i]: chunk i's rows [E * c, H] -> the table [E, n * c, H] (+ a zero row) -> each
-        # slot's row [T, k, H] -> y [T, H], each token's k slots folded with its router weights
-        # as `unpermute` folds them
-        E, c, w = self.num_experts, counts[0].width, counts[0].weights
-        table = torch.stack([o.view(E, c, -1) for o in outputs], dim=1).view(E * len(outputs) * c, -1)
-        table = torch.cat([table, table.new_zeros((1, table.shape[1]))])
-        slots = table.index_select(0, counts[0].row_of_slot).view(w.shape[0], w.shape[1], -1)
-        return (slots * w.to(slots.dtype).unsqueeze(-1)).sum(dim=1)
+        if counts and isinstance(counts[0], PaddedChunk):
+            return assemble_padded(outputs, counts, self.num_experts)
+        return torch.cat(outputs, dim=0)
 
     # The math around the two exchanges, shared with the forward/backward pairing
     # (mpoverlap/pairing), which issues the exchanges itself between autograd segments.
@@ -349,10 +303,8 @@ class AllToAllDispatcher(_Base):
         """Received rows [src rank][local expert] -> (tokens [N, H] grouped by local expert,
         rows per local expert (host ints))."""
         if "padded" in ctx:  # [src rank][local expert][c] -> [local expert][src rank][c]: fixed sizes
-            R, L, c = self.size, self.num_local, ctx["padded"].width
             ctx["index"] = None
-            return (recv_NH.view(R, L, c, -1).transpose(0, 1).reshape(L * R * c, -1),
-                    ctx["padded"].device_counts)
+            return to_experts(recv_NH, ctx["padded"], self.size, self.num_local), ctx["padded"].device_counts
         counts = ctx["counts"]
         if self.size == 1:  # one source rank: the rows are grouped by expert already
             ctx["index"] = None
@@ -364,8 +316,7 @@ class AllToAllDispatcher(_Base):
     def experts_to_send(self, expert_out_NH, ctx):
         """Expert outputs back in the received row order (the combine exchange's input)."""
         if "padded" in ctx:
-            R, L, c = self.size, self.num_local, ctx["padded"].width
-            return expert_out_NH.view(L, R, c, -1).transpose(0, 1).reshape(R * L * c, -1)
+            return to_senders(expert_out_NH, ctx["padded"], self.size, self.num_local)
         if ctx["index"] is None:
             return expert_out_NH
         return expert_out_NH.index_select(0, inverse_index(ctx["index"]))
