@@ -266,12 +266,9 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
     kinds = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
     if dispatcher not in kinds:
         raise ValueError(f"dispatcher {dispatcher!r}; one of {sorted(kinds)}")
-    pads = (capacity_padding and capacity_factor is not None and dispatcher == "alltoall" and expert_tp is None)
-    if dispatcher == "alltoall":
-        disp = AllToAllDispatcher(ep_group, ep_size, ep_rank, num_experts, overlap, ledger,
-                                  host_counts=not grouped_gemm, capacity_padding=pads)
-    else:
-        disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger, host_counts=not grouped_gemm)
+    pads = capacity_padding and capacity_factor is not None and dispatcher == "alltoall" and expert_tp is None
+    disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger, host_counts=not grouped_gemm,
+                             capacity_padding=pads)
     router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
                         capacity_factor=capacity_factor, shards=shards, random_stream=ep_rank,
