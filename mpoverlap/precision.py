@@ -12,8 +12,8 @@ run their math with autocast disabled (`no_autocast`), and remember the dtype fo
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Optional
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Optional
 
 import torch
 
@@ -27,22 +27,74 @@ def autocast_context(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
-def step_cast_cache(precision: str, device: torch.device, params_sharded: bool):
-    """Around one step's microbatches: autocast's cast of each fp32 weight to bf16 is made once
-    per step instead of once per microbatch (and per pipeline chunk pass).
+# The step's weight casts (step_cast_cache): id(parameter) -> (parameter, its bf16 copy); None outside a step.
+_STEP_CASTS: Optional[dict] = None
 
-    Autocast caches the casts of leaf tensors that require grad (the parameters) until the
-    outermost autocast region exits; each microbatch's forward is its own region, so each
-    re-cast every weight (on a GPU one copy kernel per weight per microbatch). This context is
-    an outer region with autocast OFF: nothing between the forwards (the loss, backward, the
-    pipeline's sends) is autocast, but the cache lives until it exits, before the optimizer
-    changes the weights. The values are the same casts, so results are bitwise those of
-    per-microbatch casts. Costs the bf16 copies' memory between microbatches (2 bytes a
-    parameter, which each microbatch's backward holds anyway); not used when the parameters
-    live sharded between uses (ZeRO-3: holding full bf16 copies would undo that), nor in fp32."""
+
+@contextmanager
+def step_cast_cache(precision: str, device: torch.device, params_sharded: bool) -> Iterator[None]:
+    """Around one step's microbatches: each fp32 weight is cast to bf16 once per step instead of
+    once per microbatch (and per pipeline chunk pass), and its bf16 weight gradient is added into
+    the fp32 gradient buffer by one promoting add instead of a cast and an add.
+
+    Weights of the model's linears (wgrad/functions.py `linear`) go through `step_weight`: the
+    first use in the step makes the cast (`_FoldedCast`), later microbatches reuse it. Every other
+    weight autocast casts: an outer autocast region (itself off, so nothing between the forwards,
+    the loss, backward, the pipeline's sends, is autocast) keeps autocast's own cache of weight
+    casts until it exits, before the optimizer changes the weights. The same casts, so the same
+    values; the gradient sums are the same but for a weight used twice in one backward (the tied
+    embedding and head: autograd added their sum, now each in turn). Costs the bf16 copies' memory
+    between microbatches (2 bytes a parameter, which each microbatch's backward holds anyway); not
+    used when the parameters live sharded between uses (ZeRO-3: holding full bf16 copies would
+    undo that), nor in fp32."""
+    global _STEP_CASTS
     if precision == "fp32" or params_sharded:
-        return nullcontext()
-    return torch.autocast(device.type, enabled=False)
+        yield
+        return
+    with torch.autocast(device.type, enabled=False):
+        _STEP_CASTS = {}
+        try:
+            yield
+        finally:
+            _STEP_CASTS = None
+
+
+class _FoldedCast(torch.autograd.Function):
+    """weight (fp32 parameter) -> weight.to(dtype); backward adds the incoming low-precision
+    gradient into the parameter's existing fp32 gradient in place (the cast folded into the add:
+    no fp32 copy of it) and hands autograd None, whose accumulate call still fires the parameter's
+    post-accumulate hooks (the data-parallel readiness). Without a gradient buffer there, or with
+    a tensor hook that must see the gradient first (ZeRO-2's), it returns the cast gradient as
+    autograd's own cast would."""
+
+    @staticmethod
+    def forward(ctx, weight, dtype):
+        ctx.param = weight
+        return weight.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        param = ctx.param
+        buf = param.grad
+        if (buf is not None and buf.dtype == param.dtype and buf.shape == param.shape
+                and not getattr(param, "_backward_hooks", None) and not torch.is_grad_enabled()):
+            buf.add_(grad)
+            return None, None
+        return grad.to(param.dtype), None
+
+
+def step_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight a linear computes with: inside a step (step_cast_cache) under autocast, an fp32
+    parameter's cast made once for the step (see there); anything else unchanged (autocast casts
+    it). Not under no_grad: a cast made there would carry no gradient into later uses."""
+    casts = _STEP_CASTS
+    if (casts is None or weight.dtype != torch.float32 or not weight.requires_grad or not weight.is_leaf
+            or not torch.is_grad_enabled() or not _autocast_on(weight.device.type)):
+        return weight
+    held = casts.get(id(weight))  # (the parameter, its cast): the parameter kept alive with its id
+    if held is None:
+        held = casts[id(weight)] = (weight, _FoldedCast.apply(weight, torch.get_autocast_dtype(weight.device.type)))
+    return held[1]
 
 
 def _autocast_on(device_type: str) -> bool:

@@ -102,9 +102,15 @@ def test_launches_grow_linearly_with_depth_and_microbatches(counts):
     assert per_2_layers[0] / 2 - per_layer_micro == 4, ops
 
 
-def test_bf16_weights_cast_once_a_step_bitwise():
-    """step_cast_cache around 3 microbatches: every parameter is cast to bf16 once (not 3 times)
-    and the gradients are bit for bit those of per-microbatch casts (the same casts)."""
+@pytest.mark.parametrize("hooked", [False, True])
+def test_bf16_weights_cast_once_a_step_gradients_added_in_place(hooked):
+    """step_cast_cache around 3 microbatches, every weight with a gradient buffer already there
+    (the data-parallel case): every linear's weight is cast to bf16 once (not 3 times), its bf16
+    gradient is added into that buffer with no fp32 copy of it (autograd's path casts each one:
+    3 per weight), the post-accumulate hooks fire once per microbatch as before, and the
+    gradients are bit for bit autograd's (llama_tiny: untied, each weight used once a backward).
+    `hooked`: a tensor hook on every weight (ZeRO-2's pre-accumulate hook must see the gradient):
+    the cast gradient goes through autograd as before, the same values."""
     import torch
 
     from mpoverlap.config import compose
@@ -115,16 +121,28 @@ def test_bf16_weights_cast_once_a_step_bitwise():
     cfg = compose(["model=llama_tiny", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176",
                    "model.seq_length=16"]).model
     tokens = torch.randint(0, 100, (3, 2, 16), generator=torch.Generator().manual_seed(0))
-    grads, casts = {}, {}
+    grads, casts, widened, hook_calls = {}, {}, {}, {}
     for cached in (False, True):
         model = GPT(cfg, seed=1)
-        params = {p.data_ptr(): n for n, p in model.named_parameters()}
-        seen = []
+        names = dict(model.named_parameters())
+        buffers = {n: torch.zeros_like(p) for n, p in names.items()}
+        for n, p in names.items():
+            p.grad = buffers[n]
+            p.register_post_accumulate_grad_hook(lambda p, log=hook_calls.setdefault(cached, []): log.append(p))
+            if hooked:
+                p.register_hook(lambda g: g)
+        matrix_shapes = {tuple(p.shape) for p in names.values() if p.dim() == 2}
+        params = {p.data_ptr(): n for n, p in names.items()}
+        seen, up = [], []
 
         class Casts(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.name() == "aten::_to_copy" and args[0].data_ptr() in params:
-                    seen.append(params[args[0].data_ptr()])
+                if func.name() == "aten::_to_copy":
+                    if args[0].data_ptr() in params:
+                        seen.append(params[args[0].data_ptr()])
+                    elif args[0].dtype == torch.bfloat16 and (kwargs or {}).get("dtype") == torch.float32 \
+                            and tuple(args[0].shape) in matrix_shapes:
+                        up.append(tuple(args[0].shape))  # a weight-shaped bf16 gradient cast to fp32
                 return func(*args, **(kwargs or {}))
 
         outer = step_cast_cache("bf16", torch.device("cpu"), params_sharded=False) if cached else autocast_context("fp32", None)
@@ -133,11 +151,15 @@ def test_bf16_weights_cast_once_a_step_bitwise():
                 with autocast_context("bf16", torch.device("cpu")):
                     logits = model(mb)
                 model.loss(logits.float(), mb).backward()
-        grads[cached] = {n: p.grad for n, p in model.named_parameters()}
-        casts[cached] = seen
-    matrices = {n for n, p in GPT(cfg, seed=1).named_parameters() if p.dim() == 2 and "embedding" not in n}
-    assert sorted(casts[True]) == sorted(set(casts[True])) and set(casts[True]) >= matrices, casts[True]
+        assert all(p.grad is buffers[n] for n, p in names.items())
+        grads[cached] = {n: p.grad for n, p in names.items()}
+        casts[cached], widened[cached] = seen, up
+    linears = {n for n, p in GPT(cfg, seed=1).named_parameters() if p.dim() == 2 and "embedding" not in n}
+    assert sorted(casts[True]) == sorted(set(casts[True])) and set(casts[True]) >= linears, casts[True]
     assert len(casts[False]) == 3 * len(casts[True])
+    assert len(widened[False]) >= 3 * len(linears)
+    assert len(widened[True]) == (len(widened[False]) if hooked else 0), widened[True]
+    assert len(hook_calls[True]) == len(hook_calls[False])
     for n, g in grads[False].items():
         assert torch.equal(g, grads[True][n]), n
 

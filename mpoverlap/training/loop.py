@@ -121,7 +121,6 @@ class Trainer(Resumable):
                                          config_yaml=OmegaConf.to_yaml(cfg, resolve=True))
         # train.precision: the same autocast on CPU and CUDA (parameters stay fp32).
         self.autocast = autocast_context(t.precision, state.device)
-        self.cast_once = step_cast_cache(t.precision, state.device, self.sharding == "optim_grads_params")
         self.step = 0
         self.faults = FaultInjector(state.rank)
         # SIGTERM on any rank: every rank stops after the same step (agreed through the
@@ -169,7 +168,8 @@ class Trainer(Resumable):
         micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
         t0 = time.perf_counter()
         self.ddp.start_step()
-        with self.cast_once:  # each weight cast to bf16 once a step, not once a microbatch
+        # each weight cast to bf16 once a step, not once a microbatch; its gradient added in place
+        with step_cast_cache(t.precision, self.state.device, self.sharding == "optim_grads_params"):
             if self.pipeline is not None:
                 loss_sum = self.pipeline.train_microbatches(micro, self.pairing_trace)
             else:

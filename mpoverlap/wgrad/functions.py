@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
+from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_weight
 from mpoverlap.wgrad.deferral import WeightGradGemm, weight_grad_2d
 
 
@@ -76,7 +76,7 @@ class DeferrableEmbeddingFn(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            deferral=None) -> torch.Tensor:
     if deferral is None:
-        return F.linear(x, weight, bias)
+        return F.linear(x, step_weight(weight), bias)
     return DeferrableLinearFn.apply(x, weight, bias, deferral)
 
 
