@@ -75,12 +75,22 @@ class _FoldedCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         param = ctx.param
-        buf = param.grad
-        if (buf is not None and buf.dtype == param.dtype and buf.shape == param.shape
-                and not getattr(param, "_backward_hooks", None) and not torch.is_grad_enabled()):
+        buf = grad_buffer(param)
+        if buf is not None and not torch.is_grad_enabled():
             buf.add_(grad)
             return None, None
         return grad.to(param.dtype), None
+
+
+def grad_buffer(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """param.grad when a gradient may be added into it in place, bypassing autograd's accumulate:
+    an existing gradient of the parameter's dtype and shape (the data-parallel buffer's view) and
+    no tensor hook on the parameter that must see the gradient before it accumulates (the sharded
+    levels' pre-accumulate hooks allocate or wait for the bucket there). Else None."""
+    buf = param.grad
+    if buf is None or buf.dtype != param.dtype or buf.shape != param.shape or getattr(param, "_backward_hooks", None):
+        return None
+    return buf
 
 
 def step_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@ dispatch or combine reads the device. The grouped experts (moe/grouped.py) take 
 local expert as a device tensor (`ChunkCounts.device_counts`), so with one ep rank
 (`host_counts=False`, the default) nothing is read at all: every slot, dropped ones included
 (sorted last), travels as a row, the sizes being T*k, known on the host; the experts give the
-rows past the last expert's zeros. The per-expert loop (model.moe_grouped_gemm=false) sets
-`host_counts=True`: it splits its rows by host integers. With a capacity at ep > 1 the
-all-to-all pads every expert's queue to it (`capacity_padding`, moe/padded.py): no read either.
+rows past the last expert's zeros. The per-expert loop (model.moe_grouped_gemm=false) splits
+its rows by host integers (`host_counts=True`). With a capacity at ep > 1 the all-to-all pads
+every expert's queue to it (`capacity_padding`, moe/padded.py): no read either.
 
 AllToAllDispatcher (R = ep_size, L = num_experts / R local experts, T tokens, k = top_k):
     exchange_counts: one all_to_all of every chunk's per-expert counts [chunks, R, L]; then
@@ -211,17 +211,14 @@ class _Base:
         self.group, self.size, self.rank = ep_group, ep_size, ep_rank
         self.num_experts, self.num_local = num_experts, num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
-        # Forward: the layer decides when each Pending is waited. Backward: `overlap` makes
-        # the reverse exchanges asynchronous (see the module docstring).
-        # One member: the "exchanges" are local copies, not communication; keep them out of
-        # the ledger so comm.ep reports only real traffic.
+        # Backward: `overlap` makes the reverse exchanges asynchronous (module docstring). One
+        # member: the "exchanges" are local copies, kept out of the ledger (comm.ep: real traffic).
         self.overlap, self.ledger = overlap, (ledger if ep_group is not None else None)
         self.backward_trace = None
         self._exchanges = 0
         # Rows per expert as host ints (the per-expert loop), else device counts; ep > 1 reads
-        # the split sizes on the host either way.
+        # the split sizes on the host unless the queues are padded to a capacity.
         self.host_counts = host_counts
-        # A capacity at ep > 1 (all-to-all, grouped experts): padded queues, nothing read.
         self.pads_capacity = capacity_padding and ep_size > 1 and not host_counts
         self.reads_host = host_counts or (ep_size > 1 and not self.pads_capacity)
 
@@ -281,8 +278,7 @@ class AllToAllDispatcher(_Base):
                 for i in range(n)]
 
     def capacity_chunks(self, x_TH, r, num_chunks: int) -> List[PaddedChunk]:
-        """With a capacity: the chunks of a dispatch padded to it (moe/padded.py), sized on the
-        host, nothing read."""
+        """With a capacity: the chunks of a dispatch padded to it (moe/padded.py), nothing read."""
         return capacity_chunks(x_TH, r, num_chunks, self.num_experts, self.num_local, self.size)
 
     def assemble(self, outputs: List[torch.Tensor], counts) -> torch.Tensor:

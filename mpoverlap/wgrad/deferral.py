@@ -24,6 +24,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from mpoverlap.precision import grad_buffer
+
 WeightGrad = Callable[[], torch.Tensor]
 
 
@@ -63,14 +65,10 @@ class WeightGradGemm:
 
 def _accumulates_in_place(param: torch.nn.Parameter, compute: WeightGrad) -> bool:
     """Whether W may add `compute`'s GEMM straight into param.grad: one GEMM (operands of one
-    dtype: the parameter's, or bf16/fp16 under mixed precision), an existing gradient of the
-    parameter's dtype and shape (the data-parallel buffer's view), and no tensor hook on the
-    parameter that must see the gradient before it accumulates (the sharded levels'
-    pre-accumulate hooks allocate or wait for the bucket there: those take the autograd path)."""
-    grad = param.grad
-    return (isinstance(compute, WeightGradGemm) and grad is not None and grad.dtype == param.dtype
-            and compute.x.dtype == compute.grad_y.dtype and grad.shape == param.shape
-            and not getattr(param, "_backward_hooks", None))
+    dtype: the parameter's, or bf16/fp16 under mixed precision) and a buffer that takes an
+    in-place add (precision.grad_buffer; the sharded levels' hooked weights take autograd's path)."""
+    return (isinstance(compute, WeightGradGemm) and compute.x.dtype == compute.grad_y.dtype
+            and grad_buffer(param) is not None)
 
 
 def _accumulated(param: torch.nn.Parameter) -> None:
