@@ -189,3 +189,51 @@ def test_moe_default_chunks_at_ep1_do_not_repeat_the_layer(counts):
     print(f"\nMoE operators per microbatch (2 layers) at ep 1, default / 1 chunk / 4 chunks: {per_micro}")
     assert counts["moe-E8-m2"][0] == counts["moe-E8-m2-chunks1"][0], per_micro
     assert per_micro["-chunks4"] > 1.5 * per_micro[""], per_micro
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_bf16_expert_weight_gradients_added_in_place(hooked):
+    """The grouped experts (moe/grouped.py) under bf16 autocast, their stacked weights with a
+    gradient buffer already there (the data-parallel case): each bf16 weight gradient is added into
+    that buffer with no fp32 copy of the stack (autograd's path casts the whole [experts, out, in]
+    product first), the post-accumulate hooks fire once per backward as before, and the gradients
+    are bit for bit the cast-then-add path's (`hooked`: a tensor hook on each weight, ZeRO-2's
+    case, keeps autograd's path: the reference)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mpoverlap.moe.grouped import grouped_mlp
+
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, ffn = 4, 32, 48
+    counts = torch.tensor([5, 0, 7, 4])
+    x = torch.randn(int(counts.sum()), hidden, generator=g)
+    grads = {}
+    for hook in (True, hooked):
+        w_in = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden, generator=g.manual_seed(1)) / 8)
+        w_out = torch.nn.Parameter(torch.randn(experts, hidden, ffn, generator=g.manual_seed(2)) / 8)
+        calls, widened = [], []
+        for p in (w_in, w_out):
+            p.grad = torch.full_like(p, 0.5)
+            p.register_post_accumulate_grad_hook(calls.append)
+            if hook:
+                p.register_hook(lambda grad: grad)
+        stacks = {tuple(w_in.shape), tuple(w_out.shape)}
+
+        class Casts(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if (func.name() == "aten::_to_copy" and args[0].dtype == torch.bfloat16
+                        and (kwargs or {}).get("dtype") == torch.float32 and tuple(args[0].shape) in stacks):
+                    widened.append(tuple(args[0].shape))
+                return func(*args, **(kwargs or {}))
+
+        with Casts():
+            for _ in range(2):  # two microbatches: the second adds onto the first
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = grouped_mlp(x, w_in, w_out, counts, activation="swiglu", padded=False)
+                y.float().pow(2).sum().backward()
+        assert len(calls) == 4
+        assert len(widened) == (4 if hook else 0), widened
+        grads[hook] = (w_in.grad.clone(), w_out.grad.clone())
+    for got, want in zip(grads[hooked], grads[True]):
+        assert torch.equal(got, want)

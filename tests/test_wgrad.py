@@ -110,15 +110,22 @@ def test_w_accumulates_each_gradient_before_computing_the_next():
     assert all(a[1] == b[1] for a, b in zip(log[::2], log[1::2]))
 
 
+# per case, a deferred weight given a tensor hook (it must take autograd's path)
+HOOKED = {"dense_untied_recompute": "layers.0.mlp.down.weight", "moe_shared": "layers.0.mlp.experts.w_out"}
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_w_accumulates_into_an_existing_gradient_buffer_and_reports_once(precision, monkeypatch):
+@pytest.mark.parametrize("case", list(HOOKED))
+def test_w_accumulates_into_an_existing_gradient_buffer_and_reports_once(case, precision, monkeypatch):
     """The data-parallel case: every weight already has a gradient (the buffer's view, holding
     earlier microbatches' sums). W adds its GEMM into that very tensor (no new .grad), the
     sum equals autograd's accumulation, and each deferred weight's post-accumulate hook fires
     exactly once, in W. bf16: the bf16 product is added into the fp32 buffer by one promoting
     add_ (no fp32 copy of it, no autograd call): bit for bit what autograd's cast-then-add
-    gives, so the bound is 0 there (fp32: addmm_ fuses the product and the sum, 1e-6)."""
-    cfg = compose([*CASES["dense_untied_recompute"], *SMALL]).model
+    gives, so the bound is 0 there (fp32: addmm_ fuses the product and the sum, 1e-6). moe_shared:
+    the grouped experts' stacked weights (moe/grouped.py) too; its tied embedding, used twice in
+    the chunk, sums its two gradients first and takes autograd's path."""
+    cfg = compose([*CASES[case], *SMALL]).model
     g = torch.Generator().manual_seed(2)
     tokens, targets = (torch.randint(0, 96, (2, 16), generator=g) for _ in range(2))
     ref, zb = GPT(cfg, seed=1), GPT(cfg, seed=1)
@@ -131,8 +138,11 @@ def test_w_accumulates_into_an_existing_gradient_buffer_and_reports_once(precisi
     autocast = (torch.autocast("cpu", torch.bfloat16) if precision == "bf16"
                 else torch.autocast("cpu", enabled=False))
     # the reference: the same Functions outside a deferring region (B computes each weight
-    # gradient and autograd casts and accumulates it), so only the accumulation differs
+    # gradient and autograd casts and accumulates it, but for the grouped experts' bf16 stacks,
+    # which B adds in place chunk by chunk), so only the accumulation differs; the hooked weight
+    # takes autograd's path in both
     attach_deferral(ref, WeightGradDeferral())
+    dict(ref.named_parameters())[HOOKED[case]].register_hook(lambda g: g)
     _loss(ref, tokens, targets, autocast).backward()
     seen = []
     for name, p in zb.named_parameters():
@@ -142,7 +152,7 @@ def test_w_accumulates_into_an_existing_gradient_buffer_and_reports_once(precisi
         loss.backward()
     deferred = {n for n, p in zb.named_parameters() if any(p is q for q, _ in queue.entries)}
     # a weight with a tensor hook (ZeRO-2/3's pre-accumulate hook) must see its gradient: autograd path
-    hooked = "layers.0.mlp.down.weight"
+    hooked = HOOKED[case]
     assert hooked in deferred
     pre = []
     dict(zb.named_parameters())[hooked].register_hook(lambda g: pre.append(g.shape))
@@ -151,13 +161,17 @@ def test_w_accumulates_into_an_existing_gradient_buffer_and_reports_once(precisi
     real_backward = torch.autograd.backward
     monkeypatch.setattr(torch.autograd, "backward",
                         lambda tensors, *a, **k: (through_autograd.extend(tensors), real_backward(tensors, *a, **k)))
+    from mpoverlap.moe.grouped import _WeightGrad
     from mpoverlap.wgrad.deferral import WeightGradGemm
     names = {id(p): n for n, p in zb.named_parameters()}
-    not_gemm = {names[id(p)] for p, c in queue.entries if not isinstance(c, WeightGradGemm)}
+    in_place_kinds = (WeightGradGemm, _WeightGrad)
+    not_in_place = {names[id(p)] for p, c in queue.entries if not isinstance(c, in_place_kinds)}
+    if case == "moe_shared":  # each expert stack queued once per expert chunk (2 here)
+        assert sum(isinstance(c, _WeightGrad) for _, c in queue.entries) == 8
     queue.run()
     monkeypatch.undo()
-    # in place: every one-GEMM weight but the hooked one (the embedding's scatter takes autograd)
-    assert sorted(names[id(p)] for p in through_autograd) == sorted(not_gemm | {hooked}), not_gemm
+    # in place: every one-GEMM or grouped weight but the hooked one (the embedding's scatter takes autograd)
+    assert sorted(names[id(p)] for p in through_autograd) == sorted(not_in_place | {hooked}), not_in_place
     assert sorted(seen[in_b:]) == sorted(deferred)
     assert len(pre) == 1
     for n, p in zb.named_parameters():

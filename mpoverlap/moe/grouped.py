@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from mpoverlap.precision import compute_dtype, no_autocast
+from mpoverlap.precision import compute_dtype, grad_buffer, no_autocast
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -134,6 +134,11 @@ class _WeightGrad:
     def __call__(self) -> torch.Tensor:
         return grouped_wgrad(self.g, self.a, self.offs)
 
+    def accumulate_into(self, grad: torch.Tensor) -> None:
+        """The W queue's in-place path (wgrad/deferral.py): dW added into the fp32 gradient
+        `grad` by one add_, a bf16 product promoted inside it (no fp32 copy of the stack)."""
+        grad.add_(self())
+
 
 class GroupedMLPFn(torch.autograd.Function):
     """x [N, H] grouped by expert, w_in [L, W, H], w_out [L, H, F], offs [L] int32 -> [N, H]."""
@@ -166,7 +171,19 @@ class GroupedMLPFn(torch.autograd.Function):
             grads = []
             for param, g, a in ((ctx.params[0], grad_h, x), (ctx.params[1], grad_y, None)):
                 wg = _WeightGrad(g, a if a is not None else _activate(h, act), offs)
-                grads.append(None if ctx.deferral is not None and ctx.deferral.defer(param, wg) else wg())
+                if ctx.deferral is not None and ctx.deferral.defer(param, wg):
+                    grads.append(None)
+                    continue
+                grad_w = wg()
+                buf = grad_buffer(param) if grad_w.dtype != param.dtype else None
+                if buf is not None and not torch.is_grad_enabled():
+                    # bf16 dW into the fp32 master gradient by one promoting add: autograd would
+                    # cast it to a whole fp32 copy of the expert stack first, then add (as
+                    # precision._FoldedCast does for the linears; None still runs the parameter's
+                    # accumulate step and its post-accumulate hooks)
+                    buf.add_(grad_w)
+                    grad_w = None
+                grads.append(grad_w)
         return grad_x, grads[0], grads[1], None, None, None, None
 
 

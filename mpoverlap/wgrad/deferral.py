@@ -64,11 +64,11 @@ class WeightGradGemm:
 
 
 def _accumulates_in_place(param: torch.nn.Parameter, compute: WeightGrad) -> bool:
-    """Whether W may add `compute`'s GEMM straight into param.grad: one GEMM (operands of one
-    dtype: the parameter's, or bf16/fp16 under mixed precision) and a buffer that takes an
-    in-place add (precision.grad_buffer; the sharded levels' hooked weights take autograd's path)."""
-    return (isinstance(compute, WeightGradGemm) and compute.x.dtype == compute.grad_y.dtype
-            and grad_buffer(param) is not None)
+    """Whether W may add `compute`'s product straight into param.grad: a closure that can
+    (`accumulate_into(grad)`: WeightGradGemm, the grouped experts' moe/grouped.py _WeightGrad)
+    and a buffer that takes an in-place add (precision.grad_buffer; the sharded levels' hooked
+    weights take autograd's path)."""
+    return hasattr(compute, "accumulate_into") and grad_buffer(param) is not None
 
 
 def _accumulated(param: torch.nn.Parameter) -> None:
@@ -98,32 +98,37 @@ class WeightGradQueue:
         GEMM ran, and each gradient is accumulated (one autograd call per parameter: its
         accumulate hooks fire then) as soon as the parameter's last entry ran, so W holds one
         weight-sized gradient at a time, as the backward it replaces does, not the whole
-        chunk's. A parameter queued twice (tied) is summed in queue order first, then
-        accumulated once.
+        chunk's. A parameter queued twice on autograd's path (tied) is summed in queue order
+        first, then accumulated once.
 
-        Speed: a parameter with one GEMM entry and a gradient already there (the usual case:
-        the data-parallel wrapper's `.grad` is a view of its buffer from the start) is
-        accumulated into that tensor in place (`WeightGradGemm.accumulate_into`: fp32 by
-        `addmm_`, bf16 by one promoting `add_`), and its post-accumulate hooks are called as
-        autograd would call them; anything else (the collective-matmul sums, embeddings, tied
-        weights, sharded levels' hooks, no .grad yet) goes through `torch.autograd.backward`."""
+        Speed: a parameter whose entries all add in place (`accumulate_into`: one GEMM, fp32 by
+        `addmm_`, bf16 by one promoting `add_`; the grouped experts' stacks, once per expert
+        chunk, in the order the non-deferred backward adds them, moe/grouped.py) and that has
+        a gradient already there (the usual case: the data-parallel wrapper's `.grad` is a view
+        of its buffer from the start) is accumulated into that tensor in place, and its
+        post-accumulate hooks are called once, as autograd would call them; anything else (the
+        collective-matmul sums, embeddings, tied weights, sharded levels' hooks, no .grad yet)
+        goes through `torch.autograd.backward`."""
         if self.ran:
             raise RuntimeError("a weight-gradient queue ran twice")
         self.ran = True
         entries, self.entries = self.entries, []
         last = {id(param): i for i, (param, _) in enumerate(entries)}
-        first = {}
-        for i, (param, _) in enumerate(entries):
-            first.setdefault(id(param), i)
+        # parameters every entry of which adds in place (one GEMM, or the grouped experts'
+        # stacks once per expert chunk): their hooks fire once, after the last entry
+        in_place: Dict[int, bool] = {}
+        for param, compute in entries:
+            in_place[id(param)] = in_place.get(id(param), True) and _accumulates_in_place(param, compute)
         partial: Dict[int, torch.Tensor] = {}
         for i in range(len(entries)):
             param, compute = entries[i]
             entries[i] = None  # type: ignore[call-overload]  # the closure's tensors go with it
-            if first[id(param)] == i == last[id(param)] and _accumulates_in_place(param, compute):
+            if in_place[id(param)]:
                 with torch.no_grad():
                     compute.accumulate_into(param.grad)
                 del compute
-                _accumulated(param)
+                if last[id(param)] == i:
+                    _accumulated(param)
                 continue
             grad = compute().to(param.dtype)  # bf16 GEMM -> the fp32 master gradient
             del compute
