@@ -82,13 +82,13 @@ def _run_segments(rank, world, jobs, root: str):
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = compose([*overrides, f"train.steps={steps}", f"run.dir={run_dir}", "train.device=cpu"])
         trainer = Trainer(cfg, init_distributed(cfg), run_dir)
-        blocked = []  # (step, the executor's own blocked time of that step) on a pipelined run
+        blocked = []  # (step, the executor's own blocked time of that step, this rank's step time) on a pipelined run
         if trainer.pipeline is not None:
             train_step = trainer.train_step
 
             def timed_step(train_step=train_step, trainer=trainer, blocked=blocked):
                 result = train_step()
-                blocked.append((trainer.step, trainer.pipeline.executor.bubble_s))
+                blocked.append((trainer.step, trainer.pipeline.executor.bubble_s, result["step_time_s"]))
                 return result
             trainer.train_step = timed_step
         stdout = io.StringIO()
@@ -108,7 +108,7 @@ def run_chains(chains: Dict[str, Sequence[Segment]], root, timeout_s: float = 90
     chains run in one spawn per world size, after every (k-1)-th segment finished.
 
     Returns {name: [per segment, per rank: {"stage": pipeline stage, "blocked": [(step, the
-    PipelineExecutor's bubble_s of that step)] (empty without a pipeline), "stdout": what the
+    PipelineExecutor's bubble_s of that step, the rank's own step time)] (empty without a pipeline), "stdout": what the
     rank printed (rank 0: the plan and, with train.progress=true, the log lines)}]}."""
     results: Dict[str, List[list]] = {name: [] for name in chains}
     for k in range(max(len(segments) for segments in chains.values())):
