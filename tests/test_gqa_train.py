@@ -2,7 +2,7 @@
 curve, and context parallelism moves only the K/V groups.
 
 Trainers are built inside one spawn per world size (tests/inproc_train.py). A Llama-shaped
-model (8 heads, head dim 8) with model.num_query_groups = 1 (MQA) and 2 trains 6 steps at tp 2 + SP, cp 2 and cp 4 (ring and all-to-all, on the fused block kernels),
+model (8 heads, head dim 8) with model.num_query_groups = 1 (MQA) and 2 trains STEPS = 4 steps at tp 2 + SP, cp 2 and cp 4 (ring and all-to-all, on the fused block kernels),
 cp 2 x tp 2 + SP, pp 2 x vpp 2, and, on an MoE model with GQA, ep 2, ep 4 and the composed
 dp 2 x tp 2 x pp 2 x ep 2; each against the single-process run of the same model, seed and global batch (losses and grad norms within 1e-5 relative). tp 2 needs
 tp | groups (K/V heads are never replicated: the rule tp.divides_query_groups), and all-to-all
@@ -58,16 +58,19 @@ def accepted(world, ov):
     return not validate(compose(ov), world)
 
 
+STEPS = 4  # as tests/test_pairing.py STEPS: a wrong gradient shows at the first step already
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     specs = {}
     for groups in GROUPS:
         for family in ("dense", "moe"):
-            specs[f"ref_{family}_g{groups}"] = (1, overrides(groups, family), 6)
+            specs[f"ref_{family}_g{groups}"] = (1, overrides(groups, family), STEPS)
         for name, (world, layout, family) in LAYOUTS.items():
             ov = overrides(groups, family, layout)
             if accepted(world, ov):
-                specs[f"{name}_g{groups}"] = (world, ov, 6)
+                specs[f"{name}_g{groups}"] = (world, ov, STEPS)
     for groups in (8, "null"):
         specs[f"ring32_g{groups}"] = (2, [*BASE, *RING32, f"model.num_query_groups={groups}"], 2)
     return train_layouts(specs, tmp_path_factory.mktemp("gqa"))
@@ -87,7 +90,7 @@ def test_gqa_layouts_reproduce_the_single_process_reference(runs):
                 assert problems and all(p.fix for p in problems), key
                 continue
             ref = runs[f"ref_{family}_g{groups}"]
-            assert len(ref) == 6 and ref[-1]["loss"] < ref[0]["loss"]
+            assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"]
             assert_close([r["loss"] for r in runs[key]], [r["loss"] for r in ref])
             assert_close([r["grad_norm"] for r in runs[key]], [r["grad_norm"] for r in ref])
             trained += 1

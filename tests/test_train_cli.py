@@ -96,13 +96,19 @@ LAYOUTS = {
 }
 
 
+# LAYOUTS train 4 microbatches a step at dp 1 (SMALL's 8 before 2026-11-28: every comparison is
+# against a run of the same batch, and on 2 cores a step's time is its collectives' count), 2 at
+# dp 2, 1 at dp 4.
+RUNS = [*SMALL, "train.global_batch_size=8"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: rows} for every layout of LAYOUTS, trained 4 steps inside one spawn per world size
     (tests/inproc_train.py: the same Trainer the console script builds, without a launch each)."""
     from inproc_train import train_layouts, world_of
 
-    specs = {name: (world_of([*SMALL, *ov]), [*SMALL, *ov], 4) for name, ov in LAYOUTS.items()}
+    specs = {name: (world_of([*RUNS, *ov]), [*RUNS, *ov], 4) for name, ov in LAYOUTS.items()}
     return train_layouts(specs, tmp_path_factory.mktemp("runs"))
 
 
@@ -110,7 +116,7 @@ def runs(tmp_path_factory):
 def cli_dp2(tmp_path_factory):
     """The one layout launched through the console script: its metrics.jsonl is the contract."""
     run = tmp_path_factory.mktemp("cli") / "dp2_on"
-    train(run, *LAYOUTS["dp2_on"])
+    train(run, *RUNS[len(SMALL):], *LAYOUTS["dp2_on"])
     return run
 
 
@@ -125,7 +131,7 @@ def test_loss_falls_and_metrics_contract(cli_dp2, runs):
     from mpoverlap.models.gpt import flops_per_token
     from mpoverlap.training.lr import LRSchedule
 
-    cfg = compose([*SMALL, *LAYOUTS["dp2_on"], "train.steps=4"])
+    cfg = compose([*RUNS, *LAYOUTS["dp2_on"], "train.steps=4"])
     schedule = LRSchedule.from_config(cfg.train)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     for row in r:
@@ -162,7 +168,10 @@ def test_cp_layouts_reproduce_single_process_curve(runs):
         assert cp["ops"] > 0 and cp["bytes"] > 0 and 0 <= cp["exposed_s"] <= cp["time_s"]
     # The ring moves cp-1 K/V blocks forward and 2cp-1 transfers backward per layer and microbatch.
     cp2 = runs["cp2_ring_on"][-1]["comm"]["cp"]
-    microbatches, layers = 8, 2
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.layout import build_layout
+
+    microbatches, layers = build_layout(compose([*RUNS, *LAYOUTS["cp2_ring_on"]])).num_microbatches, 2
     assert cp2["ops"] == microbatches * layers * (1 + 3)
 
 
@@ -300,7 +309,7 @@ def test_check_estimates_match_measured_comm(runs):
     for name in ("dp2_on", "dp4_zero_on", "tp2", "tp2_sp_on", "pp2_vpp2_on", "pp4_on", "cp4_ring_off", "cp2_a2a_on",
                  "dp2_tp2_pp2_sp_all", "moe_dp4_ep2_on", "moe_dp4_ep2_zero", "moe_dp2_ep2_tp2_pp2_all",
                  "moe_shared_dp2_ep2_allgather"):
-        cfg = compose([*SMALL, *LAYOUTS[name]])
+        cfg = compose([*RUNS, *LAYOUTS[name]])
         est = estimate(cfg, build_layout(cfg).world).comm_bytes_per_step
         measured = runs[name][-1]["comm"]
         # Every mode either side names: a mode the estimate predicts and the ledger misses (or
@@ -396,7 +405,7 @@ def test_checkpoint_reshards_tp_pp_chain_and_ep(resumed):
 def test_torchrun_joins(tmp_path, cli_dp2):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "mpoverlap.train"]
-    train(tmp_path / "tr", "parallel.dp=auto", "overlap.dp=true", launcher=launcher)
+    train(tmp_path / "tr", *RUNS[len(SMALL):], "parallel.dp=auto", "overlap.dp=true", launcher=launcher)
     assert losses(tmp_path / "tr") == losses(cli_dp2)
 
 

@@ -1,5 +1,5 @@
 """train.dp_sharding: ZeRO-1/2/3 against the single-process reference (losses and grad norms
-within 1e-5 over 6 steps, alone and with tp2 + SP, pp2 x vpp2, pp2 tied, cp2 and MoE ep2),
+within 1e-5 over STEPS = 4 steps, alone and with tp2 + SP, pp2 x vpp2, pp2 tied, cp2 and MoE ep2),
 overlap on = off bitwise, dp bytes = mpoverlap-check's estimate, checkpoints across levels,
 and measured parameter / gradient / optimizer memory per rank against the estimate."""
 from __future__ import annotations
@@ -28,6 +28,7 @@ SMALL = ["model=gpt_tiny", "model.num_layers=4", "model.hidden_size=32", "model.
          "overlap.dp_bucket_mb=0.01"]
 MOE = ["model=moe_tiny", "model.moe_ffn_hidden_size=32"]
 SHARDED = ("optim_grads", "optim_grads_params")
+STEPS = 4  # as tests/test_pairing.py STEPS: a wrong gradient shows at the first step already
 # name -> (world, overrides, reference)
 COMPOSED = {
     "tp2_sp": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=true"], "ref"),
@@ -88,7 +89,7 @@ def test_every_level_reproduces_the_single_process_curve(tmp_path):
         # ZeRO-1 with the embedding tied across stages is refused (pp.tied_embeddings_with_...).
         for level in SHARDED if name == "pp2_tied" else ("optim", *SHARDED):
             specs[f"{name}_{level}"] = (world, SMALL, [*overrides, f"train.dp_sharding={level}"])
-    runs = train_layouts({n: (w, [*base, *ov], 6) for n, (w, base, ov) in specs.items()}, tmp_path)
+    runs = train_layouts({n: (w, [*base, *ov], STEPS) for n, (w, base, ov) in specs.items()}, tmp_path)
 
     def reference(name):
         if name.startswith("ref"):
@@ -100,7 +101,7 @@ def test_every_level_reproduces_the_single_process_curve(tmp_path):
 
     for name, rows in runs.items():
         ref = runs[reference(name)]
-        assert len(rows) == 6
+        assert len(rows) == STEPS
         for row, want in zip(rows, ref):
             assert rel(row["loss"], want["loss"]) < 1e-5, (name, row["loss"], want["loss"])
             assert rel(row["grad_norm"], want["grad_norm"]) < 1e-5, (name, row["grad_norm"], want["grad_norm"])
