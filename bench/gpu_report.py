@@ -96,6 +96,50 @@ def _throughput_rows(shape: str, r: Dict[str, Any]) -> List[str]:
     return rows
 
 
+# The GPU acceptance criteria of issues 45 and 46 (docs/gpu-check.md), read off the throughput table:
+# (issue, criterion, shape, the figure from that shape's result, its format, the threshold test).
+def _step(r: Dict[str, Any], side: str) -> Optional[float]:
+    row = (r.get("sides") or {}).get(side) or {}
+    return row.get("step_s") if "error" not in row else None
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a and b else None
+
+
+def _mfu(r: Dict[str, Any], side: str) -> Optional[float]:
+    row = (r.get("sides") or {}).get(side) or {}
+    return row.get("mfu") if "error" not in row else None
+
+
+CRITERIA = [
+    ("45", "Trainer step / its module's plain loop <= 1.03", "llama3_1b",
+     lambda r: _ratio(_step(r, "mpoverlap"), _step(r, "plain")), ".3f", lambda v: v <= 1.03),
+    ("45", "transformers loop / Trainer step >= 1.10", "llama3_1b",
+     lambda r: _ratio(_step(r, "hf"), _step(r, "mpoverlap")), ".3f", lambda v: v >= 1.10),
+    ("45", "Trainer MFU eager >= 45%", "llama3_1b", lambda r: _mfu(r, "mpoverlap"), ".1%", lambda v: v >= 0.45),
+    ("45", "Trainer MFU with train.compile=true >= 50%", "llama3_1b", lambda r: _mfu(r, "compiled"), ".1%",
+     lambda v: v >= 0.50),
+    ("45", "simulator within 15% of the Trainer's step (abs(simulated - measured) / measured)", "llama3_1b",
+     lambda r: (abs((r.get("simulated") or {}).get("step_s", 0) - _step(r, "mpoverlap")) / _step(r, "mpoverlap")
+                if _step(r, "mpoverlap") and (r.get("simulated") or {}).get("step_s") else None), ".1%",
+     lambda v: v <= 0.15),
+    ("46", "moe_350m Trainer MFU (bf16) >= 25%", "moe_350m", lambda r: _mfu(r, "mpoverlap"), ".1%",
+     lambda v: v >= 0.25),
+]
+
+
+def criteria(throughput: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Each criterion with its measured figure and "met", "missed" or "not measured"."""
+    out = []
+    for issue, what, shape, figure, fmt, ok in CRITERIA:
+        value = figure(throughput[shape]) if "sides" in (throughput.get(shape) or {}) else None
+        out.append({"issue": issue, "criterion": what, "shape": shape, "value": value,
+                    "shown": _f(value, fmt), "verdict": "not measured" if value is None else
+                    ("met" if ok(value) else "missed")})
+    return out
+
+
 def render(results: Dict[str, Any]) -> str:
     """The markdown report of a results dict (keys: env, started, elapsed_s, budget_s, tests,
     attention_kernels, throughput, skipped); parts not there yet are said to be missing."""
@@ -152,6 +196,11 @@ def render(results: Dict[str, Any]) -> str:
             out += _throughput_rows(shape, r)
         else:
             out.append(f"| {shape} | {r.get('status', 'no result')}: {r.get('reason', '')} | | | | | | | | | |")
+    if shapes:
+        out += ["", "### The GPU criteria of issues 45 and 46", "", "| issue | criterion | shape | measured | verdict |",
+                "|---|---|---|---|---|"]
+        out += [f"| {c['issue']} | {c['criterion']} | {c['shape']} | {c['shown']} | {c['verdict']} |"
+                for c in criteria(shapes)]
     if any(row.get("launches") for r in shapes.values() for row in (r.get("sides") or {}).values()):
         out += ["", "Operators a step: aten operators one more step dispatched (each a kernel launch or a "
                 "view), counted by mpoverlap/training/launch_count.py; step us per operator is the step time "
