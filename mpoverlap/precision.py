@@ -75,11 +75,21 @@ class _FoldedCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         param = ctx.param
-        buf = grad_buffer(param)
-        if buf is not None and not torch.is_grad_enabled():
-            buf.add_(grad)
+        if added_into_grad(param, grad):
             return None, None
         return grad.to(param.dtype), None
+
+
+def added_into_grad(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    """In a backward (grad mode off), add `grad` into param's gradient buffer in place (one
+    promoting add_ for a low-precision gradient) where grad_buffer allows; True if it did: the
+    caller then hands autograd None for the parameter, whose accumulate call still fires the
+    post-accumulate hooks."""
+    buf = grad_buffer(param)
+    if buf is None or torch.is_grad_enabled():
+        return False
+    buf.add_(grad)
+    return True
 
 
 def grad_buffer(param: torch.Tensor) -> Optional[torch.Tensor]:

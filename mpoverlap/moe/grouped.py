@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from mpoverlap.precision import compute_dtype, grad_buffer, no_autocast
+from mpoverlap.precision import added_into_grad, compute_dtype, no_autocast
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -175,13 +175,10 @@ class GroupedMLPFn(torch.autograd.Function):
                     grads.append(None)
                     continue
                 grad_w = wg()
-                buf = grad_buffer(param) if grad_w.dtype != param.dtype else None
-                if buf is not None and not torch.is_grad_enabled():
-                    # bf16 dW into the fp32 master gradient by one promoting add: autograd would
-                    # cast it to a whole fp32 copy of the expert stack first, then add (as
-                    # precision._FoldedCast does for the linears; None still runs the parameter's
-                    # accumulate step and its post-accumulate hooks)
-                    buf.add_(grad_w)
+                # bf16 dW into the fp32 master gradient by one promoting add: autograd would cast
+                # it to a whole fp32 copy of the expert stack first, then add (as
+                # precision._FoldedCast does for the linears)
+                if grad_w.dtype != param.dtype and added_into_grad(param, grad_w):
                     grad_w = None
                 grads.append(grad_w)
         return grad_x, grads[0], grads[1], None, None, None, None
