@@ -221,6 +221,8 @@ class GPT(nn.Module):
         # Tied: the head reuses self.embedding.weight and there is no separate head parameter.
         self.output = (None if cfg.tie_embeddings or not post_process
                        else layers.column("output", cfg.hidden_size, self.vocab_size, cfg, seed, self.tp))
+        # train.compile: the loss's upcast, log-softmax and gradient as one compiled region
+        self.loss_math = fused.regions(compile_backend)["loss"] if compile_backend and post_process else None
         self.init_weights(seed)
         if self.embedding is not None and not pre_process:
             self.embedding.weight.pipeline_duplicate = True  # counted once, on the first stage
@@ -234,12 +236,14 @@ class GPT(nn.Module):
             if not hasattr(p, "tensor_model_parallel") and not hasattr(p, "expert_names"):
                 p.copy_(init_tensor(name, p.shape, self.cfg, seed))
 
-    def forward(self, tokens_BS: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                fp32_logits: bool = True) -> torch.Tensor:
         """tokens_BS (int64) -> logits_BSV (fp32; V/tp per rank under TP). position_ids [S]
         default 0..S-1 (context parallelism passes the global positions of its share).
         A chunk without pre_process takes hidden states x_BSH instead of tokens; one without
-        post_process returns hidden states."""
+        post_process returns hidden states. `fp32_logits=False`: the logits as the head's GEMM
+        made them (bf16 under bf16 autocast), for `loss`, which upcasts them itself (in one
+        kernel with the log-softmax under train.compile)."""
         x_BSH, cos_SD, sin_SD = self.embed(tokens_BS, position_ids)
         for j, layer in enumerate(self.layers.values()):
             if j < self.num_recomputed:
@@ -248,7 +252,7 @@ class GPT(nn.Module):
                 x_BSH = layer(x_BSH, cos_SD, sin_SD)
         if not self.post_process:
             return x_BSH
-        return self.head(x_BSH)
+        return self.head(x_BSH, fp32_logits)
 
     def embed(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
         """The forward up to the first block: (x_BSH, cos_SD, sin_SD). Tokens are embedded on
@@ -263,16 +267,20 @@ class GPT(nn.Module):
         x_BSH = self.embedding(tokens_BS) if self.pre_process else tokens_BS
         return x_BSH, cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
 
-    def head(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        """The forward after the last block: final norm and output layer -> logits_BSV (fp32)."""
+    def head(self, x_BSH: torch.Tensor, fp32_logits: bool = True) -> torch.Tensor:
+        """The forward after the last block: final norm and output layer -> logits_BSV (fp32,
+        or as the GEMM made them with fp32_logits=False)."""
         x_BSH = self.final_norm(x_BSH)
         if self.output is None:
-            return layers.tied_head(x_BSH, self.embedding, self.tp).float()
-        return self.output(x_BSH).float()
+            logits_BSV = layers.tied_head(x_BSH, self.embedding, self.tp)
+        else:
+            logits_BSV = self.output(x_BSH)
+        return logits_BSV.float() if fp32_logits else logits_BSV
 
     def loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean token cross entropy over B*S tokens, in fp32 (vocab-parallel under TP)."""
-        return layers.token_loss(logits_BSV, targets_BS, self.tp)
+        """Mean token cross entropy over B*S tokens, in fp32 from logits of any float dtype
+        (vocab-parallel under TP; train.compile: the compiled `loss` region on one TP rank)."""
+        return layers.token_loss(logits_BSV, targets_BS, self.tp, self.loss_math)
 
     def foreign_reads(self) -> list:
         """[(module, parameters)]: the parameters a module's forward reads although another

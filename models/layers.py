@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpoverlap.models.loss import token_loss as eager_token_loss
 # nn.Linear / nn.Embedding (same forward) whose weight gradient a zero-bubble pipeline can defer
 from mpoverlap.wgrad.functions import Embedding, Linear, linear
 
@@ -59,14 +60,15 @@ def tied_head(x_BSH: torch.Tensor, embedding_module: nn.Module, tp: Optional[dic
     return column_parallel_linear(x_BSH, embedding_module.weight, None, embedding_module.comm)
 
 
-def token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, tp: Optional[dict]) -> torch.Tensor:
-    """Mean token cross entropy (fp32); under TP the logits stay split over the vocabulary."""
+def token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, tp: Optional[dict], single=None) -> torch.Tensor:
+    """Mean token cross entropy (fp32) from logits of any float dtype; under TP the logits stay
+    split over the vocabulary. `single`: the one-rank loss (models/fused.py's `loss` region,
+    compiled under train.compile), default eager."""
     if tp_size(tp) == 1:
-        V = logits_BSV.shape[-1]
-        return F.cross_entropy(logits_BSV.float().reshape(-1, V), targets_BS.reshape(-1))
+        return (single or eager_token_loss)(logits_BSV, targets_BS)
     from mpoverlap.tensor_parallel import vocab_parallel_cross_entropy
 
-    return vocab_parallel_cross_entropy(logits_BSV.float(), targets_BS, tp_group=tp["tp_group"],
+    return vocab_parallel_cross_entropy(logits_BSV, targets_BS, tp_group=tp["tp_group"],
                                         tp_rank=tp["tp_rank"], tp_size=tp["tp_size"],
                                         ledger=tp.get("ledger")).mean()
 

@@ -52,8 +52,57 @@ def rope_cos_sin(position_ids_S: torch.Tensor, head_dim: int, base: float, scali
     return angles_SD.cos(), angles_SD.sin()
 
 
-def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + D/2]) by the position angle."""
+def rope_reference(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + D/2]) by the position angle: x cos + rotate_half(x) sin
+    in the tables' fp32, cast back to x's dtype. What train.compile's `rope` region traces
+    (inductor fuses it) and the tests' reference for `apply_rope`."""
     x1, x2 = x_BNSD.chunk(2, dim=-1)
     rotated_BNSD = torch.cat([-x2, x1], dim=-1)
     return (x_BNSD * cos_SD + rotated_BNSD * sin_SD).to(x_BNSD.dtype)
+
+
+def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    """`rope_reference`'s rotation, eager, as one autograd Function over the two halves:
+    out1 = x1 c - x2 s, out2 = x2 c + x1 s (c, s: the tables' first half; rope_cos_sin repeats
+    the angles over both halves), each one fp32 product and one multiply-add written in x's
+    dtype; backward the transposed rotation of the gradient, alike. Eager autograd on
+    `rope_reference` writes the negated half, the rotated copy, two fp32 products, their fp32 sum
+    and the cast (~36 bytes moved per element of q and k, bf16) and in backward casts each
+    product's fp32 gradient back to bf16 before adding them (~46); this moves ~14 each way. The
+    same fp32 arithmetic but for the multiply-add's single rounding: within one rounding of x's
+    dtype of the reference."""
+    return _Rope.apply(x_BNSD, cos_SD, sin_SD)
+
+
+def _dense_like(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of x's shape and dtype, dense in x's dimension order (as an elementwise
+    operator would lay out its output: q and k, views into the qkv GEMM's [B, S, ...] output,
+    keep that order for attention)."""
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    out = torch.empty([x.shape[d] for d in order], dtype=x.dtype, device=x.device)
+    return out.permute([order.index(d) for d in range(x.dim())])
+
+
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float) -> torch.Tensor:
+    """[x1 c - sign x2 s | x2 c + sign x1 s] in x's dtype (sign -1: the transposed rotation)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = _dense_like(x)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.addcmul(x1 * c, x2, s, value=-sign, out=out1)
+    torch.addcmul(x2 * c, x1, s, value=sign, out=out2)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BNSD, cos_SD, sin_SD):
+        half = x_BNSD.shape[-1] // 2
+        c, s = cos_SD[..., :half], sin_SD[..., :half]
+        ctx.save_for_backward(c, s)
+        return _rotate(x_BNSD, c, s, 1.0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_BNSD):
+        c, s = ctx.saved_tensors
+        return _rotate(grad_BNSD, c, s, -1.0), None, None

@@ -4,8 +4,8 @@ One spawn of 2 gloo ranks trains, for gpt_tiny and llama_tiny, the eager dp 2 re
 compiled model at dp 2 and at tp 2 + SP, 5 steps each in fp32, same seed and global batch:
 losses and gradient norms within 1e-5 (relative) of the reference, the bound the project's
 layout parity keeps (DESIGN.md, numerics promises: fp32 rounding; fused kernels reorder a norm's
-sum). It also counts dynamo's graphs: one per region (norm, add_norm, rope, activation) and
-layout, not one per layer.
+sum). It also counts dynamo's graphs: one per region (norm, add_norm, rope, activation, loss)
+and layout, not one per layer.
 
 Backend: the spawn runs `train.compile_backend=aot_eager` by default (dynamo's tracing and AOT
 autograd's forward/backward graphs, the path inductor compiles, without code generation), because
@@ -108,12 +108,12 @@ def test_compiled_matches_eager_reference(runs, model, layout):
     for step, ((l_ref, g_ref), (l, g)) in enumerate(zip(ref["rows"], got["rows"])):
         assert l == pytest.approx(l_ref, rel=RTOL), (step, l, l_ref)
         assert g == pytest.approx(g_ref, rel=RTOL), (step, g, g_ref)
-    # at most one new graph per region (norm, add_norm, rope, activation) for this layout's
-    # shapes, shared by every layer (per-layer compiles: 4 x layers); the spawn's first compiled
-    # run compiles all four (2 layers), later ones only the regions whose shapes (or grad mode)
-    # are new to the process
-    assert got["layers"] >= 1 and got["graphs"] <= 4, got["graphs"]
-    assert runs["gpt_tiny-compiled_dp2"]["graphs"] == 4
+    # at most one new graph per region (norm, add_norm, rope, activation, loss) for this
+    # layout's shapes, shared by every layer (per-layer compiles: 4 x layers + 1); the spawn's
+    # first compiled run compiles all five (2 layers), later ones only the regions whose shapes
+    # (or grad mode) are new to the process (under TP the vocabulary-parallel loss stays eager)
+    assert got["layers"] >= 1 and got["graphs"] <= 5, got["graphs"]
+    assert runs["gpt_tiny-compiled_dp2"]["graphs"] == 5
 
 
 def test_layernorm_gelu_regions_match_eager(runs):
@@ -137,3 +137,33 @@ def test_inductor_single_process():
         out.append([loss.detach()] + [p.grad for p in model.parameters()])
     for a, b in zip(*out):
         torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("side", ["eager", "compiled"])
+def test_loss_matches_cross_entropy(dtype, side):
+    """The one-rank loss (models/loss.py), eager (its autograd Function) and as train.compile's
+    `loss` region (this suite's backend), against F.cross_entropy of the upcast logits, from fp32
+    logits and from bf16 ones as bf16 autocast's head makes them: the loss within 1e-5
+    (relative) and the logits' gradient in the logits' dtype, within 1e-5 of the reference's in
+    fp32 and within one bf16 rounding of it in bf16 (both round the same fp32 softmax - one-hot,
+    which may differ in its last fp32 bit: the one-hot subtracted before or after the scale, a
+    fused kernel's reordered row sum)."""
+    from mpoverlap.models import fused, loss
+
+    g = torch.Generator().manual_seed(7)
+    logits = (4 * torch.randn(2, 16, 96, generator=g)).to(dtype)
+    targets = torch.randint(0, 96, (2, 16), generator=g)
+    out = []
+    for fn in (loss.cross_entropy, fused.regions(None if side == "eager" else BACKEND)["loss"]):
+        x = logits.clone().requires_grad_(True)
+        value = fn(x, targets)
+        (3 * value).backward()
+        out.append((value.detach(), x.grad))
+    (ref, gref), (got, ggot) = out
+    assert got.dtype == ref.dtype == torch.float32 and ggot.dtype == dtype
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ggot, gref, rtol=RTOL, atol=1e-8)
+    else:  # one bf16 ulp (2^-8 relative) where a last fp32 bit flips a rounding
+        torch.testing.assert_close(ggot.float(), gref.float(), rtol=2 ** -8, atol=1e-8)

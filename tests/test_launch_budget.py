@@ -56,10 +56,12 @@ def _count_steps(rank, world, runs, root):
         cfg = compose([*overrides, f"run.dir={root}/{name}"])
         trainer = Trainer(cfg, init_distributed(cfg), Path(root) / name)
         trainer.train_step()  # the first step builds lazy state (AdamW moments): not a hot-path step
+        loss, seen = trainer.model.loss, []  # the dtype of the logits the step hands its loss
+        trainer.model.loss = lambda logits, targets: (seen.append(str(logits.dtype)), loss(logits, targets))[1]
         with count_launches() as launches:
             trainer.train_step()
         trainer.close()
-        out[name] = (launches.ops, launches.foreach_tensors, launches.summary())
+        out[name] = (launches.ops, launches.foreach_tensors, launches.summary(), sorted(set(seen)))
     return out
 
 
@@ -100,6 +102,15 @@ def test_launches_grow_linearly_with_depth_and_microbatches(counts):
     # bf16: each layer's 4 weight matrices (qkv, out, gate/up, down) are cast to bf16 once a step
     # (precision.step_cast_cache), not once a microbatch: 4 operators per layer per step
     assert per_2_layers[0] / 2 - per_layer_micro == 4, ops
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_loss_gets_the_logits_as_the_head_made_them(counts, precision):
+    """The step hands the loss the head's logits as its GEMM made them (bf16 under bf16 autocast)
+    and the loss upcasts them: under train.compile in one kernel with the log-softmax (an
+    upcast before the loss is a whole fp32 [tokens, vocabulary] copy a microbatch)."""
+    want = "torch.bfloat16" if precision == "bf16" else "torch.float32"
+    assert counts[f"{precision}-wide"][3] == [want]
 
 
 @pytest.mark.parametrize("hooked", [False, True])

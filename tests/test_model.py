@@ -221,3 +221,40 @@ def test_grouped_query_attention_init_is_layout_independent():
 def test_grouped_query_attention_refuses_uneven_groups():
     with pytest.raises(ValueError, match="num_query_groups=3 must divide"):
         GPT(tiny(num_query_groups=3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_rope_function_is_the_rotation(dtype):
+    """apply_rope (one autograd Function over the two halves) against rope_reference (x cos +
+    rotate_half(x) sin in fp32, cast back), on q as attention takes it (a transposed view of the
+    qkv GEMM's output): the output in the reference's layout (attention sees the same strides),
+    values and input gradient within the rounding both make. Each element is a sum of two
+    products of magnitude T = |a| |c| + |b| |s| (a, b the element and its partner in the other
+    half): the Function rounds the sum once to x's dtype (unit u), the reference's forward too,
+    its backward rounds each product's gradient and then their sum: at most 3 u T apart (a
+    relative bound fails where the two products cancel). In fp64, autograd's gradcheck."""
+    from mpoverlap.models.rope import apply_rope, rope_cos_sin, rope_reference
+
+    B, S, N, G, D = 2, 16, 4, 2, 8
+    cos, sin = rope_cos_sin(torch.arange(S), D, 1e4)
+    qkv = torch.randn(B, S, (N + 2 * G) * D, generator=torch.Generator().manual_seed(0)).to(dtype)
+    grad = torch.randn(B, N, S, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = []
+    for fn in (rope_reference, apply_rope):
+        x = qkv.clone().requires_grad_(True)
+        y = fn(x[..., :N * D].view(B, S, N, D).transpose(1, 2), cos, sin)
+        y.backward(grad)
+        out.append((y.detach(), x.grad[..., :N * D].view(B, S, N, D).transpose(1, 2)))
+    (ref, gref), (got, ggot) = out
+    assert got.stride() == ref.stride() and got.dtype == dtype and ggot.dtype == dtype
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
+
+    def magnitude(v):  # T per element: |v| |cos| + |partner| |sin|
+        v = v.float().abs()
+        return v * cos.abs() + torch.cat(v.chunk(2, dim=-1)[::-1], dim=-1) * sin.abs()
+
+    q = qkv[..., :N * D].view(B, S, N, D).transpose(1, 2)
+    assert ((got.float() - ref.float()).abs() <= 3 * u * magnitude(q) + 1e-12).all()
+    assert ((ggot.float() - gref.float()).abs() <= 3 * u * magnitude(grad) + 1e-12).all()
+    x64 = torch.randn(B, N, S, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: apply_rope(x, cos.double(), sin.double()), (x64,))

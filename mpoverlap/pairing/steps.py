@@ -91,9 +91,9 @@ def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: t
     UnitUse.mark(tape, pins, "head", True)
     seg = tape.segment("head", [x])
     x_in, = seg.leaves
-    logits = model.head(x_in)
+    logits = model.head(x_in, fp32_logits=False)
     with torch.autocast(logits.device.type, enabled=False):  # as the unpaired loop: the loss outside autocast
-        loss = model.loss(logits.float(), targets_BS) / num_microbatches
+        loss = model.loss(logits, targets_BS) / num_microbatches
     seg.close(tape, [loss])
     UnitUse.mark(tape, pins, "head", False)
     tape.add_grad(loss, torch.ones_like(loss))

@@ -8,8 +8,9 @@ logits_BSv: this rank's vocab slice [B, S, v], v = Vpad / tp, rank r owning voca
     t_BS   = all-reduce SUM of (target logit - m, owner only)  } stacked [2, B, S] tensor
     loss   = log z - t
 
-Backward: grad_logits_BSv = (softmax - onehot(target)) * grad_loss, local, no communication.
-Computed in fp32; matches F.cross_entropy(full_logits, reduction="none") on all Vpad columns.
+Backward: grad_logits_BSv = (softmax - onehot(target)) * grad_loss, local, no communication,
+written in the logits' dtype. Computed in fp32 from logits of any float dtype; matches
+F.cross_entropy(full_logits.float(), reduction="none") on all Vpad columns.
 """
 from __future__ import annotations
 
@@ -43,11 +44,11 @@ class VocabParallelCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss_BS):
         softmax_BSv, local_BS, outside_BS = ctx.saved_tensors
-        grad_BSv = softmax_BSv.clone()
-        onehot_BS1 = (~outside_BS).unsqueeze(-1).to(grad_BSv.dtype)
-        grad_BSv.scatter_add_(-1, local_BS.unsqueeze(-1), -onehot_BS1)
-        grad_BSv.mul_(grad_loss_BS.unsqueeze(-1))
-        return grad_BSv.to(ctx.in_dtype), None, None
+        onehot_BS1 = (~outside_BS).unsqueeze(-1).to(softmax_BSv.dtype)
+        grad_BSv = softmax_BSv.scatter_add(-1, local_BS.unsqueeze(-1), -onehot_BS1)
+        # the product written in the logits' dtype (bf16 logits: no fp32 result to cast back)
+        out_BSv = grad_BSv if ctx.in_dtype == grad_BSv.dtype else torch.empty_like(grad_BSv, dtype=ctx.in_dtype)
+        return torch.mul(grad_BSv, grad_loss_BS.unsqueeze(-1), out=out_BSv), None, None
 
 
 def vocab_parallel_cross_entropy(logits_BSv: torch.Tensor, targets_BS: torch.Tensor, *,

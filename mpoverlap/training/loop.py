@@ -215,8 +215,8 @@ class Trainer(Resumable):
             tokens, targets, positions = self._split(mb)
             self.ddp.set_last_microbatch(i == len(micro) - 1)
             with self.autocast:
-                logits = self.ddp(tokens, position_ids=positions)
-            loss = self.model.loss(logits.float(), targets) / len(micro)
+                logits = self.ddp(tokens, position_ids=positions, fp32_logits=False)
+            loss = self.model.loss(logits, targets) / len(micro)
             loss.backward()
             loss_sum += loss.detach()
         return loss_sum
@@ -277,8 +277,8 @@ class Trainer(Resumable):
             for mb in micro:
                 tokens, targets, positions = self._split(mb)
                 with self.autocast:
-                    logits = self.model(tokens, position_ids=positions)
-                total += self.model.loss(logits.float(), targets) / (len(micro) * n)
+                    logits = self.model(tokens, position_ids=positions, fp32_logits=False)
+                total += self.model.loss(logits, targets) / (len(micro) * n)
         self.ddp.reshard()
         return self._mean_over_replicas(total)
 

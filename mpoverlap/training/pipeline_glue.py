@@ -160,9 +160,9 @@ class PipelineRunner:
         chunk = self.chunks[vchunk]
         tokens, targets, positions = self.inputs[mb]
         with self.autocast:
-            out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions)
+            out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions, fp32_logits=False)
         if chunk.post_process:
-            return chunk.loss(out.float(), targets) / self.num_microbatches
+            return chunk.loss(out, targets) / self.num_microbatches
         return out  # the residual stream as it is (the executor checks its dtype)
 
     def train_microbatches(self, micro: List[torch.Tensor], trace: Optional[list] = None) -> torch.Tensor:
