@@ -38,11 +38,19 @@ def test_memory_term_is_the_counted_bytes_over_the_bandwidth():
     total = micro * per_micro + UPDATE_BYTES_PER_PARAM * params
     assert r.memory_s == pytest.approx(total / 4.8e12, rel=1e-9)
     # by hand, for one layer's forward activations (t = 8,192 tokens, H 2,048, q 2,048, g 512, F 8,192):
-    # norms 2 t H (8 + 6) + RoPE t 2,560 x 36 + copies 4 t 2,560 + adds 2 t H 10 + SwiGLU 10 t F
+    # norms 2 t H (8 + 6) + copies 4 t 2,560 + adds 2 t H 10 + SwiGLU 10 t F; RoPE t 2,560 x 14
+    # forward and backward alike
     t, H = 8192, 2048
-    act = 2 * t * H * 14 + t * 2560 * 36 + 4 * t * 2560 + 2 * t * H * 10 + 10 * t * 8192
+    act = 2 * t * H * 14 + 4 * t * 2560 + 2 * t * H * 10 + 10 * t * 8192
+    rope = t * 2560 * 14
     weights = 2048 * (2048 + 1024) + 2048 * 2048 + 3 * 2048 * 8192 + 2 * 2048
-    assert layer_bytes(p, lo, 0, 2) == pytest.approx({"F": act + 6 * weights, "B": 2 * act + 12 * weights})
+    # the weights' cast (6 bytes a parameter) once a step, shared by its 4 microbatches; the
+    # gradient's add every microbatch
+    assert layer_bytes(p, lo, 0, 2) == pytest.approx({"F": act + rope + 6 * weights / 4,
+                                                      "B": 2 * act + rope + 12 * weights})
+    # ZeRO-3 gathers the weights at each use: each microbatch's forward casts them
+    z3 = plain(compose(LLAMA + ["train.dp_sharding=optim_grads_params"]))
+    assert layer_bytes(z3, build_layout(z3), 0, 2)["F"] == pytest.approx(act + rope + 6 * weights)
 
 
 def test_memory_term_scales_with_bytes_and_inversely_with_bandwidth():
@@ -95,7 +103,12 @@ def test_compiled_regions_move_fewer_bytes():
     cfg = plain(compose(LLAMA))
     lo = build_layout(cfg)
     t, H, r, c = 8192, 2048, 4, 2
-    saved = (2 * t * H * (2 * r + r + c) + t * 2560 * (6 * c + 24) + 2 * t * H * (2 * r + c) + 5 * t * 8192 * c) - (
+    saved = (2 * t * H * (2 * r + r + c) + t * 2560 * (3 * c + 8) + 2 * t * H * (2 * r + c) + 5 * t * 8192 * c) - (
         t * H * (r + c) + t * H * (2 * r + 2 * c) + t * 2560 * 2 * c + t * H * (2 * r + c) + 3 * t * 8192 * c)
     fused_cfg = plain(compose(LLAMA + ["train.compile=true"]))
     assert layer_bytes(cfg, lo, 0, 2)["F"] - layer_bytes(fused_cfg, lo, 0, 2)["F"] == pytest.approx(saved)
+    # the loss region: the bf16 logits read once forward, read and their gradient written once
+    # backward (eager: the fp32 upcast, log-softmax, its backward and the cast back)
+    T = t * 128256
+    assert head_bytes(fused_cfg, lo, 2) == pytest.approx({"F": 2 * T * c, "B": 2 * T * c})
+    assert head_bytes(cfg, lo, 2) == pytest.approx({"F": T * (c + (c + 4) + 8), "B": T * (8 + 4 + c)})

@@ -12,23 +12,29 @@ autocast since its adds promote; c the compute dtype's bytes; k = 1 when c < 4, 
 casts each GEMM's fp32 input and weight to c, else 0):
   norms (2)          2 tn H (2 r + k (r + c))       one fused norm kernel; autocast's cast of its
                                                     output for the next GEMM
-  RoPE (q and k)     t (q + g) (6 c + 24)           -x2, cat, x cos, rot sin, add, .to(c): the
-                                                    cos/sin tables are fp32, so the products are
+  RoPE (q and k)     t (q + g) (3 c + 8)            per half (models/rope.py's Function): its fp32
+                                                    product with cos, one multiply-add with the
+                                                    other half's sin written in c; backward the
+                                                    same passes (so 1x, not BACKWARD x)
   copies             2 c t (g + q)                  v made contiguous for attention; the output's
                                                     transpose to [B, S, h] before the projection
   residual adds (2)  2 tn H (2 r + c)               fp32 + the projection's c output -> fp32
   MLP activation     t F c (5 swiglu, 2 gelu)       silu and the product; gelu
   MoE                the activation on its t' k rows of width F_e; the permutation and its
                      inverse (a copy each of t' k H c); the shared expert as a dense MLP
-  weights            k P (4 + c)                    autocast's cast of the layer's P fp32 weights
-                                                    (each microbatch's forward: its own cache)
+  weights            k P (4 + c) / m                the cast of the layer's P fp32 weights, once a
+                                                    step (precision.step_cast_cache), a share of it
+                                                    on each of the step's m microbatches; under
+                                                    ZeRO-3 (weights gathered per use) every
+                                                    microbatch's forward casts them again (m = 1)
 Backward: BACKWARD x the forward's activation bytes (each operator's backward reads the gradient
 of its output and the inputs it saved, writes the gradient of its inputs); weights: the weight
 gradient written by its GEMM in c, read and added to the fp32 gradient buffer: P (2 c + 8)
 (GEMM output written and read back, fp32 read and written).
-Head (last chunk, T = t V / tp logits): the head GEMM's output written in c; `.float()`
-(k T (c + 4)); cross entropy's log-softmax (read and written in fp32: 8 T); backward: its gradient
-(12 T: gradient, saved output, result) and the cast back (k T (4 + c)).
+Head (last chunk, T = t V / tp logits): the head GEMM's output written in c; the loss's
+`.float()` (k T (c + 4)); cross entropy's log-softmax (read and written in fp32: 8 T); backward
+(models/loss.py): the exp of the saved log-softmax (8 T) and its product with the incoming
+gradient written in c (T (4 + c)); under TP the vocabulary-parallel loss's backward is counted alike.
 Per step, after the last backward (`update_bytes`): AdamW reads weight, gradient, m and v and
 writes weight, m and v (28 bytes a parameter, fp32), the gradient norm reads the gradient (4),
 zeroing the gradient buffer writes it (4): 36 bytes a parameter it updates.
@@ -37,7 +43,9 @@ With train.compile=true (models/fused.py) the compiled regions read their inputs
 outputs once each (`COMPILED`): the first norm and its cast tn H (r + c); the attention's residual
 add with the MLP's norm tn H (2 r + 2 c); RoPE t (q + g) 2 c; SwiGLU 3 t F c (GeLU 2 t F c); the
 block's last residual add stays eager (tn H (2 r + c)), as do the copies, casts of weights and
-the rest (`train.compile` read here as the memory term only; the GEMM rate is unchanged).
+the rest; at tp 1 the loss region reads the head's logits once forward (T c) and once backward,
+writing their gradient (2 T c); under TP the vocabulary-parallel loss stays eager (`train.compile`
+read here as the memory term only; the GEMM rate is unchanged).
 
 Not modelled: flash attention's own traffic (inside the compute term, at the GEMM rate), the
 embedding lookup and its gradient (t H per microbatch, small beside the above), host time.
@@ -82,11 +90,12 @@ def layer_bytes(cfg: Any, lo: Layout, i: int, c: int) -> dict:
     q_all, kv_all, _ = qkv_rows(m)
     q, g = q_all / tp, kv_all / tp
     fused = bool(getattr(cfg.train, "compile", False))
+    rope = 0.0  # eager RoPE's backward moves what its forward does (not BACKWARD x)
     if fused:  # the compiled regions: norm + cast, add + norm + cast, RoPE; the last add eager
         act = tn * H * (r + c) + tn * H * (2 * r + 2 * c) + t * (q + g) * 2 * c + tn * H * (2 * r + c)
     else:
         act = 2 * tn * H * (2 * r + k * (r + c))  # norms
-        act += t * (q + g) * (6 * c + 24)  # RoPE on q and k
+        rope = t * (q + g) * (3 * c + 8)  # RoPE on q and k
         act += 2 * tn * H * (2 * r + c)  # residual adds
     act += 2 * c * t * (g + q)  # copies around attention
     if is_moe_layer(m, i):
@@ -98,7 +107,18 @@ def layer_bytes(cfg: Any, lo: Layout, i: int, c: int) -> dict:
         act += _activation(m, t, m.ffn_hidden_size / tp, c, fused)
     dense, expert = layer_params(cfg, lo, i)
     params = dense + expert
-    return {"F": act + k * params * (4 + c), "B": BACKWARD * act + params * (2 * c + 8)}
+    return {"F": act + rope + k * params * (4 + c) / _casts_shared_by(cfg, lo),
+            "B": BACKWARD * act + rope + params * (2 * c + 8)}
+
+
+def _casts_shared_by(cfg: Any, lo: Layout) -> int:
+    """Microbatches one cast of the weights serves: the step's (precision.step_cast_cache), 1
+    under ZeRO-3, whose weights are gathered and cast at each use."""
+    from mpoverlap.data_parallel.levels import resolve_level
+
+    t = cfg.train
+    level = resolve_level(getattr(t, "dp_sharding", "none"), bool(getattr(t, "distributed_optimizer", False)))
+    return 1 if level == "optim_grads_params" else max(1, lo.num_microbatches or 1)
 
 
 def head_bytes(cfg: Any, lo: Layout, c: int) -> dict:
@@ -106,8 +126,10 @@ def head_bytes(cfg: Any, lo: Layout, c: int) -> dict:
     m = cfg.model
     V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
     T = cfg.train.micro_batch_size * m.seq_length / lo.cp * V / lo.tp
+    if bool(getattr(cfg.train, "compile", False)) and lo.tp == 1:  # the compiled loss region
+        return {"F": 2 * T * c, "B": 2 * T * c}
     k = _casts(c)
-    return {"F": T * (c + k * (c + 4) + 8), "B": T * (12 + k * (4 + c))}
+    return {"F": T * (c + k * (c + 4) + 8), "B": T * (8 + 4 + c)}
 
 
 def update_bytes(params: float) -> float:
