@@ -206,12 +206,22 @@ def render(results: Dict[str, Any]) -> str:
                 "view), counted by mpoverlap/training/launch_count.py; step us per operator is the step time "
                 "over that count: near the host's own cost per operator the step is host-bound (the H200 report of "
                 "2026-11-27: gpt_125m and moe_350m at 21 and 25 us per operator counted on CPU, llama3_1b at ~57)."]
+    busy = [(shape, side, row) for shape, r in shapes.items() for side, row in (r.get("sides") or {}).items()
+            if row.get("gpu_ms")]
+    if busy:
+        out += ["", "### GPU time of one step by kind (profiled kernels; GPU idle = step - kernels)", "",
+                "| shape | side | step ms | kernels ms | GEMM ms | attention ms | other ms (elementwise, copies, "
+                "reductions, optimizer) | GPU idle ms |", "|---|---|---|---|---|---|---|---|"]
+        for shape, side, row in busy:
+            g, step_ms = row["gpu_ms"], 1e3 * row["step_s"]
+            out.append(f"| {shape} | {SIDE_NAMES.get(side, side)} | {step_ms:.1f} | {g['total']:.1f} | {g['gemm']:.1f} "
+                       f"| {g['attention']:.1f} | {g['other']:.1f} | {max(0.0, step_ms - g['total']):.1f} |")
     for shape, r in shapes.items():
         for side, row in (r.get("sides") or {}).items():
-            if row.get("top_kernels"):
+            if row.get("top_kernels"):  # the JSON keeps 40
                 out += ["", f"### {shape}, {SIDE_NAMES.get(side, side)}: top kernels over one step", "",
                         "| kernel | ms | calls |", "|---|---|---|"]
-                out += [f"| `{k['kernel']}` | {k['ms']:.2f} | {k['calls']} |" for k in row["top_kernels"]]
+                out += [f"| `{k['kernel']}` | {k['ms']:.2f} | {k['calls']} |" for k in row["top_kernels"][:10]]
     skipped = results.get("skipped") or []
     if skipped:
         out += ["", "## Skipped", ""] + [f"- {s}" for s in skipped]

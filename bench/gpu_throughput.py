@@ -86,8 +86,8 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, steps
     return times
 
 
-def top_kernels(step: Callable[[], Any], device: torch.device, n: int = 10) -> List[Dict[str, Any]]:
-    """The n kernels with most GPU time over one call of `step` (torch.profiler), in ms."""
+def top_kernels(step: Callable[[], Any], device: torch.device, n: Optional[int] = 40) -> List[Dict[str, Any]]:
+    """The n kernels (None: all) with most GPU time over one call of `step` (torch.profiler), in ms."""
     if device.type != "cuda":
         return []
     from torch.profiler import ProfilerActivity, profile
@@ -101,6 +101,21 @@ def top_kernels(step: Callable[[], Any], device: torch.device, n: int = 10) -> L
         if us > 0:
             rows.append({"kernel": e.key[:120], "ms": us / 1e3, "calls": e.count})
     return sorted(rows, key=lambda r: -r["ms"])[:n]
+
+
+def gpu_time_by_kind(kernels: List[Dict[str, Any]]) -> Dict[str, float]:
+    """GPU ms of one step's kernels by kind (the report's "GPU time" table): attention (SDPA,
+    flash, fmha), GEMMs (cuBLAS/nvjet, CUTLASS, grouped), the rest (elementwise, copies, casts,
+    reductions, the optimizer: what fusion or fewer passes remove), and their total."""
+    out = {"total": 0.0, "gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for k in kernels:
+        name = k["kernel"].lower()
+        kind = ("attention" if any(s in name for s in ("sdpa", "flash", "fmha", "attention"))
+                else "gemm" if any(s in name for s in ("gemm", "nvjet", "xmma", "cublas", "cutlass"))
+                else "other")
+        out[kind] += k["ms"]
+        out["total"] += k["ms"]
+    return out
 
 
 def launches_per_step(step: Callable[[], Any], device: torch.device) -> Dict[str, int]:
@@ -251,7 +266,8 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
                 runner = PlainLoop(cfg, train_data, device) if side == "plain" else HFLoop(cfg, train_data, device)
             times = time_steps(runner.train_step, device, warmup, steps)
             row = figures(times, tokens, flops_per_token(m), peak, device)
-            row["top_kernels"] = top_kernels(runner.train_step, device)
+            kernels = top_kernels(runner.train_step, device, n=None)
+            row["top_kernels"], row["gpu_ms"] = kernels[:40], gpu_time_by_kind(kernels)
             if side != "compiled":  # a dispatch mode around compiled regions could recompile them
                 row.update(launches_per_step(runner.train_step, device))
             result["sides"][side] = row

@@ -60,7 +60,9 @@ def test_report_writer_on_made_up_results(tmp_path):
         "throughput": {
             "llama3_1b": {"simulated": {"hardware": "h100_sxm", "step_s": 0.5},
                           "sides": {"mpoverlap": {"step_s": 0.75, "tokens_per_s": 43690.7, "model_tflops_per_s": 250.0,
-                                                  "mfu": 0.2528, "peak_memory_gib": 30.2, "top_kernels": [kernel]},
+                                                  "mfu": 0.2528, "peak_memory_gib": 30.2, "top_kernels": [kernel],
+                                                  "gpu_ms": {"total": 600.0, "gemm": 400.0, "attention": 80.0,
+                                                             "other": 120.0}},
                                     "hf": {"error": "RuntimeError: CUDA out of memory"},
                                     "compiled": {"step_s": 0.6, "tokens_per_s": 54613.3, "model_tflops_per_s": 312.5,
                                                  "mfu": 0.316, "peak_memory_gib": 28.0}}},
@@ -81,6 +83,7 @@ def test_report_writer_on_made_up_results(tmp_path):
                  "| llama3_1b | mpoverlap Trainer, train.compile=true | 0.600 | 54,613 | 312.5 | 31.6% | 28.0 | 0.500 "
                  "(h100_sxm) | 1.20 |",
                  "| moe_350m | timeout: ran past its 70 s", "| `nvjet_sm90_tst_128x256` | 12.50 | 48 |",
+                 "| llama3_1b | mpoverlap Trainer | 750.0 | 600.0 | 400.0 | 80.0 | 120.0 | 150.0 |",
                  "- throughput gpt_125m: 12 s of the budget left",
                  "| llama_tiny_gqa-bf16 | 2e-02 | 4.30e-04 | 1.0e-05, 4.3e-04 |",
                  "| moe_tiny | 9 | 9 | float at data_parallel/optimizer.py:232 x1, tolist at moe/dispatcher.py:231 x8 |",
@@ -96,6 +99,21 @@ def test_report_writer_on_made_up_results(tmp_path):
     write(tmp_path / "out", results)
     assert json.loads((tmp_path / "out" / "gpu-report.json").read_text()) == results
     assert (tmp_path / "out" / "gpu-report.md").read_text() == md
+
+
+def test_gpu_time_by_kind():
+    """The profiled kernels of a step summed by kind (names as the H200 report printed them)."""
+    from bench.gpu_throughput import gpu_time_by_kind
+
+    kernels = [{"kernel": "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "ms": 90.0},
+               {"kernel": "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel1",
+                "ms": 7.0},
+               {"kernel": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "ms": 60.0},
+               {"kernel": "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kerne", "ms": 5.0},
+               {"kernel": "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda",
+                "ms": 25.0},
+               {"kernel": "void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float", "ms": 7.0}]
+    assert gpu_time_by_kind(kernels) == {"total": 194.0, "gemm": 97.0, "attention": 65.0, "other": 32.0}
 
 
 def test_criteria_of_the_last_h200_report():
