@@ -33,8 +33,9 @@ NO_GPU = "gpu-check: no CUDA GPU is visible here (torch.cuda.is_available() is F
 INSTALL_ROOT = Path("/tmp/mpoverlap-gpu-check")
 SHAPES = ("llama3_1b", "moe_350m", "gpt_125m")  # bench/gpu_throughput.py SHAPES, in order of value
 # each shape's own limit, seconds; Llama's four sides (the compiled one: ~40 s of steps and
-# profile as the others, plus its compile in the warm-up, 30-60 s expected, not yet measured)
-SHAPE_S = {"llama3_1b": 170, "moe_350m": 70, "gpt_125m": 45}
+# profile as the others, plus its compile in the warm-up, 30-60 s expected, not yet measured);
+# moe_350m's eager and plain sides (~35 s at the 2026-11-27 H200 run) and its compiled side
+SHAPE_S = {"llama3_1b": 170, "moe_350m": 130, "gpt_125m": 45}
 MIN_SHAPE_S = 25  # a shape with less time left is skipped
 
 

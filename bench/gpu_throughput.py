@@ -42,7 +42,9 @@ SHAPES = {
     "gpt_125m": ["model=gpt_125m", "train.micro_batch_size=8", "train.global_batch_size=32"],
 }
 HF_SHAPES = ("llama3_1b",)
-COMPILED_SHAPES = ("llama3_1b",)  # the `compiled` side: train.compile=true (inductor)
+# the `compiled` side: train.compile=true (inductor); for moe_350m the block's regions and the
+# loss around the eager router, permutation and grouped experts
+COMPILED_SHAPES = ("llama3_1b", "moe_350m")
 
 
 def overrides_of(shape: str, device: str = "cuda") -> List[str]:

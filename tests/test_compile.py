@@ -1,7 +1,9 @@
 """train.compile=true (models/fused.py): each block's elementwise math compiled, against eager.
 
 One spawn of 2 gloo ranks trains, for gpt_tiny and llama_tiny, the eager dp 2 reference and the
-compiled model at dp 2 and at tp 2 + SP, 5 steps each in fp32, same seed and global batch:
+compiled model at dp 2, at tp 2 + SP and at pp 2 (zb1p, full recompute), and for moe_tiny with a
+shared expert the eager dp 2 reference and the compiled model at dp 2 and at ep 2, 5 steps each
+in fp32, same seed and global batch:
 losses and gradient norms within 1e-5 (relative) of the reference, the bound the project's
 layout parity keeps (DESIGN.md, numerics promises: fp32 rounding; fused kernels reorder a norm's
 sum). It also counts dynamo's graphs: one per region (norm, add_norm, rope, activation, loss)
@@ -38,6 +40,12 @@ LAYOUTS = {"eager_dp2": ["parallel.dp=2"],
            # the zero-bubble schedule's deferred W and full recomputation's replay around the regions
            "compiled_pp2_zb1p_recompute": ["parallel.pp=2", "parallel.pp_schedule=zb1p", "model.recompute=full",
                                            "train.compile=true"]}
+# moe_tiny with a shared expert (a dense MLP on the compiled activation region beside the eager
+# experts): the regions around the router, the grouped experts and, at ep 2, their all-to-alls
+MOE = ["model.shared_expert=true", "model.moe_shared_expert_ffn_hidden_size=64", "model.moe_ffn_hidden_size=64"]
+MOE_LAYOUTS = {"eager_dp2": ["parallel.dp=2", *MOE],
+               "compiled_dp2": ["parallel.dp=2", "train.compile=true", *MOE],
+               "compiled_ep2": ["parallel.dp=2", "parallel.ep=2", "train.compile=true", *MOE]}
 
 
 def _train(rank, world, models, root, backend):
@@ -52,7 +60,7 @@ def _train(rank, world, models, root, backend):
 
     out = {}
     for model in models:
-        for name, overrides in LAYOUTS.items():
+        for name, overrides in (MOE_LAYOUTS if model.startswith("moe") else LAYOUTS).items():
             run_dir = Path(root) / f"{model}-{name}"
             cfg = compose([f"model={model}", *BASE, *overrides, f"train.steps={STEPS}", f"run.dir={run_dir}",
                            "train.device=cpu", f"train.compile_backend={backend}"])
@@ -97,7 +105,7 @@ def _layernorm_gelu(backend):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
-    return run_distributed(_train, 2, ["gpt_tiny", "llama_tiny"], str(root), BACKEND, timeout_s=1200)[0]
+    return run_distributed(_train, 2, ["gpt_tiny", "llama_tiny", "moe_tiny"], str(root), BACKEND, timeout_s=1200)[0]
 
 
 @pytest.mark.parametrize("model", ["gpt_tiny", "llama_tiny"])
@@ -114,6 +122,15 @@ def test_compiled_matches_eager_reference(runs, model, layout):
     # (or grad mode) are new to the process (under TP the vocabulary-parallel loss stays eager)
     assert got["layers"] >= 1 and got["graphs"] <= 5, got["graphs"]
     assert runs["gpt_tiny-compiled_dp2"]["graphs"] == 5
+
+
+@pytest.mark.parametrize("layout", ["compiled_dp2", "compiled_ep2"])
+def test_compiled_moe_matches_eager_reference(runs, layout):
+    ref, got = runs["moe_tiny-eager_dp2"], runs[f"moe_tiny-{layout}"]
+    for step, ((l_ref, g_ref), (l, g)) in enumerate(zip(ref["rows"], got["rows"])):
+        assert l == pytest.approx(l_ref, rel=RTOL), (step, l, l_ref)
+        assert g == pytest.approx(g_ref, rel=RTOL), (step, g, g_ref)
+    assert got["graphs"] <= 5, got["graphs"]
 
 
 def test_layernorm_gelu_regions_match_eager(runs):
