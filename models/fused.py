@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mpoverlap.models import loss
+from mpoverlap.models.activation import swiglu, swiglu_reference
 from mpoverlap.models.rope import apply_rope, rope_reference
 
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -58,8 +59,7 @@ def _rope_traced(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return swiglu(gate_up)
 
 
 def _gelu(x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +68,9 @@ def _gelu(x: torch.Tensor) -> torch.Tensor:
 
 _EAGER = {"norm": _norm, "add_norm": _add_norm, "rope": _rope, "swiglu": _swiglu, "gelu": _gelu,
           "loss": loss.token_loss}
-# what torch.compile traces where it differs from the eager function: RoPE and the loss in their
-# plain formulas (inductor fuses them; the eager Functions' hand-written passes are for eager)
-_TRACED = {**_EAGER, "rope": _rope_traced, "loss": loss.cross_entropy}
+# what torch.compile traces where it differs from the eager function: RoPE, SwiGLU and the loss in
+# their plain formulas (inductor fuses them; the eager Functions' hand-written passes are for eager)
+_TRACED = {**_EAGER, "rope": _rope_traced, "swiglu": swiglu_reference, "loss": loss.cross_entropy}
 _COMPILED: Dict[str, Dict[str, Callable]] = {}
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpoverlap.models import fused, layers
+from mpoverlap.models.activation import swiglu
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
 from mpoverlap.models.init import head_dim_of, qkv_rows, query_groups
 from mpoverlap.models.rope import apply_rope, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)
@@ -129,8 +130,7 @@ class MLP(nn.Module):
             h_BSF = (self.math["swiglu"](self.gate_up(x_BSH)) if self.activation == "swiglu"
                      else self.math["gelu"](self.up(x_BSH)))
         elif self.activation == "swiglu":
-            gate_BSF, up_BSF = self.gate_up(x_BSH).chunk(2, dim=-1)
-            h_BSF = F.silu(gate_BSF) * up_BSF
+            h_BSF = swiglu(self.gate_up(x_BSH))  # silu(gate) * up over the GEMM's two halves
         else:
             h_BSF = F.gelu(self.up(x_BSH))
         return self.down(h_BSF)

@@ -258,3 +258,22 @@ def test_eager_rope_function_is_the_rotation(dtype):
     assert ((ggot.float() - gref.float()).abs() <= 3 * u * magnitude(grad) + 1e-12).all()
     x64 = torch.randn(B, N, S, D, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: apply_rope(x, cos.double(), sin.double()), (x64,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_swiglu_function_is_the_formula_bit_for_bit(dtype):
+    """models/activation.py `swiglu` (its backward writes both halves' gradients into the GEMM
+    output's gradient) against silu(gate) * up under autograd: the same operators in the same
+    dtypes, so the output and the input gradient are bitwise equal."""
+    from mpoverlap.models.activation import swiglu, swiglu_reference
+
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    grad = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = []
+    for fn in (swiglu_reference, swiglu):
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi)
+        y.backward(grad)
+        out.append((y.detach(), xi.grad))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    assert out[1][1].dtype == dtype and out[1][1].is_contiguous()
