@@ -30,12 +30,19 @@ class _SwiGLU(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         gate_up, silu = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        grad_gate_up = torch.empty_like(gate_up)
-        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-        torch.mul(grad, silu, out=grad_up)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
-        return grad_gate_up
+        return swiglu_backward(grad, gate_up, silu)
+
+
+def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, silu=None) -> torch.Tensor:
+    """The gradient at gate_up [.., 2F] of silu(gate) * up for the output gradient `grad`
+    [.., F], both halves written into one tensor: [silu'(gate) grad up | grad silu(gate)].
+    `silu`: silu(gate) kept from the forward, else recomputed (the grouped experts)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    grad_gate_up = torch.empty_like(gate_up)
+    grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+    torch.mul(grad, F.silu(gate) if silu is None else silu, out=grad_up)
+    return grad_gate_up
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

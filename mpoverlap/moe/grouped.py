@@ -28,6 +28,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from mpoverlap.models.activation import swiglu_backward
 from mpoverlap.precision import added_into_grad, compute_dtype, no_autocast
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -117,9 +118,8 @@ def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def _activation_backward(grad_a: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        return torch.cat([torch.ops.aten.silu_backward(grad_a * up, gate), grad_a * F.silu(gate)], dim=-1)
+    if activation == "swiglu":  # both halves written into one gradient (no cat), silu recomputed
+        return swiglu_backward(grad_a, h)
     return torch.ops.aten.gelu_backward(grad_a, h)
 
 
