@@ -78,9 +78,11 @@ def _dense_like(x: torch.Tensor) -> torch.Tensor:
     """An empty tensor of x's shape and dtype, dense in x's dimension order (as an elementwise
     operator would lay out its output: q and k, views into the qkv GEMM's [B, S, ...] output,
     keep that order for attention)."""
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
-    out = torch.empty([x.shape[d] for d in order], dtype=x.dtype, device=x.device)
-    return out.permute([order.index(d) for d in range(x.dim())])
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # outermost first
+    stride, step = [0] * x.dim(), 1
+    for d in reversed(order):
+        stride[d], step = step, step * x.shape[d]
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device)  # one operator
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float) -> torch.Tensor:
