@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mpoverlap.models.loss import token_loss as eager_token_loss
