@@ -226,12 +226,13 @@ class _Base:
         """What the experts take: host ints for the per-expert loop, else the device counts."""
         return counts.local_counts if self.host_counts else counts.device_counts
 
-    def _unread_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
-        """One rank, no host read: every slot a row (T*k, dropped ones last), device counts."""
+    def _unread_counts(self, expert_ids_per_chunk: List[torch.Tensor], known=None) -> List[ChunkCounts]:
+        """One rank, no host read: every slot a row (T*k, dropped ones last), device counts
+        (`known`: a chunk's [E] counts the caller holds, the router's for one chunk, else None)."""
         out = []
-        for ids in expert_ids_per_chunk:
+        for i, ids in enumerate(expert_ids_per_chunk):
             n = ids.numel()
-            c = expert_counts(ids, self.num_experts)
+            c = known[i] if known is not None and known[i] is not None else expert_counts(ids, self.num_experts)
             out.append(ChunkCounts(num_kept=n, local_counts=None, device_counts=c, in_splits=[n], out_splits=[n],
                                    recv_counts=None))
         return out
@@ -240,7 +241,7 @@ class _Base:
         self._exchanges += 1
         return _Exchange(self.group, self.ledger, self.overlap, self.backward_trace, self._exchanges)
 
-    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
+    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor], known=None) -> List[ChunkCounts]:
         """Every chunk's counts: one collective and one host read for all chunks."""
         raise NotImplementedError
 
@@ -257,11 +258,11 @@ class _Base:
 
 
 class AllToAllDispatcher(_Base):
-    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
+    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor], known=None) -> List[ChunkCounts]:
         """Slots each source rank sends to each of this rank's experts, per chunk: one
         all_to_all and one host read for all chunks."""
         if not self.reads_host:
-            return self._unread_counts(expert_ids_per_chunk)
+            return self._unread_counts(expert_ids_per_chunk, known)
         n, R, L = len(expert_ids_per_chunk), self.size, self.num_local
         send = torch.stack([expert_counts(ids, self.num_experts) for ids in expert_ids_per_chunk])  # [n, E]
         send_RnL = send.view(n, R, L).transpose(0, 1).contiguous()
@@ -349,10 +350,10 @@ class AllToAllDispatcher(_Base):
 
 
 class AllGatherDispatcher(_Base):
-    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor]) -> List[ChunkCounts]:
+    def exchange_counts(self, expert_ids_per_chunk: List[torch.Tensor], known=None) -> List[ChunkCounts]:
         """Every rank's per-expert counts of every chunk: one all_gather and one host read."""
         if not self.reads_host:
-            return self._unread_counts(expert_ids_per_chunk)
+            return self._unread_counts(expert_ids_per_chunk, known)
         n, R, L, lo = len(expert_ids_per_chunk), self.size, self.num_local, self.first_expert
         mine = torch.stack([expert_counts(ids, self.num_experts) for ids in expert_ids_per_chunk])  # [n, E]
         every = mine.new_empty((R * n, self.num_experts))

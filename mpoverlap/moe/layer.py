@@ -184,8 +184,9 @@ class MoELayer(nn.Module):
         if d.pads_capacity:
             counts = d.capacity_chunks(parts[0][0], r, self.num_chunks)
             parts = parts * len(counts)
-        else:
-            counts = d.exchange_counts([ids for _, ids, _ in parts])
+        else:  # one chunk of this rank's own tokens: the router counted its slots already
+            own = len(parts) == 1 and self.expert_tp is None
+            counts = d.exchange_counts([ids for _, ids, _ in parts], [r.stats["tokens_per_expert"]] if own else None)
 
         def issue(i):
             pending = d.dispatch_start(*parts[i], counts=counts[i])

@@ -207,10 +207,14 @@ class TopKRouter(nn.Module):
         # terms and the token count, in one buffer and (when sequences are split) one
         # all-reduce. Evaluation forwards attach no loss: no exchange there.
         routed = expert_counts(ids, E, torch.float32)  # slots per expert before drops
-        local = torch.cat([routed, probs_sum.detach(), z_sum.detach().view(1), probs_sum.new_full((1,), float(T))])
-        totals = self.shards.sum(local) if torch.is_grad_enabled() else local
-        counts_g, probs_sum_g = totals[:E], totals[E:2 * E]
-        z_sum_g, tokens_g = totals[2 * E], totals[2 * E + 1].clamp_min(1.0)
+        whole = self.shards.group is None or not torch.is_grad_enabled()
+        if whole:  # this rank's tokens are the totals: no buffer to build and slice
+            counts_g, probs_sum_g, z_sum_g, tokens_g = routed, probs_sum.detach(), z_sum.detach(), float(max(T, 1))
+        else:
+            local = torch.cat([routed, probs_sum.detach(), z_sum.detach().view(1), probs_sum.new_full((1,), float(T))])
+            totals = self.shards.sum(local)
+            counts_g, probs_sum_g = totals[:E], totals[E:2 * E]
+            z_sum_g, tokens_g = totals[2 * E], totals[2 * E + 1].clamp_min(1.0)
         f = counts_g / (tokens_g * self.top_k)
         share = float(self.shards.grad_mean_size)
         aux_raw = share * E * (f * probs_sum).sum() / tokens_g
@@ -221,9 +225,11 @@ class TopKRouter(nn.Module):
             ids, weights, dropped, positions = apply_capacity(ids, weights, E, cap)
         # after drops: without a capacity the routed counts themselves (one cast, not a recount)
         kept = routed.long() if cap is None else expert_counts(ids, E, torch.long)
-        stats = {"tokens_per_expert": kept, "dropped": dropped,
-                 "aux_loss": (E * (f * probs_sum_g).sum() / tokens_g).detach(),
-                 "z_loss": (z_sum_g / tokens_g).detach(),
+        if whole and share == 1.0:  # the whole-microbatch figures are the losses' own values
+            aux_stat, z_stat = aux_raw.detach(), z_raw.detach()
+        else:
+            aux_stat, z_stat = (E * (f * probs_sum_g).sum() / tokens_g).detach(), (z_sum_g / tokens_g).detach()
+        stats = {"tokens_per_expert": kept, "dropped": dropped, "aux_loss": aux_stat, "z_loss": z_stat,
                  # Slots routed to each expert before drops, over the ranks sharing these sequences.
                  "load": counts_g.detach()}
         return RouterOutput(ids, weights, self.aux_loss_coeff * aux_raw, self.z_loss_coeff * z_raw, stats,
