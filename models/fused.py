@@ -54,7 +54,8 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def _rope_traced(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _rope_traced(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
 
 

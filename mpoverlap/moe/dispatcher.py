@@ -227,12 +227,11 @@ class _Base:
         return counts.local_counts if self.host_counts else counts.device_counts
 
     def _unread_counts(self, expert_ids_per_chunk: List[torch.Tensor], known=None) -> List[ChunkCounts]:
-        """One rank, no host read: every slot a row (T*k, dropped ones last), device counts
-        (`known`: a chunk's [E] counts the caller holds, the router's for one chunk, else None)."""
+        """One rank, no host read: each slot a row (T*k, dropped last); device counts (`known`: a lone chunk's)."""
         out = []
-        for i, ids in enumerate(expert_ids_per_chunk):
+        for ids in expert_ids_per_chunk:
             n = ids.numel()
-            c = known[i] if known is not None and known[i] is not None else expert_counts(ids, self.num_experts)
+            c = expert_counts(ids, self.num_experts) if known is None or len(expert_ids_per_chunk) > 1 else known
             out.append(ChunkCounts(num_kept=n, local_counts=None, device_counts=c, in_splits=[n], out_splits=[n],
                                    recv_counts=None))
         return out

@@ -186,7 +186,7 @@ class MoELayer(nn.Module):
             parts = parts * len(counts)
         else:  # one chunk of this rank's own tokens: the router counted its slots already
             own = len(parts) == 1 and self.expert_tp is None
-            counts = d.exchange_counts([ids for _, ids, _ in parts], [r.stats["tokens_per_expert"]] if own else None)
+            counts = d.exchange_counts([ids for _, ids, _ in parts], r.stats["tokens_per_expert"] if own else None)
 
         def issue(i):
             pending = d.dispatch_start(*parts[i], counts=counts[i])
