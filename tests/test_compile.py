@@ -182,5 +182,5 @@ def test_loss_matches_cross_entropy(dtype, side):
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=0)
     if dtype == torch.float32:
         torch.testing.assert_close(ggot, gref, rtol=RTOL, atol=1e-8)
-    else:  # one bf16 ulp (2^-8 relative) where a last fp32 bit flips a rounding
-        torch.testing.assert_close(ggot.float(), gref.float(), rtol=2 ** -8, atol=1e-8)
+    else:  # one bf16 step where a last fp32 bit flips a rounding: 2^-7 relative at most
+        torch.testing.assert_close(ggot.float(), gref.float(), rtol=2 ** -7, atol=1e-8)

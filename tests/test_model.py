@@ -254,8 +254,10 @@ def test_eager_rope_function_is_the_rotation(dtype):
         return v * cos.abs() + torch.cat(v.chunk(2, dim=-1)[::-1], dim=-1) * sin.abs()
 
     q = qkv[..., :N * D].view(B, S, N, D).transpose(1, 2)
-    assert ((got.float() - ref.float()).abs() <= 3 * u * magnitude(q) + 1e-12).all()
-    assert ((ggot.float() - gref.float()).abs() <= 3 * u * magnitude(grad) + 1e-12).all()
+    # + the fp32 arithmetic's own rounding (2^-22 T: a few fp32 steps, second order beside u)
+    slack = 3 * u + 2.0 ** -22
+    assert ((got.float() - ref.float()).abs() <= slack * magnitude(q) + 1e-12).all()
+    assert ((ggot.float() - gref.float()).abs() <= slack * magnitude(grad) + 1e-12).all()
     x64 = torch.randn(B, N, S, D, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: apply_rope(x, cos.double(), sin.double()), (x64,))
 
