@@ -222,10 +222,30 @@ def render(results: Dict[str, Any]) -> str:
                 out += ["", f"### {shape}, {SIDE_NAMES.get(side, side)}: top kernels over one step", "",
                         "| kernel | ms | calls |", "|---|---|---|"]
                 out += [f"| `{k['kernel']}` | {k['ms']:.2f} | {k['calls']} |" for k in row["top_kernels"][:10]]
+    for shape, r in shapes.items():
+        for side, row in (r.get("sides") or {}).items():
+            out += _host_rows(shape, side, row.get("host"))
     skipped = results.get("skipped") or []
     if skipped:
         out += ["", "## Skipped", ""] + [f"- {s}" for s in skipped]
     return "\n".join(out) + "\n"
+
+
+def _host_rows(shape: str, side: str, host: Optional[Dict[str, Any]]) -> List[str]:
+    """Where one step's host time went (bench/host_profile.py): the CUDA runtime calls, then the
+    Python functions with most self time (the JSON keeps 15 of each, and the aten operators)."""
+    if not host:
+        return []
+    out = ["", f"### {shape}, {SIDE_NAMES.get(side, side)}: host time of one step", ""]
+    runtime = host.get("runtime") or []
+    if runtime:
+        out += ["| CUDA runtime call | calls | host ms |", "|---|---|---|"]
+        out += [f"| `{c['name']}` | {c['calls']} | {c['self_ms']:.2f} |" for c in runtime[:10]]
+        out.append("")
+    out += ["| Python function (cProfile) | calls | self ms | cumulative ms |", "|---|---|---|---|"]
+    out += [f"| `{f['function']}` | {f['calls']} | {f['self_ms']:.2f} | {f['cum_ms']:.2f} |"
+            for f in (host.get("python_top") or [])[:10]]
+    return out
 
 
 def write(out_dir: Path, results: Dict[str, Any]) -> None:

@@ -13,7 +13,8 @@ For one shape (SHAPES) on one GPU, in ONE process and on the same batches (the s
 
 each: median step time over the timed steps (synchronized), tokens/s, model TFLOP/s and MFU
 (`flops_per_token` against the GPU's dense bf16 peak, training/metrics.py), peak memory, and the
-ten kernels with most GPU time over one profiled step; beside them the simulator's prediction of
+kernels with most GPU time over one profiled step, and where its host time goes (two more
+profiled steps: bench/host_profile.py); beside them the simulator's prediction of
 the step (`hardware=h100_sxm|h200_sxm`, what `mpoverlap-check --simulate` computes). The JSON
 at --out is rewritten after every side, so a crash or the time limit keeps what was measured.
 
@@ -227,6 +228,7 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
     from mpoverlap.training.metrics import bf16_peak_tflops
     from mpoverlap.training.setup import init_distributed
 
+    from bench.host_profile import host_profile
     from bench.overhead import PlainLoop
 
     device = torch.device(device_name)
@@ -272,6 +274,7 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
             row["top_kernels"], row["gpu_ms"] = kernels[:40], gpu_time_by_kind(kernels)
             if side != "compiled":  # a dispatch mode around compiled regions could recompile them
                 row.update(launches_per_step(runner.train_step, device))
+            row["host"] = host_profile(runner.train_step, device, lambda: _sync(device))
             result["sides"][side] = row
         except Exception as err:  # noqa: BLE001
             result["sides"][side] = {"error": f"{type(err).__name__}: {err}",

@@ -168,6 +168,16 @@ def test_plain_loop_side_runs_on_cpu(tmp_path):
     assert r["simulated"]["hardware"] == "h100_sxm" and r["simulated"]["step_s"] > 0
     assert "mfu" not in row  # no peak known for a CPU: no made-up MFU
     assert row["launches"] > 100 and row["foreach_tensors"] > 0, row  # the operators of one more step
+    # where its host time went (bench/host_profile.py): autograd's backward among the Python-called
+    # functions with most self time, the GEMMs among the aten operators, no CUDA runtime call on a CPU
+    host = row["host"]
+    assert any("run_backward" in f["function"] for f in host["python_top"]), host["python_top"]
+    assert any(a["name"] in ("aten::mm", "aten::addmm") for a in host["aten_top"]), host["aten_top"]
+    assert host["runtime"] == []
+    from bench.gpu_report import _host_rows
+
+    md = "\n".join(_host_rows("llama3_1b", "plain", host))
+    assert "host time of one step" in md and "Python function (cProfile)" in md and "CUDA runtime" not in md
 
 
 def test_cuda_tier_helpers_run_on_cpu(monkeypatch):
