@@ -27,7 +27,8 @@ def autocast_context(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
-# The step's weight casts (step_cast_cache): id(parameter) -> (parameter, its bf16 copy); None outside a step.
+# The step's weight casts (step_cast_cache): id(parameter) -> (parameter, its bf16 copy), and
+# ("plain", its memory, dtype) -> the same without autograd history (step_cast); None outside a step.
 _STEP_CASTS: Optional[dict] = None
 
 
@@ -38,7 +39,9 @@ def step_cast_cache(precision: str, device: torch.device, params_sharded: bool) 
     the fp32 gradient buffer by one promoting add instead of a cast and an add.
 
     Weights of the model's linears (wgrad/functions.py `linear`) go through `step_weight`: the
-    first use in the step makes the cast (`_FoldedCast`), later microbatches reuse it. Every other
+    first use in the step makes the cast (`_FoldedCast`), later microbatches reuse it. Custom
+    Functions that take the parameter itself (the grouped experts' stacks, the deferrable and
+    tensor-parallel linears) get theirs from `step_cast`, in forward and again in backward. Every other
     weight autocast casts: an outer autocast region (itself off, so nothing between the forwards,
     the loss, backward, the pipeline's sends, is autocast) keeps autocast's own cache of weight
     casts until it exits, before the optimizer changes the weights. The same casts, so the same
@@ -114,6 +117,25 @@ def step_weight(weight: torch.Tensor) -> torch.Tensor:
     held = casts.get(id(weight))  # (the parameter, its cast): the parameter kept alive with its id
     if held is None:
         held = casts[id(weight)] = (weight, _FoldedCast.apply(weight, torch.get_autocast_dtype(weight.device.type)))
+    return held[1]
+
+
+def step_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight.to(dtype)` for a custom Function that takes the parameter itself and hands its
+    gradient on itself (the grouped experts, the deferrable linear): inside a step
+    (step_cast_cache) made once for the step and reused by every microbatch's forward and
+    backward, else cast at each call. No autograd history: the Function's own backward adds
+    each of its calls' gradients into the fp32 gradient as before, so the sums are unchanged
+    (a cast carrying history would have autograd add a layer's chunks' bf16 gradients together
+    first). Keyed by the weight's memory, not its Python object: backward gets the parameter
+    back from its saved tensors, under activation checkpointing as a detached alias of it."""
+    casts = _STEP_CASTS
+    if casts is None or weight.dtype == dtype:
+        return weight.to(dtype)
+    key = ("plain", weight.data_ptr(), tuple(weight.shape), weight.stride(), dtype)
+    held = casts.get(key)  # (the weight, its cast): the weight kept alive, so its memory is not reused
+    if held is None:
+        held = casts[key] = (weight, weight.detach().to(dtype))
     return held[1]
 
 

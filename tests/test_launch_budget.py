@@ -175,6 +175,77 @@ def test_bf16_weights_cast_once_a_step_gradients_added_in_place(hooked):
         assert torch.equal(g, grads[True][n]), n
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_bf16_expert_stacks_cast_once_a_step(deferred):
+    """The grouped experts' stacked weights, as the linears': inside step_cast_cache each stack is
+    cast to bf16 once for the step's 3 microbatches (before: in forward and again in backward,
+    for each chunk the MoE layer splits its tokens into: 2 x 2 chunks x 3 casts of every stack
+    here; the Trainer's default at ep 1 is one chunk, at ep > 1 overlap.ep_chunks), their bf16 gradients are added into the fp32
+    buffers by one promoting add (no fp32 copy of a stack's gradient either way), and the
+    gradients are bit for bit the uncached path's (moe_tiny with a shared expert, 2 MoE layers,
+    untied: a tied embedding's two gradients are added in another order, see step_cast_cache).
+    `deferred`: a zero-bubble deferral attached and every backward's weight gradients queued and
+    run after it (W): then the linears too are custom Functions casting their own weights
+    (wgrad/functions.py), each once a step as well (precision.step_cast)."""
+    import torch
+
+    from mpoverlap.config import compose
+    from mpoverlap.models.gpt import GPT
+    from mpoverlap.precision import autocast_context, step_cast_cache
+    from mpoverlap.wgrad import WeightGradDeferral, WeightGradQueue, attach_deferral
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = compose(["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176",
+                   "model.moe_ffn_hidden_size=32", "model.num_experts=8", "model.shared_expert=true",
+                   "model.tie_embeddings=false", "model.seq_length=16"]).model
+    tokens = torch.randint(0, 100, (3, 2, 16), generator=torch.Generator().manual_seed(0))
+    grads, casts, widened = {}, {}, {}
+    for cached in (False, True):
+        model = GPT(cfg, seed=1)
+        deferral = WeightGradDeferral()
+        if deferred:
+            assert attach_deferral(model, deferral) > 0
+        names = dict(model.named_parameters())
+        for p in names.values():
+            p.grad = torch.zeros_like(p)
+        # the GEMMs' weights: the expert stacks and the linears (not the fp32 router's, nor the embedding)
+        weights = {p.data_ptr(): n for n, p in names.items()
+                   if p.dim() >= 2 and "router" not in n and "embedding" not in n}
+        stacks = {n for n, p in names.items() if p.dim() == 3}
+        stack_shapes = {tuple(p.shape) for p in names.values() if p.dim() == 3}
+        seen, up = [], []
+
+        class Casts(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.name() == "aten::_to_copy":
+                    if args[0].data_ptr() in weights:
+                        seen.append(weights[args[0].data_ptr()])
+                    elif args[0].dtype == torch.bfloat16 and tuple(args[0].shape) in stack_shapes:
+                        up.append(tuple(args[0].shape))  # a stack's bf16 gradient cast up
+                return func(*args, **(kwargs or {}))
+
+        outer = step_cast_cache("bf16", torch.device("cpu"), params_sharded=False) if cached else autocast_context("fp32", None)
+        with Casts(), outer:
+            for mb in tokens:
+                with autocast_context("bf16", torch.device("cpu")):
+                    logits = model(mb)
+                queue = WeightGradQueue()
+                with deferral.deferring(queue) if deferred else autocast_context("fp32", None):
+                    model.loss(logits.float(), mb).backward()
+                assert (len(queue) > 0) == deferred
+                if deferred:
+                    queue.run()
+        grads[cached] = {n: p.grad for n, p in names.items()}
+        casts[cached], widened[cached] = seen, up
+    assert len(stacks) == 4, stacks  # w_in and w_out of 2 MoE layers
+    assert sorted(casts[True]) == sorted(weights.values()), casts[True]  # each weight once a step
+    chunks = model.layers["0"].mlp.num_chunks  # the single-process layer's default: 2 chunks
+    assert sorted(n for n in casts[False] if n in stacks) == sorted(3 * 2 * chunks * list(stacks)), casts[False]
+    assert widened == {False: [], True: []}, widened
+    for n, g in grads[False].items():
+        assert torch.equal(g, grads[True][n]), n
+
+
 def test_moe_launches_do_not_grow_with_the_experts(counts):
     """Issue 46: 8 -> 64 experts (top-2, 2 MoE layers): the operators of one microbatch (both
     layers' forward and backward: ops(m=2) - ops(m=1)) are the same, and so are the step's

@@ -19,7 +19,8 @@ GroupedMLPFn is the whole expert MLP (swiglu: down(silu(gate) * up); gelu: down(
 one autograd Function: forward 2 grouped GEMMs; backward 2 for the input gradient and 2 for the
 weight gradients, the latter handed to a zero-bubble deferral (mpoverlap/wgrad) when one is
 active. The activation is recomputed from the saved pre-activation in backward. Mixed
-precision as the deferrable linear (wgrad/functions.py): weights cast to the compute dtype.
+precision as the deferrable linear (wgrad/functions.py): weights cast to the compute dtype,
+once a step inside step_cast_cache (precision.step_cast), else at each use.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from mpoverlap.models.activation import swiglu_backward
-from mpoverlap.precision import added_into_grad, compute_dtype, no_autocast
+from mpoverlap.precision import added_into_grad, compute_dtype, no_autocast, step_cast
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -150,8 +151,8 @@ class GroupedMLPFn(torch.autograd.Function):
         ctx.dtype = dtype = compute_dtype(x)
         x = x.to(dtype)
         with no_autocast(x):
-            h = grouped_mm(x, w_in.to(dtype).transpose(1, 2), offs)  # [N, W]
-            y = grouped_mm(_activate(h, activation), w_out.to(dtype).transpose(1, 2), offs)  # [N, H]
+            h = grouped_mm(x, step_cast(w_in, dtype).transpose(1, 2), offs)  # [N, W]
+            y = grouped_mm(_activate(h, activation), step_cast(w_out, dtype).transpose(1, 2), offs)  # [N, H]
             if padded:
                 y = _zero_rows_past(y, offs)
         ctx.save_for_backward(x, h, w_in, w_out, offs)
@@ -163,9 +164,9 @@ class GroupedMLPFn(torch.autograd.Function):
         dtype, act = ctx.dtype, ctx.activation
         with no_autocast(x):
             grad_y = grad_y.to(dtype).contiguous()
-            grad_a = grouped_mm(grad_y, w_out.to(dtype), offs)  # [N, F]
+            grad_a = grouped_mm(grad_y, step_cast(w_out, dtype), offs)  # [N, F]
             grad_h = _activation_backward(grad_a, h, act)  # [N, W]
-            grad_x = grouped_mm(grad_h, w_in.to(dtype), offs)  # [N, H]
+            grad_x = grouped_mm(grad_h, step_cast(w_in, dtype), offs)  # [N, H]
             if ctx.padded:
                 grad_x = _zero_rows_past(grad_x, offs)
             grads = []

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from mpoverlap.comm.collectives import send_recv
 from mpoverlap.comm.handle import CommHandle
-from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
+from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_cast
 from mpoverlap.tensor_parallel.comm_spec import TPComm
 from mpoverlap.tensor_parallel.mappings import MODE, seq_chunk
 
@@ -118,7 +118,7 @@ class ColumnParallelRingFn(torch.autograd.Function):
         ctx.save_for_backward(x_BsH, weight_oH)
         B, s = x_BsH.shape[0], x_BsH.shape[1]
         y_BSo = x_BsH.new_empty(B, s * comm.size, weight_oH.shape[0])
-        w_oH, b_o = weight_oH.to(dtype), cast(bias_o, dtype)
+        w_oH, b_o = step_cast(weight_oH, dtype), cast(bias_o, dtype)
 
         def gemm(c, x_c):
             seq_chunk(y_BSo, c, s).copy_(F.linear(x_c, w_oH, b_o))
@@ -131,7 +131,7 @@ class ColumnParallelRingFn(torch.autograd.Function):
     def backward(ctx, grad_y_BSo):
         x_BsH, weight_oH = ctx.saved_tensors
         with no_autocast(x_BsH):
-            return ColumnParallelRingFn._backward(ctx, x_BsH, weight_oH.to(ctx.dtype),
+            return ColumnParallelRingFn._backward(ctx, x_BsH, step_cast(weight_oH, ctx.dtype),
                                                   grad_y_BSo.to(ctx.dtype), ctx.param)
 
     @staticmethod
@@ -189,7 +189,7 @@ class RowParallelRingFn(torch.autograd.Function):
         if S % comm.size:
             raise ValueError(f"sequence length {S} is not divisible by tp_size={comm.size}")
         s = S // comm.size
-        w_Oi = weight_Oi.to(dtype)
+        w_Oi = step_cast(weight_Oi, dtype)
         with no_autocast(x_BSi):
             return ring_reduce_scatter(lambda c: F.linear(seq_chunk(x_BSi, c, s), w_Oi),
                                        comm, "row.fwd")
@@ -198,7 +198,7 @@ class RowParallelRingFn(torch.autograd.Function):
     def backward(ctx, grad_y_BsO):
         x_BSi, weight_Oi = ctx.saved_tensors
         with no_autocast(x_BSi):
-            return RowParallelRingFn._backward(ctx, x_BSi, weight_Oi.to(ctx.dtype),
+            return RowParallelRingFn._backward(ctx, x_BSi, step_cast(weight_Oi, ctx.dtype),
                                                grad_y_BsO.to(ctx.dtype), ctx.param)
 
     @staticmethod

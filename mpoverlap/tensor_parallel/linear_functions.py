@@ -25,8 +25,9 @@ the other ranks hides it. The row-parallel GEMM (a plain op) goes through
 
 Mixed precision: autocast does not reach inside a custom Function, so forward casts x, W and b
 to the compute dtype (`mpoverlap.precision.compute_dtype`: bf16 under autocast) itself, before
-the SP all-gather (activations travel in the compute dtype), and backward recasts W and the
-incoming gradient to the same dtype. The weight gradient comes out of a bf16 GEMM; autograd
+the SP all-gather (activations travel in the compute dtype), and backward casts the incoming
+gradient to the same dtype and uses W's cast again (made once a step inside step_cast_cache,
+`mpoverlap.precision.step_cast`; else recast). The weight gradient comes out of a bf16 GEMM; autograd
 casts it to the fp32 parameter's dtype and accumulates it in fp32 (the master gradient).
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast
+from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_cast
 from mpoverlap.tensor_parallel.comm_spec import TPComm
 from mpoverlap.wgrad.deferral import WeightGradGemm, weight_grad_2d
 from mpoverlap.tensor_parallel.mappings import (
@@ -51,18 +52,18 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         ctx.param = weight_oH  # W accumulates into the parameter (checkpointing unpacks an alias)
         ctx.dtype = dtype = compute_dtype(x)
         x = x.to(dtype)  # before the all-gather: bf16 under autocast moves half the bytes
-        # SP: the local chunk only, re-gathered in backward; W is recast there (not saved as a
-        # bf16 copy: one more weight-sized tensor per microbatch in flight).
+        # SP: the local chunk only, re-gathered in backward; W's cast is the step's (step_cast)
+        # or made again there (not saved per microbatch: one more weight-sized tensor in flight).
         ctx.save_for_backward(x, weight_oH)
         total_x_BSH = seq_all_gather_async(x, comm).wait() if comm.sequence_parallel else x
         with no_autocast(x):
-            return F.linear(total_x_BSH, weight_oH.to(dtype), cast(bias_o, dtype))
+            return F.linear(total_x_BSH, step_cast(weight_oH, dtype), cast(bias_o, dtype))
 
     @staticmethod
     def backward(ctx, grad_y_BSo):
         x, weight_oH = ctx.saved_tensors
         with no_autocast(x):
-            return ColumnParallelLinearFn._backward(ctx, x, weight_oH.to(ctx.dtype),
+            return ColumnParallelLinearFn._backward(ctx, x, step_cast(weight_oH, ctx.dtype),
                                                     grad_y_BSo.to(ctx.dtype), ctx.param)
 
     @staticmethod

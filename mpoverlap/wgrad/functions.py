@@ -12,8 +12,9 @@ that stays in B) and hands the weight gradient to `deferral.defer`; outside a de
 region it computes it at once.
 
 Mixed precision: autocast does not reach into a custom Function, so forward casts x, W and b
-to the compute dtype itself (as autocast would cast F.linear) and backward recasts W and the
-incoming gradient (see mpoverlap/precision.py).
+to the compute dtype itself (as autocast would cast F.linear) and backward casts the incoming
+gradient and uses W's cast again: made once a step inside step_cast_cache (precision.step_cast),
+else at each use (see mpoverlap/precision.py).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_weight
+from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_cast, step_weight
 from mpoverlap.wgrad.deferral import WeightGradGemm, weight_grad_2d
 
 
@@ -38,14 +39,14 @@ class DeferrableLinearFn(torch.autograd.Function):
         x = x.to(dtype)
         ctx.save_for_backward(x, weight)
         with no_autocast(x):
-            return F.linear(x, weight.to(dtype), cast(bias, dtype))
+            return F.linear(x, step_cast(weight, dtype), cast(bias, dtype))
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         with no_autocast(x):
             grad_y = grad_y.to(ctx.dtype)
-            grad_x = grad_y.matmul(weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
+            grad_x = grad_y.matmul(step_cast(weight, ctx.dtype)) if ctx.needs_input_grad[0] else None
             grad_w = None
             if not ctx.deferral.defer(ctx.param, WeightGradGemm(grad_y, x)):
                 grad_w = weight_grad_2d(grad_y, x)
