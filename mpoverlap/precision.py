@@ -135,7 +135,8 @@ def step_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     key = ("plain", weight.data_ptr(), tuple(weight.shape), weight.stride(), dtype)
     held = casts.get(key)  # (the weight, its cast): the weight kept alive, so its memory is not reused
     if held is None:
-        held = casts[key] = (weight, weight.detach().to(dtype))
+        with torch.no_grad():
+            held = casts[key] = (weight, weight.to(dtype))
     return held[1]
 
 
