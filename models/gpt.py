@@ -223,6 +223,7 @@ class GPT(nn.Module):
                        else layers.column("output", cfg.hidden_size, self.vocab_size, cfg, seed, self.tp))
         # train.compile: the loss's upcast, log-softmax and gradient as one compiled region
         self.loss_math = fused.regions(compile_backend)["loss"] if compile_backend and post_process else None
+        self._rope_tables = None  # (positions tensor, dtype, cos, sin): see embed
         self.init_weights(seed)
         if self.embedding is not None and not pre_process:
             self.embedding.weight.pipeline_duplicate = True  # counted once, on the first stage
@@ -262,10 +263,15 @@ class GPT(nn.Module):
             if S is None:
                 raise ValueError("a pipeline chunk without the embedding needs position_ids")
             position_ids = torch.arange(S, device=tokens_BS.device)
-        cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim_of(self.cfg), self.cfg.rope_base,
-                                      rope_scaling_of(self.cfg))
         x_BSH = self.embedding(tokens_BS) if self.pre_process else tokens_BS
-        return x_BSH, cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype)
+        # The tables of the last positions tensor seen: a caller handing the same tensor to every
+        # microbatch (the Trainer's split) gets them made once (~15 operators each time).
+        held = self._rope_tables
+        if held is None or held[0] is not position_ids or held[1] != x_BSH.dtype:
+            cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim_of(self.cfg), self.cfg.rope_base,
+                                          rope_scaling_of(self.cfg))
+            held = self._rope_tables = (position_ids, x_BSH.dtype, cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype))
+        return x_BSH, held[2], held[3]
 
     def head(self, x_BSH: torch.Tensor, fp32_logits: bool = True) -> torch.Tensor:
         """The forward after the last block: final norm and output layer -> logits_BSV (fp32,

@@ -53,6 +53,7 @@ class Trainer(Resumable):
         self.ledger = CommLedger()
         t = cfg.train
         self.cp_size, self.cp_rank = state.grid.cp, state.coords.cp
+        self._positions: dict = {}  # sequence length -> this rank's positions (see _split)
         attention = {}
         if self.cp_size > 1:
             attention["core_attention"] = ContextParallelAttention(
@@ -143,11 +144,17 @@ class Trainer(Resumable):
         mb_BS1 = mb_BS1.to(self.state.device, non_blocking=True)
         tokens_BS, targets_BS = mb_BS1[:, :-1], mb_BS1[:, 1:]
         S = tokens_BS.shape[1]
+        # the same positions tensor for every microbatch of a length (the model makes RoPE's
+        # tables once for it: models/gpt.py embed)
+        positions = self._positions.get(S)
+        if positions is None:
+            positions = self._positions[S] = (
+                torch.arange(S, device=tokens_BS.device) if self.cp_size == 1
+                else positions_for_cp(S, self.cp_rank, self.cp_size, device=tokens_BS.device))
         if self.cp_size == 1:
-            return tokens_BS, targets_BS, torch.arange(S, device=tokens_BS.device)
+            return tokens_BS, targets_BS, positions
         return (split_for_cp(tokens_BS, self.cp_rank, self.cp_size, seq_dim=1),
-                split_for_cp(targets_BS, self.cp_rank, self.cp_size, seq_dim=1),
-                positions_for_cp(S, self.cp_rank, self.cp_size, device=tokens_BS.device))
+                split_for_cp(targets_BS, self.cp_rank, self.cp_size, seq_dim=1), positions)
 
     def close(self) -> None:
         """End of the run: wait what is still in flight (a save, parameter gathers, gradient
@@ -217,6 +224,7 @@ class Trainer(Resumable):
             with self.autocast:
                 logits = self.ddp(tokens, position_ids=positions, fp32_logits=False)
             loss = self.model.loss(logits, targets) / len(micro)
+            del logits  # the loss keeps what its backward needs: [tokens, vocabulary] less at the peak
             loss.backward()
             loss_sum += loss.detach()
         return loss_sum
