@@ -157,26 +157,36 @@ def test_inductor_single_process():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("side", ["eager", "compiled"])
-def test_loss_matches_cross_entropy(dtype, side):
+@pytest.mark.parametrize("side", ["eager", "eager-blocks", "compiled"])
+def test_loss_matches_cross_entropy(dtype, side, monkeypatch):
     """The one-rank loss (models/loss.py), eager (its autograd Function) and as train.compile's
     `loss` region (this suite's backend), against F.cross_entropy of the upcast logits, from fp32
     logits and from bf16 ones as bf16 autocast's head makes them: the loss within 1e-5
     (relative) and the logits' gradient in the logits' dtype, within 1e-5 of the reference's in
     fp32 and within one bf16 rounding of it in bf16 (both round the same fp32 softmax - one-hot,
     which may differ in its last fp32 bit: the one-hot subtracted before or after the scale, a
-    fused kernel's reordered row sum)."""
+    fused kernel's reordered row sum). `eager-blocks`: the eager loss's fp32 row blocks made 5
+    rows (32 rows: 7 blocks, the last of 2), as a large vocabulary makes them; and what it keeps
+    for backward is the logits as they came (no fp32 [tokens, vocabulary] tensor when they are
+    bf16) and one fp32 log-sum-exp a row."""
     from mpoverlap.models import fused, loss
 
+    if side == "eager-blocks":
+        monkeypatch.setattr(loss, "CHUNK_BYTES", 5 * 4 * 96)
+        assert loss.chunk_rows(32, 96) == 5
     g = torch.Generator().manual_seed(7)
     logits = (4 * torch.randn(2, 16, 96, generator=g)).to(dtype)
     targets = torch.randint(0, 96, (2, 16), generator=g)
     out = []
-    for fn in (loss.cross_entropy, fused.regions(None if side == "eager" else BACKEND)["loss"]):
+    kept = []
+    for fn in (loss.cross_entropy, fused.regions(None if side != "compiled" else BACKEND)["loss"]):
         x = logits.clone().requires_grad_(True)
-        value = fn(x, targets)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, t.numel())) or t, lambda t: t):
+            value = fn(x, targets)
         (3 * value).backward()
         out.append((value.detach(), x.grad))
+    if side != "compiled":  # the eager Function's (the reference's saved tensors came first)
+        assert kept[-3:] == [(dtype, 32 * 96), (torch.float32, 32), (torch.int64, 32)], kept
     (ref, gref), (got, ggot) = out
     assert got.dtype == ref.dtype == torch.float32 and ggot.dtype == dtype
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=0)
