@@ -201,3 +201,28 @@ def test_named_range_is_free_without_profiler():
         with named_range("comm", "dp", "all_reduce"):
             torch.ones(2).sum()
     assert any(e.name == "comm/dp/all_reduce" for e in prof.events())
+
+
+def test_pipeline_actions_keep_each_step_on_its_own_clock_offset():
+    """The profiler's ranges onto the timeline's perf_counter clock, step by step: two steps whose
+    clock offsets differ by 5 ms (a loaded machine), each with an action ending 1 ms before its
+    step does: both kept, inside their own step, at their times (one median offset for both put
+    the later step's last action past its end and dropped it)."""
+    from types import SimpleNamespace
+
+    from mpoverlap.training.profiling import pipeline_actions
+
+    def event(name, start_s, end_s):  # the profiler's microseconds from its own start
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start_s * 1e6, end=end_s * 1e6))
+
+    events = [event("step/1", 0.0, 0.100), event("pp/F(mb0,v0)", 0.010, 0.050), event("pp/W(mb0,v0)", 0.060, 0.099),
+              event("step/2", 0.200, 0.300), event("pp/F(mb0,v0)", 0.210, 0.250), event("pp/W(mb0,v0)", 0.260, 0.299),
+              event("step/3", 0.400, 0.500), event("pp/W(mb0,v0)", 0.460, 0.499)]
+    steps = [{"step": 1, "begin": 10.0, "end": 10.1}, {"step": 2, "begin": 10.205, "end": 10.305},
+             {"step": 3, "begin": 10.4, "end": 10.5}]
+    actions = pipeline_actions(events, steps)
+    assert [(a["step"], a["action"]) for a in actions] == [(1, "F"), (1, "W"), (2, "F"), (2, "W"), (3, "W")]
+    for a in actions:
+        s = steps[a["step"] - 1]
+        assert s["begin"] <= a["begin"] <= a["end"] <= s["end"], (a, s)
+    assert actions[3]["end"] == pytest.approx(10.304)

@@ -202,25 +202,24 @@ def pipeline_actions(events: Any, steps: List[dict]) -> List[dict]:
     """The `pp/<kind>(mb<i>,v<j>)` ranges among the profiler's `events` as action lines, on the
     perf_counter clock of `steps` (the timeline's step lines): the profiler stamps microseconds
     from its own start, and each `step/<s>` range starts when its step line does, so their
-    difference moves one clock onto the other (the median over the steps)."""
+    difference moves that step's actions from one clock onto the other."""
     ranges = [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
               if e.name.startswith(("pp/", "step/"))]
-    begins = {int(n[5:]): a for n, a, _ in ranges if n.startswith("step/") and n[5:].isdigit()}
-    offsets = sorted(s["begin"] - begins[s["step"]] for s in steps if s["step"] in begins and s["end"] is not None)
-    if not offsets:
-        return []
-    offset = offsets[len(offsets) // 2]
-    bounds = [(s["step"], s["begin"], s["end"]) for s in steps if s["end"] is not None]
+    spans = {int(n[5:]): (a, b) for n, a, b in ranges if n.startswith("step/") and n[5:].isdigit()}
+    # Each step's own offset between the clocks (its range opens just before its line's stamp),
+    # and an action belongs to the step whose range holds its start on the profiler's clock: with
+    # one offset for all steps (their median), an action just before its step's end could fall
+    # past it by the offsets' spread (milliseconds on a loaded machine).
+    offsets = {s["step"]: s["begin"] - spans[s["step"]][0] for s in steps if s["step"] in spans and s["end"] is not None}
     out = []
     for name, a, b in sorted(ranges, key=lambda r: r[1]):
         parsed = _parse_action(name)
         if parsed is None:
             continue
-        begin, end = a + offset, b + offset
-        step = next((n for n, lo, hi in bounds if lo <= begin <= hi), None)
+        step = next((n for n, off in offsets.items() if spans[n][0] <= a <= spans[n][1]), None)
         if step is not None:
             out.append({"kind": "action", "step": step, "action": parsed[0], "microbatch": parsed[1],
-                        "vchunk": parsed[2], "begin": begin, "end": end})
+                        "vchunk": parsed[2], "begin": a + offsets[step], "end": b + offsets[step]})
     return out
 
 
