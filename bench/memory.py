@@ -135,16 +135,18 @@ def render(results: Dict[str, Any]) -> str:
              f"{mem['world']} ranks, {mem['steps']} steps, bare loopback. RSS = each rank's peak resident set "
              "(ru_maxrss, metrics.jsonl `peak_memory_bytes`); the table takes the larger rank (the estimate is for "
              "the busiest pipeline stage). Baseline = the same layout with a near-empty model (hidden 32, seq 16, "
-             "one layer per pipeline chunk). Estimate = params + grads + optimizer + activations "
-             "(`mpoverlap.overlap.estimate`).", "",
+             "one layer per pipeline chunk). Estimate = params + grads + optimizer + activations + the rest (the "
+             "step's bf16 weight casts, the loss's backward, CP's attention work: `mpoverlap.overlap.estimate`).", "",
              "| layout | RSS (MiB) | baseline RSS (MiB) | RSS - baseline (MiB) | estimate (MiB) | "
-             "estimate - est. baseline (MiB) | params / grads / optimizer / activations (MiB) | measured / estimate | "
+             "estimate - est. baseline (MiB) | params / grads / optimizer / activations / the rest (MiB) | measured / estimate | "
              "median step (s) |",
              "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for name, r in mem["layouts"].items():
         rss, base = max(r["rss_bytes"]), max(r["baseline_rss_bytes"])
         est, est_base = sum(r["estimate_bytes"].values()), sum(r["baseline_estimate_bytes"].values())
-        parts = " / ".join(_mib(v) for v in r["estimate_bytes"].values())
+        named = ("params", "grads", "optimizer", "activations")
+        parts = " / ".join([_mib(r["estimate_bytes"].get(k, 0)) for k in named]
+                           + [_mib(sum(v for k, v in r["estimate_bytes"].items() if k not in named))])
         lines.append(f"| `{' '.join(r['overrides'][:-1])}` | {_mib(rss)} | {_mib(base)} | {_mib(rss - base)} | "
                      f"{_mib(est)} | {_mib(est - est_base)} | {parts} | {(rss - base) / max(est - est_base, 1):.2f} | "
                      f"{r.get('step_time_s', float('nan')):.3f} |")
@@ -159,8 +161,8 @@ def render(results: Dict[str, Any]) -> str:
                              f"{_mib(a['estimate'])} | {a['ratio']:.2f} |")
     lines += ["", "What RSS does and does not measure: it counts pages, not tensors. It includes the interpreter, "
               "torch's libraries and the corpus (the baseline takes these out), allocator caches, freed blocks the "
-              "allocator has not returned to the OS, and transient buffers (logits, the loss, foreach and gloo "
-              "temporaries) the estimate does not model; it misses nothing the model really touched, but a peak "
+              "allocator has not returned to the OS, and transient buffers (foreach and gloo temporaries) the "
+              "estimate does not model; it misses nothing the model really touched, but a peak "
               "reached once counts even if it lasted a millisecond. The runs set MALLOC_MMAP_THRESHOLD_=131072 so that "
               "glibc returns freed tensor-sized blocks to the OS (by default RSS shows the heap's high-water mark). "
               "At this model size the difference is tens of "

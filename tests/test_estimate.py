@@ -482,3 +482,40 @@ def test_cp_attention_working_set_grows_with_the_sequence_not_its_square():
     assert work(8192) == (2 * 2 * G * T * D * c + (N + 2 * G) * T * D * a + 2 * 2 * G * T * D * c
                           + (N + 2 * G) * T * D * c + N * T * (D + 1) * a)
     assert "cp_attention_work" not in estimate(compose(["model.seq_length=8192"]), 1).memory_bytes
+
+
+def test_weight_casts_and_loss_backward_in_the_estimate():
+    """The two terms beside the saved activations (estimate/transients.py), by layout: bf16 keeps a
+    2-byte cast of every weight a GEMM reads (a tied model: all of them; untied: not the input
+    embedding), none in fp32 or under ZeRO-3; the loss's backward writes the logits' gradient in
+    the compute dtype, plus one fp32 row block (at most 1 GiB) eager at tp 1, on the stage
+    holding the head (the last; stage 0 in zbv's V)."""
+    from mpoverlap.models.init import padded_vocab_size
+    from mpoverlap.models.loss import CHUNK_BYTES
+    from mpoverlap.overlap.estimate.params import model_params
+
+    base = ["model=llama_tiny", "model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=8"]
+
+    def mem(*extra, world=1):
+        cfg = compose([*base, *extra])
+        return cfg, estimate(cfg, world)
+
+    cfg, est = mem("train.precision=bf16")
+    m = cfg.model
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    logits = 2 * 64 * V
+    total, _ = model_params(cfg)
+    assert est.memory_bytes["weight_casts"] == 2 * (total - (0 if m.tie_embeddings else V * m.hidden_size))
+    assert est.memory_bytes["loss_backward"] == 2 * logits + min(CHUNK_BYTES, 4 * logits)
+    _, fp32 = mem("train.precision=fp32")
+    assert fp32.memory_bytes["weight_casts"] == 0 and fp32.memory_bytes["loss_backward"] == 4 * logits + 4 * logits
+    _, zero3 = mem("train.precision=bf16", "parallel.dp=2", "train.dp_sharding=optim_grads_params", world=2)
+    assert zero3.memory_bytes["weight_casts"] == 0
+    _, compiled = mem("train.precision=bf16", "train.compile=true")
+    assert compiled.memory_bytes["loss_backward"] == 2 * logits
+    _, tp2 = mem("train.precision=bf16", "parallel.tp=2", world=2)
+    assert tp2.memory_bytes["loss_backward"] == 2 * logits // 2
+    _, pp2 = mem("train.precision=bf16", "parallel.pp=2", world=2)
+    assert "loss_backward" not in pp2.stages[0].memory_bytes and pp2.stages[1].memory_bytes["loss_backward"] > 0
+    _, zbv = mem("train.precision=bf16", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", world=2)
+    assert "loss_backward" in zbv.stages[0].memory_bytes and "loss_backward" not in zbv.stages[1].memory_bytes

@@ -32,9 +32,11 @@ of its output and the inputs it saved, writes the gradient of its inputs); weigh
 gradient written by its GEMM in c, read and added to the fp32 gradient buffer: P (2 c + 8)
 (GEMM output written and read back, fp32 read and written).
 Head (last chunk, T = t V / tp logits): the head GEMM's output written in c; the loss's
-`.float()` (k T (c + 4)); cross entropy's log-softmax (read and written in fp32: 8 T); backward
-(models/loss.py): the exp of the saved log-softmax (8 T) and its product with the incoming
-gradient written in c (T (4 + c)); under TP the vocabulary-parallel loss's backward is counted alike.
+`.float()` (k T (c + 4)). At tp 1 (models/loss.py, fp32 row blocks): each block's log-sum-exp
+reads it (4 T); backward reads the logits and writes exp(logits - lse) in fp32 (T (c + 4)),
+exponentiates it in place (8 T) and writes its product with the incoming gradient in c
+(T (4 + c)). Under TP the vocabulary-parallel loss: its fp32 softmax written (8 T: read and
+written), backward reads it (8 T) and writes the product in c (T (4 + c)).
 Per step, after the last backward (`update_bytes`): AdamW reads weight, gradient, m and v and
 writes weight, m and v (28 bytes a parameter, fp32), the gradient norm reads the gradient (4),
 zeroing the gradient buffer writes it (4): 36 bytes a parameter it updates.
@@ -129,6 +131,8 @@ def head_bytes(cfg: Any, lo: Layout, c: int) -> dict:
     if bool(getattr(cfg.train, "compile", False)) and lo.tp == 1:  # the compiled loss region
         return {"F": 2 * T * c, "B": 2 * T * c}
     k = _casts(c)
+    if lo.tp == 1:
+        return {"F": T * (c + k * (c + 4) + 4), "B": T * ((c + 4) + 8 + (4 + c))}
     return {"F": T * (c + k * (c + 4) + 8), "B": T * (8 + 4 + c)}
 
 

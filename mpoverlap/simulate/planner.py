@@ -133,7 +133,9 @@ def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchRe
                 dropped[f"rule {rule}"] += 1
             continue
         est = estimate(c)
-        state = sum(est.memory_bytes[k] for k in ("params", "grads", "optimizer"))
+        # all but the activations, which depend on the recomputation: parameters, gradients,
+        # optimizer state, the step's weight casts, the loss's backward, CP's attention work
+        state = sum(v for k, v in est.memory_bytes.items() if k != "activations")
         fits = [r for r in recomputes if state + est.activations_by_recompute[r] <= HBM_USABLE * hw.hbm_bytes]
         if not fits:
             dropped["memory: does not fit in HBM under any model.recompute"] += 1

@@ -23,8 +23,9 @@ f = residual-stream bytes, 4: the residual stays fp32 under autocast; c = comput
     their unpermuted copy 3kH c; each routed copy runs an expert MLP that keeps its up projection's
     output (2 or 1 x expert width, c; the per-expert loop, model.moe_grouped_gemm=false, 4 or 2);
     the shared expert a dense MLP of the expert width.
-  The last chunk adds the final norm and the loss's fp32 log-softmax (or, vocab-parallel,
-  softmax) over V/tp per token; the first the token ids.
+  The last chunk adds the final norm and what the loss keeps: at tp 1 the logits in c and a
+  log-sum-exp per token, vocab-parallel the fp32 softmax over V/tp per token; the first chunk
+  the token ids.
 
 Recomputation (model.recompute, mpoverlap/recompute): `full` keeps only a recomputed block's
 input x (H f per residual-region token; 2sbh in the paper's 16-bit terms), and while backward
@@ -122,13 +123,17 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
 
 def head_activation_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int) -> int:
     """The last chunk's final norm and loss, per microbatch: the norm's input (and RMSNorm's
-    normalised copy), its output in c, and the fp32 (log-)softmax over the local V/tp."""
+    normalised copy), its output in c, and what the loss keeps: at tp 1 the logits as the head
+    made them (c) and each row's log-sum-exp (models/loss.py; the compiled region keeps the same),
+    under TP the vocabulary-parallel loss's fp32 softmax over the local V/tp."""
     m = cfg.model
     H, c, f = m.hidden_size, conv.compute_bytes, conv.residual_bytes
     tokens = micro_batch * (m.seq_length // lo.cp)
     sp = bool(cfg.parallel.sequence_parallel) and lo.tp > 1
     norm = (tokens // lo.tp if sp else tokens) * (H * f + (H * f if m.norm == "rmsnorm" else 2 * f) + H * c)
     V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    if lo.tp == 1:
+        return norm + tokens * (V * c + 4)
     return norm + tokens * (V // lo.tp) * 4
 
 

@@ -17,6 +17,7 @@ from mpoverlap.overlap.estimate.attention_work import cp_attention_work_bytes
 from mpoverlap.overlap.estimate.comm import comm_ops, comm_views
 from mpoverlap.overlap.estimate.params import model_params, stage_layers, stage_params
 from mpoverlap.overlap.estimate.sharding import state_memory
+from mpoverlap.overlap.estimate.transients import head_stage, loss_backward_bytes, weight_cast_bytes
 from mpoverlap.overlap.layout import build_layout
 
 BYTES = 4  # fp32 parameters, gradients, optimizer state
@@ -81,6 +82,9 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
         mem = state_memory(cfg, lo, s, n, n_exp)
         gathered = mem.pop("gathered")
         mem["activations"] = peaks[s]["bytes"]
+        mem["weight_casts"] = weight_cast_bytes(cfg, lo, s, n, conv.compute_bytes)
+        if s == head_stage(cfg, lo):
+            mem["loss_backward"] = loss_backward_bytes(cfg, lo, conv.compute_bytes, t.micro_batch_size)
         if lo.cp > 1:
             # The attention layer in flight: ring buffers, accumulators, kernel workspace.
             mem["cp_attention_work"] = cp_attention_work_bytes(cfg, lo, conv.compute_bytes, t.micro_batch_size)
@@ -151,6 +155,10 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
     if "cp_attention_work" in heaviest.memory_bytes:
         lines.append(f"    context-parallel attention working set (K/V double buffer, out/lse accumulators, "
                      f"kernel workspace; in the total): {_mib(heaviest.memory_bytes['cp_attention_work'])}")
+    casts, loss = heaviest.memory_bytes.get("weight_casts", 0), heaviest.memory_bytes.get("loss_backward", 0)
+    if casts or loss:
+        lines.append(f"    in the total: the step's bf16 weight casts {_mib(casts)}, the loss's backward (the logits' "
+                     f"gradient and its fp32 block) {_mib(loss)} (estimate/transients.py)")
     if heaviest.gathered_bytes:
         lines.append(f"    ZeRO-3: parameters = this rank's shards + {_mib(heaviest.gathered_bytes)} of gathered units "
                      "in use or prefetched (train.reshard_after_forward, overlap.dp_prefetch)")

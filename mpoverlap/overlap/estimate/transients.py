@@ -1,0 +1,78 @@
+"""Memory a step holds beside parameters, gradients, optimizer state and saved activations, for
+the heaviest-stage estimate (core.py): the step's weight casts and the loss's backward.
+
+  weight_casts    under bf16 autocast every weight a GEMM reads is cast to bf16 once a step and
+                  the cast kept until the step ends (precision.step_cast_cache: the linears, the
+                  tensor-parallel layers, the experts' stacks, the tied head; autocast's own cache
+                  for the rest): c bytes per parameter of the stage, but for an untied input
+                  embedding (a lookup: not cast) and 1-D weights (norms, biases: fp32 math).
+                  Under ZeRO-3 the weights are gathered and cast at each use: one unit's cast at a
+                  time, inside the gathered working set's order of magnitude: not counted. fp32: 0.
+  loss_backward   the last chunk's loss backward runs while every layer of that microbatch still
+                  holds its saved tensors (the start of the step's last backward): it writes the
+                  logits' gradient (c bytes per local logit) and, eager at tp 1, works through one
+                  fp32 row block at a time (models/loss.py: at most CHUNK_BYTES); the
+                  vocabulary-parallel loss (tp > 1) rescales its saved fp32 softmax in place; the
+                  compiled loss region writes the gradient in one kernel from the bf16 logits.
+
+Measured against (the H200 report of 2026-11-27, f45a626, with that commit's loss: an fp32
+log-softmax kept, an fp32 exp of it and the bf16 gradient in backward, the Trainer still holding
+the bf16 logits), in GiB: llama3_1b at seq 4096, micro 2: 49.4 peak against 37.4 estimated
+without these terms and 47.5 with them as that code made them (weight casts 2.3, its loss's
+backward 7.8); gpt_125m, micro 8: 11.1 against 6.2 and 9.5; moe_350m: 14.9 against 9.8 and 13.1
+(its expert stacks then cast at each use, not kept). The terms here follow the code as it is now
+(the loss keeps bf16 logits, works in fp32 blocks): llama3_1b 40.7 estimated, not yet measured.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mpoverlap.models.init import padded_vocab_size
+from mpoverlap.models.loss import CHUNK_BYTES
+from mpoverlap.overlap.layout import Layout
+
+
+def weight_cast_bytes(cfg: Any, lo: Layout, stage: int, params: int, compute_bytes: int) -> int:
+    """The bf16 copies of the stage's weights a step keeps (see the module docstring)."""
+    from mpoverlap.data_parallel.levels import resolve_level
+    from mpoverlap.overlap.estimate.sharding import embedding_params
+
+    t = cfg.train
+    level = resolve_level(getattr(t, "dp_sharding", "none"), bool(getattr(t, "distributed_optimizer", False)))
+    if compute_bytes >= 4 or level == "optim_grads_params":
+        return 0
+    cast = params
+    if stage == 0 and not cfg.model.tie_embeddings:
+        cast -= embedding_params(cfg, lo)  # the input embedding: a lookup, never cast
+    return compute_bytes * max(0, cast)
+
+
+def head_stage(cfg: Any, lo: Layout) -> int:
+    """The pipeline stage holding the last model chunk (the head and the loss)."""
+    from mpoverlap.overlap.estimate.params import chunk_layout_of
+    from mpoverlap.pipeline.actions import stage_of
+
+    return stage_of(lo.pp * lo.vpp - 1, lo.pp, chunk_layout_of(cfg, lo))
+
+
+def local_logits(cfg: Any, lo: Layout, micro_batch: int) -> int:
+    """Logits of one microbatch on one rank: tokens x V/tp."""
+    m = cfg.model
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    return micro_batch * (m.seq_length // lo.cp) * (V // lo.tp)
+
+
+def eager_blocked_loss(cfg: Any, lo: Layout) -> bool:
+    """The one-rank eager loss (models/loss.py token_loss) is the step's: tp 1, not compiled."""
+    return lo.tp == 1 and not bool(getattr(cfg.train, "compile", False))
+
+
+def loss_backward_bytes(cfg: Any, lo: Layout, compute_bytes: int, micro_batch: int) -> int:
+    """What the loss's backward allocates on the head's stage (see the module docstring)."""
+    logits = local_logits(cfg, lo, micro_batch)
+    if lo.tp > 1:  # the gradient in the logits' dtype from the fp32 softmax it rescales in place
+        return logits * compute_bytes if compute_bytes < 4 else 0
+    grad = logits * compute_bytes
+    if eager_blocked_loss(cfg, lo):
+        return grad + min(CHUNK_BYTES, 4 * logits)
+    return grad
