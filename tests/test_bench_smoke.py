@@ -51,7 +51,10 @@ def test_memory_and_timelines_render():
         "overrides": ["parallel.dp=2", "train.steps=3"], "baseline_overrides": [], "rss_bytes": [300 * 2**20, 310 * 2**20],
         "baseline_rss_bytes": [302 * 2**20, 302 * 2**20], "estimate_bytes": est, "baseline_estimate_bytes": small}}}
     text = memory.render({"memory": mem})
-    assert "| `parallel.dp=2` | 310.0 | 302.0 | 8.0 | 8.0 | 8.0 | 1.0 / 1.0 / 2.0 / 4.0 | 1.00 |" in text
+    assert "| `parallel.dp=2` | 310.0 | 302.0 | 8.0 | 8.0 | 8.0 | 1.0 / 1.0 / 2.0 / 4.0 / 0.0 | 1.00 |" in text
+    # the estimate's other entries (weight casts, the loss's backward, CP's work) in "the rest"
+    mem["layouts"]["dp2"]["estimate_bytes"] = {**est, "weight_casts": 2**20, "loss_backward": 2**20}
+    assert "| 10.0 | 10.0 | 1.0 / 1.0 / 2.0 / 4.0 / 2.0 | 0.80 |" in memory.render({"memory": mem})
     tl = {"link": "x", "scenarios": {"dp2": {"overrides": ["parallel.dp=2"], "png": "timelines/dp2.png",
                                              "summary": ["rank 0 dp: 1 handles"]}}}
     assert "![dp2](timelines/dp2.png)" in timelines.render({"timelines": tl})
