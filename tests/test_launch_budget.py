@@ -113,6 +113,28 @@ def test_the_loss_gets_the_logits_as_the_head_made_them(counts, precision):
     assert counts[f"{precision}-wide"][3] == [want]
 
 
+def _cast_watch(weights, shapes):
+    """(a dispatch mode, casts, widened): inside the mode, `casts` gets the name of every weight
+    ({its memory: its name}) cast to another dtype, `widened` the shape of every bf16 tensor of one
+    of `shapes` cast to fp32 (a weight-shaped gradient made an fp32 copy of)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    casts, widened = [], []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name() == "aten::_to_copy":
+                if args[0].data_ptr() in weights:
+                    casts.append(weights[args[0].data_ptr()])
+                elif args[0].dtype == torch.bfloat16 and (kwargs or {}).get("dtype") == torch.float32 \
+                        and tuple(args[0].shape) in shapes:
+                    widened.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    return Casts(), casts, widened
+
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_bf16_weights_cast_once_a_step_gradients_added_in_place(hooked):
     """step_cast_cache around 3 microbatches, every weight with a gradient buffer already there
@@ -127,7 +149,6 @@ def test_bf16_weights_cast_once_a_step_gradients_added_in_place(hooked):
     from mpoverlap.config import compose
     from mpoverlap.models.gpt import GPT
     from mpoverlap.precision import autocast_context, step_cast_cache
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     cfg = compose(["model=llama_tiny", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176",
                    "model.seq_length=16"]).model
@@ -143,21 +164,9 @@ def test_bf16_weights_cast_once_a_step_gradients_added_in_place(hooked):
             if hooked:
                 p.register_hook(lambda g: g)
         matrix_shapes = {tuple(p.shape) for p in names.values() if p.dim() == 2}
-        params = {p.data_ptr(): n for n, p in names.items()}
-        seen, up = [], []
-
-        class Casts(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.name() == "aten::_to_copy":
-                    if args[0].data_ptr() in params:
-                        seen.append(params[args[0].data_ptr()])
-                    elif args[0].dtype == torch.bfloat16 and (kwargs or {}).get("dtype") == torch.float32 \
-                            and tuple(args[0].shape) in matrix_shapes:
-                        up.append(tuple(args[0].shape))  # a weight-shaped bf16 gradient cast to fp32
-                return func(*args, **(kwargs or {}))
-
+        watch, seen, up = _cast_watch({p.data_ptr(): n for n, p in names.items()}, matrix_shapes)
         outer = step_cast_cache("bf16", torch.device("cpu"), params_sharded=False) if cached else autocast_context("fp32", None)
-        with Casts(), outer:
+        with watch, outer:
             for mb in tokens:
                 with autocast_context("bf16", torch.device("cpu")):
                     logits = model(mb)
@@ -193,7 +202,6 @@ def test_bf16_expert_stacks_cast_once_a_step(deferred):
     from mpoverlap.models.gpt import GPT
     from mpoverlap.precision import autocast_context, step_cast_cache
     from mpoverlap.wgrad import WeightGradDeferral, WeightGradQueue, attach_deferral
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     cfg = compose(["model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176",
                    "model.moe_ffn_hidden_size=32", "model.num_experts=8", "model.shared_expert=true",
@@ -212,20 +220,9 @@ def test_bf16_expert_stacks_cast_once_a_step(deferred):
         weights = {p.data_ptr(): n for n, p in names.items()
                    if p.dim() >= 2 and "router" not in n and "embedding" not in n}
         stacks = {n for n, p in names.items() if p.dim() == 3}
-        stack_shapes = {tuple(p.shape) for p in names.values() if p.dim() == 3}
-        seen, up = [], []
-
-        class Casts(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.name() == "aten::_to_copy":
-                    if args[0].data_ptr() in weights:
-                        seen.append(weights[args[0].data_ptr()])
-                    elif args[0].dtype == torch.bfloat16 and tuple(args[0].shape) in stack_shapes:
-                        up.append(tuple(args[0].shape))  # a stack's bf16 gradient cast up
-                return func(*args, **(kwargs or {}))
-
+        watch, seen, up = _cast_watch(weights, {tuple(p.shape) for p in names.values() if p.dim() == 3})
         outer = step_cast_cache("bf16", torch.device("cpu"), params_sharded=False) if cached else autocast_context("fp32", None)
-        with Casts(), outer:
+        with watch, outer:
             for mb in tokens:
                 with autocast_context("bf16", torch.device("cpu")):
                     logits = model(mb)
@@ -282,7 +279,6 @@ def test_bf16_expert_weight_gradients_added_in_place(hooked):
     are bit for bit the cast-then-add path's (`hooked`: a tensor hook on each weight, ZeRO-2's
     case, keeps autograd's path: the reference)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from mpoverlap.moe.grouped import grouped_mlp
 
@@ -294,22 +290,14 @@ def test_bf16_expert_weight_gradients_added_in_place(hooked):
     for hook in (True, hooked):
         w_in = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden, generator=g.manual_seed(1)) / 8)
         w_out = torch.nn.Parameter(torch.randn(experts, hidden, ffn, generator=g.manual_seed(2)) / 8)
-        calls, widened = [], []
+        calls = []
         for p in (w_in, w_out):
             p.grad = torch.full_like(p, 0.5)
             p.register_post_accumulate_grad_hook(calls.append)
             if hook:
                 p.register_hook(lambda grad: grad)
-        stacks = {tuple(w_in.shape), tuple(w_out.shape)}
-
-        class Casts(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if (func.name() == "aten::_to_copy" and args[0].dtype == torch.bfloat16
-                        and (kwargs or {}).get("dtype") == torch.float32 and tuple(args[0].shape) in stacks):
-                    widened.append(tuple(args[0].shape))
-                return func(*args, **(kwargs or {}))
-
-        with Casts():
+        watch, _, widened = _cast_watch({}, {tuple(w_in.shape), tuple(w_out.shape)})
+        with watch:
             for _ in range(2):  # two microbatches: the second adds onto the first
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     y = grouped_mlp(x, w_in, w_out, counts, activation="swiglu", padded=False)
