@@ -47,9 +47,10 @@ def step_cast_cache(precision: str, device: torch.device, params_sharded: bool) 
     casts until it exits, before the optimizer changes the weights. The same casts, so the same
     values; the gradient sums are the same but for a weight used twice in one backward (the tied
     embedding and head: autograd added their sum, now each in turn). Costs the bf16 copies' memory
-    between microbatches (2 bytes a parameter, which each microbatch's backward holds anyway); not
-    used when the parameters live sharded between uses (ZeRO-3: holding full bf16 copies would
-    undo that), nor in fp32."""
+    for the whole step (2 bytes a parameter of every GEMM weight; a plain linear's backward held
+    its cast anyway, the Functions' recast theirs; counted by the memory estimate's
+    `weight_casts`, overlap/estimate/transients.py); not used when the parameters live sharded
+    between uses (ZeRO-3: holding full bf16 copies would undo that), nor in fp32."""
     global _STEP_CASTS
     if precision == "fp32" or params_sharded:
         yield
