@@ -206,6 +206,14 @@ def render(results: Dict[str, Any]) -> str:
                 "view), counted by mpoverlap/training/launch_count.py; step us per operator is the step time "
                 "over that count: near the host's own cost per operator the step is host-bound (the H200 report of "
                 "2026-11-27: gpt_125m and moe_350m at 21 and 25 us per operator counted on CPU, llama3_1b at ~57)."]
+    est = [(shape, side, row) for shape, r in shapes.items() for side, row in (r.get("sides") or {}).items()
+           if row.get("estimated_peak_gib") and row.get("peak_memory_gib")]
+    if est:
+        out += ["", "### Peak memory against the estimate (mpoverlap/overlap/estimate, heaviest stage)", "",
+                "| shape | side | peak GiB (max allocated) | estimated GiB | measured / estimated |", "|---|---|---|---|---|"]
+        out += [f"| {shape} | {SIDE_NAMES.get(side, side)} | {row['peak_memory_gib']:.1f} | "
+                f"{row['estimated_peak_gib']:.1f} | {row['peak_memory_gib'] / row['estimated_peak_gib']:.2f} |"
+                for shape, side, row in est]
     busy = [(shape, side, row) for shape, r in shapes.items() for side, row in (r.get("sides") or {}).items()
             if row.get("gpu_ms")]
     if busy:

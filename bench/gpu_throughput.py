@@ -65,6 +65,14 @@ def sim_prediction(overrides: List[str], hardware: str) -> Dict[str, Any]:
             "compute_s": r.compute_s, "memory_s": r.memory_s, "exposed_s": dict(r.exposed_s)}
 
 
+def estimated_peak_gib(cfg: Any) -> float:
+    """The memory estimate's heaviest stage at world 1 (what `mpoverlap-check` prints: parameters,
+    gradients, optimizer state, activations, the step's weight casts, the loss's backward), GiB."""
+    from mpoverlap.overlap.estimate import estimate
+
+    return sum(estimate(cfg, 1).memory_bytes.values()) / 2**30
+
+
 def hardware_preset(device_name: str) -> str:
     """The conf/hardware preset of the GPU at hand (H200 -> h200_sxm, else h100_sxm)."""
     return "h200_sxm" if "H200" in device_name.upper() else "h100_sxm"
@@ -270,6 +278,8 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
                 runner = PlainLoop(cfg, train_data, device) if side == "plain" else HFLoop(cfg, train_data, device)
             times = time_steps(runner.train_step, device, warmup, steps)
             row = figures(times, tokens, flops_per_token(m), peak, device)
+            if side in ("mpoverlap", "compiled"):  # the estimate models the Trainer's step, not the loops
+                row["estimated_peak_gib"] = estimated_peak_gib(side_cfg)
             kernels = top_kernels(runner.train_step, device, n=None)
             row["top_kernels"], row["gpu_ms"] = kernels[:40], gpu_time_by_kind(kernels)
             if side != "compiled":  # a dispatch mode around compiled regions could recompile them

@@ -61,6 +61,7 @@ def test_report_writer_on_made_up_results(tmp_path):
             "llama3_1b": {"simulated": {"hardware": "h100_sxm", "step_s": 0.5},
                           "sides": {"mpoverlap": {"step_s": 0.75, "tokens_per_s": 43690.7, "model_tflops_per_s": 250.0,
                                                   "mfu": 0.2528, "peak_memory_gib": 30.2, "top_kernels": [kernel],
+                                                  "estimated_peak_gib": 29.0,
                                                   "gpu_ms": {"total": 600.0, "gemm": 400.0, "attention": 80.0,
                                                              "other": 120.0}},
                                     "hf": {"error": "RuntimeError: CUDA out of memory"},
@@ -93,12 +94,25 @@ def test_report_writer_on_made_up_results(tmp_path):
                  "| 45 | Trainer MFU eager >= 45% | llama3_1b | 25.3% | missed |",
                  "| 45 | Trainer MFU with train.compile=true >= 50% | llama3_1b | 31.6% | missed |",
                  "(abs(simulated - measured) / measured) | llama3_1b | 33.3% | missed |",
-                 "| 46 | moe_350m Trainer MFU (bf16) >= 25% | moe_350m | - | not measured |"):
+                 "| 46 | moe_350m Trainer MFU (bf16) >= 25% | moe_350m | - | not measured |",
+                 "| llama3_1b | mpoverlap Trainer | 30.2 | 29.0 | 1.04 |"):
         assert text in md, text
     assert "not run" in render({"env": {}}) and "none recorded" in render({"env": {}})
     write(tmp_path / "out", results)
     assert json.loads((tmp_path / "out" / "gpu-report.json").read_text()) == results
     assert (tmp_path / "out" / "gpu-report.md").read_text() == md
+
+
+def test_estimated_peak_is_the_estimates_heaviest_stage():
+    """The report's memory table reads the estimate `mpoverlap-check` prints, at world 1."""
+    from bench.gpu_throughput import estimated_peak_gib
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
+    cfg = compose(["model=llama_tiny", *TINY, "train.precision=bf16"])
+    mem = estimate(cfg, 1).memory_bytes
+    assert mem["weight_casts"] > 0 and mem["loss_backward"] > 0
+    assert estimated_peak_gib(cfg) == sum(mem.values()) / 2**30
 
 
 def test_gpu_time_by_kind():
