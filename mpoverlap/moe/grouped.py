@@ -24,6 +24,7 @@ once a step inside step_cast_cache (precision.step_cast), else at each use.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -45,13 +46,21 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _grouped_kernels_on(device_index: int) -> bool:
+    """CUDA device `device_index` is sm90/sm100 (asked once per device: six grouped GEMMs a
+    MoE layer and microbatch would otherwise each pay the properties lookup's host time)."""
+    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
+
+
 def _use_library(*tensors: torch.Tensor) -> bool:
     """torch._grouped_mm's own kernels: on CPU (fp32/bf16/fp16), on CUDA bf16 on sm90/sm100
     (elsewhere torch falls back to a loop over the groups that reads the offsets on the host)."""
     dev = tensors[0].device
     if dev.type == "cuda":
         return (all(t.dtype == torch.bfloat16 for t in tensors)
-                and torch.cuda.get_device_capability(dev)[0] in (9, 10) and _aligned(*tensors))
+                and _grouped_kernels_on(dev.index if dev.index is not None else torch.cuda.current_device())
+                and _aligned(*tensors))
     return dev.type == "cpu" and _aligned(*tensors)
 
 
