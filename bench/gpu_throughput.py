@@ -13,8 +13,8 @@ For one shape (SHAPES) on one GPU, in ONE process and on the same batches (the s
 
 each: median step time over the timed steps (synchronized), tokens/s, model TFLOP/s and MFU
 (`flops_per_token` against the GPU's dense bf16 peak, training/metrics.py), peak memory, and the
-kernels with most GPU time over one profiled step, and where its host time goes (two more
-profiled steps: bench/host_profile.py); beside them the simulator's prediction of
+kernels with most GPU time over one profiled step, and for the Trainer's eager side where its
+host time goes (two more profiled steps: bench/host_profile.py); beside them the simulator's prediction of
 the step (`hardware=h100_sxm|h200_sxm`, what `mpoverlap-check --simulate` computes). The JSON
 at --out is rewritten after every side, so a crash or the time limit keeps what was measured.
 
@@ -284,7 +284,8 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
             row["top_kernels"], row["gpu_ms"] = kernels[:40], gpu_time_by_kind(kernels)
             if side != "compiled":  # a dispatch mode around compiled regions could recompile them
                 row.update(launches_per_step(runner.train_step, device))
-            row["host"] = host_profile(runner.train_step, device, lambda: _sync(device))
+            if side == "mpoverlap":  # two more profiled steps: the Trainer's eager step only (time budget)
+                row["host"] = host_profile(runner.train_step, device, lambda: _sync(device))
             result["sides"][side] = row
         except Exception as err:  # noqa: BLE001
             result["sides"][side] = {"error": f"{type(err).__name__}: {err}",
