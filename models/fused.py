@@ -12,7 +12,7 @@ are that math alone, as pure functions of tensors (no module, no process group, 
   - `loss`: the token cross entropy from the head's logits as the GEMM made them (bf16 under
     bf16 autocast): the fp32 upcast, log-softmax and pick in one reduction, and in backward the
     logits' gradient (softmax - one-hot) written in the logits' dtype by one kernel (models/loss.py:
-    ~8 bytes moved per logit against eager's ~36). At tp 1 only: under TP the vocabulary-parallel
+    ~8 bytes moved per logit against the eager Function's ~34). At tp 1 only: under TP the vocabulary-parallel
     loss exchanges the rows' max and sum between its steps and stays eager.
 So whatever happens around them (TP/SP collectives, DP and ZeRO hooks on parameters, pipeline
 p2p, EP all-to-alls, recomputation, W deferral) sees the same module calls as eager; the
