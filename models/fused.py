@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from mpoverlap.models import loss
 from mpoverlap.models.activation import swiglu, swiglu_reference
-from mpoverlap.models.rope import apply_rope, rope_reference
+from mpoverlap.models.rope import apply_rope_qk, rope_reference
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -51,7 +51,7 @@ def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: Opti
 
 
 def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return apply_rope_qk(q, k, cos, sin)
 
 
 def _rope_traced(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

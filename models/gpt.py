@@ -29,7 +29,7 @@ from mpoverlap.models import fused, layers
 from mpoverlap.models.activation import swiglu
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
 from mpoverlap.models.init import head_dim_of, qkv_rows, query_groups
-from mpoverlap.models.rope import apply_rope, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)
+from mpoverlap.models.rope import apply_rope, apply_rope_qk, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)
 from mpoverlap.precision import compute_dtype
 from mpoverlap.recompute import recomputed, recomputed_layers
 
@@ -99,8 +99,7 @@ class CausalSelfAttention(nn.Module):
         if self.math is not None:
             q_BNSD, k_BGSD = self.math["rope"](q_BNSD, k_BGSD, cos_SD, sin_SD)
         else:
-            q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
-            k_BGSD = apply_rope(k_BGSD, cos_SD, sin_SD)
+            q_BNSD, k_BGSD = apply_rope_qk(q_BNSD, k_BGSD, cos_SD, sin_SD)
         if self.recompute_core:
             y_BNSD = recomputed(self.core_attention, q_BNSD, k_BGSD, v_BGSD)
         else:

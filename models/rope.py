@@ -95,6 +95,27 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float) -> t
     return out
 
 
+def apply_rope_qk(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
+    """(apply_rope(q), apply_rope(k)), bit for bit, as one autograd Function: one call, one
+    backward node and one slice of the tables for both (host time a layer and microbatch)."""
+    return _RopeQK.apply(q_BNSD, k_BGSD, cos_SD, sin_SD)
+
+
+class _RopeQK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BNSD, k_BGSD, cos_SD, sin_SD):
+        half = q_BNSD.shape[-1] // 2
+        c, s = cos_SD[..., :half], sin_SD[..., :half]
+        ctx.save_for_backward(c, s)
+        return _rotate(q_BNSD, c, s, 1.0), _rotate(k_BGSD, c, s, 1.0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_q, grad_k):
+        c, s = ctx.saved_tensors
+        return _rotate(grad_q, c, s, -1.0), _rotate(grad_k, c, s, -1.0), None, None
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BNSD, cos_SD, sin_SD):

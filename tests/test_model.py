@@ -260,6 +260,19 @@ def test_eager_rope_function_is_the_rotation(dtype):
     assert ((ggot.float() - gref.float()).abs() <= slack * magnitude(grad) + 1e-12).all()
     x64 = torch.randn(B, N, S, D, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: apply_rope(x, cos.double(), sin.double()), (x64,))
+    # q and k in one Function (what the model calls): bit for bit apply_rope on each, both ways
+    from mpoverlap.models.rope import apply_rope_qk
+
+    gk = torch.randn(B, G, S, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    res = []
+    for both in (False, True):
+        x = qkv.clone().requires_grad_(True)
+        q_, k_ = (x[..., :N * D].view(B, S, N, D).transpose(1, 2),
+                  x[..., N * D:(N + G) * D].view(B, S, G, D).transpose(1, 2))
+        yq, yk = apply_rope_qk(q_, k_, cos, sin) if both else (apply_rope(q_, cos, sin), apply_rope(k_, cos, sin))
+        torch.autograd.backward([yq, yk], [grad, gk])
+        res.append((yq.detach(), yk.detach(), yq.stride(), yk.stride(), x.grad))
+    assert all((torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b) for a, b in zip(*res))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
