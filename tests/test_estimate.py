@@ -519,3 +519,30 @@ def test_weight_casts_and_loss_backward_in_the_estimate():
     assert "loss_backward" not in pp2.stages[0].memory_bytes and pp2.stages[1].memory_bytes["loss_backward"] > 0
     _, zbv = mem("train.precision=bf16", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", world=2)
     assert "loss_backward" in zbv.stages[0].memory_bytes and "loss_backward" not in zbv.stages[1].memory_bytes
+
+
+@pytest.mark.parametrize("model", ["llama_tiny", "gpt_tiny"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_head_and_loss_saved_bytes(model, bf16):
+    """What the last chunk's final norm, head and one-rank loss keep for backward, measured
+    (saved_tensors_hooks, parameters and the targets left out) against `head_activation_bytes`:
+    the norm's input and output and the logits as the head made them (bf16 under bf16 autocast,
+    models/loss.py keeps them instead of an fp32 log-softmax) plus one fp32 log-sum-exp a token.
+    RMSNorm (llama_tiny) and LayerNorm (gpt_tiny, tied head)."""
+    from mpoverlap.models.gpt import GPT
+    from mpoverlap.overlap.estimate.activations import head_activation_bytes
+
+    cfg = compose([f"model={model}", "model.num_layers=1", "model.vocab_size=1000", "model.seq_length=32",
+                   "train.micro_batch_size=2"])
+    gpt = GPT(cfg.model, seed=1)
+    x = torch.randn(2, 32, cfg.model.hidden_size, requires_grad=True)
+    targets = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            logits = gpt.head(x, fp32_logits=False)
+        return gpt.loss(logits, targets)
+
+    measured = saved_activation_bytes(forward, gpt.parameters(), [targets])
+    est = head_activation_bytes(cfg, build_layout(cfg, 1), Conventions.for_dtype(2 if bf16 else 4), 2)
+    assert abs(measured - est) <= 0.01 * measured, (measured, est)
