@@ -224,7 +224,7 @@ class Trainer(Resumable):
             with self.autocast:
                 logits = self.ddp(tokens, position_ids=positions, fp32_logits=False)
             loss = self.model.loss(logits, targets) / len(micro)
-            del logits  # the loss keeps what its backward needs: [tokens, vocabulary] less at the peak
+            del logits  # the loss keeps what its backward needs (under TP its softmax, not these logits)
             loss.backward()
             loss_sum += loss.detach()
         return loss_sum
