@@ -232,6 +232,25 @@ def test_compile_environment_rule(monkeypatch):
     assert found and "does not support this Python" in found[0].render()
 
 
+def test_compile_environment_follows_the_launchers_device_choice(monkeypatch):
+    """train.device=auto with more ranks on this machine than GPUs runs on CPU (gloo): inductor
+    then needs the C++ compiler, not CUDA's C compiler, and the rule asks for that one."""
+    import torch
+
+    from mpoverlap.overlap import compile_rules
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(compile_rules, "cxx_compiler", lambda: "")
+    monkeypatch.setattr(compile_rules, "c_compiler", lambda: "cc")
+    on = ["train.compile=true", "train.device=auto"]
+    found = [p for p in validate(compose(on + ["parallel.dp=2"])) if p.rule == "compile.environment"]
+    assert found and "C++ compiler" in found[0].render()
+    # one rank per GPU: the run is on CUDA, where the C compiler is what Triton needs
+    assert not [p for p in validate(compose(on)) if p.rule == "compile.environment"]
+
+
 def test_default_config_is_valid():
     assert validate(compose([])) == []
     assert validate(compose(["parallel.dp=2", "overlap.dp=true", "train.distributed_optimizer=true",

@@ -14,18 +14,9 @@ from __future__ import annotations
 import os
 import shutil
 
+from mpoverlap.overlap.cuda_env import device_choice
 from mpoverlap.overlap.layout import Layout
 from mpoverlap.overlap.rules import Problem, rule
-
-
-def _on_cpu(device: str) -> bool:
-    if device == "cpu":
-        return True
-    if device != "auto":
-        return False
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def cxx_compiler() -> str:
@@ -63,7 +54,9 @@ def _environment(lo: Layout):
                       f"{torch.__version__}: the blocks would run uncompiled",
                       ["train.compile=false"])
     elif t.compile_backend == "inductor":
-        cpu = _on_cpu(str(t.device))
+        # The launcher's own choice (train.device=auto runs on CPU also when there are more ranks on
+        # this machine than GPUs), so the compiler asked for is the one the run will need.
+        cpu = device_choice(str(t.device), lo.world)[0] == "cpu"
         if not (cxx_compiler() if cpu else c_compiler()):
             what = ("builds its CPU kernels with a C++ compiler and none was found ($CXX, c++, g++, clang++)" if cpu
                     else "runs Triton on CUDA, which builds its kernel launcher with a C compiler, and none was "
