@@ -36,6 +36,49 @@ def test_local_handle_is_complete_and_recorded_once():
         CommHandle("xx", "op", 0, [], None)
 
 
+class _Work:
+    """A finished backend work; with `future=False` it refuses a completion future, as gloo's
+    p2p and reduce-scatter works do."""
+
+    def __init__(self, future: bool) -> None:
+        self.future, self.asked = future, 0
+
+    def get_future(self):
+        self.asked += 1
+        if not self.future:
+            raise RuntimeError("this work has no future")
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def test_a_refused_future_is_remembered_per_backend_and_op(monkeypatch):
+    """One gloo refusal of an op sends later gloo handles of that op to the background wait
+    (without asking again) but leaves an NCCL handle of the same op on its completion future."""
+    from mpoverlap.comm import handle as handle_mod
+
+    monkeypatch.setattr(handle_mod, "_NO_FUTURE_OPS", set())
+    ledger = CommLedger()
+    try:
+        first = _Work(future=False)
+        CommHandle("dp", "reduce_scatter", 4, [first], ledger, backend="gloo").wait()
+        again = _Work(future=False)
+        gloo = CommHandle("dp", "reduce_scatter", 4, [again], ledger, backend="gloo")
+        assert again.asked == 0 and gloo._background is not None
+        nccl_work = _Work(future=True)
+        nccl = CommHandle("dp", "reduce_scatter", 4, [nccl_work], ledger, backend="nccl")
+        assert nccl_work.asked == 1 and nccl._background is None and nccl.completed_at is not None
+        gloo.wait(), nccl.wait()
+    finally:
+        ledger.close()
+
+
 def test_mean_over_ranks():
     a = {"dp": {"ops": 2, "bytes": 100, "time_s": 1.0, "exposed_s": 0.5}}
     b = {"dp": {"ops": 2, "bytes": 100, "time_s": 3.0, "exposed_s": 0.1}}
@@ -59,7 +102,8 @@ def _timing_worker(rank, world):
     h.wait()
     hidden = ledger.reset()["dp"]
     out = torch.empty(2)
-    reduce_scatter(out, torch.arange(4.0) * (rank + 1), group, mode="tp", ledger=ledger).wait()
+    scattered = reduce_scatter(out, torch.arange(4.0) * (rank + 1), group, mode="tp", ledger=ledger).wait()
+    assert scattered.backend == "gloo"  # what a refused future is remembered under
     return at_once, hidden, done_before_wait, out.tolist(), float(big[0])
 
 

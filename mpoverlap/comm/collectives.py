@@ -35,6 +35,11 @@ def _clock(tensor: torch.Tensor, communicates, ledger: Optional[CommLedger]) -> 
     return {"issued_at": now(), "cuda_start": start}
 
 
+def _backend(group) -> str:
+    """The backend that runs a collective on `group` (None: the world), for the handle (~1 us)."""
+    return dist.get_backend(group)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -44,38 +49,43 @@ def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommL
     """In-place all-reduce of `tensor` over `group`; `on_done()` runs when the handle is
     waited (e.g. to copy a flat buffer's sums back to the tensors it was packed from)."""
     clock = _clock(tensor, group, ledger)
-    work = None
+    work, backend = None, ""
     if group is not None:
         with named_range("comm", mode, "all_reduce", cuda=tensor.is_cuda):
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        backend = _backend(group)
     return CommHandle(mode, "all_reduce", _nbytes(tensor), [work], ledger, keepalive=tensor, on_done=on_done,
-                      **clock)
+                      backend=backend, **clock)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                    ledger: Optional[CommLedger], op=dist.ReduceOp.SUM) -> CommHandle:
     """output[n/g] = shard `rank` of sum over the group of input[n]."""
     clock = _clock(input, group, ledger)
+    work, backend = None, ""
     if group is None:
         output.copy_(input)
-        work = None
     else:
+        backend = _backend(group)
         with named_range("comm", mode, "reduce_scatter", cuda=input.is_cuda):
             work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
-    return CommHandle(mode, "reduce_scatter", _nbytes(input), [work], ledger, keepalive=(output, input), **clock)
+    return CommHandle(mode, "reduce_scatter", _nbytes(input), [work], ledger, keepalive=(output, input),
+                      backend=backend, **clock)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                ledger: Optional[CommLedger]) -> CommHandle:
     """output[g*n] = concat over the group of input[n]."""
     clock = _clock(input, group, ledger)
+    work, backend = None, ""
     if group is None:
         output.copy_(input)
-        work = None
     else:
+        backend = _backend(group)
         with named_range("comm", mode, "all_gather", cuda=input.is_cuda):
             work = _all_gather_tensor(output, input, group=group, async_op=True)
-    return CommHandle(mode, "all_gather", _nbytes(output), [work], ledger, keepalive=(output, input), **clock)
+    return CommHandle(mode, "all_gather", _nbytes(output), [work], ledger, keepalive=(output, input), backend=backend,
+                      **clock)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
@@ -83,14 +93,16 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                input_split_sizes: Optional[List[int]] = None) -> CommHandle:
     """all_to_all_single along dim 0, uneven splits allowed."""
     clock = _clock(input, group, ledger)
+    work, backend = None, ""
     if group is None:
         output.copy_(input)
-        work = None
     else:
+        backend = _backend(group)
         with named_range("comm", mode, "all_to_all", cuda=input.is_cuda):
             work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                           group=group, async_op=True)
-    return CommHandle(mode, "all_to_all", _nbytes(input), [work], ledger, keepalive=(output, input), **clock)
+    return CommHandle(mode, "all_to_all", _nbytes(input), [work], ledger, keepalive=(output, input), backend=backend,
+                      **clock)
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: str,
@@ -103,5 +115,6 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: st
     ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
     with named_range("comm", mode, "send_recv", cuda=bool(tensors) and tensors[0].is_cuda):
         works = dist.batch_isend_irecv(ops) if ops else []
+    backend = _backend(group) if ops else ""
     nbytes = sum(_nbytes(t) for t, _ in sends) + sum(_nbytes(t) for t, _ in recvs)
-    return CommHandle(mode, "send_recv", nbytes, list(works), ledger, keepalive=tensors, **clock)
+    return CommHandle(mode, "send_recv", nbytes, list(works), ledger, keepalive=tensors, backend=backend, **clock)

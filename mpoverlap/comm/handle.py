@@ -36,10 +36,12 @@ import torch.autograd.profiler as _autograd_profiler
 # The five overlap modes, and `stop`: the ranks' agreement on the step to stop after a SIGTERM
 # (training/stop_agreement.py: store requests, recorded at the step it decided).
 MODES = ("dp", "tp", "pp", "cp", "ep", "stop")
-# Ops whose works gave no completion future (gloo's p2p and reduce-scatter): asking again costs a
-# C++ exception (~50 us of host time, as much as the transfer) on every handle, so the first
-# refusal of an op sends its later handles straight to the background wait, the path such works
-# always take (exact for any work: it waits the work itself).
+# (backend, op) pairs whose works gave no completion future (gloo's p2p and reduce-scatter):
+# asking again costs a C++ exception (~50 us of host time, as much as the transfer) on every
+# handle, so the first refusal sends that backend's later handles of the op straight to the
+# background wait, the path such works always take (exact for any work: it waits the work
+# itself). Keyed by backend too: in a process with gloo and NCCL groups, a gloo refusal says
+# nothing of an NCCL work of the same op.
 _NO_FUTURE_OPS: set = set()
 
 
@@ -91,16 +93,17 @@ class CommHandle:
     __slots__ = (
         "mode", "op", "nbytes", "issued_at", "completed_at", "blocked_s", "_works", "_ledger",
         "_waited", "_on_done", "_lock", "_keepalive", "_cuda_events", "wait_began_at", "wait_ended_at",
-        "_background", "posted_at", "post_span", "site", "carried", "crossed_boundary",
+        "_background", "posted_at", "post_span", "site", "carried", "crossed_boundary", "backend",
     )
 
     def __init__(self, mode: str, op: str, nbytes: int, works: List[Any], ledger: Optional["Any"],
                  on_done: Optional[Callable[[], None]] = None, keepalive: Any = None,
-                 issued_at: Optional[float] = None, cuda_start: Any = None) -> None:
+                 issued_at: Optional[float] = None, cuda_start: Any = None, backend: str = "") -> None:
         if mode not in MODES:
             raise ValueError(f"unknown comm mode {mode!r}; one of {MODES}")
         self.mode = mode
         self.op = op
+        self.backend = backend  # the process group's backend ("gloo", "nccl", ...); "" when nothing was sent
         self.nbytes = int(nbytes)
         self.issued_at = issued_at if issued_at is not None else now()
         # The handle is made right after its collective was posted. On CPU the caller sits in
@@ -136,7 +139,7 @@ class CommHandle:
         if not self._works:
             self.completed_at = self.issued_at
             return
-        if self.op in _NO_FUTURE_OPS:
+        if (self.backend, self.op) in _NO_FUTURE_OPS:
             if self._ledger is not None:
                 self._background = self._ledger.wait_in_background(self._works, self._stamp_completed)
             return
@@ -153,7 +156,7 @@ class CommHandle:
                 work.get_future().add_done_callback(done)
             except (RuntimeError, AttributeError):
                 remaining[0] = -1  # no future (gloo p2p, reduce-scatter): see below
-                _NO_FUTURE_OPS.add(self.op)
+                _NO_FUTURE_OPS.add((self.backend, self.op))
         if remaining[0] < 0 and self._ledger is not None:
             # Such works report completion only once waited: wait them on the ledger's pool,
             # so the completion time is the transfer's end, not this handle's wait().
