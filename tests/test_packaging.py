@@ -25,3 +25,11 @@ def test_every_package_folder_is_listed_with_its_yaml():
     assert found == listed, f"unlisted: {sorted(found - listed)}, listed but absent: {sorted(listed - found)}"
     data = tool["package-data"]
     assert all("*.yaml" in data.get(p, []) for p in with_yaml), sorted(p for p in with_yaml if p not in data)
+
+
+def test_the_torch_floor_is_the_one_the_start_up_check_enforces():
+    from mpoverlap.overlap.environment_rules import TORCH_FLOOR
+
+    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_req = [r for r in requirements if r.replace(" ", "").startswith("torch>=")]
+    assert torch_req == [f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}"], requirements

@@ -161,7 +161,7 @@ CUDA_ONLY = {"train.device_available", "cuda.max_connections"}
 
 
 # Rules that fire on what the machine lacks; tested below with the lack faked.
-ENVIRONMENT_ONLY = {"compile.environment"}
+ENVIRONMENT_ONLY = {"compile.environment", "environment.torch_version"}
 
 
 def test_every_rule_has_a_failing_case():
@@ -249,6 +249,27 @@ def test_compile_environment_follows_the_launchers_device_choice(monkeypatch):
     assert found and "C++ compiler" in found[0].render()
     # one rank per GPU: the run is on CUDA, where the C compiler is what Triton needs
     assert not [p for p in validate(compose(on)) if p.rule == "compile.environment"]
+
+
+def test_an_old_torch_is_refused_before_anything_starts(monkeypatch, capsys):
+    """A torch below the floor: mpoverlap-check (and so mpoverlap-train's validation) exits 2 with
+    the installed version and the install command; the floor itself and newer pass."""
+    from mpoverlap import check
+    from mpoverlap.overlap import environment_rules as env
+    from mpoverlap.overlap.environment_rules import TORCH_FLOOR, release
+
+    assert release("2.13.0+cpu") == (2, 13) and release("2.14.0a0+git1234") == (2, 14) and release("nightly") is None
+    assert release(env.torch_version()) >= TORCH_FLOOR  # this machine's torch passes
+    for ok in (f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}.0", "3.0.1"):
+        monkeypatch.setattr(env, "torch_version", lambda v=ok: v)
+        assert not [p for p in validate(compose([])) if p.rule == "environment.torch_version"]
+    monkeypatch.setattr(env, "torch_version", lambda: "2.9.1+cu128")
+    found = [p for p in validate(compose([])) if p.rule == "environment.torch_version"]
+    assert len(found) == 1 and "torch=2.9.1+cu128" in found[0].render()
+    assert found[0].fix == [f"pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'"]
+    capsys.readouterr()
+    assert check.main([]) == 2
+    assert "torch=2.9.1+cu128" in capsys.readouterr().err
 
 
 def test_default_config_is_valid():
