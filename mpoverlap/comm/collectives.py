@@ -74,8 +74,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: st
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
-               ledger: Optional[CommLedger]) -> CommHandle:
-    """output[g*n] = concat over the group of input[n]."""
+               ledger: Optional[CommLedger], on_done=None) -> CommHandle:
+    """output[g*n] = concat over the group of input[n]; `on_done()` runs when the handle is waited."""
     clock = _clock(input, group, ledger)
     work, backend = None, ""
     if group is None:
@@ -85,13 +85,13 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
         with named_range("comm", mode, "all_gather", cuda=input.is_cuda):
             work = _all_gather_tensor(output, input, group=group, async_op=True)
     return CommHandle(mode, "all_gather", _nbytes(output), [work], ledger, keepalive=(output, input), backend=backend,
-                      **clock)
+                      on_done=on_done, **clock)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                ledger: Optional[CommLedger], output_split_sizes: Optional[List[int]] = None,
-               input_split_sizes: Optional[List[int]] = None) -> CommHandle:
-    """all_to_all_single along dim 0, uneven splits allowed."""
+               input_split_sizes: Optional[List[int]] = None, on_done=None) -> CommHandle:
+    """all_to_all_single along dim 0, uneven splits allowed; `on_done()` runs when the handle is waited."""
     clock = _clock(input, group, ledger)
     work, backend = None, ""
     if group is None:
@@ -102,7 +102,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
             work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                           group=group, async_op=True)
     return CommHandle(mode, "all_to_all", _nbytes(input), [work], ledger, keepalive=(output, input), backend=backend,
-                      **clock)
+                      on_done=on_done, **clock)
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: str,
