@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import run_distributed  # noqa: E402
@@ -21,7 +21,7 @@ from dist_harness import run_distributed  # noqa: E402
 Spec = Tuple[int, Sequence[str], int]
 
 
-def _train(rank, world, specs: Dict[str, Spec], root: str):
+def _train(rank, world, specs: Dict[str, Spec], root: str, probe: Optional[Callable] = None):
     from mpoverlap.config import compose
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
@@ -31,6 +31,7 @@ def _train(rank, world, specs: Dict[str, Spec], root: str):
         run_dir = Path(root) / name
         cfg = compose([*overrides, f"train.steps={steps}", f"run.dir={run_dir}", "train.device=cpu"])
         trainer = Trainer(cfg, init_distributed(cfg), run_dir)
+        watch = probe(trainer) if probe is not None else None
         rows = []
         for _ in range(steps):
             res = trainer.train_step()
@@ -38,6 +39,8 @@ def _train(rank, world, specs: Dict[str, Spec], root: str):
             rows.append({"loss": trainer._mean_over_replicas(res["loss_local"]), "grad_norm": res["grad_norm"],
                          "comm": trainer.ledger.reset(),
                          "moe": {k: sum(st[k] for st in moe) for k in moe[0]} if moe else None})
+            if watch is not None:  # what the probe saw in the first step
+                rows[-1]["probe"], watch = watch(), None
         out[name] = rows
     return out
 
@@ -50,18 +53,24 @@ def world_of(overrides: Sequence[str]) -> int:
     return build_layout(compose(list(overrides)), world_size=None).world
 
 
-def train_layouts(specs: Dict[str, Spec], root, timeout_s: float = 900) -> Dict[str, List[dict]]:
+def train_layouts(specs: Dict[str, Spec], root, timeout_s: float = 900,
+                  probe: Optional[Callable] = None) -> Dict[str, List[dict]]:
+    """`probe(trainer)`, a module-level function of a test module, runs on every rank after each
+    Trainer is built and returns None or a function that, after the first step, returns what
+    it saw (picklable): the first row's "probe" is then the list of those, one per rank."""
     from mpoverlap.comm.ledger import mean_over_ranks
     from mpoverlap.training.metrics import moe_summary
 
     results: Dict[str, List[dict]] = {}
     for world in sorted({w for w, _, _ in specs.values()}):
         group = {n: s for n, s in specs.items() if s[0] == world}
-        per_rank = run_distributed(_train, world, group, str(root), timeout_s=timeout_s)
+        per_rank = run_distributed(_train, world, group, str(root), probe, timeout_s=timeout_s)
         for name in group:
             results[name] = [dict(row, comm=mean_over_ranks([r[name][i]["comm"] for r in per_rank]),
                                   moe=moe_summary([r[name][i]["moe"] for r in per_rank]) if row["moe"] else None)
                              for i, row in enumerate(per_rank[0][name])]
+            if "probe" in per_rank[0][name][0]:
+                results[name][0]["probe"] = [r[name][0]["probe"] for r in per_rank]
     return results
 
 

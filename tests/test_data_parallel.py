@@ -358,7 +358,7 @@ def test_buffer_layout():
 def test_expert_weights_get_buckets_of_their_own():
     """Expert parameters never share a bucket with dense ones (they reduce over another
     group), each kind is padded to its own group size, and buckets still follow reverse order."""
-    from mpoverlap.data_parallel.ddp import expert_key
+    from mpoverlap.data_parallel.reduce_groups import expert_key
 
     model = make_model()
     experts = [p for n, p in model.named_parameters() if ".1." in n or n.startswith("blocks.1")]

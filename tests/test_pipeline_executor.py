@@ -17,6 +17,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import run_distributed  # noqa: E402
+from weight_grad_landings import assert_weight_grads_land_in_their_w, watch_landings  # noqa: E402
 
 from mpoverlap.comm.ledger import CommLedger  # noqa: E402
 from mpoverlap.parallel import ParallelState, RankGrid  # noqa: E402
@@ -89,15 +90,9 @@ def run_layout(state, pp, vpp, m, overlap, verbose=False, steps=1, schedule=None
         from mpoverlap.wgrad import Linear, WeightGradDeferral, attach_deferral
 
         layers, weight_grads = make_layers(Linear), WeightGradDeferral()
-
-        def landed(layer):  # which action is computing when the weight's gradient accumulates
-            def hook(param):
-                if not weight_grads.withheld(param):  # B's empty call for a deferred weight
-                    landings.append((layer, next(i for event, i, _ in reversed(executor.trace)
-                                                 if event == "compute")))
-            return hook
-        for i, layer in enumerate(layers):
-            layer.weight.register_post_accumulate_grad_hook(landed(i))
+        # which action is computing when each layer weight's gradient accumulates (`executor`: below)
+        landings, _ = watch_landings(lambda: executor.trace, weight_grads,
+                                     [(i, layer.weight) for i, layer in enumerate(layers)])
         if tied:
             layers = tie_ends(layers)
             if stage == 0:  # the V's stage 0 runs both ends: one weight, two chunks' W's
@@ -290,29 +285,16 @@ def test_zb1p_hook_marks_the_last_b_and_the_last_w(reports, pp, vpp, m, overlap)
                          ["zbv_tied"], ids=str)
 def test_weight_gradients_land_in_w_actions_after_their_b(reports, key):
     """Every deferring schedule (zb1p, zbv): each layer weight's gradient reaches the parameter
-    while a W action computes, never inside a B or an F; that W belongs to a (microbatch, chunk)
-    whose B ran before it; and each W lands exactly the weights of its chunk (it is not a
-    no-op). A W folded back into B (the executor's deferral switched off with W a no-op, or the
-    queue run inside B) lands them in B's slot and fails here for zb1p and zbv alike."""
+    while a W action computes, after its B, and each W lands exactly the weights of its chunk
+    (tests/weight_grad_landings.py). The paired tables (the paired V, paired zb1p) are checked
+    the same way on GPT chunks in tests/test_zero_bubble_parity.py."""
     pp, vpp = (ZBV_TIED if key == "zbv_tied" else key[1:])[:2]
     for rank_report in reports:
         r = rank_report[key]
         table = r["table"]
-        outside_w = [(layer, table[i]) for layer, i in r["landings"] if table[i][0] != "W"]
-        assert not outside_w, (key, r["stage"], outside_w[:4])
-        b_at = {(mb, v): i for i, (kind, mb, v, _) in enumerate(table) if kind == "B"}
-        landed = {}
-        for layer, i in r["landings"]:
-            _, mb, v, _ = table[i]
-            assert i > b_at[(mb, v)], (key, r["stage"], table[i])
-            landed.setdefault(i, set()).add(layer)
-        w_actions = [i for i, (kind, *_) in enumerate(table) if kind == "W"]
-        assert len(w_actions) == len(b_at)  # one W per B
-        if key == "zbv_tied":  # the shared weight lands in the microbatch's last W only (see below)
-            assert set(landed) <= set(w_actions)
-            continue
-        for i in w_actions:
-            assert landed.get(i) == set(layers_of_chunk(table[i][3], pp * vpp)), (key, r["stage"], table[i])
+        def expected(i):  # the tied weight lands in the microbatch's last W only (see below)
+            return None if key == "zbv_tied" else set(layers_of_chunk(table[i][3], pp * vpp))
+        assert_weight_grads_land_in_their_w(table, r["landings"], expected, (key, r["stage"]))
 
 
 def test_second_step_and_verbose_lines(reports):

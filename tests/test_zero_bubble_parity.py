@@ -7,7 +7,9 @@ pp 2 and pp 4, with dp 2 (none, ZeRO-2 for gpt and llama, ZeRO-3 tied), tp 2 + S
 full recompute; the paired V (overlap.ep_pairing with zbv) and the paired zb1p table (pp 2 x vpp 2)
 on moe_fine_tiny at dp 2 x ep 2, each with selective recompute and with full recompute (the V's
 under ZeRO-2, zb1p's under ZeRO-1). Every layout against the single-process run of its model (bf16 zb1p / zbv:
-tests/test_train_cli.py's bf16 fixture, against its floors). One spawn per world size (tests/inproc_train.py)."""
+tests/test_train_cli.py's bf16 fixture, against its floors); the paired ones also for where their weight
+gradients land (in the W after each B, as tests/test_pipeline_executor.py checks the unpaired tables). One spawn
+per world size (tests/inproc_train.py)."""
 import json
 import os
 import sys
@@ -98,7 +100,7 @@ def runs(tmp_path_factory):
     from inproc_train import train_layouts, world_of
 
     specs = {name: (world_of([*SMALL, *ov]), [*SMALL, *ov], STEPS) for name, ov in LAYOUTS.items()}
-    return train_layouts(specs, tmp_path_factory.mktemp("zb"))
+    return train_layouts(specs, tmp_path_factory.mktemp("zb"), probe=paired_landings)
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith(("zb_", "zbv_"))])
@@ -107,6 +109,56 @@ def test_zero_bubble_reproduces_the_reference_curve(runs, name):
     assert len(got) == STEPS
     assert_close([r["loss"] for r in got], [r["loss"] for r in ref])
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+
+
+def paired_landings(trainer):
+    """The probe of the runs above (tests/inproc_train.py) on a paired zero-bubble table: where
+    each weight gradient of this stage's chunks lands in the first step (weight: (vchunk,
+    parameter name)), and the weights the chunks defer (those of the layers attach_deferral
+    handed the deferral, their biases kept in B: the linears, embedding, grouped experts)."""
+    pipeline = trainer.pipeline
+    if pipeline is None or pipeline.paired is None or pipeline.executor.weight_grads is None:
+        return None
+    from weight_grad_landings import watch_landings
+
+    executor = pipeline.executor
+    named = [((v, n), p) for v, chunk in enumerate(pipeline.chunks) for n, p in chunk.named_parameters()]
+    landings, handles = watch_landings(lambda: executor.trace, executor.weight_grads, named)
+    deferrable = sorted((v, f"{module}.{n}") for v, chunk in enumerate(pipeline.chunks)
+                        for module, sub in chunk.named_modules()
+                        if getattr(sub, "wgrad", None) is not None
+                        or getattr(getattr(sub, "comm", None), "wgrad", None) is not None
+                        for n, _ in sub.named_parameters(recurse=False) if n != "bias")
+
+    def seen():
+        for handle in handles:
+            handle.remove()
+        return {"stage": trainer.state.coords.pp, "landings": landings, "deferrable": deferrable,
+                "table": [(a.kind, a.microbatch, a.vchunk, a.chunk) for a in executor.actions]}
+    return seen
+
+
+PAIRED_ZB = [n for n in LAYOUTS if "_paired_" in n]
+
+
+@pytest.mark.parametrize("name", PAIRED_ZB)
+def test_paired_zero_bubble_tables_land_weight_gradients_in_w(runs, name):
+    """The paired V and the paired zb1p table run each sub-step of a paired B inside the deferral
+    region of its W (PipelineExecutor._paired_backward), the pair's forward steps outside it:
+    every deferred weight's gradient lands in a W after its B, each W lands exactly its chunk's
+    deferred weights (tests/weight_grad_landings.py), on every stage of the first step. The curve
+    test above holds the same runs to the single-process reference: a W folded back into B
+    computes the same values, and only this test sees it."""
+    from weight_grad_landings import assert_weight_grads_land_in_their_w
+
+    for r in runs[name][0]["probe"]:
+        table, deferrable = r["table"], {tuple(w) for w in r["deferrable"]}
+        assert deferrable, (name, r["stage"])
+        landings = [(tuple(w), i) for w, i in r["landings"] if tuple(w) in deferrable]
+
+        def expected(i):
+            return {w for w in deferrable if w[0] == table[i][2]}
+        assert_weight_grads_land_in_their_w(table, landings, expected, (name, r["stage"]))
 
 
 def test_zbv_pp_bytes_equal_the_estimate(runs):

@@ -13,13 +13,7 @@ With `overlap=True` the handle is left in flight under the rest of backward and 
 run the same ops on the same data, so their gradients are bitwise identical.
 
 Expert weights (parameters marked `expert_parallel`) sit in buckets of their own, reduced
-over the expert-data-parallel group (`expert_group_kind`, ranks holding the same experts)
-instead of dp x cp. Each expert's local gradient already sums the contributions of every
-expert-parallel peer's tokens (the dispatch backward brought them), so the sum over edp
-covers all dp x cp ranks and is divided by the dp x cp size, like a dense bucket. With
-experts replicated over tp under sequence parallelism the group is tp x edp (`tp_edp`): the
-sum over it also adds the tp ranks' partial gradients (each routed S/tp positions), and the
-division stays by dp x cp.
+over the expert-data-parallel group instead of dp x cp (`reduce_groups.py`).
 
 Reduction dtype (`train.grad_reduce_dtype`): gradients always accumulate in the fp32 buffer.
 With `reduce_dtype=torch.bfloat16` a bucket is averaged in fp32, copied into a bf16 scratch of
@@ -38,24 +32,22 @@ hook calls autograd makes in B for a weight whose gradient was withheld carry no
 skipped.
 
 Sharding levels (`levels.py`; the ZeRO-2/3 methods live in `sharded_grads.py`). `optim` is
-ZeRO-1 as above. With `optim_grads` (ZeRO-2) and
-`optim_grads_params` (ZeRO-3) only this rank's shard of each bucket's reduced gradient
-persists (`grad_shard(b)`): a bucket's full gradient is a storage of its own, allocated by the
-first gradient that reaches it (a pre-accumulate hook), reduce-scattered as soon as every
-parameter of the bucket has its gradient, in EVERY microbatch (the reduce-scatter is linear,
-so accumulating shards equals reducing the accumulated sum), added into the shard when its
-handle is waited, and freed. A bucket in flight is waited before the next gradient
-accumulates into it. Under ZeRO-3 the parameters are sharded too (`param_shard(b)`), and a
-`UnitGatherer` (fsdp.py) gathers them around each unit's use; the bucket's parameters are
-freed when its reduce-scatter is issued.
+ZeRO-1 as above. With `optim_grads` (ZeRO-2) and `optim_grads_params` (ZeRO-3) only this
+rank's shard of each bucket's reduced gradient persists (`grad_shard(b)`): a bucket's full
+gradient is a storage of its own, allocated by the first gradient that reaches it (a
+pre-accumulate hook), reduce-scattered as soon as every parameter of the bucket has its gradient,
+in EVERY microbatch (the reduce-scatter is linear, so accumulating shards equals reducing the
+accumulated sum), added into the shard when its handle is waited, and freed. A bucket in
+flight is waited before the next gradient accumulates into it. Under ZeRO-3 the parameters are
+sharded too (`param_shard(b)`), and a `UnitGatherer` (fsdp.py) gathers them around each unit's
+use; the bucket's parameters are freed when its reduce-scatter is issued.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Dict, Iterator, List, Optional, Set
 
 import torch
 import torch.nn as nn
@@ -65,24 +57,9 @@ from mpoverlap.comm.handle import CommHandle
 from mpoverlap.comm.ledger import CommLedger
 from mpoverlap.data_parallel.buffer import ParamAndGradBuffer, build_buffer
 from mpoverlap.data_parallel.levels import resolve_level, shards_grads, shards_params
+from mpoverlap.data_parallel.reduce_groups import ReduceGroup, expert_key, reduce_group
 from mpoverlap.data_parallel.sharded_grads import ShardedGrads
 from mpoverlap.parallel.state import ParallelState
-
-
-@dataclass(frozen=True)
-class ReduceGroup:
-    """Where one bucket's gradients are reduced: the group (None = one member), its size and
-    this rank's position in it (its shard under the distributed optimizer)."""
-
-    kind: str
-    group: Any
-    size: int
-    rank: int
-    spans_tp: bool = False  # members on several tp ranks (tp_edp): each holds a distinct shard
-
-
-def expert_key(param: nn.Parameter) -> str:
-    return "expert" if getattr(param, "expert_parallel", False) else "dense"
 
 
 class DataParallel(ShardedGrads):
@@ -98,16 +75,19 @@ class DataParallel(ShardedGrads):
                  distributed_optimizer: bool = False, ledger: Optional[CommLedger],
                  reduce_dtype: Optional[torch.dtype] = None, sharding: Optional[str] = None,
                  units: Optional[list] = None, prefetch: int = 1, reshard_after_forward: bool = True) -> None:
-        self.reduce_groups = {"dense": self._reduce_group(state, group_kind),
-                              "expert": self._reduce_group(state, expert_group_kind)}
+        self.reduce_groups = {"dense": reduce_group(state, group_kind),
+                              "expert": reduce_group(state, expert_group_kind)}
         self.module = module
         self.group_kind = group_kind
         dense = self.reduce_groups["dense"]
-        self.group, self.group_size, self.group_rank = dense.group, dense.size, dense.rank
+        self.group = dense.group
+        self.group_size = dense.size
+        self.group_rank = dense.rank
         self.overlap = bool(overlap)
         self.sharding = resolve_level(sharding or "none", distributed_optimizer)
         self.distributed_optimizer = self.sharding != "none"
-        self.shard_grads, self.shard_params = shards_grads(self.sharding), shards_params(self.sharding)
+        self.shard_grads = shards_grads(self.sharding)
+        self.shard_params = shards_params(self.sharding)
         if self.shard_params and units is None:
             raise ValueError("sharding='optim_grads_params' needs `units` (see fsdp.gpt_units)")
         self.ledger = ledger
@@ -116,6 +96,7 @@ class DataParallel(ShardedGrads):
         unit_of = None
         if self.shard_grads and units is not None:
             from mpoverlap.data_parallel.fsdp import unit_index
+
             unit_of = unit_index(units)
         self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(), bucket_mb=bucket_mb,
                                                        pad_to=pad_to, key_of=expert_key, unit_of=unit_of,
@@ -161,20 +142,9 @@ class DataParallel(ShardedGrads):
         self.gatherer = None
         if self.shard_params:
             from mpoverlap.data_parallel.fsdp import UnitGatherer
+
             self.gatherer = UnitGatherer(self, units, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                                          overlap=self.overlap)
-
-    @staticmethod
-    def _reduce_group(state: ParallelState, kind: str) -> ReduceGroup:
-        ranks = state.ranks(kind)
-        if state.rank not in ranks:
-            raise ValueError(f"rank {state.rank} has no {kind!r} group to reduce over")
-        group = state.group(kind)
-        if (group is None) != (len(ranks) == 1):
-            raise RuntimeError(f"{kind!r} group object does not match its size {len(ranks)}")
-        # Groups are built from sorted rank lists, so the group rank is the position in it.
-        spans_tp = len({state.grid.coords(r).tp for r in ranks}) > 1
-        return ReduceGroup(kind, group, len(ranks), ranks.index(state.rank), spans_tp)
 
     def bucket_group(self, bucket_index: int) -> ReduceGroup:
         """The group bucket `bucket_index` is reduced (and sharded) over."""

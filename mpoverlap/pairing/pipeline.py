@@ -26,7 +26,7 @@ import torch
 
 from mpoverlap.pairing.executor import UnitPins, run_pair
 from mpoverlap.pairing.steps import microbatch_forward
-from mpoverlap.pairing.tape import Tape
+from mpoverlap.pairing.tape import Tape, stepwise
 
 
 class ChunkRun:
@@ -70,9 +70,18 @@ class PairedChunks:
         steps = microbatch_forward(tape, chunk, first, targets, positions, self.num_microbatches, self.pins, result)
         return ChunkRun(tape, steps, result)
 
-    def backward(self, run: ChunkRun, grad: Optional[torch.Tensor]):
+    def backward(self, run: ChunkRun, grad: Optional[torch.Tensor], each_step: Optional[Callable] = None):
         """Generator: the backward of `run`, seeded with `grad` (the received gradient of its
-        output; None on the last model chunk, whose loss seeded itself)."""
+        output; None on the last model chunk, whose loss seeded itself). `each_step`: a context
+        each of its steps runs in (not the paired forward's, run between them): a zero-bubble
+        table's B that has a W passes its deferral region, so its linears compute only their
+        input gradients and queue their weight GEMMs for the W."""
+        steps = self._backward(run, grad)
+        if each_step is None:
+            return steps
+        return stepwise(steps, each_step)
+
+    def _backward(self, run: ChunkRun, grad: Optional[torch.Tensor]):
         if grad is not None:
             run.tape.add_grad(run.result.pop("output"), grad)
         yield from run.tape.backward_steps()

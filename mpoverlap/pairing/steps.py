@@ -36,13 +36,13 @@ after the forward's last sub-step, with nothing of the other side to hide under.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from mpoverlap.moe.dispatcher import AllGatherDispatcher
 from mpoverlap.moe.layer import MoELayer
-from mpoverlap.pairing.tape import YIELD, Exchange, Tape, UnitUse
+from mpoverlap.pairing.tape import YIELD, Exchange, Tape, UnitUse, stepwise
 from mpoverlap.recompute import recomputed
 
 
@@ -235,18 +235,6 @@ def _moe_block(tape: Tape, name: str, block, x, cos, sin, counts=None, kept: Opt
 
 
 # ---- model.recompute=full ------------------------------------------------------------------
-def _stepwise(steps, context: Callable):
-    """The generator `steps` with each of its steps (not the other program's, run at its
-    yields) inside `context()`; returns what `steps` returns."""
-    while True:
-        with context():
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
-        yield
-
-
 def _replayed_moe_block(tape: Tape, name: str, block, x, cos, sin):
     """A MoE block under full recomputation: its sub-steps run as in `_moe_block` (the
     exchanges in flight at the same yields, under the other program's compute) but without
@@ -257,7 +245,7 @@ def _replayed_moe_block(tape: Tape, name: str, block, x, cos, sin):
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     kept: dict = {}
     scratch = Tape(tape.microbatch, tape._log)
-    out = yield from _stepwise(_moe_block(scratch, name, block, x, cos, sin, kept=kept), torch.no_grad)
+    out = yield from stepwise(_moe_block(scratch, name, block, x, cos, sin, kept=kept), torch.no_grad)
     out = out.detach().requires_grad_()
     tape.entries.append(_Replayed(name, block, x, out, cos, sin, kept["counts"], autocast))
     return out
@@ -282,7 +270,7 @@ class _Replayed:
         replay.entries.append(_HandBack(self.x, tape))
         enabled, dtype = self.autocast
         device = self.x.device.type
-        out = yield from _stepwise(_moe_block(replay, self.name, self.block, self.x, self.cos, self.sin,
+        out = yield from stepwise(_moe_block(replay, self.name, self.block, self.x, self.cos, self.sin,
                                               counts=self.counts),
                                    lambda: torch.autocast(device, dtype=dtype, enabled=enabled))
         if grad is not None:

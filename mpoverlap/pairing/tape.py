@@ -33,6 +33,21 @@ from mpoverlap.comm.collectives import all_gather, all_to_all, reduce_scatter
 YIELD = "yield"
 
 
+def stepwise(steps, context: Callable):
+    """The sub-step program `steps` (a generator) with each of its steps inside `context()`,
+    and not the other program's steps that run at its yields; returns what `steps` returns.
+    A full-recompute replay runs its forward's steps under no_grad or autocast this way
+    (steps.py), a zero-bubble table's paired B its steps in the deferral region of its W
+    (pipeline.py)."""
+    while True:
+        with context():
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+        yield
+
+
 def boundary(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A segment's view of an input: a fresh leaf when a gradient flows through it."""
     if t is None or not t.requires_grad:

@@ -286,27 +286,18 @@ class PipelineExecutor:
         return grad, self._outputs.pop(key), self._inputs.pop(key)
 
     def _paired_backward(self, action: Action, run, grad):
-        """The sub-step backward of a paired table's B; where the B has a W (the paired V),
-        each of its steps runs inside the deferral region of the (vchunk, microbatch)'s queue,
-        so its linears compute only input gradients and queue their weight GEMMs for the W
-        (the pair's forward steps, run between them, stay outside the region)."""
-        steps = self.paired.backward(run, grad)
+        """The sub-step backward of a paired table's B; where the B has a W (the paired V, the
+        paired zb1p table), each of its steps runs inside the deferral region of the
+        (vchunk, microbatch)'s queue, so its linears compute only input gradients and queue
+        their weight GEMMs for the W (the pair's forward steps, run between them, stay outside
+        the region)."""
         key = (action.vchunk, action.microbatch)
         if key not in self.deferred:
-            return steps
+            return self.paired.backward(run, grad)
         from mpoverlap.wgrad import WeightGradQueue
 
         self._weight_queues[key] = queue = WeightGradQueue()
-        return self._deferring_steps(steps, queue)
-
-    def _deferring_steps(self, steps, queue):
-        while True:
-            with self.weight_grads.deferring(queue):
-                try:
-                    next(steps)
-                except StopIteration:
-                    return
-            yield
+        return self.paired.backward(run, grad, each_step=lambda: self.weight_grads.deferring(queue))
 
     def _end_backward(self, action: Action, inp, run) -> None:
         if action.send is not None:

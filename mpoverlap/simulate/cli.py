@@ -10,9 +10,10 @@ from mpoverlap.check import EXIT_INVALID, compose_or_report
 def run(mode: str, args: List[str]) -> int:
     from mpoverlap.overlap.plan import render_problems
     from mpoverlap.overlap.rules import validate
-    from mpoverlap.simulate.core import render, simulate
+    from mpoverlap.simulate.core import simulate
     from mpoverlap.simulate.hardware import from_config
     from mpoverlap.simulate.planner import parse_top, render_search, search
+    from mpoverlap.simulate.report import render
 
     top, args = parse_top(args)
     cfg = compose_or_report(args)

@@ -168,7 +168,7 @@ def _layout(v: Dict[str, Any]) -> str:
 
 
 def render_search(cfg: Any, hw: Hardware, res: SearchResult, world: int, top: int = 10) -> str:
-    from mpoverlap.simulate.core import render
+    from mpoverlap.simulate.report import render
     from mpoverlap.simulate.hardware import describe
 
     m, t = cfg.model, cfg.train
