@@ -10,7 +10,7 @@ and layout, not one per layer.
 
 Backend: the spawn runs `train.compile_backend=aot_eager` by default (dynamo's tracing and AOT
 autograd's forward/backward graphs, the path inductor compiles, without code generation), because
-inductor builds C++ kernels on CPU: measured 2026-11-27 on this 2-core machine, shared, llama_tiny's
+inductor builds C++ kernels on CPU: measured on a shared 2-core machine, llama_tiny's
 four regions took ~40 s to compile in fp32, and this spawn's 16 graphs (2 models x 2 layouts x 4
 regions, forward and backward) several minutes, past the suite's budget.
 MPOVERLAP_TEST_INDUCTOR=1 runs the same spawn with inductor (the acceptance's parity);
