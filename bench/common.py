@@ -221,9 +221,8 @@ def init_bench_worker(rank: int, port: int, world: int = 2, pin: bool = False) -
 def _worker_then_free(rank: int, worker: Callable, *args: Any) -> None:
     """`worker(rank, *args)`, then free its process groups while the interpreter is alive
     (shutdown_distributed: the worker closed its Trainers, and its frame, the last reference
-    to them, is gone). Before, their gloo threads lived to interpreter exit, and 3 of 8 bench.run
-    runs of 2026-11-24 lost a rank there: "terminate called without an active exception"
-    (issue 29, finding 8)."""
+    to them, is gone). Left to interpreter exit, their gloo threads can end a rank inside a
+    destructor: "terminate called without an active exception"."""
     from mpoverlap.training.setup import shutdown_distributed
 
     worker(rank, *args)

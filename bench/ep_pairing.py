@@ -1,11 +1,11 @@
-"""EP at a 1:1 exchange-to-experts ratio on 2 gloo ranks (issue 31): none / chunks / pairing / both.
+"""EP at a 1:1 exchange-to-experts ratio on 2 gloo ranks: none / chunks / pairing / both.
 
 One spawn of 2 ranks inside bench/netns.sh (tbf 2 Gbit/s); every variant is built once and
 stepped in rotating blocks (`bench.common.rotating_blocks`, the bench.modes method: warmup,
 quiet-block filtering, slowest rank per step). Model: moe_tiny reshaped into a fine-grained
 MoE (DeepSeek-V3 class: 32 experts, top-8, expert width 320; hidden 512, seq 128, micro batch
 2, 2 MoE layers) whose expert all-to-alls take about as long as its experts' forward and
-backward on this link (exchanges : experts measured 1.04 on 2026-11-26), parallel.ep=2 (dp 2),
+backward on this link (exchanges : experts measured 1.04, docs/benchmarks.md), parallel.ep=2 (dp 2),
 16 microbatches per rank (pairing needs two; the first forward and the last backward run
 alone, so 1/m of the exchanges cannot pair). Two settings keep the measurement about the
 exchanges (docs/benchmarks.md, "EP at 1:1"):
@@ -15,7 +15,7 @@ exchanges (docs/benchmarks.md, "EP at 1:1"):
     compute, which no overlap can hide (`--real-routing` turns it off);
   - each rank and its threads pinned to its own core (`--no-pin` turns it off): inside a pair
     the layer's counts exchange is the only blocking one, and ranks that move between the
-    cores reach it further apart (5.7 ms on average unpinned, 3.5 pinned, at the old shape);
+    cores reach it further apart (5.7 ms on average unpinned, 3.5 pinned, at a coarser MoE shape);
     pinned, the in-round CPU probe (bench.rate_probe.CommCpuSide) can also time what a hidden
     exchange takes from compute.
 
@@ -293,7 +293,7 @@ def render(results: Dict[str, Any]) -> str:
         return ""
     s, rows, pred = res["setup"], _rows(res), res.get("predicted") or {}
     used_quiet = rows is res.get("variants_quiet")
-    lines = ["## EP at 1:1, none / chunks / pairing / both (issue 31)", "", f"Link: {res['link']}.",
+    lines = ["## EP at 1:1, none / chunks / pairing / both", "", f"Link: {res['link']}.",
              f"Overrides: `{' '.join(res['base_overrides'])}`; hidden {s['hidden']}, "
              f"{s.get('experts', 8)} experts top-{s.get('top_k', 2)} of width {s['ffn']}, seq "
              f"{s['seq']}, {s['layers']} MoE layers, micro batch {s['micro_batch']} x {s['microbatches']} microbatches per "
@@ -342,7 +342,7 @@ def render(results: Dict[str, Any]) -> str:
     if "pairing" in rows and "chunks" in rows:
         pr, ch = rows["pairing"], rows["chunks"]
         c = pr["comm"].get("ep", {})
-        lines.append(f"Goals (issue 31): pairing's exposed share {c['exposed_ms_median'] / c['in_flight_ms_median']:.2f} "
+        lines.append(f"Goals: pairing's exposed share {c['exposed_ms_median'] / c['in_flight_ms_median']:.2f} "
                      f"(goal <= 0.20); pairing / chunks step {pr['step']['median_s'] / ch['step']['median_s']:.3f} "
                      "(goal <= 0.85).")
     return "\n".join(lines) + "\n"

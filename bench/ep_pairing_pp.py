@@ -1,4 +1,4 @@
-"""EP at 1:1 in the pipeline (issue 47 item 4): zbv, zbv + pairing, interleaved + pairing,
+"""EP at 1:1 in the pipeline: zbv, zbv + pairing, interleaved + pairing,
 interleaved, at pp 2 with m = 8 microbatches, in one run.
 
 The scenario of bench/ep_pairing.py (moe_tiny reshaped into a fine-grained MoE: 32 experts

@@ -1,6 +1,7 @@
 """`make gpu-check`: the CUDA path of mpoverlap checked on one GPU in one call (docs/gpu-check.md).
 
-Without a visible GPU it prints one line and exits 0. With one, within --budget-s (default 360):
+Without a visible GPU it prints one line and exits 0. With one, within --budget-s (default
+DEFAULT_BUDGET_S: every part's own limit and the setup, so a default run has room for each):
 
   1. the CUDA tier, `pytest -m cuda` (a subprocess, junit XML kept);
   2. throughput per shape (bench/gpu_throughput.py, a subprocess each): llama3_1b at seq 4096,
@@ -11,10 +12,10 @@ Without a visible GPU it prints one line and exits 0. With one, within --budget-
      recorded and the next one runs; what does not fit in the budget is skipped with the reason.
 
 A bare GPU machine lacks hydra-core / omegaconf / antlr4: where they cannot be imported, the
-wheels in .gpu/whl (`make gpu-wheels`, ../shared/GPU.md) and the package itself are installed
+wheels in .gpu/whl (`make gpu-wheels`, docs/gpu-check.md) and the package itself are installed
 with pip into folders under /tmp (no network) and the parts run with PYTHONPATH on them.
 
-    python -m bench.gpu_check [--out DIR] [--budget-s 360] [--tests-s 170] [--shapes a,b]
+    python -m bench.gpu_check [--out DIR] [--budget-s S] [--tests-s S] [--shapes a,b]
 """
 from __future__ import annotations
 
@@ -32,12 +33,20 @@ REPO = Path(__file__).resolve().parent.parent
 NO_GPU = "gpu-check: no CUDA GPU is visible here (torch.cuda.is_available() is False); nothing to check"
 INSTALL_ROOT = Path("/tmp/mpoverlap-gpu-check")
 SHAPES = ("llama3_1b", "moe_350m", "gpt_125m")  # bench/gpu_throughput.py SHAPES, in order of value
-# each shape's own limit, seconds; Llama's four sides (the compiled one: ~40 s of steps and
-# profile as the others, plus its compile in the warm-up, 30-60 s expected, not yet measured);
-# moe_350m's eager and plain sides (~35 s at the 2026-11-27 H200 run) and its compiled side
-# the Trainer's eager side profiles two more steps (bench/host_profile.py: ~5-10 s expected)
+# Each shape's own limit, seconds. Llama: four sides, the compiled one ~40 s of steps and profile
+# as the others plus its compile in the warm-up (30-60 s expected). moe_350m: the eager and plain
+# sides (~35 s on an H200, docs/gpu-reports/) and the compiled side. Each Trainer's eager side
+# profiles two more steps (bench/host_profile.py: ~5-10 s expected).
 SHAPE_S = {"llama3_1b": 180, "moe_350m": 145, "gpt_125m": 55}
 MIN_SHAPE_S = 25  # a shape with less time left is skipped
+# The CUDA tier's limit: it took 48 s on an H200 (docs/gpu-reports/), 2.5x that.
+TESTS_S = 120.0
+# The rest of a run: the carried wheels' install on a bare machine (~10-20 s), the environment
+# probe and the report after each part, and the 5 s each shape leaves before the deadline.
+SETUP_S = 30.0
+# The default budget has room for every part's whole limit, so a default run skips nothing by
+# design (530 s: the whole check fits in 9 minutes).
+DEFAULT_BUDGET_S = TESTS_S + sum(SHAPE_S.values()) + SETUP_S
 
 
 class SetupError(RuntimeError):
@@ -139,13 +148,18 @@ def read_jsonl(path: Path) -> List[Dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output folder (default: $OUT, else runs/gpu-check)")
-    p.add_argument("--budget-s", type=float, default=360.0, help="the whole check's wall-time budget")
-    p.add_argument("--tests-s", type=float, default=170.0, help="the CUDA tier's share of it at most")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="the whole check's wall-time budget (default: every part's limit and the setup)")
+    p.add_argument("--tests-s", type=float, default=TESTS_S, help="the CUDA tier's share of it at most")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parser().parse_args(argv)
     visible = gpu_visible()
     if not visible:
         print(NO_GPU if visible is False else "gpu-check: torch is not importable here, so no CUDA GPU is visible; "

@@ -26,12 +26,12 @@ LAYOUTS = {
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pp=2"],
     "moe_ep2": ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2"],
-    # Activation-heavy interleaved pipeline (issue 22): stage 0 keeps 7 chunk-microbatches alive.
+    # Activation-heavy interleaved pipeline: stage 0 keeps 7 chunk-microbatches alive.
     "pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "model.hidden_size=256",
                  "model.ffn_hidden_size=704", "model.seq_length=256", "train.micro_batch_size=4",
                  "train.global_batch_size=16"],
 }
-# Activation recomputation (issue 18): 8 activation-heavy layers, none / selective / full.
+# Activation recomputation: 8 activation-heavy layers, none / selective / full.
 RECOMPUTE_BASE = ["parallel.dp=2", "model.num_layers=8", "model.hidden_size=256", "model.ffn_hidden_size=704",
                   "model.seq_length=512", "train.micro_batch_size=4", "train.global_batch_size=16"]
 for _mode in ("none", "selective", "full"):

@@ -1,4 +1,4 @@
-"""MoE on one device (issue 46): `Trainer.train_step` of an MoE model in one process, the grouped
+"""MoE on one device: `Trainer.train_step` of an MoE model in one process, the grouped
 experts (model.moe_grouped_gemm=true) against the per-expert loop (false), alternating blocks.
 
 Reports, per side: the median step, tokens per second, and the GEMM share of one profiled step
@@ -95,7 +95,7 @@ def render(results: Dict[str, Any]) -> str:
     if not res:
         return ""
     s = res["setup"]
-    lines = ["## MoE on one device (issue 46)", "",
+    lines = ["## MoE on one device", "",
              f"{s['model']} ({s['num_experts']} experts, top-{s['top_k']}), {s['tokens_per_step']} tokens a step, "
              f"{s['threads']} thread(s), Trainer.train_step in one process; {s['repeats']} alternating blocks of "
              f"{s['block']} steps per side after {s['warmup']} warmup steps. GEMM share: matrix products' self CPU "

@@ -20,7 +20,7 @@ shared: each block records how much CPU other processes took meanwhile, and roun
                              [--model gpt_tiny] [--layers 4] [--hidden H] [--heads A] [--ffn F] [--seq S]
                              [--grad-clip 1.0] [--plain-optimizer foreach|fused]
 
-`launch_bound_args()` is the launch-bound line of `make bench` (issue 45): 32 layers of hidden 32,
+`launch_bound_args()` is the launch-bound line of `make bench`: 32 layers of hidden 32,
 the plain loop on torch's fused AdamW; its ratio is the framework's per-operator overhead.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _overrides(args) -> List[str]:
 
 
 def launch_bound_args() -> List[str]:
-    """The launch-bound configuration of `make bench` (issue 45): many thin layers, so the step
+    """The launch-bound configuration of `make bench`: many thin layers, so the step
     is mostly per-operator host work, as a GPU step is when the framework launches too much."""
     return ["--layers", "32", "--hidden", "32", "--heads", "4", "--ffn", "64", "--seq", "16",
             "--micro-batch", "2", "--global-batch", "8", "--plain-optimizer", "fused"]

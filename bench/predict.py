@@ -10,7 +10,7 @@ above use).
     python -m bench.predict bench/results/<stamp>/results.json [--rate 2gbit] [--nominal-link]
     python -m bench.predict --quiet-2026-11-22      # the quiet medians docs/benchmarks.md publishes
 
-`make bench` (bench/run.py) runs it on its own results at the end. Goals (issue 20): step
+`make bench` (bench/run.py) runs it on its own results at the end. Goals: step
 within 25% of the measured median, exposed share within 0.15 (absolute).
 """
 from __future__ import annotations

@@ -23,12 +23,12 @@ Scaling (bench/scaling.py), memory (bench/memory.py) and timelines (bench/timeli
 `mpoverlap-train` itself, one run per world size / layout / scenario; scaling and timelines
 inside bench/netns.sh (probed once; the bare loopback otherwise, and the output says so).
 
-bench/long_context.py (issue 32): cp 2 ring attention at 16K, 32K and 64K tokens on a 2-layer
+bench/long_context.py: cp 2 ring attention at 16K, 32K and 64K tokens on a 2-layer
 tiny model, the fused block kernels against the explicit math (step time, tokens/s, peak RSS),
 peak memory against mpoverlap-check's estimate, and the ring's compute against the same blocks
 through SDPA alone. The longest part of `make bench` (tens of minutes on two cores).
 
-bench/zero_bubble.py (issue 30): pp 2 schedules (ours from SCHEDULE_KINDS, torch's 1F1B, ZB1P and
+bench/zero_bubble.py: pp 2 schedules (ours from SCHEDULE_KINDS, torch's 1F1B, ZB1P and
 ZBV) side by side at m = 4 and 8 with the bubble against its formula and each schedule's
 activation memory; and the exposed tp of tp 2 + SP + collective matmul at pp 2 with and
 without W deferral (world 4). Inside bench/netns.sh (probed once, as scaling's).
@@ -109,8 +109,8 @@ def run_overhead(args, out: Path) -> Dict[str, Any]:
 
 
 def run_overhead_launch(args, out: Path) -> Dict[str, Any]:
-    """bench.overhead on its launch-bound configuration (issue 45: many thin layers, the plain
-    loop on torch's fused AdamW): the framework's per-operator host work against the plain loop's."""
+    """bench.overhead on its launch-bound configuration (many thin layers, the plain loop on
+    torch's fused AdamW): the framework's per-operator host work against the plain loop's."""
     path = out / "overhead_launch.json"
     cmd = [sys.executable, "-m", "bench.overhead", "--json", str(path), "--block", str(args.block),
            "--repeats", str(args.overhead_repeats), "--warmup", str(args.warmup),
@@ -123,7 +123,7 @@ def run_overhead_launch(args, out: Path) -> Dict[str, Any]:
 
 
 def run_moe_step(args, out: Path) -> Dict[str, Any]:
-    """bench.moe_step (issue 46): an MoE model's step on one process, grouped experts against the
+    """bench.moe_step: an MoE model's step on one process, grouped experts against the
     per-expert loop (tokens/s, GEMM share)."""
     path = out / "moe_step.json"
     proc = _run([sys.executable, "-m", "bench.moe_step", "--json", str(path), "--threads", str(args.threads)])
@@ -182,7 +182,7 @@ def run_modes(args, out: Path, scenario: str) -> Dict[str, Any]:
              "--time-budget", str(args.modes_budget), "--min-quiet", str(args.min_quiet),
              "--quiet-cores", str(args.quiet_cores)]
     if not args.no_netns:
-        # bench/predict.py predicts every scenario but the bubble's (issue 20)
+        # bench/predict.py predicts every scenario but the bubble's
         planned = modes.planned(bench[3:]) if scenario != "bubble" else None
         before = _time_machine(planned) if planned else {}
         proc = _run(["bash", str(ROOT / "bench" / "netns.sh")] + bench, env=dict(os.environ, RATE=args.rate))
@@ -228,7 +228,7 @@ def _render_overhead(ov: Dict[str, Any], title: str, goal: Optional[float]) -> L
                        ["framework", "plain"], lambda r: r["blocks"])
     ratio = (ov["quiet"] if quiet else ov["all"])["ratio"]
     ratio_inner = (ov["quiet"] if quiet else ov["all"])["ratio_inner"]
-    ov_ratio_cpu = (ov["quiet"] if quiet else ov["all"]).get("ratio_cpu")  # results before issue 45 lack it
+    ov_ratio_cpu = (ov["quiet"] if quiet else ov["all"]).get("ratio_cpu")  # older results.json lack it
     f, p = res["framework"]["wall"], res["plain"]["wall"]
     n_blocks = len(ov["block_foreign_cores"]) // 2
     verdict = f" (goal <= {goal}: {'met' if ratio <= goal else 'NOT met'})" if goal is not None else ""
@@ -456,9 +456,9 @@ def main() -> None:
     p.add_argument("--modes-block", type=int, default=4, help="steps per block in bench.modes (default 4)")
     p.add_argument("--modes-budget", type=float, default=150.0, help="seconds of measuring per scenario (default 150)")
     p.add_argument("--skip-zero", action="store_true", help="skip bench/zero.py (ZeRO-3 prefetch vs torch FSDP2)")
-    p.add_argument("--skip-ep-pairing", action="store_true", help="skip bench/ep_pairing.py (EP at 1:1, issue 31)")
+    p.add_argument("--skip-ep-pairing", action="store_true", help="skip bench/ep_pairing.py (EP at 1:1)")
     p.add_argument("--zero-budget", type=float, default=150.0, help="seconds of ZeRO-3 measuring at most (default 150)")
-    p.add_argument("--skip-zero-bubble", action="store_true", help="skip bench/zero_bubble.py (issue 30)")
+    p.add_argument("--skip-zero-bubble", action="store_true", help="skip bench/zero_bubble.py (zero-bubble schedules)")
     p.add_argument("--zero-bubble", default="schedules,tp_wgrad",
                    help="bench/zero_bubble.py scenarios (default schedules,tp_wgrad)")
     p.add_argument("--zero-bubble-budget", type=float, default=150.0,
@@ -502,7 +502,7 @@ def main() -> None:
         results["dp"] = run_dp(args, out)
     for scenario in [x.strip() for x in args.modes.split(",") if x.strip() and x.strip() != "none"]:
         results.setdefault("modes", {})[scenario] = run_modes(args, out, scenario)
-    if not args.skip_ep_pairing:  # issue 31: EP at 1:1, none / chunks / pairing / both, with the simulator
+    if not args.skip_ep_pairing:  # EP at 1:1, none / chunks / pairing / both, with the simulator
         from bench import ep_pairing
         results["ep_pairing"] = ep_pairing.run_in_bench(args.rate, out, args.modes_budget, args.no_netns)
     # One namespace probe for the scaling and timeline runs.
@@ -524,7 +524,7 @@ def main() -> None:
     if not args.skip_long_context:
         results["long_context"] = long_context.run_in_bench(out, args.long_context_seqs)
     if not args.no_netns and (results.get("dp") or results.get("modes")):
-        # The simulator beside the measurements (issue 20), with this machine measured now.
+        # The simulator beside the measurements, with this machine's rates measured first.
         results["predicted"] = predict.predict(results, args.rate)
     results["wall_s"] = time.perf_counter() - t0
     # Machine-wide busy time minus our subprocesses' (and this process's small share).

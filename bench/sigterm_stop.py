@@ -1,4 +1,4 @@
-"""SIGTERM to a self-launched run (issue 48's acceptance, measured): `mpoverlap-train` dp 2 x
+"""SIGTERM to a self-launched run, measured: `mpoverlap-train` dp 2 x
 tp 2 (4 ranks) at train.log_interval=50 saving every step; once step N's checkpoint is COMPLETE
 (step N + 1 in flight) the launcher gets SIGTERM. Prints the step the ranks stopped after, the
 save's time, the time from the signal until every process of the launch is gone against one
@@ -43,8 +43,8 @@ def last_rows(run: Path):
 
 def stop_report(out: str, run: Path, after: int, gone_s: float, failed: bool, err: str = "") -> str:
     """The stop as the run logged it (`SIGTERM: saved a checkpoint at step N in X s`) against
-    issue 48's bounds: after step k or k + 1 (k = after + 1, in flight at the signal), every
-    process gone within one step + the save + 5 s. Exits when the run failed or saved nothing."""
+    the stop's bounds (docs/checkpoints.md): after step k or k + 1 (k = after + 1, in flight at
+    the signal), every process gone within one step + the save + 5 s. Exits when the run failed or saved nothing."""
     saved = re.search(r"SIGTERM: saved a checkpoint at step (\d+) in ([0-9.]+)s", out)
     if failed or saved is None:
         sys.exit(f"the run failed or wrote no SIGTERM save line: {err[-2000:]}")

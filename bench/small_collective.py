@@ -1,4 +1,4 @@
-"""What one small gloo collective costs a rank's CPU (issue 48's stop flag: a 4-byte MAX
+"""What one small gloo collective costs a rank's CPU (the per-step stop flag: a 4-byte MAX
 all-reduce per step): 2 gloo ranks, each iteration `--matmuls` 256x256 fp32 matmuls (one
 thread), with nothing, a raw `dist.all_reduce(async_op=True)` issued before them and waited
 after, or mpoverlap's handle (`mpoverlap.comm.all_reduce`, its completion callback included),

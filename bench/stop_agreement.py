@@ -1,4 +1,4 @@
-"""What the per-step stop agreement costs (issue 48): the same dp 2 Trainer stepped with and
+"""What the per-step stop agreement costs: the same dp 2 Trainer stepped with and
 without it, in the same 2 gloo ranks, in rotating blocks (bench.common.rotating_blocks).
 
   agreement: `Trainer.train_step()` as `mpoverlap-train` runs it: the stop agreement's

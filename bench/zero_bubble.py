@@ -1,4 +1,4 @@
-"""Zero-bubble pipeline schedules (issue 30) on 2 gloo ranks, against torch.distributed.pipelining.
+"""Zero-bubble pipeline schedules on 2 gloo ranks, against torch.distributed.pipelining.
 
 Scenario `schedules`: pp 2 (one rank per core), m = 4 and 8 microbatches, one GPT
 (hidden 384, ffn 1536, 8 layers, seq 64, micro batch 2: F, B and W of a 4-layer stage each
@@ -293,12 +293,12 @@ def spawn(args) -> Dict[str, Any]:
 
 
 # `schedules`' model: the two stages balanced (the vocabulary is 256, the head a small GEMM) and
-# F, B, W the compute the schedules move. Until 2026-11-25 it was hidden 256, ffn 1024, seq 128:
-# there the input-gradient B (attention backward, norms, SwiGLU and RoPE backward: memory-bound
-# on one CPU thread at hidden 256) was 1.8x W, so the zero-bubble schedules' bubble (p-1)(F+B-W)
-# stayed large; at hidden 384, seq 64 (128 tokens per microbatch instead of 256, 2.25x the GEMM
-# work per token: a GEMM share closer to a larger model's) F : B : W is 28 : 27 : 20.5 ms per 4-layer stage (docs/benchmarks.md, "Where the
-# step goes"). Every side, ours and torch's, runs this one model.
+# F, B, W the compute the schedules move. At hidden 256, ffn 1024, seq 128 the input-gradient B
+# (attention backward, norms, SwiGLU and RoPE backward: memory-bound on one CPU thread at hidden
+# 256) is 1.8x W, so the zero-bubble schedules' bubble (p-1)(F+B-W) stays large; at hidden 384,
+# seq 64 (128 tokens per microbatch instead of 256, 2.25x the GEMM work per token: a GEMM share
+# closer to a larger model's) F : B : W is 28 : 27 : 20.5 ms per 4-layer stage (docs/benchmarks.md,
+# "Where the step goes"). Every side, ours and torch's, runs this one model.
 DEFAULTS = {  # scenario: hidden, ffn, seq, layers, heads, micro batch, microbatches
     "schedules": dict(hidden=384, ffn=1536, seq=64, layers=8, heads=8, micro_batch=2, microbatches="4,8"),
     "tp_wgrad": dict(hidden=256, ffn=1024, seq=128, layers=4, heads=8, micro_batch=2, microbatches="4"),

@@ -87,7 +87,7 @@ def start_offsets_ms(steps: List[List[Dict[str, Any]]]) -> Optional[List[float]]
     (`executor.run`) after the earliest stage (ms; one perf_counter clock for every process on
     the machine): a stage with less work after its last action (the optimizer's share, the
     last W's) starts the next step first and waits for the others. None where the results
-    hold no start stamps (runs before 2026-11-26)."""
+    hold no start stamps (older results.json)."""
     if not steps:
         return None
     return [_median([(st[s]["started"] - min(x["started"] for x in st)) * 1e3 for st in steps])
@@ -305,7 +305,7 @@ def render(results: Dict[str, Any]) -> str:
     sched = zb.get("schedules")
     if sched:
         s, v = sched["setup"], sched["variants"]
-        lines += ["## Zero-bubble pipeline schedules, pp=2 (issue 30)", "", f"Link: {sched['link']}.",
+        lines += ["## Zero-bubble pipeline schedules, pp=2", "", f"Link: {sched['link']}.",
                   f"Overrides: `{' '.join(sched['base_overrides'])}`; model hidden {s['hidden']}, ffn {s['ffn']}, seq "
                   f"{s['seq']}, {s['layers']} layers, micro batch {s['micro_batch']}; blocks of {s['block']} steps "
                   f"(first {s['block_warmup']} discarded), all sides rotating in the same two processes; step time = "

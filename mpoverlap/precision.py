@@ -46,7 +46,7 @@ def step_cast_cache(precision: str, device: torch.device, params_sharded: bool) 
     the loss, backward, the pipeline's sends, is autocast) keeps autocast's own cache of weight
     casts until it exits, before the optimizer changes the weights. The same casts, so the same
     values; the gradient sums are the same but for a weight used twice in one backward (the tied
-    embedding and head: autograd added their sum, now each in turn). Costs the bf16 copies' memory
+    embedding and head: autograd adds each in turn, not their sum). Costs the bf16 copies' memory
     for the whole step (2 bytes a parameter of every GEMM weight; a plain linear's backward held
     its cast anyway, the Functions' recast theirs; counted by the memory estimate's
     `weight_casts`, overlap/estimate/transients.py); not used when the parameters live sharded

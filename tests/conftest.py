@@ -8,7 +8,7 @@ on a GPU machine, docs/gpu-check.md).
 
 Order: `make test` runs two pytest-xdist workers, each taking whole files in collection order
 (--dist loadfile); the longest files go first (SLOW_FIRST, by the wall time each took in a
-serial `make test` on 2 cores, 2026-11-28) so that no long file starts last and runs alone."""
+serial `make test` on 2 cores) so that no long file starts last and runs alone."""
 import os
 
 import pytest

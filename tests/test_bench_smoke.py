@@ -243,7 +243,7 @@ def test_zero_bubble_bench_plumbing(tmp_path):
 
 
 def test_ep_pairing_bench_plans_renders_and_names_a_build_without_pairing():
-    """bench.ep_pairing (issue 31): the variants it runs validate at 2 ranks; without the
+    """bench.ep_pairing: the variants it runs validate at 2 ranks; without the
     `overlap.ep_pairing` key the pairing columns are reported as not available instead of
     failing (with the key, all four run, none and chunks with pairing off); the table renders
     from the shape its workers write, with the prediction beside each measurement."""
@@ -281,7 +281,7 @@ def test_ep_pairing_bench_plans_renders_and_names_a_build_without_pairing():
 
 
 def test_ep_pairing_pp_bench_variants_validate_and_render():
-    """bench.ep_pairing_pp (issue 47 item 4): its four pp 2 variants validate at 4 ranks (the two
+    """bench.ep_pairing_pp: its four pp 2 variants validate at 4 ranks (the two
     paired ones resolve pairing on); the table renders each variant with its prediction and the
     goal line (zbv + pairing against the better of zbv and interleaved + pairing)."""
     from types import SimpleNamespace
@@ -311,7 +311,7 @@ def test_ep_pairing_pp_bench_variants_validate_and_render():
 
 
 def test_launch_bound_overhead_line_validates_and_renders():
-    """The launch-bound overhead line (issue 45): its configuration validates at 1 rank, and the
+    """The launch-bound overhead line: its configuration validates at 1 rank, and the
     section renders the measured ratio (no goal on CPU) beside the plain loop's optimizer."""
     import argparse
 
@@ -343,7 +343,7 @@ def test_launch_bound_overhead_line_validates_and_renders():
 
 
 def test_sigterm_stop_bench_layout_validates_at_4_ranks():
-    """bench.sigterm_stop (issue 48): the dp 2 x tp 2 run it signals validates at 4 ranks with
+    """bench.sigterm_stop: the dp 2 x tp 2 run it signals validates at 4 ranks with
     train.log_interval=50 and a save every step (the step before the signal is known from its
     checkpoint); the launch itself is the benchmark's (about 2 minutes), not the suite's."""
     from bench import sigterm_stop

@@ -153,7 +153,7 @@ def _tp_checks(state):
 
 
 def _embedding_checks(state):
-    """Finding 7: the vocab-parallel embedding at tp=2 (SP on/off, overlap on/off) under bf16
+    """The vocab-parallel embedding at tp=2 (SP on/off, overlap on/off) under bf16
     autocast against the single process's embedding (models/layers.py at tp=1, autocast leaves
     it fp32): the output (the residual stream's start) and the weight gradient, each rank's
     part, bitwise; the reduction moves fp32 (the bytes of the fp32 run)."""
@@ -274,7 +274,7 @@ def test_tp_activations_travel_in_bf16(reports, sp, ov):
 
 @pytest.mark.parametrize("sp,ov", list(itertools.product((False, True), repeat=2)))
 def test_tp_embedding_keeps_the_fp32_residual_stream(reports, sp, ov):
-    """Issue 29 finding 7: under bf16 autocast the tp=2 embedding output and weight gradient
+    """Under bf16 autocast the tp=2 embedding output and weight gradient
     are bitwise those of tp=1 (fp32: the residual stream is rounded in no layout where the
     single process keeps it); its reduction moves the fp32 bytes."""
     for rep in reports:

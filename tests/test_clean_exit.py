@@ -1,12 +1,12 @@
-"""Clean exits (issue 29, finding 8): a worker frees its process groups, and joins their native
+"""Clean exits: a worker frees its process groups, and joins their native
 threads, before the interpreter exits.
 
 The DataParallel gradient hooks are bound methods the parameters keep on their C++ side, a cycle
 Python's collector cannot see: the Trainer and every process group it used (each with its gloo
 threads `pt_gloo_runloop` and `gloo_tcp_loop`, and on rank 0 the store's `pt_tcpstore_uv`)
-outlived `destroy_process_group` until interpreter exit, where 3 of 8 bench.run runs lost a rank
-to "terminate called without an active exception" and bench/common.py bypassed the teardown with
-os._exit. Now Trainer.close removes the hooks and shutdown_distributed frees the groups.
+would outlive `destroy_process_group` until interpreter exit, where a rank can die of "terminate
+called without an active exception". Trainer.close removes the hooks and shutdown_distributed
+frees the groups.
 
 - test_no_native_thread_survives_the_worker (default suite): the CLI's worker function
   `run_worker`, called back to back for several layouts in two ranks, leaves no gloo or store

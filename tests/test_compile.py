@@ -4,14 +4,13 @@ One spawn of 2 gloo ranks trains, for gpt_tiny and llama_tiny, the eager dp 2 re
 compiled model at dp 2, at tp 2 + SP and at pp 2 (zb1p, full recompute), and for moe_tiny with a
 shared expert the eager dp 2 reference and the compiled model at dp 2 and at ep 2, 5 steps each
 in fp32, same seed and global batch:
-losses and gradient norms within 1e-5 (relative) of the reference, the bound the project's
-layout parity keeps (DESIGN.md, numerics promises: fp32 rounding; fused kernels reorder a norm's
-sum). It also counts dynamo's graphs: one per region (norm, add_norm, rope, activation, loss)
+losses and gradient norms within 1e-5 (relative) of the reference, the bound every fp32 layout
+parity test keeps (fp32 rounding: fused kernels reorder a norm's sum). It also counts dynamo's graphs: one per region (norm, add_norm, rope, activation, loss)
 and layout, not one per layer.
 
 Backend: the spawn runs `train.compile_backend=aot_eager` by default (dynamo's tracing and AOT
 autograd's forward/backward graphs, the path inductor compiles, without code generation), because
-inductor builds C++ kernels on CPU: measured 2026-11-27 on this 2-core machine, shared, llama_tiny's
+inductor builds C++ kernels on CPU: measured on a shared 2-core machine, llama_tiny's
 four regions took ~40 s to compile in fp32, and this spawn's 16 graphs (2 models x 2 layouts x 4
 regions, forward and backward) several minutes, past the suite's budget.
 MPOVERLAP_TEST_INDUCTOR=1 runs the same spawn with inductor (the acceptance's parity);

@@ -1,4 +1,4 @@
-"""The CUDA path's host-side behaviour, exercised on CPU (issue 15): host reads per step,
+"""The CUDA path's host-side behaviour, exercised on CPU: host reads per step,
 device choice against the visible GPUs, CUDA_DEVICE_MAX_CONNECTIONS, handles releasing
 buffers at wait, parameter gathers waited before first use."""
 import os
@@ -55,12 +55,12 @@ HOT_STEP_BUDGETS = {
     "cp2-ring-gqa": (["model.num_query_groups=2", "parallel.cp=2", "overlap.cp=true"], 1),
     "moe-ep2": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
                  "overlap.ep=true"], 1 + 2 * 2),
-    # Issue 17: sigmoid router with the aux-loss-free bias (its update: no host read), and the
+    # Sigmoid router with the aux-loss-free bias (its update: no host read), and the
     # experts split over tp (etp). moe_fine_tiny at 2 layers has 1 MoE layer (the first is dense).
     "moe-fine-ep2-bias": (["model=moe_fine_tiny", "model.moe_router_score=sigmoid", "model.moe_router_norm_topk=true",
                            "model.moe_router_bias_update_rate=0.01", "parallel.dp=2", "parallel.ep=2",
                            "overlap.ep=true"], 1 + 1 * 2),
-    # Issue 46: at ep 1 the grouped experts read nothing (rows per expert stay on the device),
+    # At ep 1 the grouped experts read nothing (rows per expert stay on the device),
     # with a capacity factor too (dropped slots ride as zero rows): the norm's read alone.
     "moe-fine-etp2-sp": (["model=moe_fine_tiny", "model.moe_router_bias_update_rate=0.01", "parallel.tp=2",
                           "parallel.etp=2", "parallel.sequence_parallel=true", "parallel.dp=1"], 1),
@@ -87,7 +87,7 @@ def test_hot_step_reads_the_host_within_budget(name):
             assert count <= budget, summary
 
 
-# ---- finding 5: a CUDA handle releases its buffers at wait, keeps only its events ----------
+# ---- a CUDA handle releases its buffers at wait, keeps only its events ---------------------
 class _FakeEvent:
     clock = [0.0]
 
@@ -153,7 +153,7 @@ def test_cuda_handle_releases_buffers_at_wait(monkeypatch):
     assert not h.uses_cuda_events
 
 
-# ---- finding 11: the a2a layout's index tensors are built once per (cp, device) ------------
+# ---- the a2a layout's index tensors are built once per (cp, device) ------------------------
 def test_a2a_layout_builds_its_indices_once(monkeypatch):
     from mpoverlap.context_parallel import a2a_layout as lay
 
@@ -172,7 +172,7 @@ def test_a2a_layout_builds_its_indices_once(monkeypatch):
     assert reads.count == 0, reads.summary()
 
 
-# ---- finding 14: groups the trainer never uses are not created; eval p2p on the pp group ----
+# ---- groups the trainer never uses are not created; eval p2p on the pp group ----------------
 def _created_groups(rank, world):
     import torch.distributed as dist
 
@@ -220,7 +220,7 @@ def test_eval_pipeline_p2p_uses_the_pp_group(monkeypatch):
     assert seen == [("send", 6, pp_group), ("recv", 6, pp_group), ("send", 6, pp_group)]
 
 
-# ---- finding 4: ranks per node against the visible GPUs -------------------------------------
+# ---- ranks per node against the visible GPUs ------------------------------------------------
 def _fake_gpus(monkeypatch, count):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -235,7 +235,7 @@ def test_auto_device_needs_a_gpu_per_rank(monkeypatch):
     choice, why = device_choice("auto", 8)  # self-launch of 8 ranks on a 4-GPU machine
     assert choice == "cpu" and "8 ranks" in why and "4 visible GPU" in why
     assert device_choice("auto", 4)[0] == "cuda"
-    # The worker's own choice agrees (old code: cuda whenever one GPU exists -> invalid ordinal).
+    # The worker's own choice agrees (not cuda whenever one GPU exists: ranks past it would ask for an invalid ordinal).
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert resolve_device("auto", 8) == (torch.device("cpu"), "gloo")
     # torchrun over 2 nodes, 4 ranks each: LOCAL_WORLD_SIZE, not the world, is what must fit.
@@ -272,7 +272,7 @@ def test_self_launch_refuses_cuda_with_too_few_gpus_exit_2(monkeypatch, capsys):
     assert "train.device_available" in err and "visible GPUs=1" in err and "fix: train.device=cpu" in err
 
 
-# ---- finding 13: CUDA_DEVICE_MAX_CONNECTIONS set only for TP/CP overlap, never over the user's --
+# ---- CUDA_DEVICE_MAX_CONNECTIONS set only for TP/CP overlap, never over the user's --------------
 def test_launcher_sets_max_connections_only_for_tp_cp_overlap(monkeypatch, tmp_path):
     import torch.distributed.launcher.api as launcher_api
 
@@ -322,7 +322,7 @@ def test_torchrun_worker_sets_max_connections_itself(monkeypatch):
         assert got == expected, extra
 
 
-# ---- finding 6: every parameter's gather is waited before its first read --------------------
+# ---- every parameter's gather is waited before its first read -------------------------------
 def _gather_order(rank, world, overrides, run_dir):
     """Record, during the step after a distributed-optimizer step, the first read of every
     parameter and the wait of every pending parameter all-gather, in program order.

@@ -2,7 +2,7 @@
 only its S/tp positions through the same whole experts, so their gradients are partial over tp.
 They are reduced over tp x edp in the data-parallel buckets, issued inside backward as each
 bucket fills (RankGrid.expert_grad_kind), not copied into the flat sequence-parallel buffer that
-is summed over tp after backward (issue 29, finding 4). Checked here:
+is summed over tp after backward. Checked here:
 
 - moe_tiny and moe_fine_tiny at tp 2 + SP (etp 1, and etp 2 for moe_fine_tiny) with dp 2, at
   every train.dp_sharding level: losses and grad norms within 1e-5 of the single-process run;

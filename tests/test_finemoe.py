@@ -1,4 +1,4 @@
-"""Fine-grained MoE (issue 17 part B): router options, the aux-loss-free expert bias, shared
+"""Fine-grained MoE: router options, the aux-loss-free expert bias, shared
 experts of their own width, dense leading layers, expert tensor parallelism (parallel.etp),
 exact parameter counts, and parity of every parallel layout with the single-process curve."""
 import re
@@ -97,7 +97,7 @@ def test_forced_load_balancing_routes_evenly_and_passes_the_gradient_straight_th
 
 
 def _capacity_one_hot(ids, weights, E, cap):
-    """The previous [T*k, E] one-hot formulation, as the reference."""
+    """A [T*k, E] one-hot formulation, as the reference."""
     flat = ids.reshape(-1)
     onehot = torch.nn.functional.one_hot(flat, E)
     position = (onehot.cumsum(dim=0) * onehot).sum(dim=1) - 1
@@ -144,7 +144,7 @@ def test_dense_leading_layers_and_shared_expert_width():
     shared = model.layers["1"].mlp.shared_expert
     assert shared.gate_up.weight.shape == (2 * 64, 64) and shared.down.weight.shape == (64, 64)
     assert model.layers["1"].mlp.experts.num_local_experts == 16
-    # The old boolean alone still means one shared expert of the expert width.
+    # The boolean alone means one shared expert of the expert width.
     old = GPT(compose(["model=moe_tiny", "model.shared_expert=true"]).model, seed=1)
     assert old.layers["0"].mlp.shared_expert.down.weight.shape == (128, 176)
 
@@ -199,7 +199,7 @@ def test_etp_slices_the_seed_drawn_expert_weights():
 
 
 def test_grouped_experts_hold_the_per_expert_weights_and_outputs():
-    """Issue 46: the stacked experts' slices are the per-expert modules' weights (same names,
+    """The stacked experts' slices are the per-expert modules' weights (same names,
     same etp slices), and the grouped GEMMs' etp partial outputs sum to the per-expert loop's."""
     from mpoverlap.moe.experts import Experts, GroupedExperts
     from mpoverlap.tensor_parallel.layers import shard_tensor

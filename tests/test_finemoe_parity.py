@@ -1,4 +1,4 @@
-"""Fine-grained MoE through every parallel mode (issue 17 part B acceptance): moe_fine_tiny
+"""Fine-grained MoE through every parallel mode: moe_fine_tiny
 (16 experts top-4, 2 shared experts as one shared MLP, first layer dense) with the aux-loss-free
 expert bias, and the same with expert tensor parallelism (etp 2), each reproduce the
 SINGLE-PROCESS loss curve within 1e-5 relative over STEPS = 4 steps: tp 2 with SP, cp 2 (ring and

@@ -1,4 +1,4 @@
-"""Starting from the checkpoints users have (issue 35 acceptance): for each family, a tiny model
+"""Starting from the checkpoints users have: for each family, a tiny model
 built with transformers' own class from its config (random weights, no download) and saved with
 `save_pretrained` is imported with checkpoint.init_from at tp2 x pp2 (x ep2 for the MoE ones)
 with sequence parallelism. The first step's loss (computed before any update) equals
@@ -151,7 +151,7 @@ def _worker(rank, world, specs, root):
     import mpoverlap.training.resume as resume
 
     old = ["model=llama_tiny", "model.num_layers=2", *CURVE_RUN]
-    keys, resume.SHAPE_KEYS = resume.SHAPE_KEYS, resume.SHAPE_KEYS[:15]  # the keys before issue 35
+    keys, resume.SHAPE_KEYS = resume.SHAPE_KEYS, resume.SHAPE_KEYS[:15]  # a meta without the later shape keys
     try:
         t = trainer(old, f"{root}/old")
         t.train_step()

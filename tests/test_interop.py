@@ -198,7 +198,7 @@ def _fake_checkpoint(root: Path, overrides) -> Path:
 
 def test_old_checkpoint_away_from_its_run_needs_config_and_config_overrides(tmp_path, capsys):
     """A checkpoint without its own config.yaml, moved away from its run directory: refused
-    with the keys it lacks and the fix; --config supplies them. (The checkpoints written now
+    with the keys it lacks and the fix; --config supplies them. (The checkpoints a run writes
     carry their config: the `trained` fixture exports one with no --config.)"""
     run = _fake_checkpoint(tmp_path / "run", LLAMA)
     moved = tmp_path / "elsewhere" / "step_00000000"

@@ -13,7 +13,7 @@
    parameter gather to the step (its replay uses the gather of the unit's backward); under
    zb1p and zbv after the step's last W, with the bound of docs/invariants.md between B and W.
 
-Plus the unit tests of the findings that need no process group (the norm's fp64 copies, the
+Plus the unit tests that need no process group (the norm's fp64 copies, the
 CUDA timing events of the ledger).
 """
 import os
@@ -84,12 +84,12 @@ def _layouts():
                                                     "parallel.pp=2", "parallel.vpp=2", "overlap.pp=true",
                                                     "overlap.ep_pairing=true", "model.num_layers=4",
                                                     "train.global_batch_size=16"])
-    # finding 3: the all-gather dispatcher's replay under overlap.ep (plain dp: the ep bytes
+    # The all-gather dispatcher's replay under overlap.ep (plain dp: the ep bytes
     # are compared with mpoverlap-check's estimate, with and without the replay).
     for rc in ("none", "full"):
         out[f"moe_allgather_ep2_{rc}"] = (2, [*MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_dispatcher=allgather",
                                               "overlap.ep=true", f"model.recompute={rc}"])
-        # issue 46: a capacity pads the all-to-all's queues (fixed sizes): the estimate is exact
+        # A capacity pads the all-to-all's queues (fixed sizes): the estimate is exact
         out[f"moe_capacity_ep2_{rc}"] = (2, [*MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0",
                                              "overlap.ep=true", f"model.recompute={rc}"])
     return out
@@ -258,7 +258,7 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
                     f"{where}: bytes still gathered after each backward: {r['held_after_backward']}"
 
 
-    if world == 2:  # finding 3: what the replay issues is waited (strict ledger) and estimated
+    if world == 2:  # what the replay issues is waited (strict ledger) and estimated
         for rc in ("none", "full"):
             name = f"moe_allgather_ep2_{rc}"
             got = sum(r[name]["comm"]["ep"]["bytes"] for r in results) / len(results)
@@ -294,7 +294,7 @@ def _zero3_gathers(rank, world, root):
 
 
 def test_zero3_recompute_adds_no_gather_and_frees_every_unit():
-    """Acceptance of finding 2: ZeRO-3 + model.recompute=full at dp 2 issues as many parameter
+    """ZeRO-3 + model.recompute=full at dp 2 issues as many parameter
     gathers per step as recompute=none (the replay runs on the gather of its unit's backward:
     no gather of its own) and holds nothing gathered at the end of each backward; with
     reshard_after_forward=false too (the forward's gather is kept until the unit's backward)."""
@@ -309,7 +309,7 @@ def test_zero3_recompute_adds_no_gather_and_frees_every_unit():
         assert r["none_true"][0] > r["none_false"][0]  # resharding after forward gathers again in backward
 
 
-# ---- finding 5: the gradient norm makes no fp64 copy of the gradients -----------------------
+# ---- the gradient norm makes no fp64 copy of the gradients ----------------------------------
 def test_grad_square_sum_copies_nothing_and_matches_fp64():
     """The profiler sees the allocations inside an op (fp64 `_foreach_norm` copies each tensor
     to fp64 below the dispatcher: an 8 MiB `aten::_to_copy` for a 4 MiB gradient)."""
@@ -329,7 +329,7 @@ def test_grad_square_sum_copies_nothing_and_matches_fp64():
     assert abs(float(bf16) - ref) <= 1e-2 * ref
 
 
-# ---- finding 6: CUDA timing events are bounded and read without synchronising ------------------
+# ---- CUDA timing events are bounded and read without synchronising -----------------------------
 class _FakeEvent:
     """A CUDA timing event on a fake clock: completes `lag` records later (query), counts the
     ones alive and every synchronize."""

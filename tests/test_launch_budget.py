@@ -1,4 +1,4 @@
-"""The launch budget of one training step (issue 45): on a GPU every operator is a kernel launch
+"""The launch budget of one training step: on a GPU every operator is a kernel launch
 of a few microseconds of host time, and every tensor handed to a foreach operator adds host work,
 so neither may grow with the model's width; operators grow linearly with depth and microbatches.
 Counted on CPU with `mpoverlap.training.launch_count` over `Trainer.train_step` (world 1)."""
@@ -31,7 +31,7 @@ def _moe_overrides(experts, micro, grouped=True):
 
 # name -> overrides; (layers, microbatches) on a grid for the per-layer-per-microbatch figure.
 RUNS = {
-    # issue 46: the experts' operators do not grow with their number (the per-expert loop's do)
+    # The experts' operators do not grow with their number (the per-expert loop's do)
     **{f"moe-E{e}-m{m}": _moe_overrides(e, m) for e in (8, 64) for m in (1, 2)},
     **{f"moe-loop-E{e}-m{m}": _moe_overrides(e, m, grouped=False) for e in (8, 64) for m in (1, 2)},
     # overlap.ep_chunks=auto is one chunk at ep 1 (nothing to hide); 4 chunks repeat the layer's ops
@@ -244,11 +244,11 @@ def test_bf16_expert_stacks_cast_once_a_step(deferred):
 
 
 def test_moe_launches_do_not_grow_with_the_experts(counts):
-    """Issue 46: 8 -> 64 experts (top-2, 2 MoE layers): the operators of one microbatch (both
+    """8 -> 64 experts (top-2, 2 MoE layers): the operators of one microbatch (both
     layers' forward and backward: ops(m=2) - ops(m=1)) are the same, and so are the step's
     (the stacked expert weights are the same parameters; the norm's views may differ by
-    VIEW_SLACK per region, 2 stacked regions here). The per-expert loop (moe_grouped_gemm=false,
-    main's path before issue 46) shows what the budget catches: its microbatch grows."""
+    VIEW_SLACK per region, 2 stacked regions here). The per-expert loop (moe_grouped_gemm=false)
+    shows what the budget catches: its microbatch grows."""
     per_micro = {k: counts[f"{k}-m2"][0] - counts[f"{k}-m1"][0]
                  for k in ("moe-E8", "moe-E64", "moe-loop-E8", "moe-loop-E64")}
     print(f"\nMoE operators per microbatch (2 layers): {per_micro}")

@@ -205,7 +205,7 @@ def test_recorder_sees_every_recorded_handle_and_is_off_by_default():
 
 
 def test_exposed_never_exceeds_in_flight_for_real_handles():
-    """Issue 14: a handle whose backend completed just before (or while) the waiter woke, one
+    """A handle whose backend completed just before (or while) the waiter woke, one
     waited long after it completed, and one still in flight: each blocked span lies inside its
     in-flight interval, so exposed <= time_s holds exactly, not within a tolerance."""
     from mpoverlap.comm.handle import CommHandle

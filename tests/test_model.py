@@ -160,7 +160,7 @@ FAMILIES = {
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("bf16", [False, True])
 def test_every_tensor_is_made_on_its_inputs_device(family, bf16):
-    """Issue 15's device check for every model family, forward and backward, fp32 and bf16
+    """The device check (training/device_check.py) for every model family, forward and backward, fp32 and bf16
     autocast: with the default device switched to meta while the model runs on the CPU, a
     tensor created without `device=` (which on CUDA would land on the CPU) shows up."""
     from mpoverlap.training.device_check import stray_device_tensors

@@ -169,17 +169,17 @@ def test_layer_ep1_matches_dense_reference(kw):
 
 MOE_CONFIGS = [dict(), dict(overlap=True, num_chunks=4, shared=True), dict(capacity_factor=0.75, num_chunks=4),
                dict(dispatcher="allgather", overlap=True, num_chunks=4, shared=True),
-               # issue 17's router options: sigmoid scores with the aux-loss-free bias, top-k-then-softmax
+               # the fine-grained router options: sigmoid scores with the aux-loss-free bias, top-k-then-softmax
                dict(capacity_factor=0.75, num_chunks=4, router_options=dict(score="sigmoid", bias_update_rate=0.01)),
                dict(overlap=True, num_chunks=4, shared=True, router_options=dict(order="topk_score", norm_topk=False))]
 
 
 @pytest.mark.parametrize("kw", MOE_CONFIGS + [dict(grouped_gemm=False, **c) for c in MOE_CONFIGS[:3]])
 def test_no_host_read_at_ep1(kw):
-    """Issue 46: at ep 1 the grouped experts take the rows per expert as a device tensor, so
+    """At ep 1 the grouped experts take the rows per expert as a device tensor, so
     forward and backward of an MoE layer read nothing on the host, whatever the chunking,
     capacity or dispatcher. The per-expert loop (grouped_gemm=False) splits by host ints:
-    one read (every chunk's counts together, issue 15 finding 10)."""
+    one read (every chunk's counts together)."""
     from mpoverlap.training.host_sync import count_host_reads
 
     moe = layer(**kw)
@@ -195,7 +195,7 @@ def test_no_host_read_at_ep1(kw):
 
 @pytest.mark.parametrize("kw", MOE_CONFIGS)
 def test_no_tensor_is_made_off_its_inputs_device(kw):
-    """Issue 15 finding 3: every index and count tensor is created on the tokens' device (the
+    """Every index and count tensor is created on the tokens' device (the
     default device is meta during the pass, so a device-less tensor would show)."""
     from mpoverlap.training.device_check import stray_device_tensors
 
@@ -208,7 +208,7 @@ def test_no_tensor_is_made_off_its_inputs_device(kw):
 
 
 def test_router_computes_in_fp32_under_autocast():
-    """Issue 15 finding 8: routing decisions and losses do not change under bf16 autocast."""
+    """Routing decisions and losses do not change under bf16 autocast."""
     router = TopKRouter(H, E, K, name="r", cfg=CFG, seed=1, aux_loss_coeff=0.1, z_loss_coeff=0.01)
     x = tokens(0, (32, H))
     ref = router(x)
@@ -361,7 +361,7 @@ def _moe_worker(rank, world):
 
 
 def _capacity_checks(group, ep, me, ranks, x_of, w_of, rank):
-    """Issue 46 item 3: a capacity at ep > 1 (all-to-all) pads every expert's queue to it, so the
+    """A capacity at ep > 1 (all-to-all) pads every expert's queue to it, so the
     layer reads nothing on the host; against the ep 1 reference with the same capacity (drops
     are decided per rank over its own tokens, so the same slots drop), overlap on and off."""
     from mpoverlap.comm import CommLedger
@@ -415,7 +415,7 @@ def moe_reports():
 
 @pytest.mark.parametrize("split", [2, 4])
 def test_router_losses_over_a_split_sequence_match_the_unsplit_ones(moe_reports, split):
-    """Issue 14: the load-balancing and z losses of a sequence split across ranks (SP, CP) are
+    """The load-balancing and z losses of a sequence split across ranks (SP, CP) are
     those of the whole sequence, in value and in gradient (weights and inputs)."""
     for rank, rep in enumerate(moe_reports):
         for mean in (1, split):
@@ -425,8 +425,8 @@ def test_router_losses_over_a_split_sequence_match_the_unsplit_ones(moe_reports,
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_ep_tokens_travel_in_the_compute_dtype(moe_reports, ep):
-    """Issue 15 finding 9 (EP): under bf16 autocast the dispatch and combine exchanges (and
-    their backward) move half the bytes; and the layer reads the host once with ep > 1 too."""
+    """EP under bf16 autocast: the dispatch and combine exchanges (and their
+    backward) move half the bytes; and the layer reads the host once with ep > 1 too."""
     for rep in moe_reports:
         b = rep[(ep, "bf16_bytes")]
         assert b["bf16"] - b["counts"] == (b["fp32"] - b["counts"]) // 2, b
@@ -503,7 +503,7 @@ def test_backward_mirrors_forward_overlap(moe_reports, ep, dispatcher):
                 assert not any(open_counts), trace
 
 
-# ---------------------------------------------------------------- grouped GEMMs (issue 46)
+# ---------------------------------------------------------------- grouped GEMMs
 
 @pytest.mark.parametrize("dtype,activation,hidden", [(torch.float32, "swiglu", 16), (torch.float64, "gelu", 16),
                                                      (torch.float32, "gelu", 6), (torch.bfloat16, "swiglu", 16)])

@@ -40,8 +40,8 @@ MODES = {
     "ep": ([*MOE, "parallel.dp=2", "parallel.ep=2"], "overlap.ep"),
 }
 # The shares measured (issue, compute and wait order, not time): dp 6/7, tp 72/72, pp 3/6 (the
-# pipeline's computes counted since 2026-11-28: by other handles' issues alone it read 2/6 and,
-# on a loaded fresh clone, 1/6, a completed send freed before the next issue), cp 8/32, ep 56/68
+# pipeline's computes counted: by other handles' issues alone it would read 2/6 and, on a loaded
+# machine, 1/6, a completed send freed before the next issue), cp 8/32, ep 56/68
 # handles deferred with overlap on, 0 with it off.
 MIN_DEFERRED = {"dp": 0.5, "tp": 0.9, "pp": 0.3, "cp": 0.2, "ep": 0.5}
 ZERO3 = ["parallel.dp=2", "train.dp_sharding=optim_grads_params", "model.num_layers=4", "overlap.dp=true"]
@@ -51,7 +51,7 @@ ZERO = {
     "zero3_off": [*ZERO3[:-1], "overlap.dp=false", "overlap.dp_prefetch=2"],
     "zero2": ["parallel.dp=2", "train.dp_sharding=optim_grads", "model.num_layers=4", "overlap.dp=true"],
 }
-# Issue 29 finding 4's follow-up: MoE under SP with parallel.etp=1 at tp 2 and dp 1: the expert
+# MoE under SP with parallel.etp=1 at tp 2 and dp 1: the expert
 # gradients are partial over tp and their buckets reduce over tp x edp (2 ranks) although there is
 # a single data-parallel replica.
 MOE_TP_EDP = [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1", "overlap.dp=auto"]

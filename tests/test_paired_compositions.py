@@ -1,18 +1,17 @@
-"""The paired V (overlap.ep_pairing with parallel.pp_schedule=zbv, issue 47) in the compositions
+"""The paired V (overlap.ep_pairing with parallel.pp_schedule=zbv) in the compositions
 `make test`'s 20 minutes leave out, against the single-process reference of the same model
 (moe_fine_tiny: a dense first layer, 16 experts top-4, shared experts, untied), selective
 recomputation, dp 2 x ep 2 x pp 2 (4 microbatches per pipeline, the V's minimum 2pp):
 
 - with tp 2 + sequence parallelism and the experts split over tp (etp 2), collective matmul on,
-  world 8, fp32, 6 steps: loss and grad norm every step within 1e-5 (measured 9.5e-8 / 1.0e-7 on
-  2026-11-28);
+  world 8, fp32, 6 steps: loss and grad norm every step within 1e-5 (measured 9.5e-8 / 1.0e-7);
 - with ZeRO-3 (parameters gathered per unit), the paired V and the paired zb1p table (vpp 2),
   world 4, fp32, 6 steps: within 1e-5 (measured 9.5e-8 loss, 1.4e-6 grad norm);
 - in bf16, the paired V and the paired zb1p table, world 4, 10 steps: loss and grad norm within 6
   noise floors of the bf16 single process,
   the floor being that reference against itself at micro-batch 1 (the same math summed in another
   order), tests/test_train_cli.py's MoE factor (measured 1.7 floors on the loss, 0.67 on the grad
-  norm, 2026-11-28, AVX-512).
+  norm on an AVX-512 machine).
 
     make test-compositions      (about a minute and a quarter on 2 cores)
 

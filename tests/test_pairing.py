@@ -90,7 +90,7 @@ LAYOUTS = {
                                          "fine_ref"),
 }
 # bf16 against the bf16 single-process run: the rounding of a different reduction order, as the
-# bf16 CP layouts (docs/benchmarks.md) are held to. Where 5e-3 stands (issue 43): moe_tiny's bf16
+# bf16 CP layouts (docs/benchmarks.md) are held to. Why 5e-3: moe_tiny's bf16
 # single process against its own micro-batch-2 twin (the same math in another order) moves 1.3e-5 to
 # 2.9e-5 (loss) and 3.4e-4 to 5.9e-4 (grad norm) over the first 6 steps, and an unpaired dp 2 x ep 2
 # run 1.0e-5..1.6e-5 and 6.6e-5..2.6e-4, on five kernel paths (tests/test_train_cli.py's bf16 notes):
@@ -198,8 +198,8 @@ def test_exchanges_in_flight_under_the_other_microbatch_and_reads_unchanged():
             # 2 MoE layers x (forward: 4 dispatch + 4 combine chunks; backward: the same) per pair
             assert len(flights) == (m - 1) * 2 * 2 * 8, len(flights)
             # Every exchange, the forward's first dispatch included, beside the other
-            # microbatch's compute Megatron puts it under (the old forward-first order put F's
-            # first dispatch beside B's head backward only, and F's combines beside B's experts)
+            # microbatch's compute Megatron puts it under (a forward-first order would put F's first
+            # dispatch beside B's head backward only, and F's combines beside B's experts)
             wrong = [f for f in flights if BESIDE[f[1], _sub_step(f[2])] not in f[3]]
             assert not wrong, f"rank {rank} {name}: exchanges not beside the other's {BESIDE}: {wrong[:6]}"
             firsts = [f for f in flights if f[1] == "F" and f[2].endswith(".dispatch0")]

@@ -26,13 +26,13 @@ KEYS = ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.e
         "model.seq_length", "model.num_experts", "model.tie_embeddings", "train.on_nonfinite",
         "model.moe_top_k", "model.moe_layer_freq", "model.moe_capacity_factor", "model.moe_dispatcher",
         "model.shared_expert", "overlap.ep_chunks", "train.profile", "train.profile_steps",
-        # fine-grained MoE and expert tensor parallelism (issue 17)
+        # fine-grained MoE and expert tensor parallelism
         "parallel.etp", "model.moe_shared_expert_ffn_hidden_size", "model.moe_first_dense_layers",
         "model.moe_router_score", "model.moe_router_order", "model.moe_router_norm_topk",
         "model.moe_router_bias_update_rate", "model.moe_router_force_load_balancing",
-        # grouped-query attention (issue 17)
+        # grouped-query attention
         "model.num_query_groups",
-        # forward/backward pairing, also in the pipeline (issue 31)
+        # forward/backward pairing, also in the pipeline
         "overlap.ep_pairing", "parallel.pp_schedule"]
 
 
@@ -157,13 +157,13 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
 @settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                    HealthCheck.filter_too_much])
 @given(st.fixed_dictionaries({}, optional=FIXABLE))
-# Issue 22's cases: head dimension 5 (odd), and heads that do not divide the hidden size
+# Head dimension 5 (odd), and heads that do not divide the hidden size
 # (the fix must not pick a head count with an odd head dimension either).
 @example({"model.hidden_size": 10, "model.num_attention_heads": 2, "model.ffn_hidden_size": 32,
           "model.num_layers": 1})
 @example({"model.hidden_size": 30, "model.num_attention_heads": 4})
 @example({"model.hidden_size": 9, "model.num_attention_heads": 3})
-# Issue 17's keys at once: an etp that is not tp, every layer dense, sigmoid with top-k-then-
+# The fine-grained MoE keys at once: an etp that is not tp, every layer dense, sigmoid with top-k-then-
 # softmax, a shared width without a shared expert, a negative bias rate.
 @example({"model.num_experts": 4, "model.moe_top_k": 2, "parallel.tp": 2, "parallel.etp": 3, "model.num_layers": 2,
           "model.moe_first_dense_layers": 2, "model.moe_router_score": "sigmoid",
@@ -177,7 +177,7 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
           "parallel.cp": 2, "parallel.cp_comm": "a2a", "overlap.tp": "true"})
 @example({"model.num_attention_heads": 4, "model.num_query_groups": 1, "parallel.tp": 2, "parallel.cp": 2,
           "parallel.cp_comm": "a2a"})
-# Pairing in the pipeline (issue 31): at vpp 1 (fix: vpp 2) and with a zero-bubble schedule
+# Pairing in the pipeline: at vpp 1 (fix: vpp 2) and with a zero-bubble schedule
 # (fix: interleaved).
 @example({"model.num_experts": 4, "model.moe_top_k": 2, "parallel.ep": 2, "parallel.pp": 2, "model.num_layers": 4,
           "train.global_batch_size": 8, "train.micro_batch_size": 1, "overlap.ep_pairing": "true"})
@@ -187,7 +187,7 @@ def _apply_fixes(assignment: dict, world, rounds: int = 6):
 def test_every_fix_gives_an_accepted_config_whose_model_runs(assignment):
     """Fixes applied (all of them, round after round) end in a config the validator accepts,
     and its model builds and runs one forward and backward at this tiny size (an accepted
-    config, fixed or not, never crashes the model: issue 22's odd head dimension did)."""
+    config, fixed or not, never crashes the model: an odd head dimension must not either)."""
     import torch
 
     from mpoverlap.models.gpt import GPT

@@ -77,9 +77,9 @@ def test_recompute_is_bitwise_and_keeps_less(family):
         assert stats == ref_stats, key  # the replayed forward does not record the router twice
     assert out[("selective", None)][2] < ref_kept
     assert out[("full", None)][2] < out[("full", 2)][2] < ref_kept
-    # Full recompute at least halves what is kept (dense: 2.06x on main). The MoE family: its
-    # full-recompute figure is the same as on main (654,772 bytes, the blocks' inputs), but the
-    # grouped experts (issue 46) keep 10% less without recompute (1,212,036 bytes against the
+    # Full recompute at least halves what is kept (dense: 2.06x). The MoE family: its
+    # full-recompute figure is the blocks' inputs whichever the expert path (654,772 bytes), but the
+    # grouped experts keep 10% less without recompute (1,212,036 bytes against the
     # per-expert loop's 1,347,076: their Function saves the input and pre-activation only), so
     # the ratio is 1.85x there.
     assert out[("full", None)][2] * (2 if family == "dense" else 1.8) <= ref_kept

@@ -320,7 +320,7 @@ def test_auto_says_why_off():
 
 
 def test_dp_overlap_applies_to_expert_buckets_over_tp_at_dp1():
-    """Issue 29 finding 4's follow-up: MoE + SP + parallel.etp=1 at tp 2, dp 1 reduces the expert
+    """MoE + SP + parallel.etp=1 at tp 2, dp 1 reduces the expert
     gradients over tp x edp in the dp buckets: overlap.dp=auto turns on and true is accepted;
     without SP (whole-sequence expert gradients, nothing to reduce) true is still refused."""
     moe_sp = ["model=moe_tiny", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"]
@@ -378,7 +378,7 @@ def test_parameter_estimate_is_exact(overrides):
     (["parallel.tp=2", "parallel.sequence_parallel=true"], False),  # dropless: layout-invariant
 ])
 def test_plan_states_when_capacity_drops_depend_on_the_layout(overrides, noted):
-    """Issue 14: capacity is applied per rank; with split sequences the plan (and so
+    """Capacity is applied per rank; with split sequences the plan (and so
     mpoverlap-check and the start-up output) says that drops then depend on the layout."""
     from mpoverlap.overlap.plan import render_plan
 

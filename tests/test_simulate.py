@@ -290,8 +290,8 @@ def test_search_70b_on_1024_h100s(capsys):
     values = dict(kv.split("=") for kv in best)
     assert int(values["parallel.tp"]) <= 8  # tensor parallelism stays inside a node of 8
     row = [line for line in out.splitlines() if line.strip().startswith("1 |")][0]
-    # columns: rank | layout | step | tokens/s | MFU | mem: MFU is the fifth (index 4; index 5,
-    # read here before 2026-11-27, was the memory in GB)
+    # columns: rank | layout | step | tokens/s | MFU | mem: MFU is the fifth (index 4; index 5 is
+    # the memory in GB)
     mfu = float(row.split("|")[4].strip().rstrip("%"))
     assert 30.0 <= mfu <= 60.0
     assert "why: MFU = GEMM fraction" in out

@@ -88,7 +88,7 @@ def test_both_terms_printed_and_unset_bandwidth_says_not_modelled():
 
 
 def test_llama3_1b_within_15_percent_of_the_h200_step():
-    """The calibration the memory term was added for (issue 45): the compute-bound term alone
+    """The calibration the memory term was added for: the compute-bound term alone
     predicted 0.515 s, 26% short of the measured 0.694 s."""
     _, _, r = _sim(LLAMA + ["hardware=h200_sxm"])
     assert abs(r.step_s / LLAMA_MEASURED_H200_S - 1) <= 0.15, r.step_s

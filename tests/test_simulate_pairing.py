@@ -1,6 +1,6 @@
-"""The simulator's model of EP forward/backward pairing (mpoverlap/simulate/pairing.py, issue 31):
+"""The simulator's model of EP forward/backward pairing (mpoverlap/simulate/pairing.py):
 one pair's program by hand, in the executor's order, the backward first (Megatron's: at 1:1
-compute and exchanges per sub-step nothing exposed, where the older forward-first order exposed
+compute and exchanges per sub-step nothing exposed, where a forward-first order exposes
 the first forward dispatch and the last reverse dispatch; exchanges longer than the compute; the
 counts exchange queued behind the other microbatch's exchange), the lone first forward and last
 backward, chunking alone, the step's average over the unpaired passes and the pairs, where
@@ -44,7 +44,7 @@ def test_pair_hides_everything_at_one_to_one_in_megatrons_order():
     # The head backward (1) and the head (0.5) only shift it: B's head 0-1, C 1-2 under F's
     # pre 1-2, D 2-3 under B's E 2-4, B's D 4-5 under F's E 4-5, F's C 5-6 under B's pre 5-7.
     assert pair_exposed([FWD], [BWD], 1, other_f=0.5, other_b=1.0) == pytest.approx({"F": 0.0, "B": 0.0})
-    # The older forward-first order exposed the pair's edges, 1 + 1: F's first dispatch 1-2
+    # A forward-first order exposes the pair's edges, 1 + 1: F's first dispatch 1-2
     # beside nothing of B's (its head backward is 0), B's last reverse dispatch with F done.
     old = serial_link_waits(round_robin(forward_program([FWD, FWD], 1), backward_program([BWD, BWD], 1)))
     assert sum(w for n, w in old.items() if n.startswith("F:")) == pytest.approx(1.0)

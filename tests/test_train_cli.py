@@ -96,9 +96,8 @@ LAYOUTS = {
 }
 
 
-# LAYOUTS train 4 microbatches a step at dp 1 (SMALL's 8 before 2026-11-28: every comparison is
-# against a run of the same batch, and on 2 cores a step's time is its collectives' count), 2 at
-# dp 2, 1 at dp 4.
+# LAYOUTS train 4 microbatches a step at dp 1 (not SMALL's 8: every comparison is against a run of
+# the same batch, and on 2 cores a step's time is its collectives' count), 2 at dp 2, 1 at dp 4.
 RUNS = [*SMALL, "train.global_batch_size=8"]
 
 
@@ -248,7 +247,7 @@ def test_no_row_of_any_run_exposes_more_than_in_flight(runs, moe_sequence_runs, 
                 assert 0 <= c["exposed_s"] <= c["time_s"], (name, i, mode, c)
 
 
-# Issue 14's model and batch: MoE whose tokens are split over ranks (SP, CP) keeps the dp-only
+# MoE whose tokens are split over ranks (SP, CP) keeps the dp-only
 # curve, because the router's statistics are the whole sequence's.
 MOE_SEQ = ["model=moe_tiny", "model.num_layers=4", "model.hidden_size=64", "model.num_experts=4",
            "model.moe_top_k=2", "model.seq_length=64", "train.global_batch_size=8", "parallel.dp=2"]
@@ -263,7 +262,7 @@ MOE_SEQ_LAYOUTS = {
                              "model.moe_dispatcher=allgather"],
     "ep2_tp2_pp2_sp_all": ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                            "overlap.dp=true", "overlap.tp=true", "overlap.pp=true", "overlap.ep=true"],
-    # the paired zb1p table (issue 47) with tp 2 + SP and the experts split over tp (etp 2)
+    # the paired zb1p table with tp 2 + SP and the experts split over tp (etp 2)
     "ep2_tp2_sp_etp2_pp2_vpp2_zb1p_paired": ["parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "parallel.pp=2",
                                              "parallel.vpp=2", "parallel.sequence_parallel=true",
                                              "parallel.pp_schedule=zb1p", "overlap.tp=true", "overlap.ep=true",
@@ -446,13 +445,13 @@ def test_multirun_gives_each_job_its_run_dir(tmp_path):
 # 4 layers (so pp2 x vpp2 fits), 2 microbatches per step, 20 steps (layouts 10); every layout against the
 # single-process bf16 run, which is checked against fp32.
 #
-# Where the bounds come from (issue 43). CPUs round bf16 (and order fp32 sums) differently by kernel
+# Where the bounds come from. CPUs round bf16 (and order fp32 sums) differently by kernel
 # path: ATen's vectorised kernels (DEFAULT, AVX2, AVX-512), MKL's fp32 GEMMs by ISA, oneDNN's bf16 GEMMs
 # on AVX-512/AMX machines and ATen's own elsewhere. Over a training curve the last-bit differences grow
-# to 1e-5..1e-3, so no constant tuned on one machine's curve is a bound (this test's old constants failed
-# on an AVX2 machine). The bounds are multiples of a noise floor measured in the same run: the single
+# to 1e-5..1e-3, so no constant tuned on one machine's curve is a bound (constants tuned on an AVX-512
+# machine fail on an AVX2 one). The bounds are multiples of a noise floor measured in the same run: the single
 # process at micro-batch 2 against itself at micro-batch 4 (the same math summed in another order).
-# Measured on 2026-11-27 over this fixture on five kernel paths of one AVX-512 machine: ATen AVX-512 +
+# Measured over this fixture on five kernel paths of one AVX-512 machine: ATen AVX-512 +
 # oneDNN (the machine as it is), ATen AVX2 + oneDNN, ATen DEFAULT + oneDNN, an AVX2 machine's path (ATen
 # AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2, oneDNN off: ATen's own bf16 GEMM), and all scalar (ATen DEFAULT,
 # MKL_CBWR=COMPATIBLE, oneDNN off). Dense floor over the 20 steps: loss 7.1e-5..1.6e-4, grad norm
@@ -471,7 +470,7 @@ BF16_LAYOUTS = {
     # ZeRO-1 over the dp x cp group of two.
     "cp2_ring_zero": ["train.precision=bf16", "parallel.cp=2", "overlap.cp=true", "train.distributed_optimizer=true"],
     "cp2_a2a": ["train.precision=bf16", "parallel.cp=2", "parallel.cp_comm=a2a"],
-    # Zero-bubble pipelines (issue 47): the weight gradients deferred to W actions, in bf16 GEMMs.
+    # Zero-bubble pipelines: the weight gradients deferred to W actions, in bf16 GEMMs.
     "zb1p_pp2": ["train.precision=bf16", "parallel.pp=2", "parallel.pp_schedule=zb1p", "overlap.pp=true"],
     "zbv_pp2": ["train.precision=bf16", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv",
                 "overlap.pp=true"],
@@ -492,7 +491,7 @@ BF16_STEPS = {"fp32": 20, "bf16": 20, "moe_bf16": 20, "bf16_mb2": 20, "moe_bf16_
 # layout's dtype check: its activations / gradients travel in bf16), and their first loss is the
 # fp32 curve a layout that silently computed in fp32 would sit on.
 BF16_TWINS = {name: f"fp32_{name}" for name in BF16_LAYOUTS if name not in REFERENCES}
-# Issue 29 finding 9 (the residual stream is fp32 in every layout, docs/invariants.md): its
+# The fp32 residual stream (docs/invariants.md, "The bf16 residual stream"): its
 # configuration, its first F9_STEPS steps, trained in the same spawns. train.seed=2: a trajectory where the single
 # process is stable; at the default seed its own micro-batch-1 twin (same math, another fp32
 # accumulation order) is 2.1% away at step 7 and tp2/cp2 5% at single-step spikes (the first step's
@@ -501,7 +500,7 @@ F9 = ["model.num_layers=8", "model.hidden_size=64", "model.num_attention_heads=4
       "model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=8", "train.lr_warmup_steps=2",
       "train.precision=bf16", "train.lr_decay_steps=40", "train.seed=2", "train.eval_iters=1",
       "train.progress=false", "train.log_interval=1"]
-# 10 (20 before issue 43's time cut): the finding's spikes came by step 7, a bf16 residual stream
+# 10 steps (of the 20 measured below): the spikes at the default seed come by step 7, a bf16 residual stream
 # shows at step 1 (the 1e-6 / 1e-5 checks below) and in the bytes; the gaps measured over 20 steps
 # (below) bound those over the first 10.
 F9_STEPS = 10
@@ -550,7 +549,7 @@ def floor_gaps(bf16_runs, ref):
 # bf16 against fp32 over the first 10 steps: loss 1.29, grad norm 1.12 -> 4. Over 20 steps the
 # grad norm of the two drifts apart by up to 7.4 floors (6.8e-3 on the AVX2 machine's path; that
 # machine reported 1.08e-2), so the grad norm is held over the first 10 and the loss curve over all
-# 20 to issue 32's 2e-2 (measured 1.1e-4..1.8e-4).
+# 20 to the 2e-2 every bf16 curve is held to (measured 1.1e-4..1.8e-4).
 FP32_FLOORS = 4.0
 # The lower bound (autocast ran): fp32 at micro-batch 2 against micro-batch 4 differs by 1.8e-7 to
 # 2.2e-7 on the loss over 20 steps (every path); bf16 against fp32 by 1.1e-4 at least: 1e-6 is 4.5x
@@ -593,7 +592,7 @@ def test_bf16_layouts_reproduce_single_process_bf16_curve(bf16_runs):
         ref = "moe_bf16" if name.startswith("moe") else "bf16"
         got = bf16_runs[name]
         assert len(got) == BF16_STEPS.get(name, 10)
-        if len(got) > 10:  # CP's 20 steps: the whole curve within 2e-2 (issue 32; measured 8.1e-5 to
+        if len(got) > 10:  # CP's 20 steps: the whole curve within 2e-2 (measured 8.1e-5 to
             # 2.4e-4 on the five paths), the floor-relative bounds over the first 10 as for every layout
             assert rel_gaps(got, bf16_runs[ref], "loss") <= 2e-2, name
             got = got[:10]
@@ -658,10 +657,10 @@ def test_bf16_halves_activation_and_gradient_bytes(bf16_runs):
 
 
 def test_bf16_residual_stream_is_one_dtype_in_every_layout(bf16_runs):
-    """Issue 29 finding 9: the residual stream is fp32 in every layout (pipeline p2p, TP
+    """The residual stream is fp32 in every layout (pipeline p2p, TP
     embedding reduction). pp 2 x vpp 2 (and dp 2) compute the single process's first step up to
     fp32 summation order; the four layouts of
-    the finding stay within 2e-2 of the bf16 single process over F9_STEPS steps; the pp bytes are the
+    F9_LAYOUTS stay within 2e-2 of the bf16 single process over F9_STEPS steps; the pp bytes are the
     estimate's, the tp bytes within 3% of it (fp32 embedding reduction, bf16 GEMM partial sums)."""
     from mpoverlap.config import compose
     from mpoverlap.overlap.estimate import estimate
@@ -673,11 +672,11 @@ def test_bf16_residual_stream_is_one_dtype_in_every_layout(bf16_runs):
         for key, tol in (("loss", 1e-6), ("grad_norm", 1e-5)):
             assert abs(bf16_runs[name][0][key] - ref[0][key]) <= tol * ref[0][key], (name, key)
     gaps = {name: rel_gaps(bf16_runs[name], ref, "loss") for name in F9_LAYOUTS if name != "f9_ref"}
-    print(f"\nfinding 9, {F9_STEPS} steps, largest relative loss gap to the bf16 single process: {gaps}")
+    print(f"\nfp32 residual stream, {F9_STEPS} steps, largest relative loss gap to the bf16 single process: {gaps}")
     assert len(ref) == F9_STEPS and all(len(bf16_runs[name]) == F9_STEPS for name in gaps)
-    # 2e-2 (issue 32's bound for curves): on the five kernel paths of the bf16 notes above the four
-    # layouts reached 4.4e-4..1.0e-3 over 20 steps and a micro-batch-1 twin of the reference 2.5e-4..3.8e-4 (a report
-    # figure, no longer trained since issue 43's time cut) (step 1: loss 0, grad norm 6.8e-7..7.6e-7
+    # 2e-2 (the bound for bf16 curves): on the five kernel paths of the bf16 notes above the four
+    # layouts reached 4.4e-4..1.0e-3 over 20 steps and a micro-batch-1 twin of the reference 2.5e-4..3.8e-4 (measured
+    # once, not trained here) (step 1: loss 0, grad norm 6.8e-7..7.6e-7
     # against the 1e-5 above): 13x margin or more on every bound of this test.
     assert max(gaps.values()) <= 2e-2, gaps
     for name, mode, tol in (("f9_pp2_vpp2", "pp", 0.0), ("f9_tp2_sp_cm", "tp", 0.03)):

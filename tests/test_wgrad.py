@@ -49,7 +49,7 @@ def test_w_queue_reproduces_autograd(case, precision):
         loss.backward()
     deferred = {id(p) for p, _ in queue.entries}
     names = dict(zb.named_parameters())
-    # matrices, and the grouped experts' stacked [L, out, in] weights (issue 46)
+    # matrices, and the grouped experts' stacked [L, out, in] weights
     expected = {n for n, p in names.items() if p.dim() >= 2 and not any(k in n for k in KEPT_IN_B)}
     assert {n for n, p in names.items() if id(p) in deferred} == expected
     assert len(queue) >= len(expected)

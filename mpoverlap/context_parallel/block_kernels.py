@@ -23,8 +23,8 @@ Backends (`select_block_kernel`, once per backend request, device and dtype):
   efficient_cuda  aten._scaled_dot_product_efficient_attention (+ _backward): fp32. Has no
                   grouped-query mode: K/V are expanded to the N heads for the call (O(sequence)
                   memory) and dK/dV summed back. bf16 / fp16: the output is handed to the
-                  backward in the forward's layout (issue 44, see _efficient_backward),
-                  confirmed on an H200 by `make gpu-check` at c3a3560.
+                  backward in the forward's layout (see _efficient_backward),
+                  checked on an H200 by `make gpu-check` (docs/gpu-reports/).
   cudnn_cuda      aten._scaled_dot_product_cudnn_attention (+ _backward): bf16 / fp16, on
                   request only (`parallel.cp_attention_backend=cudnn`); K/V expanded like
                   efficient.
@@ -135,7 +135,7 @@ def _seq_major(x_BNSD: torch.Tensor) -> torch.Tensor:
 
 
 def _efficient_backward(dout, q, k, v, out, lse, scale, causal):
-    """`out` must be laid out [B, Q, N, D] in memory (issue 44). torch hands the CUTLASS
+    """`out` must be laid out [B, Q, N, D] in memory. torch hands the CUTLASS
     backward only out's batch and head strides; its query-row stride is taken to be N x D
     (`o_strideM() = head_dim_value * num_heads`, kernel_backward.h). For 16-bit dtypes on
     sm80+ the kernel computes delta = rowsum(dout * out) itself from that pointer

@@ -9,10 +9,10 @@ buffer of a model without sharding is one region. Each region of n elements is r
 
 and one `vector_norm(dim=1)` per view gives fp32 norms of rows of 2^14 elements (an fp32 sum
 over a whole 1M-element bucket would drift ~2e-5), squared and summed in fp64: on CPU the same
-bits as the `_foreach_norm` over 2^14-element chunks this replaced (tests/test_grad_norm.py). The views are built once (`SquareSum`), the step runs
+bits as a `_foreach_norm` over 2^14-element chunks (tests/test_grad_norm.py). The views are built once (`SquareSum`), the step runs
 `len(views)` norms plus a constant handful: no list sized by elements or parameters, so the
-launches do not grow with the model's width (on a GPU every view of a chunked norm was a
-launch: 75,000 for a 1.2B model). fp32 gradients are read in place; bf16/fp16 ones are
+launches do not grow with the model's width (on a GPU every view of a chunked norm would be
+a launch: 75,000 for a 1.2B model). fp32 gradients are read in place; bf16/fp16 ones are
 accumulated in fp32 (on CUDA inside the kernel, no copy).
 """
 from __future__ import annotations

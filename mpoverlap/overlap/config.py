@@ -106,11 +106,12 @@ def _resolve_pairing(lo: Layout) -> ModeState:
     zb1p = lo.pp not in (None, 1) and schedule == "zb1p" and lo.vpp not in (None, 1)
     if zbv and requested == "auto":
         return ModeState(requested, False, "parallel.pp_schedule=zbv: the paired V (pipeline/zbv_paired.py) runs only "
-                                           "when asked for (overlap.ep_pairing=true) until its benchmark shows a gain")
+                                           "when asked for (overlap.ep_pairing=true): measured within the noise of the "
+                                           "better of zbv and interleaved + pairing (docs/benchmarks.md)")
     if zb1p and requested == "auto":
         return ModeState(requested, False, "parallel.pp_schedule=zb1p: the paired zb1p table (pipeline/zero_bubble.py) "
-                                           "runs only when asked for (overlap.ep_pairing=true) until its benchmark "
-                                           "shows a gain")
+                                           "runs only when asked for (overlap.ep_pairing=true): no benchmark measures "
+                                           "its gain over zb1p unpaired (docs/pipeline-schedules.md)")
     if obstacles:  # `true` never reaches here with an obstacle: the rules refuse it first
         _, values, why, _ = obstacles[0]
         keys = ", ".join(f"{k}={v}" for k, v in values.items())

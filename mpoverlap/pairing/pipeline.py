@@ -1,4 +1,4 @@
-"""Forward/backward pairing inside the pipeline (overlap.ep_pairing at pp > 1, issue 31).
+"""Forward/backward pairing inside the pipeline (overlap.ep_pairing at pp > 1).
 
 The paired interleaved table (pipeline/paired.py) marks each steady-state forward that runs
 with the backward after it as one overlapped "FB" action. The pipeline executor runs every

@@ -3,8 +3,8 @@ B (input gradient) and W (weight gradients; a schedule without W actions runs B 
 backward). The step is synchronous (no optimizer post-validation), so the bubble is the step's
 makespan minus a stage's compute: what `simulated_bubble_time` returns for the same tables.
 
-Forms (sources: /work/shared/reference/cross-microbatch-overlap.md sections 1b and 2; ZB paper
-Table 2, DeepSeek-V3 Table 2):
+Forms (sources: the Zero Bubble paper, Qi et al., "Zero Bubble Pipeline Parallelism", Table 2;
+the DeepSeek-V3 technical report, Table 2, for DualPipe):
 
 | schedule | bubble | exact for |
 |---|---|---|

@@ -1,4 +1,4 @@
-"""Forward/backward pairing in the pipeline tables (overlap.ep_pairing at pp > 1, issue 31).
+"""Forward/backward pairing in the pipeline tables (overlap.ep_pairing at pp > 1).
 
 Megatron's combined 1F1B with interleaved chunks: in the steady state of the interleaved 1F1B
 table each forward action of one (microbatch, vchunk) runs together with the backward action

@@ -1,6 +1,6 @@
 """The paired V (DualPipeV-class) compute order: zbv's layout (stage s holds chunks s and
 2pp-1-s) with forward/backward pairs in its steady state (overlap.ep_pairing=true with
-parallel.pp_schedule=zbv, issue 47). The executor runs each pair as one overlapped action and
+parallel.pp_schedule=zbv). The executor runs each pair as one overlapped action and
 defers the pair's B's weight GEMMs to the W after it (PipelineExecutor._paired_backward).
 
 Phases of stage s (of pp; m >= 2pp microbatches; per-vchunk microbatch counters; "zb" = the

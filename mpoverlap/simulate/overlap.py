@@ -1,6 +1,7 @@
 """What each overlap mode hides under what: the exposed time of a mode's communication given
-the compute it runs under. Pure functions of durations (seconds), one per rule the code
-implements (DESIGN.md section 4); overlap off exposes every second of communication.
+the compute it runs under. Pure functions of durations (seconds), one per overlap rule as the
+code implements it (docs/check-simulate.md, "How the simulator works"); overlap off exposes
+every second of communication.
 
 - DP: gradient buckets become ready in order while the last microbatch's backward runs and go
   out one after another on the DP stream (`bucket_finish`); what ends after the backward is

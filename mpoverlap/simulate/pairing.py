@@ -1,4 +1,4 @@
-"""Forward/backward pairing of MoE microbatches (`overlap.ep_pairing`, issue 31): what it hides.
+"""Forward/backward pairing of MoE microbatches (`overlap.ep_pairing`): what it hides.
 
 Megatron's combined 1F1B and DeepSeek's DualPipe hide one microbatch's expert all-to-alls
 under another microbatch's computation. mpoverlap/pairing runs it at pp 1 with m
@@ -18,9 +18,9 @@ combined 1F1B order). Forward layer j meets backward layer L-1-j; on the link:
                                   backward; at the pair's end B's embedding backward)
 
 so every exchange of either has a compute of the other beside it, the forward's first
-dispatch included (the older forward-first order left F's first dispatch beside B's head
-backward only and B's last reverse dispatch beside F's head only: at 1:1 it exposed one
-exchange of each per pair, this order none).
+dispatch included (a forward-first order leaves F's first dispatch beside B's head backward
+only and B's last reverse dispatch beside F's head only: at 1:1 it exposes one exchange of
+each per pair, this order none).
 
 `forward_program` / `backward_program` write those programs as mpoverlap/pairing/steps.py and
 tape.py run them, `round_robin` interleaves them (the backward first, as executor.run_pair), and

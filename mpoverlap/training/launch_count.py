@@ -1,7 +1,7 @@
 """Count the operators a block of code dispatches: on a GPU each one is a kernel launch.
 
 On CUDA every aten operator costs a few microseconds of host time, whatever the size of its
-tensors; a step whose host work exceeds its GPU work leaves the GPU idle (DESIGN.md section 5).
+tensors; a step whose host work exceeds its GPU work leaves the GPU idle between kernels.
 On CPU the same loops cost nothing visible, so CPU tests count operators instead: a budget test
 fails when a change adds a loop sized by parameters, elements or experts to the hot path.
 

@@ -25,8 +25,8 @@ class SigtermForwarder:
     Why not the agent's own handling: on SIGTERM the agent raises SignalException in its
     monitor loop and closes its worker processes (SIGTERM, up to 30 s for them to exit, then
     SIGKILL). A function worker that returned its value then waits, inside elastic's wrapper,
-    for the agent to confirm it read every rank's value; a closing agent no longer reads, so
-    every preemption stop took those 30 s and ended in SIGKILL. torchrun's workers are separate
+    for the agent to confirm it read every rank's value; a closing agent does not read, so
+    every preemption stop would take those 30 s and end in SIGKILL. torchrun's workers are separate
     programs that simply exit, and do not wait.
 
     Use with LaunchConfig(signals_to_handle=AGENT_SIGNALS). A second SIGTERM, or one before any

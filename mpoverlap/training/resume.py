@@ -3,8 +3,8 @@ Hugging Face directory (a mixin of `Trainer`, loop.py).
 
 A save writes each rank's own shards at their global offsets (mpoverlap/checkpoint/): no rank
 gathers a tensor it does not hold, whatever the sharding level. A resume reads, at any layout,
-the parts this rank holds; checkpoints written with full tensors (before sharded saves) load
-the same way.
+the parts this rank holds; checkpoints written with full tensors (the format before per-rank
+shards) load the same way.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from mpoverlap.checkpoint import TrainStateChunks
 
 # mpoverlap.checkpoint (torch.distributed.checkpoint's planners) is imported where a save or a load
-# happens, not at start-up. Measured on a 1-step dp 2 launch (2026-11-28): no difference in CPU time
-# within the noise (~12.5 CPU-s both ways; DTensor is imported at start-up anyway).
+# happens, not at start-up: a run that neither saves nor loads never imports it (a start-up cost
+# within the noise of a launch's ~12.5 CPU-s, DTensor being imported at start-up anyway).
 
 # Model fields a checkpoint must agree on to be loadable into this model (every key that changes
 # a parameter's shape or presence, or how the weights are read: RoPE scaling).

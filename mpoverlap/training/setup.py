@@ -69,7 +69,7 @@ def shutdown_distributed() -> None:
     collection here frees the rest of their reference cycles, so every group is destroyed, its
     threads joined, before interpreter exit. Left to interpreter exit, a gloo thread can need
     the GIL of a finalizing interpreter, which ends it inside a destructor: "terminate called
-    without an active exception" (issue 29, finding 8)."""
+    without an active exception"."""
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

@@ -15,13 +15,9 @@ the heaviest-stage estimate (core.py): the step's weight casts and the loss's ba
                   vocabulary-parallel loss (tp > 1) rescales its saved fp32 softmax in place; the
                   compiled loss region writes the gradient in one kernel from the bf16 logits.
 
-Measured against (the H200 report of 2026-11-27, f45a626, with that commit's loss: an fp32
-log-softmax kept, an fp32 exp of it and the bf16 gradient in backward, the Trainer still holding
-the bf16 logits), in GiB: llama3_1b at seq 4096, micro 2: 49.4 peak against 37.4 estimated
-without these terms and 47.5 with them as that code made them (weight casts 2.3, its loss's
-backward 7.8); gpt_125m, micro 8: 11.1 against 6.2 and 9.5; moe_350m: 14.9 against 9.8 and 13.1
-(its expert stacks then cast at each use, not kept). The terms here follow the code as it is now
-(the loss keeps bf16 logits, works in fp32 blocks): llama3_1b 40.7 estimated, not yet measured.
+Both terms follow the code they model; `make gpu-check` puts the estimate beside a GPU's
+measured peak (table "Peak memory against the estimate", docs/gpu-check.md), and
+docs/benchmarks-history.md keeps the H200 measurement these terms were added for.
 """
 from __future__ import annotations
 
