@@ -178,6 +178,10 @@ class TrainConfig:
     # fp32 | bf16: the dtype data-parallel gradient buckets are reduced in (bf16 halves the dp
     # bytes; gradients are still accumulated and applied in fp32).
     grad_reduce_dtype: str = "fp32"
+    # auto | fp32 | bf16 | int8: what ZeRO-3's unit gathers (transient compute copies of the
+    # weights) carry; auto = the compute dtype (bf16 under train.precision=bf16). int8: blockwise,
+    # one fp32 scale per block. Other sharding levels gather the weights themselves: fp32.
+    param_gather_dtype: str = "auto"
     # torch.compile each transformer block's elementwise math (norms and their casts, residual
     # adds, RoPE, SwiGLU/GeLU: models/fused.py), GEMMs, attention and communication left eager;
     # one compile per region and shape. compile_backend: inductor (fused kernels; on CPU it

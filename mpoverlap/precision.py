@@ -171,3 +171,22 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def cast(x: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     return None if x is None else x.to(dtype)
+
+
+def compute_cast_weights(module: torch.nn.Module) -> set:
+    """The parameters the forward reads only through a cast to the compute dtype: the weights of
+    the linears (plain, deferrable and tensor-parallel; the output head's) and the grouped experts'
+    stacks, whose GEMMs run in bf16 under train.precision=bf16. Everything else is read as it is
+    (norm weights, biases, embedding tables, also a tied one, the router): the ZeRO-3 gathers
+    carry those exactly (data_parallel/unit_gather.py)."""
+    from mpoverlap.moe.experts import GroupedExperts
+    from mpoverlap.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from mpoverlap.wgrad.functions import Linear
+
+    out = set()
+    for sub in module.modules():
+        if isinstance(sub, (Linear, ColumnParallelLinear, RowParallelLinear)):
+            out.add(sub.weight)
+        elif isinstance(sub, GroupedExperts):
+            out.update((sub.w_in, sub.w_out))
+    return out

@@ -74,7 +74,8 @@ class DataParallel(ShardedGrads):
                  expert_group_kind: str = "edp", overlap: bool, bucket_mb: float,
                  distributed_optimizer: bool = False, ledger: Optional[CommLedger],
                  reduce_dtype: Optional[torch.dtype] = None, sharding: Optional[str] = None,
-                 units: Optional[list] = None, prefetch: int = 1, reshard_after_forward: bool = True) -> None:
+                 units: Optional[list] = None, prefetch: int = 1, reshard_after_forward: bool = True,
+                 param_gather_dtype: str = "fp32") -> None:
         self.reduce_groups = {"dense": reduce_group(state, group_kind),
                               "expert": reduce_group(state, expert_group_kind)}
         self.module = module
@@ -144,7 +145,7 @@ class DataParallel(ShardedGrads):
             from mpoverlap.data_parallel.fsdp import UnitGatherer
 
             self.gatherer = UnitGatherer(self, units, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                                         overlap=self.overlap)
+                                         overlap=self.overlap, gather_dtype=param_gather_dtype)
 
     def bucket_group(self, bucket_index: int) -> ReduceGroup:
         """The group bucket `bucket_index` is reduced (and sharded) over."""

@@ -31,6 +31,11 @@ parameter memory at the peak of a step).
 A full bucket is a tensor with storage of its own: freeing resizes that storage to 0 and the
 parameters (views of it, also the ones autograd saved for backward) see the memory again once
 it is re-allocated and re-gathered.
+
+What a gather carries (`gather_dtype`, train.param_gather_dtype): its result is a compute copy,
+so the weights the GEMMs cast may travel in bf16 or int8 (data_parallel/unit_gather.py, bucket by
+bucket; everything else in fp32). The shards themselves (the fp32 master weights the optimizer
+updates) are never rounded, and `gather_all` (checkpoints, loads) always gathers them exactly.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ import torch.nn as nn
 from mpoverlap.comm.collectives import all_gather
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.data_parallel.buffer import alloc_storage, free_storage, is_allocated
+from mpoverlap.data_parallel.unit_gather import FORMATS, BucketGather, exact_ranges
 
 
 @dataclass
@@ -70,14 +76,29 @@ class UnitGatherer:
     """The ZeRO-3 gathers of `ddp`'s buckets around the use of each unit (see module doc)."""
 
     def __init__(self, ddp: Any, units: Sequence[UnitSpec], *, prefetch: int,
-                 reshard_after_forward: bool, overlap: bool) -> None:
+                 reshard_after_forward: bool, overlap: bool, gather_dtype: str = "fp32") -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if gather_dtype not in FORMATS:
+            raise ValueError(f"gather_dtype must be one of {FORMATS}, got {gather_dtype!r}")
+        self.gather_dtype = gather_dtype
         self.ddp, self.units = ddp, list(units)
         self.prefetch = prefetch if overlap else 0  # no overlap: each gather waited at once
         self.reshard_after_forward = bool(reshard_after_forward)
         buf = ddp.buffer
         self.sharded = [ddp.bucket_group(b.index).group is not None for b in buf.buckets]
+        # Each sharded bucket's gather in gather_dtype (None: fp32 into the bucket itself).
+        self._formats = [None] * len(buf.buckets)
+        if gather_dtype != "fp32":
+            from mpoverlap.precision import compute_cast_weights
+
+            cast = compute_cast_weights(ddp.module)
+            for b in buf.buckets:
+                if self.sharded[b.index] and b.param_data.dtype == torch.float32:
+                    group = ddp.bucket_group(b.index)
+                    plan = BucketGather(gather_dtype, b.numel, exact_ranges(b, buf.index, cast), size=group.size,
+                                        rank=group.rank, device=b.param_data.device)
+                    self._formats[b.index] = plan if plan.fmt != "fp32" else None
         self.buckets_of: List[List[int]] = []
         for u in self.units:
             ids = sorted({buf.index[p][2] for p in list(u.owned) + list(u.shared) if p in buf.index})
@@ -107,7 +128,7 @@ class UnitGatherer:
         self.held_bytes = self.peak_held_bytes = 0
 
     # ---- per bucket ----------------------------------------------------------------------
-    def _gather(self, b: int) -> None:
+    def _gather(self, b: int, exact: bool = False) -> None:
         if b in self._pending:
             return
         bucket = self.ddp.buffer.buckets[b]
@@ -115,8 +136,12 @@ class UnitGatherer:
             return  # already gathered
         self.held_bytes += bucket.param_data.untyped_storage().nbytes()
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-        self._pending[b] = all_gather(bucket.param_data, self.ddp.param_shard(b), self.ddp.bucket_group(b).group,
-                                      mode="dp", ledger=self.ddp.ledger)
+        full, shard, group = bucket.param_data, self.ddp.param_shard(b), self.ddp.bucket_group(b).group
+        plan = self._formats[b] if not exact else None
+        if plan is None:
+            self._pending[b] = all_gather(full, shard, group, mode="dp", ledger=self.ddp.ledger)
+        else:
+            self._pending[b] = plan.issue(full, shard, group, mode="dp", ledger=self.ddp.ledger)
 
     def _wait(self, b: int) -> None:
         handle = self._pending.pop(b, None)
@@ -227,9 +252,13 @@ class UnitGatherer:
         self.peak_held_bytes = self.held_bytes
 
     def gather_all(self) -> None:
+        """Every bucket gathered exactly (fp32, whatever gather_dtype is): for checkpoints and
+        loads. A rounded compute copy still held is dropped first."""
+        if self.gather_dtype != "fp32":
+            self.reshard_all()
         for b, sharded in enumerate(self.sharded):
             if sharded:
-                self._gather(b)
+                self._gather(b, exact=True)
         self.wait_pending()
 
     @torch.no_grad()

@@ -40,3 +40,18 @@ def shards_grads(level: str) -> bool:
 
 def shards_params(level: str) -> bool:
     return level == "optim_grads_params"
+
+
+GATHER_DTYPES = ("auto", "fp32", "bf16", "int8")
+
+
+def param_gather_dtype(requested: str, precision: str, level: str) -> str:
+    """What ZeRO-3's unit gathers carry (`train.param_gather_dtype`): their result is a transient
+    compute copy of the unit's weights, so `auto` sends the compute dtype (bf16 under
+    train.precision=bf16: the values the forward's own cast makes of the GEMM weights); the
+    owner's fp32 shard, the master weight, is never rounded. Every other level's gather (of the
+    updated shards after the step) writes the weights themselves and stays fp32: `auto` resolves
+    to fp32 there, and the rule dp.param_gather_dtype refuses bf16/int8."""
+    if requested == "auto":
+        return precision if shards_params(level) and precision == "bf16" else "fp32"
+    return requested

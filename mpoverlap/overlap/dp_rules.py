@@ -90,3 +90,28 @@ def _gather_needs_replicas(lo: Layout):
                       {"overlap.dp_param_gather": "true", "parallel.dp": lo.dp, "parallel.cp": lo.cp},
                       "with a single replica nothing is sharded and nothing is gathered",
                       ["overlap.dp_param_gather=auto"])
+
+
+@rule("dp.param_gather_dtype", "dp", ("train.param_gather_dtype", "train.dp_sharding", "parallel.dp", "parallel.cp"),
+      "train.param_gather_dtype=bf16|int8 rounds only ZeRO-3's transient unit gathers, and needs data-parallel "
+      "ranks to gather from")
+def _gather_dtype(lo: Layout):
+    from mpoverlap.overlap.config import expert_grad_ranks
+
+    asked = str(lo.cfg.train.param_gather_dtype)
+    if asked not in ("bf16", "int8"):
+        return
+    level = sharding_level(lo.cfg)
+    keys = {"train.param_gather_dtype": asked, "train.dp_sharding": level}
+    if level != "optim_grads_params":
+        yield Problem("dp.param_gather_dtype", keys,
+                      "below ZeRO-3 the only parameter gather is the one after the optimizer step, whose result "
+                      "is the weights themselves (every rank's copy of them): rounding it would round the model "
+                      "on every rank but the shard's owner; it stays fp32 (or shard the parameters: "
+                      "train.dp_sharding=optim_grads_params)",
+                      ["train.param_gather_dtype=auto"])
+    elif lo.dp_cp == 1 and expert_grad_ranks(lo) == 1:
+        yield Problem("dp.param_gather_dtype", {**keys, "parallel.dp": lo.dp, "parallel.cp": lo.cp},
+                      "with a single data-parallel replica nothing is gathered, so no gather has a dtype "
+                      "(or launch more replicas, e.g. parallel.dp=2)",
+                      ["train.param_gather_dtype=auto"])

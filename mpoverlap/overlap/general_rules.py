@@ -115,6 +115,7 @@ _CHOICES = {
     "train.precision": ("fp32", "bf16"),
     "train.compile_backend": ("inductor", "aot_eager", "eager"),  # = models/fused.py BACKENDS
     "train.grad_reduce_dtype": ("fp32", "bf16"),
+    "train.param_gather_dtype": ("auto", "fp32", "bf16", "int8"),  # = data_parallel.levels.GATHER_DTYPES
     "train.dp_sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
 }
 

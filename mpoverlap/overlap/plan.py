@@ -170,6 +170,15 @@ def _sharding(cfg: Any) -> str:
     zero = {"none": "off", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}.get(level, "?")
     extra = ""
     if level == "optim_grads_params":
+        from mpoverlap.data_parallel.levels import param_gather_dtype
+        from mpoverlap.data_parallel.unit_gather import describe
+
+        asked = str(cfg.train.param_gather_dtype)
+        kind = param_gather_dtype(asked, str(cfg.train.precision), level)
+        why = ", auto: the compute dtype" if asked == "auto" else ""
         extra = (f", reshard_after_forward={str(bool(cfg.train.reshard_after_forward)).lower()}, "
-                 f"prefetch {cfg.overlap.dp_prefetch} unit(s)")
+                 f"prefetch {cfg.overlap.dp_prefetch} unit(s); unit gathers in {describe(kind)}{why}; the fp32 "
+                 "master shards are never rounded")
+    elif level in ("optim", "optim_grads"):
+        extra = "; the parameter gather after the step fp32 (its result is the weights themselves)"
     return f"{level} ({zero}{extra})"

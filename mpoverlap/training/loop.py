@@ -16,7 +16,7 @@ from mpoverlap.comm.ledger import mean_over_ranks
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.data_parallel.fsdp import gpt_units
-from mpoverlap.data_parallel.levels import resolve_level, shards_grads
+from mpoverlap.data_parallel.levels import param_gather_dtype, resolve_level, shards_grads
 from mpoverlap.models.gpt import flops_per_token, num_parameters
 from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import update_expert_biases
@@ -97,7 +97,8 @@ class Trainer(Resumable):
             bucket_mb=self.overlap.dp_bucket_mb, sharding=self.sharding,
             ledger=self.ledger, reduce_dtype=DTYPES[t.grad_reduce_dtype],
             units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,
-            prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward))
+            prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward),
+            param_gather_dtype=param_gather_dtype(t.param_gather_dtype, t.precision, self.sharding))
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,

@@ -117,6 +117,26 @@ def layer_params(cfg: Any, lo: Layout, i: int) -> tuple:
             m.num_experts // lo.ep * mlp_mult(m) * H * expert_ffn(m) // etp_size(cfg))
 
 
+def read_as_is_params(cfg: Any, lo: Layout, stage: int) -> int:
+    """Parameters of one rank of `stage` that the forward reads without a cast to the compute
+    dtype (precision.compute_cast_weights: all but the GEMM weights): the norms, the qkv bias,
+    the routers, the embedding (and the last stage's tied copy) and the final norm."""
+    m = cfg.model
+    H, tp = m.hidden_size, lo.tp
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    total = 0
+    for i in stage_layers(cfg, lo, stage):
+        total += 2 * norm_params(m) + (2 * head_dim_of(m) if m.qk_norm else 0)
+        total += sum(qkv_rows(m)) // tp if m.qkv_bias else 0
+        total += moe_dense_unsplit(m) if is_moe_layer(m, i) else 0
+    first, last = stage == 0, stage == head_stage(cfg, lo)
+    if first or (last and m.tie_embeddings):
+        total += V * H // tp
+    if last:
+        total += norm_params(m)
+    return total
+
+
 def moe_dense_unsplit(m: Any) -> int:
     """The router of one MoE layer (replicated over TP)."""
     return m.hidden_size * m.num_experts

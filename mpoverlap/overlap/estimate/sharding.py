@@ -33,7 +33,7 @@ from typing import Any, Dict, List
 
 from mpoverlap.models.init import padded_vocab_size
 from mpoverlap.overlap.estimate.params import (chunk_layout_of, etp_size, head_stage, layer_params,
-                                               norm_params, stage_layers)
+                                               norm_params, read_as_is_params, stage_layers)
 from mpoverlap.overlap.layout import Layout
 
 BYTES = 4
@@ -118,6 +118,13 @@ def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[s
             "gathered": gathered}
 
 
+def unit_gather_format(cfg: Any, level: str) -> str:
+    """train.param_gather_dtype as the trainer resolves it (data_parallel/levels.py)."""
+    from mpoverlap.data_parallel.levels import param_gather_dtype
+
+    return param_gather_dtype(str(cfg.train.param_gather_dtype), str(cfg.train.precision), level)
+
+
 def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: int, stage: int = 0) -> list:
     """The dp collectives per step of a rank of `stage` holding `params` ((mode, op, buffer
     bytes, group size) tuples, as comm.comm_ops lists them)."""
@@ -138,9 +145,16 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: in
         if level != "optim_grads_params":
             ops.append(("dp", "all_gather", count * BYTES, n))
             continue
+        # Per gather of the stage's parameters: the GEMM weights in the unit gathers' format, what
+        # the forward reads as it is in fp32 (data_parallel/unit_gather.py; padding left out).
+        from mpoverlap.data_parallel.unit_gather import gather_bytes
+
         resharded = bool(cfg.train.reshard_after_forward)
-        gathers = micro * (2 if resharded else 1) * count
+        exact = min(count, read_as_is_params(cfg, lo, stage)) if dense else 0
+        fmt = unit_gather_format(cfg, level)
+        per_pass = gather_bytes(fmt, count - exact, exact)
+        gathered = micro * (2 if resharded else 1) * per_pass
         if resharded and dense and tied_on_one_chunk(cfg, lo) and stage == 0:
-            gathers += micro * embedding_params(cfg, lo)
-        ops.append(("dp", "all_gather", gathers * BYTES, n))
+            gathered += micro * gather_bytes(fmt, 0, embedding_params(cfg, lo))
+        ops.append(("dp", "all_gather", int(gathered), n))
     return ops
