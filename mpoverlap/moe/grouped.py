@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from mpoverlap.models.activation import swiglu_backward
+from mpoverlap.ops.activation import activate, activation_backward
 from mpoverlap.precision import added_into_grad, compute_dtype, no_autocast, step_cast
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,19 +120,6 @@ def grouped_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch
                                                                          ).view(L, a.shape[1], g.shape[1])
 
 
-def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(h)
-
-
-def _activation_backward(grad_a: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "swiglu":  # both halves written into one gradient (no cat), silu recomputed
-        return swiglu_backward(grad_a, h)
-    return torch.ops.aten.gelu_backward(grad_a, h)
-
-
 class _WeightGrad:
     """A deferred grouped weight gradient: called, returns dW [L, out, in] = (g_l^T a_l)."""
 
@@ -161,7 +148,7 @@ class GroupedMLPFn(torch.autograd.Function):
         x = x.to(dtype)
         with no_autocast(x):
             h = grouped_mm(x, step_cast(w_in, dtype).transpose(1, 2), offs)  # [N, W]
-            y = grouped_mm(_activate(h, activation), step_cast(w_out, dtype).transpose(1, 2), offs)  # [N, H]
+            y = grouped_mm(activate(h, activation), step_cast(w_out, dtype).transpose(1, 2), offs)  # [N, H]
             if padded:
                 y = _zero_rows_past(y, offs)
         ctx.save_for_backward(x, h, w_in, w_out, offs)
@@ -174,13 +161,13 @@ class GroupedMLPFn(torch.autograd.Function):
         with no_autocast(x):
             grad_y = grad_y.to(dtype).contiguous()
             grad_a = grouped_mm(grad_y, step_cast(w_out, dtype), offs)  # [N, F]
-            grad_h = _activation_backward(grad_a, h, act)  # [N, W]
+            grad_h = activation_backward(grad_a, h, act)  # [N, W]
             grad_x = grouped_mm(grad_h, step_cast(w_in, dtype), offs)  # [N, H]
             if ctx.padded:
                 grad_x = _zero_rows_past(grad_x, offs)
             grads = []
             for param, g, a in ((ctx.params[0], grad_h, x), (ctx.params[1], grad_y, None)):
-                wg = _WeightGrad(g, a if a is not None else _activate(h, act), offs)
+                wg = _WeightGrad(g, a if a is not None else activate(h, act), offs)
                 if ctx.deferral is not None and ctx.deferral.defer(param, wg):
                     grads.append(None)
                     continue
