@@ -15,8 +15,9 @@ dispatch or combine reads the device. The grouped experts (moe/grouped.py) take 
 local expert as a device tensor (`ChunkCounts.device_counts`), so with one ep rank
 (`host_counts=False`, the default) nothing is read at all: every slot, dropped ones included
 (sorted last), travels as a row, the sizes being T*k, known on the host; the experts give the
-rows past the last expert's zeros. The per-expert loop (model.moe_grouped_gemm=false) splits
-its rows by host integers (`host_counts=True`).
+rows past the last expert's zeros (the grouped GEMMs' own host reads, none but on the looped
+fallback, are moe/grouped_path.py's, named in the plan). The per-expert loop
+(model.moe_grouped_gemm=false) splits its rows by host integers (`host_counts=True`).
 
 AllToAllDispatcher (R = ep_size, L = num_experts / R local experts, T tokens, k = top_k) runs
 one of two exchange strategies, chosen once when it is built:

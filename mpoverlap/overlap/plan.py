@@ -77,7 +77,8 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         n, asked = ep_chunks(cfg), str(cfg.overlap.ep_chunks)
         padded = padded_queue_rows(cfg, lo, _routed_tokens(cfg, lo)) if lo.ep > 1 else 0
         why = (f"a capacity: every expert's queue padded to {padded // cfg.model.num_experts} rows, sent in "
-               f"{min(n, padded // cfg.model.num_experts)} chunk(s) of its positions; no host read" if padded else
+               f"{min(n, padded // cfg.model.num_experts)} chunk(s) of its positions; no host read to size them"
+               if padded else
                f"each MoE layer's tokens dispatched in {n} chunk(s); one host read per MoE layer and microbatch "
                "(the split sizes)" if lo.ep > 1 else
                "ep 1: no token exchange to hide, one chunk" if n == 1 else
