@@ -1,8 +1,8 @@
 """The token exchanges of the MoE dispatchers (moe/dispatcher.py): collectives over the
 expert-parallel group, issued on detached tensors and joined to the autograd graph once waited.
 
-`issue_all_to_all`, `issue_all_gather` and `issue_reduce_scatter` issue one all_to_all / all_gather / reduce_scatter and return
-(handle, link); a `Pending` holds the handles and links of an exchange in flight, and its
+`issue_all_to_all`, `issue_all_gather` and `issue_reduce_scatter` issue one collective each and
+return (handle, link); a `Pending` holds the handles and links of an exchange in flight, and its
 `wait()` makes each received buffer the autograd successor of the sent tensor. With one rank
 (group None) an exchange is the identity: nothing is copied either way, and no handle is made.
 All handles: mode "ep".
