@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mpoverlap.models import loss
-from mpoverlap.models.activation import swiglu, swiglu_reference
+from mpoverlap.ops.activation import swiglu, swiglu_reference
 from mpoverlap.models.rope import apply_rope_qk, rope_reference
 
 BACKENDS = ("inductor", "aot_eager", "eager")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpoverlap.models import fused, layers
-from mpoverlap.models.activation import swiglu
+from mpoverlap.ops.activation import swiglu
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
 from mpoverlap.models.init import head_dim_of, qkv_rows, query_groups
 from mpoverlap.models.rope import apply_rope, apply_rope_qk, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)

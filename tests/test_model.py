@@ -277,10 +277,10 @@ def test_eager_rope_function_is_the_rotation(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_eager_swiglu_function_is_the_formula_bit_for_bit(dtype):
-    """models/activation.py `swiglu` (its backward writes both halves' gradients into the GEMM
+    """mpoverlap/ops/activation.py `swiglu` (its backward writes both halves' gradients into the GEMM
     output's gradient) against silu(gate) * up under autograd: the same operators in the same
     dtypes, so the output and the input gradient are bitwise equal."""
-    from mpoverlap.models.activation import swiglu, swiglu_reference
+    from mpoverlap.ops.activation import swiglu, swiglu_reference
 
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
     grad = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).to(dtype)

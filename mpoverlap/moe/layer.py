@@ -151,8 +151,8 @@ class MoELayer(nn.Module):
             xf, ids, weights = self.expert_tp.gather(xf, ids, weights)
         T = xf.shape[0]
         # Capacity-padded dispatch (all-to-all at ep > 1 with a capacity): one part, the
-        # dispatcher chunks the experts' queue positions instead (capacity_chunks).
-        n = 1 if self.dispatcher.pads_capacity else max(1, min(self.num_chunks, T))
+        # dispatcher chunks the experts' queue positions instead (moe/padded.py).
+        n = self.dispatcher.token_chunks(self.num_chunks, T)
         bounds = [i * T // n for i in range(n + 1)]  # host arithmetic: no tensor read
         return x_own, [(xf[a:b], ids[a:b], weights[a:b]) for a, b in zip(bounds, bounds[1:])], r
 
@@ -180,13 +180,11 @@ class MoELayer(nn.Module):
 
         # Every chunk's token counts in one exchange and one host read (they size the token
         # exchanges and the experts' row blocks); nothing else in the layer reads the device.
-        # With a capacity at ep > 1 the sizes are known on the host: no exchange, no read.
-        if d.pads_capacity:
-            counts = d.capacity_chunks(parts[0][0], r, self.num_chunks)
-            parts = parts * len(counts)
-        else:  # one chunk of this rank's own tokens: the router counted its slots already
-            own = len(parts) == 1 and self.expert_tp is None
-            counts = d.exchange_counts([ids for _, ids, _ in parts], r.stats["tokens_per_expert"] if own else None)
+        # With a capacity at ep > 1 the sizes are known on the host: no exchange, no read (the
+        # one part is then handed to every chunk of queue positions).
+        # One chunk of this rank's own tokens: the router counted its slots already.
+        own = len(parts) == 1 and self.expert_tp is None
+        parts, counts = d.chunk_counts(parts, r, self.num_chunks, r.stats["tokens_per_expert"] if own else None)
 
         def issue(i):
             pending = d.dispatch_start(*parts[i], counts=counts[i])

@@ -1,12 +1,14 @@
 """Capacity-padded all-to-all dispatch: with a capacity C (model.moe_capacity_factor) at ep > 1,
 every expert's queue on every rank is padded to C rows, so the exchanges' sizes are known on the
-host and the MoE layer reads nothing from the device (issue 46; Megatron's pad-to-capacity).
+host and the MoE layer reads nothing from the device (Megatron's pad-to-capacity).
 
 The layer's `overlap.ep_chunks` n split the queue POSITIONS, not the tokens: chunk i sends rows
 [i c, (i + 1) c) of every expert's queue (c = ceil(C / n), C' = n c), E c rows, L c to each rank
 (L local experts of R ranks). Padding rows are zero rows of the tokens' table: an expert maps a
 zero row to zero (no biases; gelu(0) = silu(0) = 0) and no slot reads a padding row's output, so
-padding adds nothing to any output or gradient. The pieces, used by AllToAllDispatcher:
+padding adds nothing to any output or gradient. `PaddedQueues` is the all-to-all dispatcher's
+exchange strategy for this case (moe/dispatcher.py chooses it once, at construction; the uneven
+exchange sized by exchanged counts is `CountedQueues` there); it is built from these pieces:
 
     capacity_chunks(x [T, H], router output, n, E, L, R) -> [PaddedChunk] * n
     to_experts(received [R L c, H])   -> [L R c, H] grouped by local expert (fixed transpose)
@@ -17,7 +19,7 @@ padding adds nothing to any output or gradient. The pieces, used by AllToAllDisp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -80,3 +82,41 @@ def assemble_padded(outputs: List[torch.Tensor], chunks: List[PaddedChunk], num_
     table = torch.cat([table, table.new_zeros((1, table.shape[1]))])
     slots = table.index_select(0, chunks[0].row_of_slot).view(w.shape[0], w.shape[1], -1)
     return (slots * w.to(slots.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+class PaddedQueues:
+    """The all-to-all with every expert's queue padded to the capacity (fixed sizes, no host
+    read): the layer hands it one part of all T tokens, cut into chunks of queue positions.
+    The exchange context of a chunk is {"chunk": PaddedChunk, "in_splits", "out_splits"}."""
+
+    def __init__(self, num_experts: int, num_local: int, ranks: int) -> None:
+        self.num_experts, self.num_local, self.ranks = num_experts, num_local, ranks
+
+    def token_chunks(self, num_chunks: int, num_tokens: int) -> int:
+        """One part of all the tokens: the chunks split the queue positions instead."""
+        return 1
+
+    def chunk_counts(self, parts, r, num_chunks: int, known=None) -> Tuple[list, List[PaddedChunk]]:
+        """(the part once per chunk, each chunk's PaddedChunk): nothing exchanged, nothing read."""
+        chunks = capacity_chunks(parts[0][0], r, num_chunks, self.num_experts, self.num_local, self.ranks)
+        return parts * len(chunks), chunks
+
+    def sort_for_dispatch(self, x_TH, expert_ids_Tk, weights_Tk, chunk: PaddedChunk):
+        """-> (the rows this chunk sends [E * c, H] by expert, padding included, ctx)."""
+        x_perm = chunk.x_ext.index_select(0, chunk.src)
+        return x_perm, dict(chunk=chunk, in_splits=chunk.in_splits, out_splits=chunk.out_splits)
+
+    def received_to_experts(self, recv_NH, ctx):
+        """[src rank][local expert][c] -> ([local expert][src rank][c], R * c rows per expert)."""
+        chunk = ctx["chunk"]
+        return to_experts(recv_NH, chunk, self.ranks, self.num_local), chunk.device_counts
+
+    def experts_to_send(self, expert_out_NH, ctx):
+        return to_senders(expert_out_NH, ctx["chunk"], self.ranks, self.num_local)
+
+    def combined_tokens(self, out_NH, ctx):
+        """This chunk's combined rows [E * c, H], as they are: `assemble` folds them in."""
+        return out_NH
+
+    def assemble(self, outputs: List[torch.Tensor], chunks: List[PaddedChunk]) -> torch.Tensor:
+        return assemble_padded(outputs, chunks, self.num_experts)

@@ -7,7 +7,7 @@ from mpoverlap.models.rope import rope_scaling_of
 from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.overlap.estimate import estimate, render_estimate
 from mpoverlap.overlap.estimate.comm import padded_queue_rows
-from mpoverlap.overlap.estimate.params import etp_size, model_params, shared_expert_ffn
+from mpoverlap.overlap.estimate.params import etp_size, expert_ffn, model_params, shared_expert_ffn
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.placement import placement_lines
 from mpoverlap.overlap.rules import Problem
@@ -59,7 +59,10 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
         f"dp gradients reduced in {t.grad_reduce_dtype}",
     ]
-    lines.append(_attention_line(cfg, lo, device))
+    device_type = _device_type(cfg, lo.world, device)
+    lines.append(_attention_line(cfg, lo, device_type))
+    if cfg.model.num_experts > 0:
+        lines.append(grouped_gemm_line(cfg, lo, device_type))
     try:
         lines.append(render_estimate(estimate(cfg, world_size, conventions=conventions), lo.world))
     except (ZeroDivisionError, TypeError, AttributeError, ValueError, ScheduleError):
@@ -72,11 +75,10 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
     if cfg.model.num_experts > 0:
         n, asked = ep_chunks(cfg), str(cfg.overlap.ep_chunks)
-        tokens = cfg.train.micro_batch_size * cfg.model.seq_length // lo.cp // (
-            lo.tp if (lo.tp > 1 and bool(cfg.parallel.sequence_parallel)) else 1)
-        padded = padded_queue_rows(cfg, lo, tokens) if lo.ep > 1 else 0
+        padded = padded_queue_rows(cfg, lo, _routed_tokens(cfg, lo)) if lo.ep > 1 else 0
         why = (f"a capacity: every expert's queue padded to {padded // cfg.model.num_experts} rows, sent in "
-               f"{min(n, padded // cfg.model.num_experts)} chunk(s) of its positions; no host read" if padded else
+               f"{min(n, padded // cfg.model.num_experts)} chunk(s) of its positions; no host read to size them"
+               if padded else
                f"each MoE layer's tokens dispatched in {n} chunk(s); one host read per MoE layer and microbatch "
                "(the split sizes)" if lo.ep > 1 else
                "ep 1: no token exchange to hide, one chunk" if n == 1 else
@@ -104,7 +106,17 @@ def _attention_shape_line(m: Any) -> str:
     return "  attention shape: " + "; ".join([rope] + [e for e in extra if e])
 
 
-def _attention_line(cfg: Any, lo, device: Optional[str]) -> str:
+def _device_type(cfg: Any, world_size: Optional[int], device: Optional[str]) -> str:
+    """"cuda" | "cpu": the running device ("cuda/nccl" from the trainer), else the one
+    train.device picks on this machine (overlap/cuda_env.py device_choice)."""
+    if device:
+        return device.split("/")[0]
+    from mpoverlap.overlap.cuda_env import device_choice
+
+    return device_choice(str(cfg.train.device), world_size)[0]
+
+
+def _attention_line(cfg: Any, lo, device_type: str) -> str:
     """The attention kernel in use: the CP block kernel (parallel.cp_attention_backend) with
     cp > 1, else what F.scaled_dot_product_attention picks."""
     import torch
@@ -113,12 +125,6 @@ def _attention_line(cfg: Any, lo, device: Optional[str]) -> str:
     from mpoverlap.models.init import head_dim_of, query_groups
 
     m = cfg.model
-    if device:
-        device_type = device.split("/")[0]
-    elif cfg.train.device == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    else:
-        device_type = str(cfg.train.device)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     heads, head_dim = m.num_attention_heads, head_dim_of(m)
     if lo.cp > 1:
@@ -126,6 +132,74 @@ def _attention_line(cfg: Any, lo, device: Optional[str]) -> str:
                 + describe_block_backend(cfg.parallel.cp_attention_backend, device_type, dtype, head_dim)
                 + f" (parallel.cp_attention_backend={cfg.parallel.cp_attention_backend})")
     return f"  attention: {describe_sdpa_backend(device_type, dtype, heads, query_groups(m), head_dim)}"
+
+
+def _routed_tokens(cfg: Any, lo) -> int:
+    """The tokens one rank routes per MoE layer and microbatch: its S/cp positions, S/(cp tp)
+    with sequence parallelism."""
+    sp = lo.tp > 1 and bool(cfg.parallel.sequence_parallel)
+    return cfg.train.micro_batch_size * cfg.model.seq_length // lo.cp // (lo.tp if sp else 1)
+
+
+def _expert_calls(cfg: Any, lo) -> tuple:
+    """(rows of one expert-MLP call, calls per MoE layer and microbatch, whether the rows vary
+    with the routing) on one rank, as moe/layer.py cuts the tokens: every slot a row at ep 1,
+    every expert's queue padded to the capacity with capacity padding, else about T k rows
+    received per chunk at ep > 1."""
+    m = cfg.model
+    sp = lo.tp > 1 and bool(cfg.parallel.sequence_parallel)
+    tokens = _routed_tokens(cfg, lo)
+    padded = padded_queue_rows(cfg, lo, tokens) if lo.ep > 1 else 0
+    if padded:  # the chunks split the queue positions: E c rows received per chunk
+        calls = min(ep_chunks(cfg), padded // m.num_experts)
+        return padded // calls, calls, False
+    if etp_size(cfg) > 1 and sp:  # the experts run on the tp group's tokens
+        tokens *= lo.tp
+    calls = max(1, min(ep_chunks(cfg), tokens))
+    return -(-tokens // calls) * m.moe_top_k, calls, lo.ep > 1
+
+
+def grouped_gemm_line(cfg: Any, lo, device_type: str) -> str:
+    """The grouped-GEMM path the experts take on `device_type` (moe/grouped_path.py `choose`,
+    as the run calls it) and its host reads per MoE layer and microbatch. On CUDA without a
+    visible GPU, the rule for each GPU generation."""
+    import torch
+
+    from mpoverlap.moe import grouped_path as gp
+    from mpoverlap.precision import DTYPES
+
+    m = cfg.model
+    if not getattr(m, "moe_grouped_gemm", True):
+        return ("  grouped GEMM: off (model.moe_grouped_gemm=false): one GEMM per expert, the rows split by host "
+                "counts (one host read per MoE layer and microbatch, every chunk's counts together)")
+    dtype = DTYPES[cfg.train.precision]
+    H, F = m.hidden_size, expert_ffn(m) // etp_size(cfg)
+    W = 2 * F if m.activation == "swiglu" else F
+    rows, calls, varies = _expert_calls(cfg, lo)
+    L = m.num_experts // lo.ep
+
+    def describe(capability) -> str:
+        path = gp.choose(device_type, capability, dtype, aligned=gp.widths_aligned(dtype, H, W, F),
+                         product_bytes=gp.product_bytes(rows, L, H, W, dtype))
+        reads = path.host_reads * calls
+        if not reads:
+            cost = "no host read"
+        else:
+            cost = (f"{reads} host read(s) per MoE layer and microbatch"
+                    + (f" (one a chunk, {calls} chunks)" if calls > 1 else "")
+                    + (", again in a recomputed forward" if m.recompute == "full" else ""))
+        # the dense/looped choice depends on the rows of a call, which vary at ep > 1
+        rows_note = (f"; {rows:,} rows a call expected, the received rows vary with the routing at ep {lo.ep}"
+                     if varies and path.name != gp.KERNEL else "")
+        return f"{path.name} ({path.why}): {cost}{rows_note}"
+
+    if device_type == "cuda" and not torch.cuda.is_available():  # the rule per GPU generation
+        hopper, other = describe((9, 0)), describe((8, 0))
+        if hopper == other:
+            return f"  grouped GEMM on any GPU: {hopper}"
+        return f"  grouped GEMM: on sm90/sm100 {hopper}; on other GPUs (e.g. sm80) {other}"
+    capability = gp.device_capability(torch.device("cuda", 0)) if device_type == "cuda" else None
+    return f"  grouped GEMM: {describe(capability)}"
 
 
 def _param_line(cfg: Any) -> str:
