@@ -11,8 +11,8 @@ forward(x [N, H] grouped by local expert, counts [L]) -> [N, H] in the same orde
 
 GroupedExperts holds the same per-expert tensors stacked, w_in [L, 2F, H] (gelu [L, F, H]) and
 w_out [L, H, F]; each stacked parameter lists its experts' names above in `expert_names`, so
-checkpoints, resharding and the Hugging Face import see today's per-expert names and layouts
-(`per_expert_tensors`, checkpoint/train_state.py): old checkpoints load into either path.
+checkpoints, resharding and the Hugging Face import see the per-expert names and layouts
+(`per_expert_tensors`, checkpoint/train_state.py): a checkpoint of either path loads into either.
 With etp > 1 each rank holds F/etp of every local expert's hidden units and its output is a
 partial sum over the etp group (see expert_tp.py).
 """
