@@ -12,9 +12,10 @@ rank built (one more Trainer, an agreement it never started).
 1. SIGTERM on a rank: its handler (on the main thread) sets the rank's flag and counts the rank
    in `signalled`; the first to count sets every rank's `wake/<r>` (one request), so a signal on
    every rank at once (SLURM) costs one wake-up each. The handler waits for its requests
-   `SIGNAL_TIMEOUT_S` at most (they run on a thread of their own, on a connection of their own:
-   a TCPStore request other than a wait has no timeout), so a store that does not answer holds
-   the training thread that long, and the rank then raises at its next boundary.
+   `SIGNAL_TIMEOUT_S` at most: they run on an idle thread of the agreement (the signaller, on a
+   connection of its own), because a TCPStore request other than a wait has no timeout. So a
+   store that does not answer holds the training thread that long, and the rank then raises at
+   its next boundary.
 2. Each rank's watcher thread sits in a store wait on its own `wake/<rank>`: a blocked socket
    read, no CPU and no traffic while nothing happens. (It has a connection of its own,
    `Store.clone()`: a store object is not for concurrent use from several threads.) Woken, it
@@ -46,6 +47,7 @@ world 1 no store is used: the rank's own flag decides at the next boundary.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import threading
@@ -89,8 +91,11 @@ class StopAgreement:
         self._signal_timeout_s = float(signal_timeout_s)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"mpoverlap/stop/{restart}/{name}/"
-        self._signal_conn: Optional[Any] = None  # the handler's and restore's connection (start)
-        self._signal_hung = False  # a request on it never returned: it is not used again
+        # The signaller's queues (start): the handler's and restore's requests, and their outcomes.
+        # SimpleQueue: its put may be called from a signal handler.
+        self._requests: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._outcomes: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._signal_hung = False  # a request never returned: the signaller is not asked again
         self._lock = threading.RLock()  # RLock: the signal handler may run while this thread holds it
         self._completed = 0
         self._proposed: Optional[int] = None
@@ -135,11 +140,14 @@ class StopAgreement:
         self._closing = False
         self._signalled = False
         self._nbytes = 0
-        self._signal_conn = self._store.clone()
+        self._requests, self._outcomes = queue.SimpleQueue(), queue.SimpleQueue()
         self._signal_hung = False
-        self._threads = [threading.Thread(target=self._watch, args=(self._store.clone(),), daemon=True,
-                                          name="mpoverlap-stop-watch")]
-        self._threads[0].start()
+        signaller = threading.Thread(target=self._signaller, args=(self._store.clone(), self._requests, self._outcomes),
+                                     daemon=True, name="mpoverlap-stop-signal")
+        signaller.start()  # before the watcher: a signal from here on may ask it
+        self._threads = [signaller, threading.Thread(target=self._watch, args=(self._store.clone(),), daemon=True,
+                                                     name="mpoverlap-stop-watch")]
+        self._threads[1].start()
         if self.raised:  # a signal before the watcher existed
             self._wake_everyone()
 
@@ -172,26 +180,32 @@ class StopAgreement:
         self.request()
 
     def _bounded(self, request) -> None:
-        """`request(conn)` on the handler's connection, waited `signal_timeout_s` at most: on a
-        thread of its own, since a store request other than a wait has no timeout (a stopped
-        store host holds it forever); one that never returns is left behind, a daemon."""
+        """`request(conn)` on the signaller's connection, waited `signal_timeout_s` at most (a
+        store request other than a wait has no timeout: a stopped store host holds it forever).
+        Not re-entered: the handler asks nothing while restore() does (`_closing`)."""
         if self._signal_hung:
-            raise TimeoutError("an earlier request on the stop agreement's connection never returned")
-        failed: List[BaseException] = []
-
-        def call() -> None:
-            try:
-                request(self._signal_conn)
-            except BaseException as e:  # raised on the calling thread below
-                failed.append(e)
-        thread = threading.Thread(target=call, daemon=True, name="mpoverlap-stop-signal")
-        thread.start()
-        thread.join(self._signal_timeout_s)
-        if thread.is_alive():
+            raise TimeoutError("an earlier request of the stop agreement's signaller never returned")
+        self._requests.put(request)
+        try:
+            outcome = self._outcomes.get(timeout=self._signal_timeout_s)
+        except queue.Empty:
             self._signal_hung = True
-            raise TimeoutError(f"the store did not answer within {self._signal_timeout_s:g}s")
-        if failed:
-            raise failed[0]
+            raise TimeoutError(f"the store did not answer within {self._signal_timeout_s:g}s") from None
+        if outcome is not None:
+            raise outcome
+
+    @staticmethod
+    def _signaller(conn: Any, requests: "queue.SimpleQueue", outcomes: "queue.SimpleQueue") -> None:
+        """The signaller thread: idle in `requests.get()` until a request (None: the end)."""
+        while True:
+            request = requests.get()
+            if request is None:
+                return
+            try:
+                request(conn)
+                outcomes.put(None)
+            except Exception as e:  # raised on the asking thread (_bounded)
+                outcomes.put(e)
 
     def restore(self) -> None:
         """Back to the previous handler, unless the run stopped for a SIGTERM: then the process
@@ -208,10 +222,10 @@ class StopAgreement:
             self._bounded(lambda conn: conn.compare_set(self._key(f"wake/{self.rank}"), "", "exit"))
         except Exception:  # the store is gone (its host exited) or silent: so is the watcher's wait
             pass
+        self._requests.put(None)  # the signaller's end (one stuck in a request is left, a daemon)
         for thread in self._threads:
-            thread.join(timeout=5.0)
+            thread.join(timeout=0.0 if self._signal_hung and thread.name.endswith("signal") else 5.0)
         self._threads = []
-        self._signal_conn = None
 
     # -- the boundary ---------------------------------------------------------------------------
     def at_boundary(self, step: int) -> bool:
