@@ -194,9 +194,10 @@ time.sleep(600)
 
 
 def test_the_signal_handlers_store_request_is_bounded():
-    """The store's host stops answering (SIGSTOP) after the run started: the signal handler's
-    request returns after its bound (1 s here), not after the connection's own timeout (60 s),
-    and the next boundary raises naming what failed: the handler holds the training thread."""
+    """The store's host stops answering (SIGSTOP) after the run started: the signal handler,
+    which holds the training thread, returns after its bound (1 s here), where a TCPStore
+    request would wait for ever (the connection's 60 s timeout bounds waits only), and the next
+    boundary raises naming what failed."""
     host = subprocess.Popen([sys.executable, "-c", _STORE_HOST, str(port := free_port())], stdout=subprocess.PIPE,
                             text=True)
     stop = None
