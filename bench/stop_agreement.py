@@ -2,9 +2,9 @@
 without it, in the same 2 gloo ranks, in rotating blocks (bench.common.rotating_blocks).
 
   agreement: `Trainer.train_step()` and the boundary check `Trainer.run()` makes after it, as
-             `mpoverlap-train` runs them: the stop agreement's watcher thread running (each
-             rank's watcher in a store wait), its boundary check at each step's end
-             (training/stop_agreement.py)
+             `mpoverlap-train` runs them: the stop agreement's watcher and signaller threads
+             running (each rank's watcher in a store wait, its signaller idle), its boundary
+             check at each step's end (training/stop_agreement.py)
   none:      the same Trainer and the same check on an agreement of no store: no threads, the
              boundary reads the rank's own flag (what a world-1 run does)
 
