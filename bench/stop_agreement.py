@@ -1,11 +1,12 @@
 """What the per-step stop agreement costs: the same dp 2 Trainer stepped with and
 without it, in the same 2 gloo ranks, in rotating blocks (bench.common.rotating_blocks).
 
-  agreement: `Trainer.train_step()` as `mpoverlap-train` runs it: the stop agreement's
-             watcher and signaller threads running (each rank's watcher in a store wait), its
-             boundary check at each step's end (training/stop_agreement.py)
-  none:      the same Trainer with an agreement of no store: no threads, the boundary reads the
-             rank's own flag (what a world-1 run does)
+  agreement: `Trainer.train_step()` and the boundary check `Trainer.run()` makes after it, as
+             `mpoverlap-train` runs them: the stop agreement's watcher and signaller threads
+             running (each rank's watcher in a store wait, its signaller idle), its boundary
+             check at each step's end (training/stop_agreement.py)
+  none:      the same Trainer and the same check on an agreement of no store: no threads, the
+             boundary reads the rank's own flag (what a world-1 run does)
 
 Both sides train the same model on the same data (one Trainer, the sides take turns), so the
 difference between their medians is the agreement's cost; the ledger's `stop` figures (none
@@ -46,8 +47,9 @@ class _Side:
         self.trainer, self.stop = trainer, stop
 
     def train_step(self) -> Dict[str, Any]:
-        self.trainer.stop = self.stop
-        return self.trainer.train_step()
+        out = self.trainer.train_step()
+        self.stop.at_boundary(self.trainer.step)  # what Trainer.run asks after each step
+        return out
 
     def settle(self) -> None:
         pass

@@ -143,7 +143,11 @@ def _launch(cfg: Any, overrides: List[str]) -> int:
     if device == "cpu":
         from mpoverlap.training import fork_server
 
-        start_method = fork_server.start()
+        try:
+            start_method = fork_server.start()
+        except fork_server.ForkServerError as err:  # before any worker exists
+            print(f"mpoverlap: {err}", file=sys.stderr)
+            return EXIT_FAILED
     else:
         start_method = "spawn"
     config = LaunchConfig(

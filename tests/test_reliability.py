@@ -95,16 +95,47 @@ def _wait_for_steps(run_dir, n, timeout=120):
     raise AssertionError("the run did not reach its first steps")
 
 
+def _logged(run_dir):
+    """The last step with a metrics row (0 before the first)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    steps = [r["step"] for r in rows(run_dir)] if path.exists() else []
+    return steps[-1] if steps else 0
+
+
+def _signal_between(run_dir, send):
+    """send() the signal between two reads of the steps logged: (before, after). At
+    train.log_interval=1 rank 0 logs each step before it starts the next, so the ranks had
+    completed c steps with before <= c <= after + 1 when the signal arrived (the row of step
+    after + 1 may be on its way), and the stop agreement stops them after step c + 1 or c + 2
+    (training/stop_agreement.py: every rank proposes the step it is in, or the next where it
+    had finished that one when its watcher woke): before + 1 <= stop step <= after + 3."""
+    before = _logged(run_dir)
+    send()
+    return before, _logged(run_dir)
+
+
+def _stop_step(out):
+    stop = out.index("SIGTERM: saved a checkpoint at step ")
+    return int(out[stop:].split("step ", 1)[1].split(" ", 1)[0]), stop
+
+
+def _gone(pids, since, timeout=90):
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.time() - since < timeout:
+        time.sleep(0.05)
+    return not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
 def test_sigterm_saves_and_resume_continues_the_curve(tmp_path):
-    """SIGTERM to the self-launcher at train.log_interval=1000, soon after the asynchronous save of
-    step 10 completed (how soon depends on the machine's load: the run may have saved step 20 or
-    more by then): the launcher passes the signal on to its workers (SigtermForwarder), every
-    rank stops at the next step boundary (not at the logged step 1000) and saves asynchronously
-    (checkpoint.async_save=true): the stop waits for the write in flight (written, marked
-    COMPLETE, renamed), then every process exits 0 (before issue 48: the agent's 30 s wait, then
-    SIGKILL). The resumed run (synchronous saves) continues the uninterrupted curve."""
+    """SIGTERM to the self-launcher soon after the asynchronous save of step 10 completed (how
+    soon depends on the machine's load: the run may have saved step 20 or more by then): the
+    launcher passes the signal on to its workers (SigtermForwarder), every rank stops after the
+    step the signal arrived in or the next (bounded by the steps logged around the signal,
+    `_signal_between`) and saves asynchronously (checkpoint.async_save=true): the stop waits for
+    the write in flight (written, marked COMPLETE, renamed), then every process exits 0 within
+    the step, the save and the interpreters' teardown. The resumed run (synchronous saves)
+    continues the uninterrupted curve."""
     run = tmp_path / "pre"
-    layout = ["parallel.dp=2", "train.lr_decay_steps=50", "train.log_interval=1000", "checkpoint.interval=10"]
+    layout = ["parallel.dp=2", "train.lr_decay_steps=50", "checkpoint.interval=10"]
     proc = _launch(run, *layout, "checkpoint.async_save=true")
     deadline = time.time() + 120
     while not (run / "checkpoints" / "step_00000010" / "COMPLETE").is_file():
@@ -113,37 +144,121 @@ def test_sigterm_saves_and_resume_continues_the_curve(tmp_path):
     workers = _launched(proc.pid)  # the workers, the fork server and multiprocessing's resource tracker
     assert len(_workers(proc.pid)) == 2, workers
     t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
+    before, after = _signal_between(run, lambda: proc.send_signal(signal.SIGTERM))
     out, err = proc.communicate(timeout=90)
-    while any(Path(f"/proc/{p}").exists() for p in workers) and time.time() - t0 < 90:
-        time.sleep(0.05)
+    gone = _gone(workers, t0)
     took = time.time() - t0
     assert proc.returncode == 0, err[-2000:]
-    stop = out.index("SIGTERM: saved a checkpoint at step ")
-    k = int(out[stop:].split("step ", 1)[1].split(" ", 1)[0])
+    k, stop = _stop_step(out)
+    assert before + 1 <= k <= after + 3, (before, k, after)
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
     # The newest checkpoint.keep (2) of the interval saves and the stop's: no .partial left.
     kept = [f"step_{s:08d}" for s in sorted({*range(10, k, 10), k})][-2:]
     assert saved == kept, (saved, kept)
     assert (run / "checkpoints" / saved[-1] / "COMPLETE").is_file()
-    assert 10 < k < 1000, k  # at a step boundary soon after the signal, not at the logged step 1000
     assert f"staged checkpoint step {k} in" in out[:stop]
     assert f"saved checkpoint {run / 'checkpoints' / saved[-1]} in the background" in out[:stop]
-    assert [r["step"] for r in rows(run)] == [k]  # the stop step is logged
-    step_s = rows(run)[0]["step_time_s"]
+    assert _logged(run) == k  # the stop step is logged, and nothing after it
+    step_s = rows(run)[-1]["step_time_s"]
     save_s = float(out[stop:].split(" in ", 1)[1].split("s ", 1)[0])
-    print(f"\nSIGTERM to the launcher after step 10 (log_interval 1000): checkpoint at step {k}, saved in {save_s:.2f}s; "
-          f"every process gone {took:.1f}s after the signal (step {step_s:.2f}s + save + 5 s = "
-          f"{step_s + save_s + 5:.1f}s; before issue 48 the agent's 30 s wait made it ~32 s)")
-    assert not [p for p in workers if Path(f"/proc/{p}").exists()]
-    # The 30 s wait is gone; the rest is the step, the save and two interpreters' teardown
-    # (torch's alone takes 2-3 s per process on this loaded 2-core machine).
+    print(f"\nSIGTERM to the launcher with steps {before}-{after} logged: checkpoint at step {k}, saved in "
+          f"{save_s:.2f}s; every process gone {took:.1f}s after the signal (step {step_s:.2f}s + save + 5 s = "
+          f"{step_s + save_s + 5:.1f}s)")
+    assert gone
+    # The step, the save and two interpreters' teardown (torch's alone takes 2-3 s per process
+    # on this loaded 2-core machine); the agent's own shutdown (a 30 s grace, then SIGKILL) would
+    # take past this.
     assert took < 20, took
     train(run, *layout, steps=k + 2)
-    reference_run(tmp_path / "ref", [*layout, "train.log_interval=1"], k + 2)
+    reference_run(tmp_path / "ref", layout, k + 2)
     ref = {r["step"]: r["loss"] for r in rows(tmp_path / "ref")}
-    assert [r["step"] for r in rows(run)] == [k, k + 2]  # resumed: train.steps is a logged step
+    assert [r["step"] for r in rows(run)] == list(range(1, k + 3))  # resumed after the stop step
     assert [r["loss"] for r in rows(run)] == [ref[r["step"]] for r in rows(run)]
+
+
+def test_sigterm_to_the_process_group_saves_the_stop_checkpoint(tmp_path):
+    """SIGTERM to every process of the launch at once, as SLURM signals a job step: the launcher
+    (which forwards it), the workers (which get it twice, theirs and the forwarded one) and the
+    fork server the workers were forked from, whose death would kill them by their parent-death
+    signal in the middle of their save. The server ignores it (training/fork_server.py): every
+    rank stops after the step the signal arrived in or the next, saves, and every process exits
+    0."""
+    run = tmp_path / "group"
+    proc = _launch(run, "parallel.dp=2", "train.lr_decay_steps=50", "checkpoint.interval=0")
+    _wait_for_steps(run, 5)
+    launched = _launched(proc.pid)
+    assert len(_workers(proc.pid)) == 2, launched
+    t0 = time.time()
+    before, after = _signal_between(run, lambda: os.killpg(proc.pid, signal.SIGTERM))  # its own session
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-2000:]
+    k, _ = _stop_step(out)
+    assert before + 1 <= k <= after + 3, (before, k, after)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{k:08d}"]
+    assert (run / "checkpoints" / f"step_{k:08d}" / "COMPLETE").is_file()
+    assert _logged(run) == k
+    assert _gone(launched, t0)
+    print(f"\nSIGTERM to the process group with steps {before}-{after} logged: checkpoint at step {k}, every "
+          f"process gone {time.time() - t0:.1f}s after the signal")
+
+
+_START = """
+import sys
+from multiprocessing import forkserver
+from mpoverlap.training import fork_server
+if sys.argv[1:]:
+    fork_server.PRELOAD = sys.argv[1:]
+try:
+    fork_server.start()
+except fork_server.ForkServerError as err:
+    print(f"ForkServerError: {err}")
+    raise SystemExit(3)
+with open(f"/proc/{forkserver._forkserver._forkserver_pid}/status") as status:
+    print(next(line.split()[1] for line in status if line.startswith("SigIgn:")))
+"""
+# A Python start-up hook that makes the fork server's import of training/fork_server.py fail (the
+# server alone has MPOVERLAP_FORK_SERVER in its environment): multiprocessing skips it silently.
+_REFUSE = """
+import os, sys
+class _Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mpoverlap.training.fork_server" and "MPOVERLAP_FORK_SERVER" in os.environ:
+            raise ImportError("refused by the test's sitecustomize")
+sys.meta_path.insert(0, _Refuse())
+"""
+
+
+def _start_server(*preload, env=None):
+    return subprocess.run([sys.executable, "-c", _START, *preload], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **(env or {})))
+
+
+def test_fork_server_start_confirms_that_the_server_ignores_sigterm():
+    """start() returns once a probe forked from the server found SIGTERM, SIGHUP and SIGQUIT
+    ignored, and the server's own signal mask (/proc) says the same."""
+    proc = _start_server("mpoverlap.training.fork_server")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ignored = int(proc.stdout.split()[-1], 16)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        assert ignored >> (sig - 1) & 1, (sig, hex(ignored))
+
+
+@pytest.mark.parametrize("failure", ["not_preloaded", "import_fails"])
+def test_fork_server_start_raises_where_the_server_would_die_of_sigterm(tmp_path, failure):
+    """Where the server did not import training/fork_server.py (its preload does not name it, or
+    the import fails, which multiprocessing's server ignores), start() raises ForkServerError
+    instead of launching workers that a group SIGTERM would kill in their save."""
+    if failure == "not_preloaded":
+        proc = _start_server("mpoverlap.training.no_such_module")
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert "does not ignore SIGTERM, SIGHUP, SIGQUIT" in proc.stdout, proc.stdout
+        assert "could not import: mpoverlap.training.no_such_module" in proc.stdout, proc.stdout
+    else:
+        (tmp_path / "sitecustomize.py").write_text(_REFUSE)
+        proc = _start_server("mpoverlap.training.fork_server", env={"PYTHONPATH": str(tmp_path)})
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert "could not confirm that it ignores SIGTERM" in proc.stdout, proc.stdout
+        assert "refused by the test's sitecustomize" in proc.stderr, proc.stderr
 
 
 KILL_LAYOUT = ["parallel.dp=2", "parallel.pp=2", "checkpoint.interval=2", "train.lr_decay_steps=50"]

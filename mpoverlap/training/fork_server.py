@@ -15,11 +15,19 @@ SIGTERM, SIGHUP and SIGQUIT (SIGINT it ignores by itself) and ends only when the
 (multiprocessing closes its pipe; then the workers get their parent-death signal, as they would
 with the launcher's own death). A worker inherits the ignored dispositions: `restore_signals()`,
 the worker's first call, puts the defaults back.
+
+The server ignores them when it imports this module, the last of `PRELOAD`; and multiprocessing's
+server skips a preloaded module whose import fails without a word. So `start()` does not take
+that on trust: it forks one probe from the server, which reports the dispositions it inherited,
+and raises ForkServerError, naming the modules the server could not import, unless all three
+are ignored.
 """
 from __future__ import annotations
 
 import os
 import signal
+import sys
+from typing import Any, Dict, List
 
 # What a worker needs before its first step (import times on the 2.5 GHz Xeon: torch 2.5 s,
 # torch._dynamo 2.1 s, the trainer and its config 0.3 s, the sharded checkpoint planners 0.1 s).
@@ -27,28 +35,85 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hydra.compose", "hydr
            "mpoverlap.config", "mpoverlap.training.loop", "mpoverlap.training.setup", "mpoverlap.checkpoint",
            "mpoverlap.overlap.rules", __name__]
 
-# Set in the server's environment only (start()), read by this module's import there.
+# Set in the server's environment only (start()) to the launcher's pid: the server's parent. A
+# process forked from the server has the server for its parent, so importing this module there
+# (the probe's, when the server could not) ignores nothing.
 _ENV = "MPOVERLAP_FORK_SERVER"
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# How long start() waits for the probe: the server first imports PRELOAD (~6 s of CPU on a
+# 2.5 GHz core, several times that on a loaded machine).
+_PROBE_S = 180.0
 
-if os.environ.get(_ENV) == "1":  # imported by the fork server itself (PRELOAD's last module)
+_in_server = os.environ.get(_ENV) == str(os.getppid())  # imported by the fork server itself
+if _in_server:
     for _sig in _SIGNALS:
         signal.signal(_sig, signal.SIG_IGN)
 
 
+class ForkServerError(RuntimeError):
+    """The fork server would not outlive a SIGTERM to the process group."""
+
+
 def start() -> str:
-    """Start the fork server (once per launcher process) and return the start method to pass
-    to torch elastic: "forkserver"."""
+    """Start the fork server (once per launcher process), confirm that it ignores SIGTERM,
+    SIGHUP and SIGQUIT (ForkServerError where it does not), and return the start method to
+    pass to torch elastic: "forkserver"."""
     import multiprocessing
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(PRELOAD)
-    os.environ[_ENV] = "1"
+    os.environ[_ENV] = str(os.getpid())
     try:
         forkserver.ensure_running()
     finally:
         del os.environ[_ENV]
+    report = _probe(multiprocessing.get_context("forkserver"))
+    kept = [name for name, ignored in report["ignored"].items() if not ignored]
+    if kept:
+        missing = ", ".join(report["missing"]) or "none"
+        raise ForkServerError(
+            f"the self-launcher's fork server does not ignore {', '.join(kept)}: a signal to the whole process group "
+            "(SLURM signals every process of a job step) would end it and, by their parent-death signal, every "
+            f"worker in the middle of the checkpoint a SIGTERM asks for. Modules of its preload it could not import: "
+            f"{missing}. It ignores them when it imports {__name__}; check that `{sys.executable} -c "
+            f"'import {__name__}'` works, or launch the workers with torchrun (launch/local.sh), which does not "
+            "fork them from this server")
     return "forkserver"
+
+
+def _probe(ctx: Any) -> Dict[str, Any]:
+    """Fork one process from the server and return what `_report` sent back."""
+    reader, writer = ctx.Pipe(duplex=False)
+    probe = ctx.Process(target=_report, args=(writer, list(PRELOAD)), name="mpoverlap-fork-server-probe",
+                        daemon=True)
+    probe.start()
+    writer.close()
+    try:
+        unconfirmed = ("the self-launcher's fork server could not confirm that it ignores SIGTERM, SIGHUP and "
+                       "SIGQUIT, which its workers' checkpoint on a SIGTERM to the process group needs")
+        if not reader.poll(_PROBE_S):
+            raise ForkServerError(f"{unconfirmed}: it forked no probe within {_PROBE_S:g}s (its preload imports "
+                                  f"{', '.join(PRELOAD)} first)")
+        try:
+            return reader.recv()
+        except EOFError:
+            probe.join(5.0)
+            raise ForkServerError(
+                f"{unconfirmed}: its probe exited with code {probe.exitcode} before it reported (its error is above; "
+                f"the probe imports {__name__}, as the server's preload does). Check that `{sys.executable} -c "
+                f"'import {__name__}'` works, or launch the workers with torchrun (launch/local.sh)") from None
+    finally:
+        reader.close()
+        probe.join(5.0)
+
+
+def _report(conn: Any, preload: List[str]) -> None:
+    """In the probe, forked from the server: the dispositions it inherited, and the modules of
+    the preload that the server did not import."""
+    missing = [name for name in preload if name not in sys.modules or (name == __name__ and not _in_server)]
+    conn.send({"ignored": {sig.name: signal.getsignal(sig) is signal.SIG_IGN for sig in _SIGNALS},
+               "missing": missing})
+    conn.close()
 
 
 def restore_signals() -> None:

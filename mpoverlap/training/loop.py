@@ -1,10 +1,14 @@
-"""The training loop run by every worker: build, resume, step, log, evaluate, checkpoint."""
+"""The Trainer every worker builds: the model chunks of its stage, data parallelism, the
+optimizer, the pipeline; one optimizer step (`train_step`) and the validation loss. Its run (the
+steps, their metrics rows, checkpoints and the stop a SIGTERM asks for) is training/run_loop.py;
+its checkpoints training/resume.py.
+"""
 from __future__ import annotations
 
 import math
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -12,16 +16,13 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mpoverlap.comm import CommLedger, all_reduce, wait_all
-from mpoverlap.comm.ledger import mean_over_ranks
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.data_parallel.fsdp import gpt_units
 from mpoverlap.data_parallel.levels import param_gather_dtype, resolve_level, shards_grads
-from mpoverlap.models.gpt import flops_per_token, num_parameters
 from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import update_expert_biases
 from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
-from mpoverlap.overlap.plan import render_plan
 from mpoverlap.pairing import train_paired
 from mpoverlap.parallel import ParallelState
 from mpoverlap.precision import DTYPES, autocast_context, step_cast_cache
@@ -29,23 +30,20 @@ from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwar
 from mpoverlap.training.checkpoint import Checkpointer, checkpoint_io_group
 from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
 from mpoverlap.training.faults import FaultInjector
-from mpoverlap.training.node_failure import lost_peer
 from mpoverlap.training.lr import LRSchedule
-from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflops, moe_summary, peak_memory_bytes,
-                                        throughput)
-from mpoverlap.training.preemption import PREEMPTED_MARKER
-from mpoverlap.training.stop_agreement import StopAgreement
-from mpoverlap.training.profiling import RunProfiler
+from mpoverlap.training.node_failure import lost_peer
+from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks, schedule_layout, tie_spans_stages
 from mpoverlap.training.resume import Resumable
-from mpoverlap.training.pipeline_glue import (PipelineRunner, build_chunks, schedule_layout,
-                                              tie_spans_stages)
+from mpoverlap.training.run_loop import RunLoop
 from mpoverlap.training.setup import init_distributed, shared_run_dir, shutdown_distributed
+from mpoverlap.training.stop_agreement import StopAgreement
+
 
 class NonFiniteError(FloatingPointError):
     """A NaN/Inf gradient with train.on_nonfinite=stop."""
 
 
-class Trainer(Resumable):
+class Trainer(Resumable, RunLoop):
     def __init__(self, cfg: Any, state: ParallelState, run_dir: Path) -> None:
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
         self.is_rank0 = state.rank == 0
@@ -64,10 +62,11 @@ class Trainer(Resumable):
             self.tp = tp_kwargs(state, sequence_parallel=bool(cfg.parallel.sequence_parallel),
                                 overlap=self.overlap.tp.enabled, ledger=self.ledger)
         self.pp = state.grid.pp
-        moe = (moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=ep_chunks(cfg),
-                          ledger=self.ledger, sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
-                          etp=state.grid.etp, capacity_padding=not self.overlap.ep_pairing.enabled)
-               if cfg.model.num_experts > 0 else None)
+        moe = None
+        if cfg.model.num_experts > 0:
+            moe = moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=ep_chunks(cfg), ledger=self.ledger,
+                             sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
+                             etp=state.grid.etp, capacity_padding=not self.overlap.ep_pairing.enabled)
         layout = schedule_layout(cfg.parallel, cfg.parallel.vpp)
         self.chunks = [c.to(state.device) for c in build_chunks(
             cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, layout=layout, tp=self.tp, moe=moe,
@@ -82,8 +81,9 @@ class Trainer(Resumable):
         # Expert weights replicated over tp under SP (etp = 1) get partial gradients over tp too:
         # their buckets reduce over tp x edp inside backward (RankGrid.expert_grad_kind), so they
         # leave the flat SP reduction, which keeps the small replicated rest (norms, routers).
-        expert_kind = (state.grid.expert_grad_kind(bool(cfg.parallel.sequence_parallel)) if self.moe_layers
-                       else "edp")
+        expert_kind = "edp"
+        if self.moe_layers:
+            expert_kind = state.grid.expert_grad_kind(bool(cfg.parallel.sequence_parallel))
         self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()
                                          if not (expert_kind == "tp_edp" and getattr(p, "expert_parallel", False))]
         # The tied embedding lives on the first and the last stage: their gradients add up
@@ -126,13 +126,13 @@ class Trainer(Resumable):
         self.step = 0
         self.faults = FaultInjector(state.rank)
         # SIGTERM on any rank: every rank stops after the same step (agreed through the
-        # rendezvous store once a signal came; nothing per step).
+        # rendezvous store once a signal came; nothing per step). run() asks it at each step
+        # boundary; train_step never does, so a caller stepping the trainer takes no part.
         self.stop = StopAgreement.default(state.world, state.rank, self.ledger, float(t.comm_timeout_s))
         self.pipeline = None
         self.pairing_trace = None  # a list: the paired sub-steps' order (tests/test_pairing.py)
         if self.pp > 1:
-            m = t.global_batch_size // (t.micro_batch_size * self.dp_size)
-            self.pipeline = PipelineRunner(self.chunks, state, cfg, m, self.overlap.pp.enabled, self.ledger,
+            self.pipeline = PipelineRunner(self.chunks, state, cfg, num_micro, self.overlap.pp.enabled, self.ledger,
                                            self.ddp, self._split, self.autocast,
                                            pairing=self.overlap.ep_pairing.enabled)
 
@@ -169,6 +169,8 @@ class Trainer(Resumable):
         self.ledger.close()
 
     def train_step(self) -> Dict[str, Any]:
+        """One optimizer step: {"loss_local", "lr", "grad_norm", "step_time_s", "skipped"}. Whether
+        the run stops after it is the run's question (run_loop.py), not the step's."""
         t = self.cfg.train
         self.faults.at_step(self.step + 1)
         lr = self.schedule(self.step)
@@ -212,7 +214,7 @@ class Trainer(Resumable):
         step_time = time.perf_counter() - t0
         self.step += 1
         return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
-                "skipped": skipped, "stop": self.stop.at_boundary(self.step)}
+                "skipped": skipped}
 
     def _train_microbatches(self, micro) -> torch.Tensor:
         if self.overlap.ep_pairing.enabled:  # pp 1 (pp > 1: the pipeline's paired table)
@@ -242,34 +244,6 @@ class Trainer(Resumable):
             value /= self.state.size("dp_cp")
         return float(value)
 
-    def log_row(self, out: Dict[str, Any], steps_since_log: int) -> Dict[str, Any]:
-        """The metrics row; `comm` holds per-step means over the steps since the last row."""
-        moe = [layer.stats_since() for layer in self.moe_layers]
-        moe_sums = {k: sum(st[k] for st in moe) for k in moe[0]} if moe else None
-        bubble = (self.state.coords.pp, self.pipeline.take_bubble(steps_since_log)) if self.pipeline else None
-        mine = (self.ledger.reset(per=steps_since_log), peak_memory_bytes(self.state.device), moe_sums, bubble)
-        gathered: List[Optional[tuple]] = [None] * self.state.world
-        if self.state.world > 1:
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
-        t = self.cfg.train
-        tokens = t.global_batch_size * self.cfg.model.seq_length
-        row = {"step": self.step, "loss": self._mean_over_replicas(out["loss_local"]), "lr": out["lr"],
-               "grad_norm": out["grad_norm"], "step_time_s": out["step_time_s"],
-               "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _, _, _ in gathered]),
-               # Per rank, in rank order: RSS on CPU, max allocated on CUDA.
-               "peak_memory_bytes": [m for _, m, _, _ in gathered]}
-        if self.pipeline is not None:
-            # Per pipeline stage: seconds per step blocked on a receive (mean over the stage's ranks).
-            per_stage = [[b for _, _, _, (s, b) in gathered if s == stage] for stage in range(self.pp)]
-            row["pp_bubble_s"] = [sum(v) / len(v) for v in per_stage]
-        row.update(throughput(flops_per_token(self.cfg.model), tokens, out["step_time_s"], self.state.world,
-                              bf16_peak_tflops(self.state.device)))
-        if self.moe_layers:
-            row["moe"] = moe_summary([s for _, _, s, _ in gathered if s is not None])
-        return row
-
     @torch.no_grad()
     def evaluate(self) -> float:
         self.optimizer.finish_param_sync()
@@ -294,78 +268,6 @@ class Trainer(Resumable):
     def log(self, message: str) -> None:
         if self.is_rank0:
             print(message, flush=True)
-
-    def _stop_for_sigterm(self, losses: List[float]) -> Dict[str, Any]:
-        """Every rank agreed to stop after this step: save it (waiting a save in flight, an
-        asynchronous one too: written, marked COMPLETE and renamed before the return)."""
-        t0 = time.perf_counter()
-        self.save()
-        self.checkpointer.wait()
-        if self.is_rank0:  # for launchers that cannot tell a preemption stop (slurm.sbatch)
-            (self.run_dir / PREEMPTED_MARKER).write_text(f"{self.step}\n")
-        self.log(f"SIGTERM: saved a checkpoint at step {self.step} in {time.perf_counter() - t0:.2f}s and stopped; "
-                 "rerun the same command to continue")
-        return {"steps": self.step, "losses": losses, "preempted": True}
-
-    # ---- the run ----------------------------------------------------------------------
-    def run(self) -> Dict[str, Any]:
-        cfg, t = self.cfg, self.cfg.train
-        # train.profile: trace + comm timeline of a window of steps (inert when off). Built
-        # first so a window past train.steps fails before any step runs.
-        profiler = RunProfiler.from_config(cfg, self.run_dir, self.state.rank, self.ledger, self.state.device,
-                                           coords=self.state.coords)
-        if self.is_rank0:
-            print(render_plan(cfg, self.state.world, num_parameters(self.model),
-                              f"{self.state.device.type}/{self.state.backend}", hosts=list(self.state.hosts)),
-                  flush=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-            (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # a previous run's stop
-        self.maybe_resume()
-        if self.step >= t.steps:
-            self.log(f"nothing to do: the checkpoint is at step {self.step} >= train.steps={t.steps}")
-            return {"steps": self.step, "losses": []}
-        writer = MetricsWriter(self.run_dir, enabled=self.is_rank0, tensorboard=bool(t.tensorboard))
-        progress = Progress(total=t.steps, initial=self.step, enabled=self.is_rank0 and t.progress)
-        losses = []
-        wall0 = time.perf_counter()
-        last_logged = self.step
-        self.stop.install(self.step)
-        try:
-            while self.step < t.steps:
-                profiler.step_begin(self.step + 1)
-                out = self.train_step()
-                profiler.step_end(self.step)
-                if out["skipped"]:
-                    writer.write({"step": self.step, "nonfinite": True, "action": "skipped the update",
-                                  "grad_norm": out["grad_norm"]})
-                    progress.log(f"step {self.step}: non-finite gradient (norm {out['grad_norm']}), update skipped")
-                # A stop (SIGTERM on any rank, agreed by every rank in this step) logs its step too.
-                if self.step % t.log_interval == 0 or self.step == t.steps or out["stop"]:
-                    row = self.log_row(out, self.step - last_logged)
-                    last_logged = self.step
-                    losses.append(row["loss"])
-                    writer.write(row)
-                    progress.update(row)
-                if out["stop"]:
-                    return self._stop_for_sigterm(losses)
-                if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
-                    val = self.evaluate()
-                    writer.write({"step": self.step, "val_loss": val})
-                    progress.log(f"step {self.step}: validation loss {val:.4f}")
-                if cfg.checkpoint.interval and (self.step % cfg.checkpoint.interval == 0 or self.step == t.steps):
-                    self.save()
-            val = self.evaluate()
-            writer.write({"step": self.step, "val_loss": val})
-            self.checkpointer.wait()
-        finally:
-            self.checkpointer.wait(raise_error=False)  # never leave a thread writing behind an error
-            profiler.close()
-            self.stop.restore()
-            progress.close()
-            writer.close()
-        self.log(f"done: {self.step} steps in {time.perf_counter() - wall0:.1f}s, validation loss {val:.4f}; "
-                 f"metrics in {self.run_dir / 'metrics.jsonl'}")
-        return {"steps": self.step, "losses": losses, "val_loss": val}
 
 
 def run_worker(cfg: Any) -> Dict[str, Any]:
