@@ -235,6 +235,24 @@ def test_compile_environment_rule(monkeypatch):
     assert found and "does not support this Python" in found[0].render()
 
 
+def test_compile_environment_asks_for_the_compiler_inductor_runs(monkeypatch):
+    """Inductor on CPU runs $CXX, else g++: a machine with only clang++ (or c++) on PATH cannot
+    build its kernels, and the rule says so before any worker starts."""
+    import shutil
+
+    monkeypatch.delenv("CXX", raising=False)
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: real(name) if name in ("clang++", "c++", "cc") else None)
+    found = [p for p in validate(compose(["train.compile=true", "train.device=cpu"])) if p.rule == "compile.environment"]
+    assert found and "g++" in found[0].render()
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "c++"))  # $CXX=c++ when inductor's config was read
+    if real("c++"):
+        assert not [p for p in validate(compose(["train.compile=true", "train.device=cpu"]))
+                    if p.rule == "compile.environment"]
+
+
 def test_compile_environment_follows_the_launchers_device_choice(monkeypatch):
     """train.device=auto with more ranks on this machine than GPUs runs on CPU (gloo): inductor
     then needs the C++ compiler, not CUDA's C compiler, and the rule asks for that one."""

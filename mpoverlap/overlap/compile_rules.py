@@ -20,8 +20,14 @@ from mpoverlap.overlap.rules import Problem, rule
 
 
 def cxx_compiler() -> str:
-    """The C++ compiler inductor would run on CPU ($CXX, else c++, g++, clang++ on PATH), or ''."""
-    return _first(os.environ.get("CXX", ""), "c++", "g++", "clang++")
+    """The C++ compiler inductor would run on CPU, or '': the one its own search names
+    (torch._inductor.config.cpp.cxx: $CXX, else g++), found on PATH."""
+    from torch._inductor import config as inductor_config
+
+    names = inductor_config.cpp.cxx
+    if not isinstance(names, (list, tuple)):
+        names = (names,)
+    return _first(*(name for name in names if name))
 
 
 def c_compiler() -> str:
@@ -58,7 +64,7 @@ def _environment(lo: Layout):
         # this machine than GPUs), so the compiler asked for is the one the run will need.
         cpu = device_choice(str(t.device), lo.world)[0] == "cpu"
         if not (cxx_compiler() if cpu else c_compiler()):
-            what = ("builds its CPU kernels with a C++ compiler and none was found ($CXX, c++, g++, clang++)" if cpu
+            what = ("builds its CPU kernels with a C++ compiler and none was found ($CXX, else g++)" if cpu
                     else "runs Triton on CUDA, which builds its kernel launcher with a C compiler, and none was "
                          "found ($CC, cc, gcc, clang)")
             yield Problem("compile.environment", {**keys, "train.device": t.device},
