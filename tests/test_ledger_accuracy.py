@@ -174,7 +174,8 @@ def test_ledger_counts_ops_and_bytes(measured):
 
 def _fake(mode, issued, completed, blocked, nbytes=4):
     """A waited handle whose blocked span ends at its completion (as CommHandle.wait sets it)."""
-    return SimpleNamespace(mode=mode, op="x", nbytes=nbytes, issued_at=issued, completed_at=completed,
+    return SimpleNamespace(mode=mode, op="x", nbytes=nbytes, link_bytes=nbytes // 2, issued_at=issued,
+                           completed_at=completed,
                            blocked_s=blocked, wait_began_at=completed - blocked, wait_ended_at=completed, post_span=None,
                            uses_cuda_events=False)
 
@@ -187,7 +188,8 @@ def test_ledger_arithmetic_without_processes():
               _fake("tp", 2.0, 4.0, 2.0), _fake("tp", 3.0, 7.0, 0.0)]:  # overlapping: union 5
         ledger.record(h)
     out = ledger.reset(per=2)
-    assert out["dp"] == {"ops": 1.5, "bytes": 6.0, "time_s": pytest.approx(2.0), "exposed_s": pytest.approx(0.75)}
+    assert out["dp"] == {"ops": 1.5, "bytes": 6.0, "link_bytes": 3.0, "time_s": pytest.approx(2.0),
+                         "exposed_s": pytest.approx(0.75)}
     assert out["tp"]["time_s"] == pytest.approx(2.5) and out["tp"]["exposed_s"] == pytest.approx(1.0)
     assert ledger.summary() == {}
 

@@ -105,8 +105,30 @@ def _collectives(rank, world):
                 "rs_rel": ((shard.float() - exact).norm() / exact.norm()).item(),
                 "ag_equal": torch.equal(gathered, emulate_all_gather(shards, fmt, BLOCK).to(dtype)),
                 "ag_bytes": g.nbytes, "dtype": str(shard.dtype)}
+    out["link"] = _link_bytes(group, ledger, rank, world)
     ledger.close()
     return out
+
+
+def _link_bytes(group, ledger, rank, world):
+    """Each plain collective's link bytes on 3 ranks (a 40-byte buffer a rank, fp32)."""
+    from mpoverlap.comm import all_gather, all_reduce, all_to_all, reduce_scatter, send_recv
+
+    x = torch.ones(10)
+    got = {"all_reduce": all_reduce(x.clone(), group, mode="dp", ledger=ledger).wait(),
+           "reduce_scatter": reduce_scatter(torch.empty(10), torch.ones(30), group, mode="dp", ledger=ledger).wait(),
+           "all_gather": all_gather(torch.empty(30), x, group, mode="dp", ledger=ledger).wait(),
+           "all_to_all": all_to_all(torch.empty(30), torch.ones(30), group, mode="ep", ledger=ledger).wait()}
+    # uneven: rank r keeps r + 1 of its 6 rows, sends the rest
+    splits = [[1, 2, 3], [2, 2, 2], [3, 2, 1]][rank]
+    recv = [[1, 2, 3], [2, 2, 2], [3, 2, 1]]
+    got["all_to_all_uneven"] = all_to_all(torch.empty(sum(r[rank] for r in recv), 4), torch.ones(6, 4), group,
+                                          mode="ep", ledger=ledger, output_split_sizes=[r[rank] for r in recv],
+                                          input_split_sizes=splits).wait()
+    peer_next, peer_prev = (rank + 1) % world, (rank - 1) % world
+    got["send_recv"] = send_recv([(x, peer_next)], [(torch.empty(10), peer_prev)], None, mode="pp",
+                                 ledger=ledger).wait()
+    return {op: (h.nbytes, h.link_bytes) for op, h in got.items()}
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +150,17 @@ def test_quantized_collectives_equal_their_emulation_bit_for_bit(collectives, na
         # close to the exact sum (a sanity bound: int8's half step is <= 0.4% of a block's max,
         # e4m3's 6% of a value; relative to the sum's norm both stay well inside it)
         assert r["rs_rel"] < (0.02 if name == "int8" else 0.06), r
+
+
+def test_link_bytes_follow_each_collective_and_its_group(collectives):
+    """What a rank sends, per handle: a ring all-reduce 2(n-1)/n of its buffer, an all-gather
+    (output) or reduce-scatter (input) (n-1)/n, an all-to-all its send buffer less the slot it
+    keeps, a send/receive pair its send only; the buffer bytes are those the ledger counts."""
+    for rank, r in enumerate(collectives):
+        link = r["link"]
+        assert link["all_reduce"] == (40, 40 * 4 // 3)
+        assert link["reduce_scatter"] == (120, 80) and link["all_gather"] == (120, 80)
+        assert link["all_to_all"] == (120, 80)
+        kept = [1, 2, 1][rank]  # split r of rank r: [1, 2, 3][0], [2, 2, 2][1], [3, 2, 1][2]
+        assert link["all_to_all_uneven"] == (96, (6 - kept) * 16)
+        assert link["send_recv"] == (80, 40)

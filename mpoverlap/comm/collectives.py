@@ -44,6 +44,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def ring_link_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes a rank sends for a collective whose buffer (as the ledger counts it) holds `nbytes`,
+    over `size` ranks, with the ring algorithms NCCL and gloo use: an all-reduce 2(n-1)/n of the
+    buffer, an all-gather (of its output) and a reduce-scatter (of its input) (n-1)/n, an
+    all-to-all with even splits (n-1)/n (its own slot stays home). The estimate's `link` view
+    (overlap/estimate/comm.py `link_factor`) is the same arithmetic."""
+    if size <= 1:
+        return 0
+    if op == "all_reduce":
+        return nbytes * 2 * (size - 1) // size
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return nbytes * (size - 1) // size
+    raise ValueError(f"no ring link figure for {op!r}")
+
+
+def _a2a_link_bytes(input: torch.Tensor, group, input_split_sizes: Optional[List[int]]) -> int:
+    """An all-to-all's send buffer less the slot this rank keeps (its own split)."""
+    size = dist.get_world_size(group)
+    if input_split_sizes is None:
+        return ring_link_bytes("all_to_all", _nbytes(input), size)
+    row = _nbytes(input) // max(1, input.shape[0])
+    return (input.shape[0] - input_split_sizes[dist.get_rank(group)]) * row
+
+
 def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommLedger],
                op=dist.ReduceOp.SUM, on_done=None) -> CommHandle:
     """In-place all-reduce of `tensor` over `group`; `on_done()` runs when the handle is
@@ -54,8 +78,9 @@ def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommL
         with named_range("comm", mode, "all_reduce", cuda=tensor.is_cuda):
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         backend = _backend(group)
+    link = ring_link_bytes("all_reduce", _nbytes(tensor), dist.get_world_size(group)) if work is not None else 0
     return CommHandle(mode, "all_reduce", _nbytes(tensor), [work], ledger, keepalive=tensor, on_done=on_done,
-                      backend=backend, **clock)
+                      backend=backend, link_bytes=link, **clock)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
@@ -69,8 +94,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: st
         backend = _backend(group)
         with named_range("comm", mode, "reduce_scatter", cuda=input.is_cuda):
             work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
+    link = ring_link_bytes("reduce_scatter", _nbytes(input), dist.get_world_size(group)) if work is not None else 0
     return CommHandle(mode, "reduce_scatter", _nbytes(input), [work], ledger, keepalive=(output, input),
-                      backend=backend, **clock)
+                      backend=backend, link_bytes=link, **clock)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
@@ -84,8 +110,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
         backend = _backend(group)
         with named_range("comm", mode, "all_gather", cuda=input.is_cuda):
             work = _all_gather_tensor(output, input, group=group, async_op=True)
+    link = ring_link_bytes("all_gather", _nbytes(output), dist.get_world_size(group)) if work is not None else 0
     return CommHandle(mode, "all_gather", _nbytes(output), [work], ledger, keepalive=(output, input), backend=backend,
-                      on_done=on_done, **clock)
+                      on_done=on_done, link_bytes=link, **clock)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
@@ -101,8 +128,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
         with named_range("comm", mode, "all_to_all", cuda=input.is_cuda):
             work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                           group=group, async_op=True)
+    link = _a2a_link_bytes(input, group, input_split_sizes) if work is not None else 0
     return CommHandle(mode, "all_to_all", _nbytes(input), [work], ledger, keepalive=(output, input), backend=backend,
-                      on_done=on_done, **clock)
+                      on_done=on_done, link_bytes=link, **clock)
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: str,
@@ -117,4 +145,6 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: st
         works = dist.batch_isend_irecv(ops) if ops else []
     backend = _backend(group) if ops else ""
     nbytes = sum(_nbytes(t) for t, _ in sends) + sum(_nbytes(t) for t, _ in recvs)
-    return CommHandle(mode, "send_recv", nbytes, list(works), ledger, keepalive=tensors, backend=backend, **clock)
+    sent = sum(_nbytes(t) for t, _ in sends)  # what leaves this rank; the receives come in
+    return CommHandle(mode, "send_recv", nbytes, list(works), ledger, keepalive=tensors, backend=backend,
+                      link_bytes=sent, **clock)

@@ -93,18 +93,22 @@ class CommHandle:
     __slots__ = (
         "mode", "op", "nbytes", "issued_at", "completed_at", "blocked_s", "_works", "_ledger",
         "_waited", "_on_done", "_lock", "_keepalive", "_cuda_events", "wait_began_at", "wait_ended_at",
-        "_background", "posted_at", "post_span", "site", "carried", "crossed_boundary", "backend",
+        "_background", "posted_at", "post_span", "site", "carried", "crossed_boundary", "backend", "link_bytes",
     )
 
     def __init__(self, mode: str, op: str, nbytes: int, works: List[Any], ledger: Optional["Any"],
                  on_done: Optional[Callable[[], None]] = None, keepalive: Any = None,
-                 issued_at: Optional[float] = None, cuda_start: Any = None, backend: str = "") -> None:
+                 issued_at: Optional[float] = None, cuda_start: Any = None, backend: str = "",
+                 link_bytes: Optional[int] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown comm mode {mode!r}; one of {MODES}")
         self.mode = mode
         self.op = op
         self.backend = backend  # the process group's backend ("gloo", "nccl", ...); "" when nothing was sent
         self.nbytes = int(nbytes)
+        # What this rank's algorithm puts on the link for the buffers (collectives.link_bytes): the
+        # buffer itself when the caller does not say, nothing for a collective of one rank.
+        self.link_bytes = int(nbytes) if link_bytes is None else int(link_bytes)
         self.issued_at = issued_at if issued_at is not None else now()
         # The handle is made right after its collective was posted. On CPU the caller sits in
         # the post while gloo writes what the socket takes at once (a profiled pipeline run

@@ -40,7 +40,7 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-FIELDS = ("ops", "bytes", "time_s", "exposed_s")
+FIELDS = ("ops", "bytes", "link_bytes", "time_s", "exposed_s")
 BACKGROUND_WAITERS = 16
 STRICT_ENV = "MPOVERLAP_STRICT_LEDGER"
 _STACK_FRAMES = 4  # issuing-site frames kept per handle in strict mode (outside comm/)
@@ -143,6 +143,7 @@ class CommLedger:
         row = self._totals[mode]
         row["ops"] += 1
         row["bytes"] += nbytes
+        row["link_bytes"] += nbytes  # a store request: all of it crosses the link
         self._intervals[mode].append((min(start, end), end))
         if blocked is not None and blocked[1] > blocked[0]:
             self._blocked[mode].append((max(blocked[0], min(start, end)), min(blocked[1], end)))
@@ -176,6 +177,7 @@ class CommLedger:
         row = self._totals[handle.mode]
         row["ops"] += 1
         row["bytes"] += handle.nbytes
+        row["link_bytes"] += handle.link_bytes
         end = handle.completed_at if handle.completed_at is not None else handle.issued_at
         self._intervals[handle.mode].append((handle.issued_at, end))
         if handle.wait_began_at is not None and handle.wait_ended_at > handle.wait_began_at:
@@ -184,7 +186,7 @@ class CommLedger:
             self._blocked[handle.mode].append(handle.post_span)
 
     def summary(self, per: int = 1) -> Dict[str, Dict[str, float]]:
-        """{mode: {ops, bytes, time_s, exposed_s}} for the modes that communicated, divided by
+        """{mode: {ops, bytes, link_bytes, time_s, exposed_s}} for the modes that communicated, divided by
         `per` (the number of steps recorded, for per-step figures)."""
         for handle in self._unresolved:
             handle.resolve_timing(block=True)
@@ -196,7 +198,7 @@ class CommLedger:
             # The blocked spans are sub-intervals of the in-flight ones; min() only absorbs
             # the last-bit rounding of summing the two unions differently.
             exposed = min(union_length(self._blocked[mode]), in_flight)
-            out[mode] = {"ops": row["ops"] / per, "bytes": row["bytes"] / per,
+            out[mode] = {"ops": row["ops"] / per, "bytes": row["bytes"] / per, "link_bytes": row["link_bytes"] / per,
                          "time_s": in_flight / per, "exposed_s": exposed / per}
         return out
 
@@ -232,5 +234,6 @@ def mean_over_ranks(summaries: List[Dict[str, Dict[str, float]]]) -> Dict[str, D
         row = {f: sum(s.get(mode, {}).get(f, 0.0) for s in summaries) / n for f in FIELDS}
         row["ops"] = round(row["ops"], 3)
         row["bytes"] = int(round(row["bytes"]))
+        row["link_bytes"] = int(round(row["link_bytes"]))
         out[mode] = row
     return out
