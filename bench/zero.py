@@ -11,6 +11,16 @@ torch's own FSDP2 (`fully_shard`) on the same model and batch, 2 gloo ranks, one
                      the next block in forward and backward, torch.optim.AdamW
   local_no_comm      the bare model, same loop, no communication: the compute-only floor
 
+With `--gathers` the sides are instead what ZeRO-3's unit gathers carry, all under
+train.precision=bf16 (train.param_gather_dtype; the model's width set by --hidden/--heads/--ffn/
+--seq, e.g. the layout whose gathers outlast the compute they hide under):
+
+  gathers_fp32       train.param_gather_dtype=fp32 (every parameter in fp32)
+  gathers_bf16       auto: the GEMM weights in bf16, what the forward reads as it is in fp32
+                     (bitwise the fp32 gathers' losses)
+  gathers_int8       the GEMM weights int8, one fp32 scale per 2,048 elements
+  local_no_comm      the bare model under bf16 autocast, no communication: the floor
+
 Sides are stepped in rotating blocks in the same processes (bench.common.rotating_blocks).
 Per side: median step time (slowest rank), `exposed_vs_floor_ms` = step minus the floor (what
 communication and sharding cost on top of compute), state memory per rank from the buffers'
@@ -20,6 +30,8 @@ the ledger's dp figures and, per op kind, how much of the in-flight time was hid
 Run it inside `bench/netns.sh` (rate-limited loopback), as `make bench` does.
 
     python -m bench.zero [--block 4] [--repeats 4] [--layers 8] [--json F] [--link TEXT]
+    python -m bench.zero --gathers --layers 8 --hidden 256 --heads 8 --ffn 1024 --seq 128 \
+        --micro-batch 2 --global-batch 4
 """
 from __future__ import annotations
 
@@ -34,11 +46,23 @@ from bench.common import (adamw_groups, add_block_args, close_trainers, init_ben
 
 MPO = {"zero3_prefetch": ["overlap.dp=true", "overlap.dp_prefetch=1"],
        "zero3_no_prefetch": ["overlap.dp=true", "overlap.dp_prefetch=0"]}
+GATHERS = {f"gathers_{fmt}": ["overlap.dp=true", f"train.param_gather_dtype={fmt}"] for fmt in ("fp32", "bf16", "int8")}
 SIDES = (*MPO, "torch_fsdp2", "local_no_comm")
 
 
+def _mpo_sides(args) -> Dict[str, List[str]]:
+    return GATHERS if args.gathers else MPO
+
+
 def _base(args) -> List[str]:
-    return ["parallel.dp=2", "train.dp_sharding=optim_grads_params", f"model.num_layers={args.layers}",
+    shape = []
+    for key, value in (("hidden_size", args.hidden), ("num_attention_heads", args.heads),
+                       ("ffn_hidden_size", args.ffn), ("seq_length", args.seq)):
+        if value:
+            shape.append(f"model.{key}={value}")
+    if args.gathers:
+        shape.append("train.precision=bf16")
+    return ["parallel.dp=2", "train.dp_sharding=optim_grads_params", f"model.num_layers={args.layers}", *shape,
             f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
             f"overlap.dp_bucket_mb={args.bucket_mb}", "train.steps=100000", "train.progress=false",
             "checkpoint.interval=0", "checkpoint.resume=none", f"data.max_bytes={args.data_bytes}"]
@@ -113,6 +137,7 @@ class TorchSide:
     def train_step(self) -> None:
         import torch
 
+        from mpoverlap.precision import autocast_context
         from mpoverlap.training.data import global_batch, rank_microbatches
 
         t = self.cfg.train
@@ -120,7 +145,9 @@ class TorchSide:
         micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         for mb in micro:
-            loss = self.model.loss(self.model(mb[:, :-1]), mb[:, 1:]) / len(micro)
+            with autocast_context(t.precision, torch.device("cpu")):  # the Trainer's precision (bf16: --gathers)
+                logits = self.model(mb[:, :-1])
+            loss = self.model.loss(logits, mb[:, 1:]) / len(micro)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip, foreach=True)
         step_with_lr(self.optimizer, self.schedule(self.step))
@@ -155,18 +182,19 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     sides: Dict[str, Any] = {}
     try:
         state = None
-        for name, extra in MPO.items():
+        for name, extra in _mpo_sides(args).items():
             cfg = compose(_base(args) + extra + [f"run.dir={tmp}/{name}"])
             state = state or init_distributed(cfg)
             Path(tmp, name).mkdir(parents=True, exist_ok=True)
             sides[name] = MpoSide(Trainer(cfg, state, Path(tmp) / name))
-        any_trainer = sides["zero3_prefetch"].trainer
+        any_trainer = next(iter(sides.values())).trainer
         notes = {}
-        try:
-            sides["torch_fsdp2"] = TorchSide(any_trainer.cfg, any_trainer.train_data, any_trainer.dp_rank,
-                                             any_trainer.dp_size, shard=True)
-        except Exception as e:  # noqa: BLE001 - reported: FSDP2 may not run on CPU/gloo
-            notes["torch_fsdp2"] = f"fully_shard could not be built on CPU/gloo: {type(e).__name__}: {e}"
+        if not args.gathers:
+            try:
+                sides["torch_fsdp2"] = TorchSide(any_trainer.cfg, any_trainer.train_data, any_trainer.dp_rank,
+                                                 any_trainer.dp_size, shard=True)
+            except Exception as e:  # noqa: BLE001 - reported: FSDP2 may not run on CPU/gloo
+                notes["torch_fsdp2"] = f"fully_shard could not be built on CPU/gloo: {type(e).__name__}: {e}"
         sides["local_no_comm"] = TorchSide(any_trainer.cfg, any_trainer.train_data, any_trainer.dp_rank,
                                            any_trainer.dp_size, shard=False)
         blocks = rotating_blocks(sides, args, log_prefix="zero")
@@ -192,6 +220,7 @@ def summarize(per_rank: List[Dict[str, Any]], order: List[str], notes: Dict[str,
             t_in = sum(e["dp"].get("time_s", 0.0) for e in extras)
             exposed = sum(e["dp"].get("exposed_s", 0.0) for e in extras)
             row["dp_comm"] = {"mib_per_step": sum(e["dp"].get("bytes", 0) for e in extras) / len(extras) / 2**20,
+                              "link_mib_per_step": sum(e["dp"].get("link_bytes", 0) for e in extras) / len(extras) / 2**20,
                               "time_ms_per_step": t_in / len(extras) * 1e3,
                               "exposed_ms_per_step": exposed / len(extras) * 1e3,
                               "exposed_share": exposed / t_in if t_in else 0.0}
@@ -206,6 +235,10 @@ def summarize(per_rank: List[Dict[str, Any]], order: List[str], notes: Dict[str,
     for row in out["variants"].values():
         row["exposed_vs_floor_ms"] = (row["step"]["median_s"] - floor) * 1e3
     v = out["variants"]
+    if "gathers_fp32" in v:  # --gathers: each format's step against the fp32 gathers'
+        base = v["gathers_fp32"]["step"]["median_s"]
+        out["over_fp32_gathers_step"] = {name: row["step"]["median_s"] / base for name, row in v.items()}
+        return out
     if "torch_fsdp2" in v:
         out["zero3_prefetch_over_fsdp2_step"] = v["zero3_prefetch"]["step"]["median_s"] / v["torch_fsdp2"]["step"]["median_s"]
     out["prefetch_over_no_prefetch_step"] = (v["zero3_prefetch"]["step"]["median_s"]
@@ -220,6 +253,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=32, help="over both ranks (default: 2 microbatches per rank)")
     p.add_argument("--data-bytes", type=int, default=2_000_000)
+    p.add_argument("--gathers", action="store_true",
+                   help="compare the unit gathers' formats (fp32, bf16, int8) under bf16 instead of prefetch and FSDP2")
+    for name in ("hidden", "heads", "ffn", "seq"):
+        p.add_argument(f"--{name}", type=int, default=0, help=f"the model's {name} (default: gpt_tiny's)")
 
 
 def run(args) -> Dict[str, Any]:
@@ -249,6 +286,8 @@ def render(results: Dict[str, Any]) -> str:
     res = results.get("zero")
     if not res:
         return ""
+    if "over_fp32_gathers_step" in res:
+        return render_gathers(res)
     lines = [f"ZeRO-3 (train.dp_sharding=optim_grads_params, dp 2) vs torch FSDP2, link: {res.get('link')}",
              "| side | step ms (median) | over compute floor ms | dp in flight ms | dp exposed share | "
              "all-gather hidden | params+grads+optim MiB per rank |",
@@ -267,6 +306,19 @@ def render(results: Dict[str, Any]) -> str:
     for name, note in res.get("notes", {}).items():
         lines.append(f"{name}: {note}")
     lines.append("(FSDP2's state excludes its gathered working set; mpoverlap's params include its peak.)")
+    return "\n".join(lines)
+
+
+def render_gathers(res: Dict[str, Any]) -> str:
+    lines = [f"ZeRO-3 unit gathers by format (train.param_gather_dtype, bf16, dp 2), link: {res.get('link')}",
+             "| side | step ms (median) | / fp32 gathers | over floor ms | dp MiB a step (buffers / link) | "
+             "dp exposed share |", "|---|---|---|---|---|---|"]
+    for name, row in res["variants"].items():
+        dp = row.get("dp_comm", {})
+        mib = (f"{dp['mib_per_step']:.1f} / {dp['link_mib_per_step']:.1f}" if dp else "-")
+        share = f"{dp['exposed_share']:.2f}" if dp else "-"
+        lines.append(f"| {name} | {row['step']['median_s'] * 1e3:.1f} | {res['over_fp32_gathers_step'][name]:.2f} | "
+                     f"{row['exposed_vs_floor_ms']:.1f} | {mib} | {share} |")
     return "\n".join(lines)
 
 

@@ -68,9 +68,14 @@ def test_zero_bench_configurations_validate_and_render():
 
     from bench import zero
 
-    args = SimpleNamespace(layers=8, micro_batch=8, global_batch=32, bucket_mb=4.0, data_bytes=2_000_000)
+    args = SimpleNamespace(layers=8, micro_batch=8, global_batch=32, bucket_mb=4.0, data_bytes=2_000_000,
+                           gathers=False, hidden=0, heads=0, ffn=0, seq=0)
     for extra in zero.MPO.values():
         assert validate(compose(zero._base(args) + extra), 2) == []
+    gathers = SimpleNamespace(**dict(vars(args), gathers=True, hidden=256, heads=8, ffn=1024, seq=128, micro_batch=2,
+                                     global_batch=4))
+    for extra in zero.GATHERS.values():
+        assert validate(compose(zero._base(gathers) + extra), 2) == []
     mem = {"params": 2**20, "grads": 2**19, "optimizer": 2**20}
     ledger = {"dp": {"time_s": 0.02, "exposed_s": 0.005, "bytes": 2**21},
               "ops": {"all_gather": [0.012, 0.004], "reduce_scatter": [0.008, 0.001]}}
@@ -82,6 +87,15 @@ def test_zero_bench_configurations_validate_and_render():
     assert res["zero3_prefetch_over_fsdp2_step"] == 1.0
     text = zero.render({"zero": dict(res, link="test link")})
     assert "torch_fsdp2" in text and "0.67" in text and "test link" in text
+    ledger = dict(ledger, dp=dict(ledger["dp"], link_bytes=2**20))
+    sides = [*zero.GATHERS, "local_no_comm"]
+    blocks = [{"name": name, "times": [0.1, 0.11] if name != "gathers_bf16" else [0.05, 0.055],
+               "extras": [ledger, ledger] if name in zero.GATHERS else [{}, {}]} for name in sides]
+    rank = {"blocks": blocks, "memory": {name: mem for name in sides}}
+    res = zero.summarize([rank, rank], sides, {})
+    assert res["over_fp32_gathers_step"]["gathers_bf16"] == 0.5
+    text = zero.render({"zero": dict(res, link="test link")})
+    assert "gathers_int8" in text and "| 0.50 |" in text and "2.0 / 1.0" in text
 
 
 def test_async_ckpt_bench_configuration_validates_and_renders():
