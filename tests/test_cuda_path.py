@@ -287,6 +287,11 @@ def test_launcher_sets_max_connections_only_for_tp_cp_overlap(monkeypatch, tmp_p
         return lambda args: seen.update(env=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")) or {0: None}
 
     monkeypatch.setattr(launcher_api, "elastic_launch", fake_launch)
+    # The CPU case would start the fork server; the launch is faked, so is the server (this
+    # process may already run the test harness's own, which start() rightly refuses).
+    from mpoverlap.training import fork_server
+
+    monkeypatch.setattr(fork_server, "start", lambda: "forkserver")
     cases = [([], None, None),  # dense dp: nothing to set
              (["parallel.tp=2", "parallel.sequence_parallel=true"], None, "1"),  # TP overlap on
              (["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=false"], None, None),

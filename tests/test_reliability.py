@@ -206,7 +206,9 @@ _START = """
 import sys
 from multiprocessing import forkserver
 from mpoverlap.training import fork_server
-if sys.argv[1:]:
+if sys.argv[1:] == ["earlier"]:  # a server this process started before, with multiprocessing's defaults
+    forkserver.ensure_running()
+elif sys.argv[1:]:
     fork_server.PRELOAD = sys.argv[1:]
 try:
     fork_server.start()
@@ -243,12 +245,17 @@ def test_fork_server_start_confirms_that_the_server_ignores_sigterm():
         assert ignored >> (sig - 1) & 1, (sig, hex(ignored))
 
 
-@pytest.mark.parametrize("failure", ["not_preloaded", "import_fails"])
+@pytest.mark.parametrize("failure", ["not_preloaded", "import_fails", "earlier_server"])
 def test_fork_server_start_raises_where_the_server_would_die_of_sigterm(tmp_path, failure):
-    """Where the server did not import training/fork_server.py (its preload does not name it, or
-    the import fails, which multiprocessing's server ignores), start() raises ForkServerError
+    """Where the server did not import training/fork_server.py (its preload does not name it, the
+    import fails, which multiprocessing's server ignores, or the process already ran a server of
+    its own, which multiprocessing reuses), start() raises ForkServerError
     instead of launching workers that a group SIGTERM would kill in their save."""
-    if failure == "not_preloaded":
+    if failure == "earlier_server":  # multiprocessing reuses a running server as it is
+        proc = _start_server("earlier")
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert "already ran a multiprocessing fork server" in proc.stdout, proc.stdout
+    elif failure == "not_preloaded":
         proc = _start_server("mpoverlap.training.no_such_module")
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert "does not ignore SIGTERM, SIGHUP, SIGQUIT" in proc.stdout, proc.stdout

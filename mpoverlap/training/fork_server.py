@@ -61,6 +61,9 @@ def start() -> str:
     import multiprocessing
     from multiprocessing import forkserver
 
+    # A server this process started before (another library's, a test harness's) is reused by
+    # ensure_running() as it is, without this preload: said in the error below if it fails.
+    earlier = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     multiprocessing.set_forkserver_preload(PRELOAD)
     os.environ[_ENV] = str(os.getpid())
     try:
@@ -71,6 +74,14 @@ def start() -> str:
     kept = [name for name, ignored in report["ignored"].items() if not ignored]
     if kept:
         missing = ", ".join(report["missing"]) or "none"
+        if earlier is not None:
+            raise ForkServerError(
+                f"the self-launcher's fork server does not ignore {', '.join(kept)}: this process already ran a "
+                f"multiprocessing fork server (pid {earlier}) started before mpoverlap's launcher, without its preload, "
+                "and multiprocessing reuses it. A signal to the whole process group would end it and, by their "
+                "parent-death signal, every worker in the middle of the checkpoint a SIGTERM asks for. Call "
+                "mpoverlap-train from a process that has not started a fork server, or launch the workers with "
+                "torchrun (launch/local.sh)")
         raise ForkServerError(
             f"the self-launcher's fork server does not ignore {', '.join(kept)}: a signal to the whole process group "
             "(SLURM signals every process of a job step) would end it and, by their parent-death signal, every "
