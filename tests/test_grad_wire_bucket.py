@@ -2,7 +2,8 @@
 emulation of the same quantization path, bit for bit, over three steps with error feedback on
 and off: plain data parallelism (a quantized reduce-scatter, then a quantized all-gather of the
 reduced shard, both carrying residuals), ZeRO-1 (the reduce-scatter) and ZeRO-2 with two
-microbatches (a reduce-scatter each, the residual carried from one to the next). Every rank's
+microbatches (a reduce-scatter each, the residual carried from one to the next); two cases
+again with overlap.dp=false (each collective waited at its issue: the same numbers). Every rank's
 sent buffers are recorded at the issue; the emulation (comm/quantized.py emulate_*) gets them
 all, keeps every rank's residuals itself and must give each rank's reduced gradient.
 
@@ -27,8 +28,9 @@ from mpoverlap.comm.wire import wire_format  # noqa: E402
 from mpoverlap.data_parallel.grad_wire import GRAD_BLOCK  # noqa: E402
 
 STEPS = 3
-CASES = [(level, fmt, ef) for level in ("none", "optim", "optim_grads") for fmt in ("int8", "fp8")
+CASES = [(level, fmt, ef, True) for level in ("none", "optim", "optim_grads") for fmt in ("int8", "fp8")
          for ef in (True, False)]
+CASES += [("none", "int8", True, False), ("optim_grads", "fp8", True, False)]  # overlap.dp=false: the same
 
 
 def make_model() -> nn.Module:
@@ -42,9 +44,9 @@ def _worker(rank, world):
 
     state = ParallelState.create(RankGrid(dp=world), torch.device("cpu"))
     out = {}
-    for level, fmt, ef in CASES:
+    for level, fmt, ef, overlap in CASES:
         model = make_model()
-        ddp = DataParallel(model, state, group_kind="dp", overlap=True, bucket_mb=0.003, sharding=level,
+        ddp = DataParallel(model, state, group_kind="dp", overlap=overlap, bucket_mb=0.003, sharding=level,
                            ledger=None, grad_wire=fmt, error_feedback=ef,
                            units=None)
         sent = []  # per step: [(bucket, the fp32 buffer handed to the reduce-scatter)]
@@ -71,7 +73,7 @@ def _worker(rank, world):
                     p.mul_(0.9)
         # numpy: the results travel back pickled (a tensor would travel as a shared fd of a
         # process that has exited)
-        out[(level, fmt, ef)] = {"sent": sent, "reduced": reduced,
+        out[(level, fmt, ef, overlap)] = {"sent": sent, "reduced": reduced,
                                  "numel": {b.index: b.numel for b in ddp.buffer.buckets}}
         ddp.close()
     return out
@@ -109,9 +111,9 @@ def emulate(case_runs, level: str, fmt_name: str, ef: bool):
     return out
 
 
-@pytest.mark.parametrize("level,fmt,ef", CASES)
-def test_bucket_equals_its_emulation(ranks, level, fmt, ef):
-    runs = [r[(level, fmt, ef)] for r in ranks]
+@pytest.mark.parametrize("level,fmt,ef,overlap", CASES)
+def test_bucket_equals_its_emulation(ranks, level, fmt, ef, overlap):
+    runs = [r[(level, fmt, ef, overlap)] for r in ranks]
     assert len(runs[0]["numel"]) >= 2 and any(n % GRAD_BLOCK for n in runs[0]["numel"].values())
     want = emulate(runs, level, fmt, ef)
     for step in range(STEPS):
@@ -122,3 +124,27 @@ def test_bucket_equals_its_emulation(ranks, level, fmt, ef):
     if level == "none":
         for b in runs[0]["numel"]:
             assert (runs[0]["reduced"][-1][b] == runs[1]["reduced"][-1][b]).all()
+
+
+def test_error_feedback_keeps_the_accumulated_error_at_one_step():
+    """The property error feedback is for, on the emulation the bucket test holds DataParallel
+    to: sending the same gradient K times, the sum of what arrives differs from K times the
+    gradient by one send's residual with feedback (bounded), and by K times the same rounding
+    without it (growing)."""
+    torch.manual_seed(0)
+    fmt = wire_format("int8")
+    grads = [torch.randn(2 * 700) * (1 + r) for r in range(2)]
+    for ef in (True, False):
+        residuals = [torch.zeros(2 * 700) for _ in range(2)] if ef else None
+        total = [torch.zeros(700) for _ in range(2)]
+        K = 50
+        for _ in range(K):
+            for r, got in enumerate(emulate_reduce_scatter(grads, fmt, GRAD_BLOCK, residuals)):
+                total[r].add_(got)
+        want = sum(grads).view(2, 700)
+        err = max(float((total[r] - K * want[r]).abs().max()) for r in range(2))
+        one_send = max(float(g.abs().max()) for g in grads) / 254 * 2  # two ranks' rounding
+        if ef:
+            assert err <= 1.01 * one_send, (err, one_send)
+        else:
+            assert err > 5 * one_send, (err, one_send)

@@ -143,3 +143,41 @@ def test_resumed_run_continues_exactly(tmp_path):
         est = estimate(compose(over), 2).comm_bytes_per_step["dp"]
         got = full[-1]["comm"]["dp"]["bytes"]
         assert abs(got - est) <= 0.03 * est, (level, got, est)
+
+
+def _residual_mass(rank, world, overrides, steps, save):
+    """Train `steps` (resuming from the run's newest checkpoint) and optionally save; return this
+    rank's residual sum per kind (float64) and the kinds' row counts."""
+    from pathlib import Path
+
+    from mpoverlap.checkpoint.residuals import residual_views
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    cfg = compose([*overrides, "train.device=cpu", f"train.steps={steps}"])
+    trainer = Trainer(cfg, init_distributed(cfg), Path(cfg.run.dir))
+    trainer.maybe_resume()
+    for _ in range(steps - trainer.step):
+        trainer.train_step()
+    if save:
+        trainer.save()
+        trainer.checkpointer.wait()
+    mass = {}
+    for kind, _p, rows, _row, view, _a, _b in residual_views(trainer.ddp, trainer.state.coords.tp, trainer.state.grid.tp):
+        mass[kind] = mass.get(kind, 0.0) + float(view.double().sum())
+    trainer.close()
+    return mass
+
+
+def test_residuals_reshard_on_resume(tmp_path):
+    """Saved at dp 2 (plain data parallelism: both residuals), resumed at dp 4: each new holder
+    gets an even split of the saved rows' sum, so the residual mass the reductions deliver is
+    the saved run's (within fp32 rounding)."""
+    from dist_harness import run_distributed
+
+    base = [*SMALL, "train.grad_reduce_dtype=int8", f"run.dir={tmp_path}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    saved = run_distributed(_residual_mass, 2, [*base, "parallel.dp=2"], 3, True, timeout_s=120)
+    loaded = run_distributed(_residual_mass, 4, [*base, "parallel.dp=4"], 3, False, timeout_s=120)
+    for kind in ("sent", "owned"):
+        want, got = sum(m[kind] for m in saved), sum(m[kind] for m in loaded)
+        assert want != 0 and abs(got - want) <= 1e-5 * sum(abs(m[kind]) for m in saved) + 1e-9, (kind, got, want)

@@ -102,6 +102,6 @@ def for_load(chunks_of, views, saved: Dict[str, object]) -> Tuple[Dict[str, Dict
                 for o, v in chunks:
                     every = torch.zeros((saved_rows, *v.shape), dtype=v.dtype, device=v.device)
                     entry.append(((0, *o), every))
-                    after.append(lambda v=v, every=every: v.copy_(every.sum(0) / rows))
+                    after.append(lambda v=v, every=every, rows=rows: v.copy_(every.sum(0) / rows))
             out.setdefault(kind, {})[name] = ShardedEntry((saved_rows, *shape), entry)
     return out, after
