@@ -165,6 +165,7 @@ def _residual_mass(rank, world, overrides, steps, save):
     mass = {}
     for kind, _p, rows, _row, view, _a, _b in residual_views(trainer.ddp, trainer.state.coords.tp, trainer.state.grid.tp):
         mass[kind] = mass.get(kind, 0.0) + float(view.double().sum())
+    mass["bytes"] = trainer.optimizer.memory_bytes()["grad_residuals"]
     trainer.close()
     return mass
 
@@ -172,7 +173,8 @@ def _residual_mass(rank, world, overrides, steps, save):
 def test_residuals_reshard_on_resume(tmp_path):
     """Saved at dp 2 (plain data parallelism: both residuals), resumed at dp 4: each new holder
     gets an even split of the saved rows' sum, so the residual mass the reductions deliver is
-    the saved run's (within fp32 rounding)."""
+    the saved run's (within fp32 rounding). The residuals' memory is the estimate's (4 bytes a
+    parameter, 4 (1 + 1/dp) under plain data parallelism; 1%: the buckets' padding)."""
     from dist_harness import run_distributed
 
     base = [*SMALL, "train.grad_reduce_dtype=int8", f"run.dir={tmp_path}", f"checkpoint.dir={tmp_path / 'ck'}"]
@@ -181,3 +183,8 @@ def test_residuals_reshard_on_resume(tmp_path):
     for kind in ("sent", "owned"):
         want, got = sum(m[kind] for m in saved), sum(m[kind] for m in loaded)
         assert want != 0 and abs(got - want) <= 1e-5 * sum(abs(m[kind]) for m in saved) + 1e-9, (kind, got, want)
+    for world, per_rank in ((2, saved), (4, loaded)):
+        est = estimate(compose([*base, f"parallel.dp={world}"]), world).memory_bytes["grad_residuals"]
+        n = estimate(compose(base), 1).params
+        assert est == 4 * (n + n // world)
+        assert all(est <= m["bytes"] <= 1.01 * est for m in per_rank), (world, est, [m["bytes"] for m in per_rank])

@@ -98,6 +98,9 @@ class DataParallel(ShardedGrads):
         self.shard_params = shards_params(self.sharding)
         if self.shard_params and units is None:
             raise ValueError("sharding='optim_grads_params' needs `units` (see fsdp.gpt_units)")
+        if grad_wire is not None and reduce_dtype not in (None, torch.float32):
+            raise ValueError(f"a quantized gradient reduction (grad_wire={grad_wire!r}) is fed from the fp32 "
+                             f"buffer; reduce_dtype={reduce_dtype} would round it first")
         self.ledger = ledger
         self.bucket_mb = bucket_mb
         # Reduce-scattered buckets split into equal shards: the distributed optimizer's, and every

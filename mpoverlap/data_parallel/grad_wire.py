@@ -105,9 +105,5 @@ class GradWire:
                                     residual=self.owned.get(b))
 
     def residual_bytes(self) -> int:
+        """The residuals' memory on this rank (DataParallelAdamW.memory_bytes reports it)."""
         return sum(t.numel() * 4 for d in (self.sent, self.owned) for t in d.values())
-
-    def zero_residuals(self) -> None:
-        for d in (self.sent, self.owned):
-            for t in d.values():
-                t.zero_()

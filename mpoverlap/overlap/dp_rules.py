@@ -138,8 +138,9 @@ def _grad_reduce_dtype(lo: Layout):
                       "a bucket's quantization blocks mix the weights replicated over tp (norms, biases) with "
                       "tp-sharded neighbours, so each tp rank would round the replicated weights' gradients "
                       "differently and their copies would drift apart; under sequence parallelism their "
-                      "gradients are summed over tp after the data-parallel reduction, which makes them agree",
-                      ["parallel.sequence_parallel=true", "train.grad_reduce_dtype=bf16"])
+                      "gradients are summed over tp after the data-parallel reduction, which makes them agree "
+                      "(or reduce in bf16, rounded elementwise: train.grad_reduce_dtype=bf16)",
+                      ["parallel.sequence_parallel=true"])
 
 
 @rule("dp.grad_error_feedback", "dp", ("train.grad_error_feedback", "train.grad_reduce_dtype"),
@@ -154,5 +155,5 @@ def _grad_error_feedback(lo: Layout):
     if value == "true" and dtype not in ("fp8", "int8"):
         yield Problem("dp.grad_error_feedback", {"train.grad_error_feedback": True, "train.grad_reduce_dtype": dtype},
                       f"{dtype} gradients are rounded elementwise, not quantized in blocks: there is no residual "
-                      "to carry (error feedback is for fp8|int8)",
-                      ["train.grad_error_feedback=auto", "train.grad_reduce_dtype=int8"])
+                      "to carry (error feedback is for fp8|int8: train.grad_reduce_dtype=int8)",
+                      ["train.grad_error_feedback=auto"])

@@ -118,6 +118,24 @@ def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[s
             "gathered": gathered}
 
 
+def residual_memory(cfg: Any, lo: Layout, n: int, n_exp: int) -> int:
+    """Bytes of gradient error-feedback residuals on a rank holding n parameters (n_exp of them
+    expert weights): fp32 of every reduced bucket, plus under plain data parallelism the owner's
+    residual of its reduced shard (data_parallel/grad_wire.py); 0 without error feedback."""
+    from mpoverlap.data_parallel.grad_wire import error_feedback_on, is_wire
+
+    t = cfg.train
+    try:
+        if not (is_wire(str(t.grad_reduce_dtype)) and error_feedback_on(t.grad_error_feedback, t.grad_reduce_dtype)):
+            return 0
+    except ValueError:  # refused by the rule dp.grad_error_feedback
+        return 0
+    g, g_e = lo.dp * lo.cp, expert_group_size(cfg, lo)
+    dense, expert = (n - n_exp if g > 1 else 0), (n_exp if g_e > 1 else 0)
+    owned = dense // g + expert // g_e if level_of(cfg, lo) == "none" else 0
+    return BYTES * (dense + expert + owned)
+
+
 def unit_gather_format(cfg: Any, level: str) -> str:
     """train.param_gather_dtype as the trainer resolves it (data_parallel/levels.py)."""
     from mpoverlap.data_parallel.levels import param_gather_dtype
