@@ -148,3 +148,22 @@ def test_error_feedback_keeps_the_accumulated_error_at_one_step():
             assert err <= 1.01 * one_send, (err, one_send)
         else:
             assert err > 5 * one_send, (err, one_send)
+
+
+def test_simulate_says_what_each_gradient_format_saves():
+    """`mpoverlap-check --simulate` prints the step under each train.grad_reduce_dtype; on a
+    layout whose dp reduction is exposed, fewer bytes a gradient give a shorter step."""
+    import re
+
+    from mpoverlap.config import compose
+    from mpoverlap.simulate.core import simulate
+    from mpoverlap.simulate.hardware import from_config
+    from mpoverlap.simulate.report import render
+
+    cfg = compose(["parallel.dp=4", "model.num_layers=8", "model.hidden_size=256", "model.num_attention_heads=8",
+                   "model.ffn_hidden_size=1024"])
+    hw = from_config(cfg)
+    line = next(x for x in render(cfg, hw, simulate(cfg, hw), 4).splitlines() if "per format" in x)
+    steps = {f: float(ms) for f, ms in re.findall(r"(fp32|bf16|int8|fp8)(?: \(this run\))? ([\d.]+) ms", line)}
+    assert set(steps) == {"fp32", "bf16", "int8", "fp8"} and "fp32 (this run)" in line
+    assert steps["int8"] < steps["fp32"] and steps["fp8"] < steps["fp32"], line
