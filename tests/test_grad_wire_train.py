@@ -163,7 +163,8 @@ def _residual_mass(rank, world, overrides, steps, save):
         trainer.save()
         trainer.checkpointer.wait()
     mass = {}
-    for kind, _p, rows, _row, view, _a, _b in residual_views(trainer.ddp, trainer.state.coords.tp, trainer.state.grid.tp):
+    state = trainer.state
+    for kind, _p, _rows, _row, view, _a, _b in residual_views(trainer.ddp, state.coords.tp, state.grid.tp):
         mass[kind] = mass.get(kind, 0.0) + float(view.double().sum())
     mass["bytes"] = trainer.optimizer.memory_bytes()["grad_residuals"]
     trainer.close()

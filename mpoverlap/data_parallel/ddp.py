@@ -61,14 +61,14 @@ from mpoverlap.comm.collectives import all_reduce, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.comm.ledger import CommLedger
 from mpoverlap.data_parallel.buffer import ParamAndGradBuffer, build_buffer
-from mpoverlap.data_parallel.grad_wire import GradWire
+from mpoverlap.data_parallel.grad_wire import GradWire, QuantizedBuckets
 from mpoverlap.data_parallel.levels import resolve_level, shards_grads, shards_params
 from mpoverlap.data_parallel.reduce_groups import ReduceGroup, expert_key, reduce_group
 from mpoverlap.data_parallel.sharded_grads import ShardedGrads
 from mpoverlap.parallel.state import ParallelState
 
 
-class DataParallel(ShardedGrads):
+class DataParallel(ShardedGrads, QuantizedBuckets):
     """Wrap `module` for data-parallel training over `state.group(group_kind)` (expert
     weights over `state.group(expert_group_kind)`).
 
@@ -355,28 +355,6 @@ class DataParallel(ShardedGrads):
         self._handles[b] = handle
         if not self.overlap:
             self._complete(b)
-
-    def _issue_wire(self, b: int, rg: ReduceGroup) -> None:
-        """A quantized bucket: its reduce-scatter now; under plain data parallelism the gather of
-        every earlier bucket's reduced shard first (their reduce-scatters had this bucket's share
-        of backward to run under), this bucket's when the next is issued or at the sync."""
-        for prev in list(self._first_hop):
-            self._second_hop(prev)
-        grad = self.buffer.buckets[b].grad_data
-        handle = self.wire.reduce_scatter(b, self._rs_out[b], grad, rg.group, ledger=self.ledger)
-        if self.distributed_optimizer:
-            self._handles[b] = handle
-        else:
-            self._first_hop[b] = self._handles[b] = handle
-        if not self.overlap:
-            self._complete(b)
-
-    def _second_hop(self, b: int) -> None:
-        """Plain DP, quantized: wait bucket b's reduce-scatter, gather its reduced shard into it."""
-        self._first_hop.pop(b).wait()
-        rg = self.bucket_group(b)
-        self._handles[b] = self.wire.all_gather(b, self.buffer.buckets[b].grad_data, self._rs_out[b], rg.group,
-                                                ledger=self.ledger)
 
     def _complete(self, b: int) -> None:
         if b in self._first_hop:

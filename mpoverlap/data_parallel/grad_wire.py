@@ -40,6 +40,7 @@ import torch
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.comm.quantized import quantized_all_gather, quantized_reduce_scatter
 from mpoverlap.comm.wire import FORMATS, packed_bytes, wire_format
+from mpoverlap.data_parallel.reduce_groups import ReduceGroup
 
 GRAD_BLOCK = 512
 ERROR_FEEDBACK = ("auto", "true", "false")
@@ -107,3 +108,30 @@ class GradWire:
     def residual_bytes(self) -> int:
         """The residuals' memory on this rank (DataParallelAdamW.memory_bytes reports it)."""
         return sum(t.numel() * 4 for d in (self.sent, self.owned) for t in d.values())
+
+
+class QuantizedBuckets:
+    """The quantized-bucket methods of DataParallel (a mixin, like sharded_grads.ShardedGrads:
+    they use the wrapper's buffer, groups, handles and `wire`)."""
+
+    def _issue_wire(self, b: int, rg: ReduceGroup) -> None:
+        """A quantized bucket: its reduce-scatter now; under plain data parallelism the gather of
+        every earlier bucket's reduced shard first (their reduce-scatters had this bucket's share
+        of backward to run under), this bucket's when the next is issued or at the sync."""
+        for prev in list(self._first_hop):
+            self._second_hop(prev)
+        grad = self.buffer.buckets[b].grad_data
+        handle = self.wire.reduce_scatter(b, self._rs_out[b], grad, rg.group, ledger=self.ledger)
+        if self.distributed_optimizer:
+            self._handles[b] = handle
+        else:
+            self._first_hop[b] = self._handles[b] = handle
+        if not self.overlap:
+            self._complete(b)
+
+    def _second_hop(self, b: int) -> None:
+        """Plain DP, quantized: wait bucket b's reduce-scatter, gather its reduced shard into it."""
+        self._first_hop.pop(b).wait()
+        rg = self.bucket_group(b)
+        self._handles[b] = self.wire.all_gather(b, self.buffer.buckets[b].grad_data, self._rs_out[b], rg.group,
+                                                ledger=self.ledger)

@@ -163,7 +163,8 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: fl
             continue
         if level == "none":
             if wire:
-                ops += [("dp", "all_to_all", int(count * grad_bytes), n), ("dp", "all_gather", int(count * grad_bytes), n)]
+                hop = int(count * grad_bytes)
+                ops += [("dp", "all_to_all", hop, n), ("dp", "all_gather", hop, n)]
             else:
                 ops.append(("dp", "all_reduce", count * grad_bytes, n))
             continue
