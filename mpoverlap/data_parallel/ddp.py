@@ -372,8 +372,7 @@ class DataParallel(ShardedGrads, QuantizedBuckets):
         if self.distributed_optimizer:
             lo, hi = self.shard_range(b)
             self.buffer.grad_data[lo:hi].copy_(self._rs_out[b])  # ZeRO-1: one flat buffer
-        # (a quantized plain-DP bucket's gather wrote the bucket itself)
-        elif self._send[b] is not None:
+        elif self._send[b] is not None:  # bf16 (a quantized bucket's gather wrote the bucket itself)
             self.buffer.buckets[b].grad_data.copy_(self._send[b])
 
     def _wait_all(self) -> None:

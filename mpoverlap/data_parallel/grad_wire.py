@@ -39,7 +39,7 @@ import torch
 
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.comm.quantized import quantized_all_gather, quantized_reduce_scatter
-from mpoverlap.comm.wire import FORMATS, packed_bytes, wire_format
+from mpoverlap.comm.wire import FORMATS, wire_format
 from mpoverlap.data_parallel.reduce_groups import ReduceGroup
 
 GRAD_BLOCK = 512
@@ -69,11 +69,6 @@ def error_feedback_on(requested, reduce_dtype: str) -> bool:
 def wire_bytes_per_element(block: int = GRAD_BLOCK) -> float:
     """What one gradient element costs on the wire per hop (1 byte, plus 4 a block)."""
     return 1.0 + 4.0 / block
-
-
-def hop_bytes(numel: int, shards: int, block: int = GRAD_BLOCK) -> int:
-    """The buffer one hop carries for a bucket of `numel` elements split in `shards` (exact)."""
-    return shards * packed_bytes(numel // shards, FORMATS["int8"], block)
 
 
 class GradWire:
