@@ -17,8 +17,8 @@ of the single-process fp32-gradient curve L (the same precision), where
   0.089; fp8 e4m3 rounds each element to within 2^-4 of itself in the normal range (3 mantissa
   bits), and below it (|x| < 2^-6 scale, scale = amax / 448) to within 2^-10 scale, at most
   sqrt(512) / (448 * 1024) = 5e-5 of the block's norm: 0.0626;
-- hops = 2 (plain data parallelism's reduce-scatter and gather; the layouts here shard, one hop,
-  but the tp x pp run's second hop is counted too: no layout gets a looser bound than 2 hops);
+- hops = 2: the tp x pp run (plain data parallelism) sends a reduce-scatter and a gather; the
+  ZeRO and MoE layouts send one hop and are held to the same bound;
 - the sum is the reference curve's own movement up to step t, relative: to first order a step's
   loss change scales with its update, and an update computed from a gradient off by a relative
   rho moves the loss by at most ~rho of that step's change (what is lost accumulates, so the
