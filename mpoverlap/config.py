@@ -175,9 +175,13 @@ class TrainConfig:
     # weights, fp32 gradient accumulation and fp32 optimizer state. The default is fp32 on
     # every device, CUDA included: GPU runs ask for train.precision=bf16 explicitly.
     precision: str = "fp32"
-    # fp32 | bf16: the dtype data-parallel gradient buckets are reduced in (bf16 halves the dp
-    # bytes; gradients are still accumulated and applied in fp32).
+    # fp32 | bf16 | fp8 | int8: the dtype data-parallel gradient buckets are reduced in (bf16
+    # halves the dp bytes; fp8 (e4m3) and int8 quantize blockwise, one fp32 scale per 512
+    # elements, and sum in fp32: ~1/4 of them; gradients are still accumulated and applied in fp32).
     grad_reduce_dtype: str = "fp32"
+    # auto | true | false: each rank adds what its quantized gradient send lost to the next send
+    # (fp32 residuals, 4 bytes a parameter, checkpointed); auto = on for fp8/int8.
+    grad_error_feedback: Any = "auto"
     # auto | fp32 | bf16 | int8: what ZeRO-3's unit gathers (transient compute copies of the
     # weights) carry; auto = the compute dtype (bf16 under train.precision=bf16). int8: blockwise,
     # one fp32 scale per block. Other sharding levels gather the weights themselves: fp32.

@@ -25,15 +25,19 @@ Who writes what (each element once, by the rank that holds it; nothing is gather
 
 What each rank reads: the parameters it holds (under ZeRO-3 its shard, otherwise its whole
 tensor-parallel slice, second copies included) and its AdamW pieces' moments.
+
+With gradient error feedback (train.grad_error_feedback) the state also holds each rank's
+residuals, `grad_residual.*` (residuals.py).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from mpoverlap.checkpoint import residuals
 from mpoverlap.checkpoint.boxes import Partition, box_flat_start, flat_range_boxes
 from mpoverlap.checkpoint.sharded import ShardedEntry
 
@@ -110,6 +114,16 @@ class TrainStateChunks:
                 out.setdefault(name, []).append((offsets[1:], view[i]))
                 shapes[name] = full[1:]
 
+    def _chunks_of(self, p: nn.Parameter, flat: torch.Tensor, a: int, b: int) -> Dict[str, tuple]:
+        """{name: (full shape, chunks)} of elements [a, b) of p held in `flat`, placed as p is."""
+        out: Dict[str, Chunks] = {}
+        shapes: Dict[str, tuple] = {}
+        self._add(out, shapes, p, range_chunks(flat, p.shape, partition_of(p, self.tp_rank, self.tp_size), a, b))
+        return {name: (shapes[name], chunks) for name, chunks in out.items()}
+
+    def _residual_views(self) -> list:
+        return residuals.residual_views(self.ddp, self.tp_rank, self.tp_size)
+
     @staticmethod
     def _entries(pieces: Dict[str, Chunks], shapes: Dict[str, tuple]) -> Dict[str, ShardedEntry]:
         return {name: ShardedEntry(shapes[name], chunks) for name, chunks in pieces.items() if chunks}
@@ -140,13 +154,19 @@ class TrainStateChunks:
                     flat = (m[k][lo - pc.lo:hi - pc.lo] if m is not None
                             else torch.zeros(hi - lo, dtype=pc.main.dtype, device=pc.main.device))
                     self._add(optim[k], shapes, p, range_chunks(flat, p.shape, part, lo - start, hi - start))
-        return {"model": self._entries(model, shapes),
-                "optimizer": {"step": self.optimizer.step_count,
-                              **{k: self._entries(optim[k], shapes) for k in MOMENT_KEYS}}}
+        out = {"model": self._entries(model, shapes),
+               "optimizer": {"step": self.optimizer.step_count,
+                             **{k: self._entries(optim[k], shapes) for k in MOMENT_KEYS}}}
+        views = self._residual_views()
+        if views:
+            out[residuals.PREFIX] = residuals.for_save(self._chunks_of, views)
+        return out
 
-    def for_load(self, step: int) -> Dict[str, dict]:
+    def for_load(self, step: int, saved: Optional[dict] = None) -> Dict[str, dict]:
         """The same keys as views to fill in place: the parameters this rank holds and fresh
-        AdamW moments at `step` (the checkpoint's; none at step 0)."""
+        AdamW moments at `step` (the checkpoint's; none at step 0); with error feedback the
+        residuals the checkpoint holds (`saved`: its metadata, {fqn: metadata}). Run
+        `after_load()` once the load filled them."""
         buf = self.ddp.buffer
         model: Dict[str, Chunks] = {}
         shapes: Dict[str, tuple] = {}
@@ -167,5 +187,19 @@ class TrainStateChunks:
             for k in MOMENT_KEYS:
                 self._add(optim[k], shapes, p, range_chunks(
                     m[k], p.shape, partition_of(p, self.tp_rank, self.tp_size), pc.a, pc.b))
-        return {"model": self._entries(model, shapes),
-                "optimizer": {"step": step, **{k: self._entries(optim[k], shapes) for k in MOMENT_KEYS}}}
+        out = {"model": self._entries(model, shapes),
+               "optimizer": {"step": step, **{k: self._entries(optim[k], shapes) for k in MOMENT_KEYS}}}
+        self._after: list = []
+        views = self._residual_views()
+        if views:
+            for view in views:
+                view[4].zero_()  # what the checkpoint does not hold starts at zero
+            entries, self._after = residuals.for_load(self._chunks_of, views, saved or {})
+            if entries:
+                out[residuals.PREFIX] = entries
+        return out
+
+    def after_load(self) -> None:
+        for fix in getattr(self, "_after", []):
+            fix()
+        self._after = []

@@ -18,7 +18,12 @@ over the expert-data-parallel group instead of dp x cp (`reduce_groups.py`).
 Reduction dtype (`train.grad_reduce_dtype`): gradients always accumulate in the fp32 buffer.
 With `reduce_dtype=torch.bfloat16` a bucket is averaged in fp32, copied into a bf16 scratch of
 its own, reduced in bf16 (half the bytes on the wire) and copied back into the fp32 buffer
-when its handle completes; the optimizer still sees fp32 gradients.
+when its handle completes; the optimizer still sees fp32 gradients. With a wire format
+(`grad_wire="int8"|"fp8"`, grad_wire.py) a bucket is averaged in fp32 the same way and
+quantized when it is ready: a quantized reduce-scatter (all levels; every bucket is then padded
+to its group's size), under plain data parallelism followed by a quantized all-gather of the
+reduced shard, issued when the next bucket is (the reduce-scatter had that bucket's backward to
+hide under) or at the latest in `finish_grad_sync()`; error feedback keeps each rank's residuals.
 
 Averaging: every bucket is divided by the dp x cp size right before the SUM collective
 (gloo has no AVG). Buckets are issued strictly in bucket order, so the sequence of
@@ -56,13 +61,14 @@ from mpoverlap.comm.collectives import all_reduce, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.comm.ledger import CommLedger
 from mpoverlap.data_parallel.buffer import ParamAndGradBuffer, build_buffer
+from mpoverlap.data_parallel.grad_wire import GradWire, QuantizedBuckets
 from mpoverlap.data_parallel.levels import resolve_level, shards_grads, shards_params
 from mpoverlap.data_parallel.reduce_groups import ReduceGroup, expert_key, reduce_group
 from mpoverlap.data_parallel.sharded_grads import ShardedGrads
 from mpoverlap.parallel.state import ParallelState
 
 
-class DataParallel(ShardedGrads):
+class DataParallel(ShardedGrads, QuantizedBuckets):
     """Wrap `module` for data-parallel training over `state.group(group_kind)` (expert
     weights over `state.group(expert_group_kind)`).
 
@@ -75,7 +81,8 @@ class DataParallel(ShardedGrads):
                  distributed_optimizer: bool = False, ledger: Optional[CommLedger],
                  reduce_dtype: Optional[torch.dtype] = None, sharding: Optional[str] = None,
                  units: Optional[list] = None, prefetch: int = 1, reshard_after_forward: bool = True,
-                 param_gather_dtype: str = "fp32") -> None:
+                 param_gather_dtype: str = "fp32", grad_wire: Optional[str] = None,
+                 error_feedback: bool = False) -> None:
         self.reduce_groups = {"dense": reduce_group(state, group_kind),
                               "expert": reduce_group(state, expert_group_kind)}
         self.module = module
@@ -91,9 +98,15 @@ class DataParallel(ShardedGrads):
         self.shard_params = shards_params(self.sharding)
         if self.shard_params and units is None:
             raise ValueError("sharding='optim_grads_params' needs `units` (see fsdp.gpt_units)")
+        if grad_wire is not None and reduce_dtype not in (None, torch.float32):
+            raise ValueError(f"a quantized gradient reduction (grad_wire={grad_wire!r}) is fed from the fp32 "
+                             f"buffer; reduce_dtype={reduce_dtype} would round it first")
         self.ledger = ledger
         self.bucket_mb = bucket_mb
-        pad_to = {k: (g.size if self.distributed_optimizer else 1) for k, g in self.reduce_groups.items()}
+        # Reduce-scattered buckets split into equal shards: the distributed optimizer's, and every
+        # quantized one (plain data parallelism reduces it as a reduce-scatter plus an all-gather).
+        splits = self.distributed_optimizer or grad_wire is not None
+        pad_to = {k: (g.size if splits else 1) for k, g in self.reduce_groups.items()}
         unit_of = None
         if self.shard_grads and units is not None:
             from mpoverlap.data_parallel.fsdp import unit_index
@@ -106,6 +119,13 @@ class DataParallel(ShardedGrads):
         self.reduce_dtype = reduce_dtype or self.buffer.buckets[0].grad_data.dtype
         communicates = [self.bucket_group(b.index).group is not None for b in self.buffer.buckets]
         self._communicates = communicates
+        self.wire: Optional[GradWire] = None
+        if grad_wire is not None:
+            self.wire = GradWire(grad_wire, numels=[b.numel for b in self.buffer.buckets],
+                                 sizes=[self.bucket_group(b.index).size if c else None
+                                        for b, c in zip(self.buffer.buckets, communicates)],
+                                 two_hops=not self.distributed_optimizer, error_feedback=error_feedback,
+                                 device=self.buffer.buckets[0].grad_data.device)
         # A lower reduction dtype: each bucket's scratch copy that is sent (None: the buffer's
         # own slice is reduced in place, as in fp32). ZeRO-2/3 allocate theirs per issue.
         self._send = [torch.empty(b.numel, dtype=self.reduce_dtype, device=b.grad_data.device)
@@ -115,7 +135,8 @@ class DataParallel(ShardedGrads):
         # buffer: gloo gives no guarantee for an output that aliases its own input.
         self._rs_out = [torch.empty(b.numel // self.bucket_group(b.index).size, dtype=self.reduce_dtype,
                                     device=b.grad_data.device)
-                        if self.distributed_optimizer and c and not self.shard_grads else None
+                        if (self.distributed_optimizer or self.wire is not None) and c and not self.shard_grads
+                        else None
                         for b, c in zip(self.buffer.buckets, communicates)]
         # Each parameter's gradient view, built once (before ZeRO-2/3 free the full buckets: a
         # view follows its storage when it is re-allocated): the hook of every parameter in every
@@ -127,6 +148,7 @@ class DataParallel(ShardedGrads):
         self._issued = [False] * nb
         self._next = 0  # lowest bucket index not yet issued
         self._handles: Dict[int, CommHandle] = {}
+        self._first_hop: Dict[int, CommHandle] = {}  # plain DP, quantized: reduce-scatters before their gather
         self._synced = False
         self._warned_unused = False
         self.weight_grads = None  # a WeightGradDeferral under a zero-bubble pipeline schedule
@@ -208,6 +230,7 @@ class DataParallel(ShardedGrads):
         self._issued = [False] * len(self._issued)
         self._next = 0
         self._handles.clear()
+        self._first_hop.clear()
         self._synced = False
 
     zero_grad = start_step
@@ -318,6 +341,9 @@ class DataParallel(ShardedGrads):
         rg = self.bucket_group(b)
         if rg.group is None:
             return  # a group of one: nothing to add up
+        if self.wire is not None:
+            self._issue_wire(b, rg)
+            return
         send = bucket.grad_data
         if self._send[b] is not None:
             send = self._send[b]
@@ -331,6 +357,8 @@ class DataParallel(ShardedGrads):
             self._complete(b)
 
     def _complete(self, b: int) -> None:
+        if b in self._first_hop:
+            self._second_hop(b)
         handle = self._handles[b]
         if self.shard_grads:
             del self._handles[b]
@@ -344,7 +372,7 @@ class DataParallel(ShardedGrads):
         if self.distributed_optimizer:
             lo, hi = self.shard_range(b)
             self.buffer.grad_data[lo:hi].copy_(self._rs_out[b])  # ZeRO-1: one flat buffer
-        elif self._send[b] is not None:
+        elif self._send[b] is not None:  # bf16 (a quantized bucket's gather wrote the bucket itself)
             self.buffer.buckets[b].grad_data.copy_(self._send[b])
 
     def _wait_all(self) -> None:

@@ -285,7 +285,8 @@ class DataParallelAdamW:
             optim = sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
                         for k, v in st.items() if k in _STATE_KEYS)
         return {"params": persistent["params"] + gathered, "gathered": gathered, "grads": persistent["grads"],
-                "grad_buckets": ddp.peak_grad_bucket_bytes, "optimizer": optim}
+                "grad_buckets": ddp.peak_grad_bucket_bytes, "optimizer": optim,
+                "grad_residuals": ddp.wire.residual_bytes() if ddp.wire is not None else 0}
 
     def grad_norm(self) -> float:
         return self.clip_grad_norm(0.0)

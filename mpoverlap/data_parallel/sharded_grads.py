@@ -155,7 +155,10 @@ class ShardedGrads:
         rg = self.bucket_group(b)
         out = torch.empty(bucket.numel // rg.size, dtype=self.reduce_dtype, device=send.device)
         self._rs_pending[b] = out
-        self._handles[b] = reduce_scatter(out, send, rg.group, mode="dp", ledger=self.ledger)
+        if self.wire is not None:  # quantized (grad_wire.py); its residual carries to the next microbatch
+            self._handles[b] = self.wire.reduce_scatter(b, out, send, rg.group, ledger=self.ledger)
+        else:
+            self._handles[b] = reduce_scatter(out, send, rg.group, mode="dp", ledger=self.ledger)
         if self.gatherer is not None:
             self.gatherer.after_reduce(b)
         if not self.overlap:

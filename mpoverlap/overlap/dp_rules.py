@@ -115,3 +115,45 @@ def _gather_dtype(lo: Layout):
                       "with a single data-parallel replica nothing is gathered, so no gather has a dtype "
                       "(or launch more replicas, e.g. parallel.dp=2)",
                       ["train.param_gather_dtype=auto"])
+
+
+@rule("dp.grad_reduce_dtype", "dp", ("train.grad_reduce_dtype", "parallel.dp", "parallel.cp", "parallel.tp",
+                                     "parallel.sequence_parallel"),
+      "train.grad_reduce_dtype=fp8|int8 quantizes a data-parallel gradient reduction: one must exist, and "
+      "tensor-parallel replicas of a weight must reach the same gradient")
+def _grad_reduce_dtype(lo: Layout):
+    from mpoverlap.overlap.config import expert_grad_ranks
+
+    asked = str(lo.cfg.train.grad_reduce_dtype)
+    if asked not in ("fp8", "int8"):
+        return
+    if lo.dp_cp == 1 and expert_grad_ranks(lo) == 1:
+        yield Problem("dp.grad_reduce_dtype",
+                      {"train.grad_reduce_dtype": asked, "parallel.dp": lo.dp, "parallel.cp": lo.cp},
+                      "with a single data-parallel replica no gradient is reduced, so nothing would be quantized "
+                      "(or launch more replicas, e.g. parallel.dp=2)", ["train.grad_reduce_dtype=fp32"])
+    if lo.tp > 1 and not bool(lo.cfg.parallel.sequence_parallel):
+        yield Problem("dp.grad_reduce_dtype",
+                      {"train.grad_reduce_dtype": asked, "parallel.tp": lo.tp, "parallel.sequence_parallel": False},
+                      "a bucket's quantization blocks mix the weights replicated over tp (norms, biases) with "
+                      "tp-sharded neighbours, so each tp rank would round the replicated weights' gradients "
+                      "differently and their copies would drift apart; under sequence parallelism their "
+                      "gradients are summed over tp after the data-parallel reduction, which makes them agree "
+                      "(or reduce in bf16, rounded elementwise: train.grad_reduce_dtype=bf16)",
+                      ["parallel.sequence_parallel=true"])
+
+
+@rule("dp.grad_error_feedback", "dp", ("train.grad_error_feedback", "train.grad_reduce_dtype"),
+      "train.grad_error_feedback=true needs a quantized gradient reduction (fp8|int8) to feed back")
+def _grad_error_feedback(lo: Layout):
+    value = str(lo.cfg.train.grad_error_feedback).lower()
+    if value not in ("auto", "true", "false"):
+        yield Problem("dp.grad_error_feedback", {"train.grad_error_feedback": lo.cfg.train.grad_error_feedback},
+                      "must be one of auto|true|false", ["train.grad_error_feedback=auto"])
+        return
+    dtype = str(lo.cfg.train.grad_reduce_dtype)
+    if value == "true" and dtype not in ("fp8", "int8"):
+        yield Problem("dp.grad_error_feedback", {"train.grad_error_feedback": True, "train.grad_reduce_dtype": dtype},
+                      f"{dtype} gradients are rounded elementwise, not quantized in blocks: there is no residual "
+                      "to carry (error feedback is for fp8|int8: train.grad_reduce_dtype=int8)",
+                      ["train.grad_error_feedback=auto"])

@@ -114,7 +114,7 @@ _CHOICES = {
     "train.on_nonfinite": ("stop", "skip"),
     "train.precision": ("fp32", "bf16"),
     "train.compile_backend": ("inductor", "aot_eager", "eager"),  # = models/fused.py BACKENDS
-    "train.grad_reduce_dtype": ("fp32", "bf16"),
+    "train.grad_reduce_dtype": ("fp32", "bf16", "fp8", "int8"),
     "train.param_gather_dtype": ("auto", "fp32", "bf16", "int8"),  # = data_parallel.levels.GATHER_DTYPES
     "train.dp_sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
 }

@@ -57,7 +57,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
         f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; dp sharding {_sharding(cfg)}",
         f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
-        f"dp gradients reduced in {t.grad_reduce_dtype}",
+        f"dp gradients reduced in {_grad_wire(cfg)}",
     ]
     device_type = _device_type(cfg, lo.world, device)
     lines.append(_attention_line(cfg, lo, device_type))
@@ -235,6 +235,25 @@ def layout_notes(cfg: Any, lo) -> List[str]:
 def render_problems(problems: List[Problem]) -> str:
     head = f"mpoverlap: the configuration cannot run ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"
     return "\n".join([head] + [p.render() for p in problems])
+
+
+def _grad_wire(cfg: Any) -> str:
+    """The dp gradients' wire format (train.grad_reduce_dtype, train.grad_error_feedback)."""
+    from mpoverlap.data_parallel.grad_wire import GRAD_BLOCK, error_feedback_on, is_wire
+    from mpoverlap.overlap.dp_rules import sharding_level
+
+    t = cfg.train
+    dtype = str(t.grad_reduce_dtype)
+    if not is_wire(dtype):
+        return dtype
+    try:
+        feedback = "on" if error_feedback_on(t.grad_error_feedback, dtype) else "off"
+    except ValueError:
+        feedback = "?"
+    hops = ("a quantized reduce-scatter, then a quantized all-gather of the reduced shard (two hops)"
+            if sharding_level(cfg) == "none" else "a quantized reduce-scatter (one hop)")
+    return (f"{dtype} ({'e4m3, ' if dtype == 'fp8' else ''}1 byte an element + one fp32 scale per {GRAD_BLOCK}; "
+            f"{hops}, summed in fp32; error feedback {feedback})")
 
 
 def _sharding(cfg: Any) -> str:

@@ -3,6 +3,7 @@ its MFU is what it is, each mode's communication in flight and exposed, and the 
 schedule's closed-form bubble beside the simulated idle (core.py computes the figures)."""
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from mpoverlap.overlap.layout import build_layout
@@ -46,6 +47,8 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
         e = r.exposed_s.get(m, 0.0)
         lines.append(f"  {m:<4} | {'ON' if r.enabled[m] else 'off':<7} | {r.links.get(m, '-'):<5} | {t * 1e3:>19,.3f} | "
                      f"{e * 1e3:>17,.3f} | {e / t:>13.2f} | {e / r.step_s:>6.1%}")
+    if r.in_flight_s.get("dp", 0.0) > 0:
+        lines.append(grad_format_line(cfg, hw, r, world_size))
     if r.core_sharing:
         c = r.core_sharing
         lines.append(f"  cores shared: {c['ranks']} ranks on {c['cores']} cores, each computing {c['runnable']:.0%} of "
@@ -59,6 +62,27 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
             f"backward's {x['B'] * 1e3:,.3f}), unpaired forward {x['F_alone'] * 1e3:,.3f} ms, backward "
             f"{x['B_alone'] * 1e3:,.3f} ms" if x else ""))
     return "\n".join(lines)
+
+
+GRAD_FORMATS = ("fp32", "bf16", "int8", "fp8")  # train.grad_reduce_dtype
+
+
+def grad_format_line(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = None) -> str:
+    """The same step with each train.grad_reduce_dtype: what each gradient wire format would save."""
+    from mpoverlap.simulate.core import simulate
+
+    asked = str(cfg.train.grad_reduce_dtype)
+    parts = []
+    for fmt in GRAD_FORMATS:
+        if fmt == asked:
+            step, dp = r.step_s, r.exposed_s.get("dp", 0.0)
+        else:
+            other = copy.deepcopy(cfg)
+            other.train.grad_reduce_dtype = fmt
+            sim = simulate(other, hw, world_size)
+            step, dp = sim.step_s, sim.exposed_s.get("dp", 0.0)
+        parts.append(f"{fmt}{' (this run)' if fmt == asked else ''} {step * 1e3:,.2f} ms (dp exposed {dp * 1e3:,.3f})")
+    return "  dp gradients per format (train.grad_reduce_dtype), step: " + ", ".join(parts)
 
 
 def bubble_form_line(forms: Dict[str, Any], against_s: float, against: str) -> str:

@@ -19,6 +19,7 @@ from mpoverlap.comm import CommLedger, all_reduce, wait_all
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.data_parallel.fsdp import gpt_units
+from mpoverlap.data_parallel.grad_wire import error_feedback_on, is_wire
 from mpoverlap.data_parallel.levels import param_gather_dtype, resolve_level, shards_grads
 from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import update_expert_biases
@@ -95,7 +96,9 @@ class Trainer(Resumable, RunLoop):
         self.ddp = DataParallel(
             self.model, state, group_kind="dp_cp", expert_group_kind=expert_kind, overlap=self.overlap.dp.enabled,
             bucket_mb=self.overlap.dp_bucket_mb, sharding=self.sharding,
-            ledger=self.ledger, reduce_dtype=DTYPES[t.grad_reduce_dtype],
+            ledger=self.ledger, reduce_dtype=None if is_wire(t.grad_reduce_dtype) else DTYPES[t.grad_reduce_dtype],
+            grad_wire=str(t.grad_reduce_dtype) if is_wire(t.grad_reduce_dtype) else None,
+            error_feedback=error_feedback_on(t.grad_error_feedback, t.grad_reduce_dtype),
             units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,
             prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward),
             param_gather_dtype=param_gather_dtype(t.param_gather_dtype, t.precision, self.sharding))

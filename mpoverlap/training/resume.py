@@ -110,8 +110,13 @@ class Resumable:
     def _load(self, path, step: int) -> None:
         from mpoverlap.checkpoint import ShardedLoadPlanner
 
-        state = {**self._state_chunks().for_load(step), **self._small_state(), "meta": self._meta_template(path)}
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        chunks = self._state_chunks()
+        state = {**chunks.for_load(step, saved), **self._small_state(), "meta": self._meta_template(path)}
         self.checkpointer.load(path, state, planner=ShardedLoadPlanner())
+        chunks.after_load()  # error-feedback residuals saved at another layout: their sums
         # The parameters and moments were filled in place; ZeRO-3 gathers from the new shards.
         self.ddp.reshard()
         torch.set_rng_state(state["rng"]["torch_cpu"])

@@ -39,6 +39,15 @@ def link_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
+def grad_wire_bytes(reduce_dtype: str) -> float:
+    """Bytes one gradient element takes on the wire per hop in train.grad_reduce_dtype."""
+    from mpoverlap.data_parallel.grad_wire import is_wire, wire_bytes_per_element
+
+    if is_wire(reduce_dtype):
+        return wire_bytes_per_element()
+    return 2 if reduce_dtype == "bf16" else PARAM_BYTES
+
+
 def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int, c: int,
              f: int = 4) -> List[Op]:
     """Every mode's operations per step on a rank of stage `busiest`; `c` bytes of the compute
@@ -59,8 +68,9 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # All-reduce, or (train.dp_sharding) reduce-scatter the gradients and all-gather the
         # parameters (sharding.py). Dense weights over dp x cp; expert weights over
         # edp = dp x cp / ep, or tp x edp when replicated over tp under SP (none when 1).
-        # Gradients travel in train.grad_reduce_dtype; the parameter gathers stay fp32.
-        grad_bytes = 2 if getattr(t, "grad_reduce_dtype", "fp32") == "bf16" else PARAM_BYTES
+        # Gradients travel in train.grad_reduce_dtype (fp8|int8: 1 byte an element and 4 a block
+        # of 512, per hop); the parameter gathers in their own format (sharding.py).
+        grad_bytes = grad_wire_bytes(str(getattr(t, "grad_reduce_dtype", "fp32")))
         ops += dp_ops(cfg, lo, params, expert_params, grad_bytes, busiest)
     if lo.tp > 1:
         # Full-sequence activation-sized collectives per microbatch. Without SP: each layer's two

@@ -16,7 +16,7 @@ from mpoverlap.overlap.estimate.activations import (Conventions, layer_activatio
 from mpoverlap.overlap.estimate.attention_work import cp_attention_work_bytes
 from mpoverlap.overlap.estimate.comm import comm_ops, comm_views
 from mpoverlap.overlap.estimate.params import model_params, stage_layers, stage_params
-from mpoverlap.overlap.estimate.sharding import state_memory
+from mpoverlap.overlap.estimate.sharding import residual_memory, state_memory
 from mpoverlap.overlap.estimate.transients import head_stage, loss_backward_bytes, weight_cast_bytes
 from mpoverlap.overlap.layout import build_layout
 
@@ -81,6 +81,9 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
         # train.dp_sharding shards dense state over dp x cp and expert state over edp = dp x cp / ep.
         mem = state_memory(cfg, lo, s, n, n_exp)
         gathered = mem.pop("gathered")
+        residuals = residual_memory(cfg, lo, n, n_exp)
+        if residuals:
+            mem["grad_residuals"] = residuals
         mem["activations"] = peaks[s]["bytes"]
         mem["weight_casts"] = weight_cast_bytes(cfg, lo, s, n, conv.compute_bytes)
         if s == head_stage(cfg, lo):
@@ -152,6 +155,9 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
         state = _mib(mem["params"] + mem["grads"] + mem["optimizer"])
         lines.append(f"    {st.stage:>5} | {st.params / 1e6:>9.2f}M | {state:>17} |"
                      f" {_mib(mem['activations']):>14} ({st.layers_in_flight:>3}) | {_mib(sum(mem.values()))}")
+    if "grad_residuals" in heaviest.memory_bytes:
+        lines.append(f"    gradient error-feedback residuals (fp32, in the total): "
+                     f"{_mib(heaviest.memory_bytes['grad_residuals'])}")
     if "cp_attention_work" in heaviest.memory_bytes:
         lines.append(f"    context-parallel attention working set (K/V double buffer, out/lse accumulators, "
                      f"kernel workspace; in the total): {_mib(heaviest.memory_bytes['cp_attention_work'])}")

@@ -118,6 +118,24 @@ def state_memory(cfg: Any, lo: Layout, stage: int, n: int, n_exp: int) -> Dict[s
             "gathered": gathered}
 
 
+def residual_memory(cfg: Any, lo: Layout, n: int, n_exp: int) -> int:
+    """Bytes of gradient error-feedback residuals on a rank holding n parameters (n_exp of them
+    expert weights): fp32 of every reduced bucket, plus under plain data parallelism the owner's
+    residual of its reduced shard (data_parallel/grad_wire.py); 0 without error feedback."""
+    from mpoverlap.data_parallel.grad_wire import error_feedback_on, is_wire
+
+    t = cfg.train
+    try:
+        if not (is_wire(str(t.grad_reduce_dtype)) and error_feedback_on(t.grad_error_feedback, t.grad_reduce_dtype)):
+            return 0
+    except ValueError:  # refused by the rule dp.grad_error_feedback
+        return 0
+    g, g_e = lo.dp * lo.cp, expert_group_size(cfg, lo)
+    dense, expert = (n - n_exp if g > 1 else 0), (n_exp if g_e > 1 else 0)
+    owned = dense // g + expert // g_e if level_of(cfg, lo) == "none" else 0
+    return BYTES * (dense + expert + owned)
+
+
 def unit_gather_format(cfg: Any, level: str) -> str:
     """train.param_gather_dtype as the trainer resolves it (data_parallel/levels.py)."""
     from mpoverlap.data_parallel.levels import param_gather_dtype
@@ -125,23 +143,33 @@ def unit_gather_format(cfg: Any, level: str) -> str:
     return param_gather_dtype(str(cfg.train.param_gather_dtype), str(cfg.train.precision), level)
 
 
-def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: int, stage: int = 0) -> list:
+def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: float, stage: int = 0) -> list:
     """The dp collectives per step of a rank of `stage` holding `params` ((mode, op, buffer
-    bytes, group size) tuples, as comm.comm_ops lists them)."""
+    bytes, group size) tuples, as comm.comm_ops lists them). Quantized gradients
+    (train.grad_reduce_dtype=fp8|int8, data_parallel/grad_wire.py): each reduce-scatter is an
+    all-to-all of the packed shards, and plain data parallelism's all-reduce that all-to-all plus
+    an all-gather of the reduced shard, `grad_bytes` an element each (block padding left out)."""
+    from mpoverlap.data_parallel.grad_wire import is_wire
+
     level = level_of(cfg, lo)
     replicas = lo.dp * lo.cp
     n_e = expert_group_size(cfg, lo)
     micro = lo.num_microbatches or 1
+    wire = is_wire(str(cfg.train.grad_reduce_dtype))
     ops = []
     for n, count, dense in ((replicas, params - expert_params if replicas > 1 else 0, True),
                             (n_e, expert_params if n_e > 1 else 0, False)):
         if not count:
             continue
         if level == "none":
-            ops.append(("dp", "all_reduce", count * grad_bytes, n))
+            if wire:
+                hop = int(count * grad_bytes)
+                ops += [("dp", "all_to_all", hop, n), ("dp", "all_gather", hop, n)]
+            else:
+                ops.append(("dp", "all_reduce", count * grad_bytes, n))
             continue
         rounds = micro if level in ("optim_grads", "optim_grads_params") else 1
-        ops.append(("dp", "reduce_scatter", rounds * count * grad_bytes, n))
+        ops.append(("dp", "all_to_all" if wire else "reduce_scatter", int(rounds * count * grad_bytes), n))
         if level != "optim_grads_params":
             ops.append(("dp", "all_gather", count * BYTES, n))
             continue
