@@ -37,6 +37,8 @@ FAILING = {
                              (["train.profile=true", "train.steps=3", "train.profile_start_step=5"], None),
                              (["train.profile=true", "train.profile_steps=0"], None)],
     "ep.needs_experts": [(["parallel.dp=2", "parallel.ep=2"], None)],
+    "ep.dispatch_dtype": [(["train.ep_dispatch_dtype=fp8"], None), (["train.ep_dispatch_dtype=bf16"], None),
+                          (["model=moe_tiny", "train.ep_dispatch_dtype=fp8"], None)],
     "ep.divides_dp_cp": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=4"], None),
                          (["model=moe_tiny", "parallel.dp=3", "parallel.ep=2", "train.global_batch_size=12"], None)],
     "moe.experts_divisible_by_ep": [(["model=moe_tiny", "model.num_experts=6", "parallel.dp=4", "parallel.ep=4"],
