@@ -245,6 +245,15 @@ def dispatch_row_bytes(cfg: Any, c: int) -> int:
     return row_bytes(str(getattr(t, "ep_dispatch_dtype", "auto")), str(t.precision), cfg.model.hidden_size, c)
 
 
+def ep_forward_share(cfg: Any, c: int) -> float:
+    """The forward's share of a MoE layer pass's token bytes (dispatch + combine forward against
+    their two reverse exchanges): 1/2 when every exchange carries H * c bytes a row, less with
+    a compressed dispatch (the backward stays in the activation dtype)."""
+    H = cfg.model.hidden_size
+    d = dispatch_row_bytes(cfg, c)
+    return (d + H * c) / (d + 3 * H * c)
+
+
 def padded_queue_rows(cfg: Any, lo: Layout, tokens: int) -> int:
     """Rows one rank sends per MoE layer pass when the all-to-all dispatcher pads every expert's
     queue to the capacity (a capacity factor, ep > 1, grouped experts, etp 1, no pairing; see
