@@ -59,7 +59,9 @@ def test_round_trip_is_the_blockwise_quantization_of_each_row():
         assert 0 < err <= 2 ** -4, err  # e4m3: 3 mantissa bits
     assert FP8.row_bytes(128) == 128 + 4 and FP8.row_bytes(WIDE) == 256 + 8 == packed_bytes(WIDE, fmt, 128)
     assert resolve_dispatch_wire("auto", "bf16") is None and resolve_dispatch_wire("bf16", "bf16") is None
-    assert resolve_dispatch_wire("bf16", "fp32").row_bytes(128) == 256
+    bf16 = resolve_dispatch_wire("bf16", "fp32")
+    x = rows(0, 5, WIDE, torch.float32)
+    assert bf16.row_bytes(128) == 256 and torch.equal(bf16.round_trip(x), x.bfloat16().float())
 
 
 def test_round_trip_operators_do_not_grow_with_rows_or_width():

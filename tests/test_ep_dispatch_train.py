@@ -17,8 +17,9 @@ their reference at all (the format is applied, not silently off).
 
 The bytes: metrics' ep bytes (the ledger, averaged over the ranks) equal mpoverlap-check's
 estimate for fp8 with the counted queues, the capacity-padded queues, the all-gather dispatcher,
-forward/backward pairing and full recomputation (the replayed dispatch), and the fp8 saving
-against bf16 is exactly the dispatched rows times (2H - (H + 4 H / 128)) bytes: the combine and
+forward/backward pairing and full recomputation (the replayed dispatch), and for a bf16 dispatch
+of fp32 activations; the fp8 saving against bf16 is exactly the dispatched rows times
+(2H - (H + 4 H / 128)) bytes (against fp32: 4H - ..., bf16 on the wire: 4H - 2H): the combine and
 the backward exchanges are unchanged.
 """
 from __future__ import annotations
@@ -50,6 +51,8 @@ SPECS = {
     "fp8_allgather": (2, [*BASE, *BF16, *FP8, "model.moe_dispatcher=allgather"], 1),
     "fp8_pairing": (2, [*BASE, *BF16, *FP8, "overlap.ep_pairing=true"], 1),
     "fp8_full": (2, [*BASE, *BF16, *FP8, "model.recompute=full"], 1),
+    # bf16 on the wire under fp32 activations (the rows cast for the exchange only)
+    "bf16wire_fp32": (2, [*BASE, *FP32, "train.ep_dispatch_dtype=bf16"], 1),
 }
 
 
@@ -72,7 +75,7 @@ def test_fp8_dispatch_stays_within_the_bound_from_the_bf16_noise_floor(runs):
     assert runs["fp8"][-1]["loss"] < runs["fp8"][0]["loss"] - 0.5  # it learns
 
 
-@pytest.mark.parametrize("name", [n for n in SPECS if n.startswith("fp8")])
+@pytest.mark.parametrize("name", [n for n in SPECS if n.startswith(("fp8", "bf16wire"))])
 def test_ep_bytes_are_the_estimate(runs, name):
     world, overrides, _ = SPECS[name]
     est = estimate(compose(list(overrides)), world).comm_bytes_per_step["ep"]
@@ -84,6 +87,8 @@ def test_fp8_saves_its_bytes_on_the_dispatch_forward_only(runs):
     H, k, tokens, layers, micro = 128, 2, 2 * 32, 2, 2
     rows = tokens * k * layers * micro
     packed = H + 4 * H // 128
-    for name, ref, c in (("fp8", "bf16", 2), ("fp8_fp32", "fp32", 4)):
+    for name, ref, c, sent in (("fp8", "bf16", 2, packed), ("fp8_fp32", "fp32", 4, packed),
+                               ("bf16wire_fp32", "fp32", 4, 2 * H)):
         saved = runs[ref][0]["comm"]["ep"]["bytes"] - runs[name][0]["comm"]["ep"]["bytes"]
-        assert saved == rows * (c * H - packed), (name, saved)
+        assert saved == rows * (c * H - sent), (name, saved)
+    assert abs(runs["bf16wire_fp32"][0]["loss"] - runs["fp32"][0]["loss"]) < 1e-3
