@@ -25,7 +25,10 @@ exchanges (docs/benchmarks.md, "EP at 1:1"):
   both     overlap.ep=true overlap.ep_chunks=2 overlap.ep_pairing=true
 
 (none and chunks also get overlap.ep_pairing=false where the key exists, so an `auto` default
-cannot pair them.) The pairing variants run only where this build has `overlap.ep_pairing`
+cannot pair them.) `--dispatch-fp8`: every variant under train.precision=bf16, and none and chunks
+once more with train.ep_dispatch_dtype=fp8 (`none_fp8`, `chunks_fp8`): the dispatch's forward
+all-to-all in fp8 rows (H + 4 H / 128 bytes a token) against bf16 (2H), the combine and the
+backward in bf16 either way; `none` exposes every exchange. The pairing variants run only where this build has `overlap.ep_pairing`
 and its validator accepts them; otherwise the result says "pairing: not available in this
 build" (or the validator's message) and the other two run.
 
@@ -36,7 +39,7 @@ and the experts' rates timed in the rounds, per chunk count: bench/rate_probe.py
 exchanges : experts = the none variant's ep in flight over the experts' seconds per step
 (their FLOPs at the experts' rate timed in the rounds).
 
-    bash bench/netns.sh .venv/bin/python -m bench.ep_pairing [--block 3] [--repeats 4] [--json F]
+    bash bench/netns.sh .venv/bin/python -m bench.ep_pairing [--block 3] [--repeats 4] [--dispatch-fp8] [--json F]
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0",
 VARIANTS = {"none": (False, 1, False), "chunks": (True, None, False), "pairing": (True, 1, True),
             "both": (True, None, True)}  # name: (overlap.ep, ep_chunks (None: --chunks), pairing)
 PAIRED = ("pairing", "both")
+FP8_OF = ("none", "chunks")  # --dispatch-fp8: these variants again with fp8 dispatch
 UNAVAILABLE = "pairing: not available in this build (no overlap.ep_pairing key)"
 
 
@@ -70,6 +74,7 @@ def pairing_available() -> Tuple[bool, str]:
 
 def base_overrides(args) -> List[str]:
     routing = [] if getattr(args, "real_routing", False) else ["model.moe_router_force_load_balancing=true"]
+    routing += ["train.precision=bf16"] if getattr(args, "dispatch_fp8", False) else []
     return COMMON + routing + [f"model.hidden_size={args.hidden}", f"model.moe_ffn_hidden_size={args.ffn}",
                      f"model.seq_length={args.seq}", f"model.num_layers={args.layers}",
                      f"train.micro_batch_size={args.micro_batch}",
@@ -98,6 +103,9 @@ def planned(args) -> Tuple[List[str], Dict[str, List[str]], Dict[str, str]]:
             skipped[name] = "refused by the validator: " + "; ".join(str(p) for p in problems)[:400]
             continue
         run[name] = extra
+    for name in FP8_OF if getattr(args, "dispatch_fp8", False) else ():
+        if name in run:
+            run[f"{name}_fp8"] = run[name] + ["train.ep_dispatch_dtype=fp8"]
     return base, run, skipped
 
 
@@ -169,12 +177,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real-routing", action="store_true",
                    help="route with the router's own logits (default: model.moe_router_force_load_balancing=true)")
     p.add_argument("--no-pin", action="store_true", help="leave the ranks free to move between cores")
+    p.add_argument("--dispatch-fp8", action="store_true",
+                   help="bf16 precision, and none and chunks again with train.ep_dispatch_dtype=fp8")
 
 
 def run(args) -> Dict[str, Any]:
     res, t0 = spawn_ranks(_worker, args, prefix="mpo-bench-ep-pairing-")
     res.update(benchmark="ep_pairing", link=args.link, wall_s=time.perf_counter() - t0,
-               setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", *DEFAULTS, "real_routing", "no_pin")})
+               setup={k: getattr(args, k) for k in ("block", "warmup", "block_warmup", *DEFAULTS, "real_routing", "no_pin",
+                                                    "dispatch_fp8")})
     return res
 
 
@@ -307,7 +318,7 @@ def render(results: Dict[str, Any]) -> str:
              "exposed share | predicted step (ms) | error | predicted share | difference |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ref = rows.get("chunks", {}).get("step", {}).get("median_s")
-    for name in VARIANTS:
+    for name in [*VARIANTS, *(f"{n}_fp8" for n in FP8_OF if f"{n}_fp8" in rows)]:
         if name not in rows:
             lines.append(f"| {name} | - | {res.get('skipped', {}).get(name, 'not run')} |" + " - |" * 9)
             continue
@@ -336,6 +347,12 @@ def render(results: Dict[str, Any]) -> str:
         why_not.setdefault(w, []).append(n)
     for w, names in why_not.items():
         lines.append(f"Not run: {', '.join(names)} ({w}).")
+    for name in FP8_OF:
+        if f"{name}_fp8" in rows and name in rows:
+            a, b = rows[name], rows[f"{name}_fp8"]
+            lines.append(f"fp8 dispatch, {name}: step {b['step']['median_s'] / a['step']['median_s']:.3f}x bf16's, "
+                         f"ep {b['comm']['ep']['mib_per_step']:.2f} MiB a step and rank against "
+                         f"{a['comm']['ep']['mib_per_step']:.2f} (goal for none: <= 0.85x).")
     for name in PAIRED:
         if name in pred:
             lines.append(f"Simulator, {name}: {pred[name]['pairing']}.")

@@ -186,6 +186,11 @@ class TrainConfig:
     # weights) carry; auto = the compute dtype (bf16 under train.precision=bf16). int8: blockwise,
     # one fp32 scale per block. Other sharding levels gather the weights themselves: fp32.
     param_gather_dtype: str = "auto"
+    # auto | bf16 | fp8: what the MoE dispatch's forward all-to-all (or all-gather) carries;
+    # auto = the activation dtype. fp8: each token's hidden vector in blocks of 128, e4m3 values
+    # and one fp32 scale a block in one exchange, dequantized on arrival (moe/dispatch_wire.py);
+    # the combine and every backward exchange stay in the activation dtype.
+    ep_dispatch_dtype: str = "auto"
     # torch.compile each transformer block's elementwise math (norms and their casts, residual
     # adds, RoPE, SwiGLU/GeLU: models/fused.py), GEMMs, attention and communication left eager;
     # one compile per region and shape. compile_backend: inductor (fused kernels; on CPU it

@@ -294,6 +294,30 @@ def test_ep_pairing_bench_plans_renders_and_names_a_build_without_pairing():
     assert ep_pairing.render({}) == ""
 
 
+def test_ep_pairing_bench_dispatch_fp8_variants_validate_and_render():
+    """bench.ep_pairing --dispatch-fp8: every variant under bf16, none and chunks again with fp8
+    dispatch (valid at 2 ranks); the table gives their rows and the step and ep bytes against bf16's."""
+    from types import SimpleNamespace
+
+    from bench import ep_pairing
+
+    base, run, _ = ep_pairing.planned(SimpleNamespace(**ep_pairing.DEFAULTS, dispatch_fp8=True))
+    assert "train.precision=bf16" in base
+    for name in ("none", "chunks"):
+        assert run[f"{name}_fp8"] == run[name] + ["train.ep_dispatch_dtype=fp8"]
+        assert validate(compose(base + run[f"{name}_fp8"]), 2) == []
+    step = {"n": 6, "median_s": 1.0, "min_s": 0.9, "q1_s": 0.95, "q3_s": 1.05}
+    ep = {"in_flight_ms_median": 250.0, "exposed_ms_median": 245.0, "mib_per_step": 8.0}
+    rows = {"none": {"blocks": 4, "step": step, "comm": {"ep": ep}},
+            "none_fp8": {"blocks": 4, "step": dict(step, median_s=0.9), "comm": {"ep": dict(ep, mib_per_step=7.0)}}}
+    res = {"setup": dict(ep_pairing.DEFAULTS, block=3, block_warmup=1), "link": "test link", "variants": rows,
+           "variants_quiet": rows, "quiet_threshold_cores": 0.1, "base_overrides": base,
+           "variant_overrides": {n: run[n] for n in rows}, "skipped": {}, "predicted": {}}
+    text = ep_pairing.render({"ep_pairing": res})
+    assert "| none_fp8 | `overlap.ep=false" in text and "| 900.0 |" in text
+    assert "fp8 dispatch, none: step 0.900x bf16's, ep 7.00 MiB a step and rank against 8.00" in text
+
+
 def test_ep_pairing_pp_bench_variants_validate_and_render():
     """bench.ep_pairing_pp: its four pp 2 variants validate at 4 ranks (the two
     paired ones resolve pairing on); the table renders each variant with its prediction and the

@@ -92,6 +92,12 @@ def _layouts():
         # A capacity pads the all-to-all's queues (fixed sizes): the estimate is exact
         out[f"moe_capacity_ep2_{rc}"] = (2, [*MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0",
                                              "overlap.ep=true", f"model.recompute={rc}"])
+    # fp8 dispatch (train.ep_dispatch_dtype) at ep 2 with tp 2 and SP, replayed under full
+    # recomputation: its packed rows waited like the others, its ep bytes the estimate's
+    out["moe_fp8_tp2_sp_ep2_full"] = (4, [*MOE, "model.hidden_size=128", "parallel.dp=2", "parallel.tp=2",
+                                          "parallel.sequence_parallel=true", "parallel.ep=2", "overlap.ep=true",
+                                          "train.precision=bf16", "train.ep_dispatch_dtype=fp8",
+                                          "model.recompute=full"])
     return out
 
 
@@ -268,6 +274,11 @@ def test_reads_wait_gathers_handles_waited_nothing_held(world):
             got = [r[name]["comm"]["ep"]["bytes"] for r in results]
             est = estimate(compose([*BASE, *LAYOUTS[name][1]]), 2).comm_bytes_per_step["ep"]
             assert got == [est] * len(results), (name, got, est)
+    if world == 4:  # fp8 dispatch: the ledger counts the packed rows the estimate counts
+        name = "moe_fp8_tp2_sp_ep2_full"
+        got = sum(r[name]["comm"]["ep"]["bytes"] for r in results) / len(results)
+        est = estimate(compose([*BASE, *LAYOUTS[name][1]]), 4).comm_bytes_per_step["ep"]
+        assert got == est, (name, got, est)
 
 
 def _zero3_gathers(rank, world, root):

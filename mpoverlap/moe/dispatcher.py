@@ -36,6 +36,9 @@ AllGatherDispatcher: all_gather x [T, H], ids, weights over ep (T equal on every
     all_gather of every chunk's per-expert counts [R, chunks, E].
 
 Tokens travel in the compute dtype: under autocast the layer casts them before dispatch.
+`dispatch_wire` (train.ep_dispatch_dtype, moe/dispatch_wire.py): the format of the dispatch's
+forward token exchange (both dispatchers, every exchange strategy; the pairing's dispatch
+exchanges read `wire` too); the combine and every backward exchange stay in the compute dtype.
 """
 from __future__ import annotations
 
@@ -65,12 +68,17 @@ class ChunkCounts:
 
 class _Base:
     def __init__(self, ep_group, ep_size: int, ep_rank: int, num_experts: int, overlap: bool = False,
-                 ledger=None, host_counts: bool = False, capacity_padding: bool = False) -> None:
+                 ledger=None, host_counts: bool = False, capacity_padding: bool = False,
+                 dispatch_wire=None) -> None:
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} not divisible by ep={ep_size}")
         if (ep_group is None) != (ep_size == 1):
             raise ValueError(f"ep_group must be None exactly when ep_size == 1 (ep_size={ep_size})")
         self.group, self.size, self.rank = ep_group, ep_size, ep_rank
+        if dispatch_wire is not None and ep_size == 1 and dispatch_wire.name == "fp8":
+            raise ValueError("an fp8 dispatch needs an exchange to compress (ep_size > 1); with one rank "
+                             "the tokens never leave it")
+        self.wire = dispatch_wire  # None: the tokens travel as they are
         self.num_experts, self.num_local = num_experts, num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
         # Backward: `overlap` makes the reverse exchanges asynchronous (moe/exchange.py).
@@ -248,7 +256,7 @@ class AllToAllDispatcher(_Base):
     def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, counts) -> Pending:
         x_perm, ctx = self.sort_for_dispatch(x_TH, expert_ids_Tk, weights_Tk, counts)
         h, link = issue_all_to_all(x_perm, self.group, ctx["out_splits"], ctx["in_splits"], self.ledger,
-                                   self._exchange())
+                                   self._exchange(), wire=self.wire)
         return Pending([h], [link], ctx)
 
     def dispatch_finish(self, p: Pending):
@@ -283,7 +291,7 @@ class AllGatherDispatcher(_Base):
 
     def dispatch_start(self, x_TH, expert_ids_Tk, weights_Tk, counts: ChunkCounts) -> Pending:
         T, k = expert_ids_Tk.shape
-        hx, lx = issue_all_gather(x_TH, self.group, self.size, self.ledger, self._exchange())
+        hx, lx = issue_all_gather(x_TH, self.group, self.size, self.ledger, self._exchange(), wire=self.wire)
         hw, lw = issue_all_gather(weights_Tk, self.group, self.size, self.ledger, self._exchange())
         ids = expert_ids_Tk.new_empty((self.size * T, k))
         hi = all_gather(ids, expert_ids_Tk.contiguous(), self.group, mode=MODE, ledger=self.ledger)

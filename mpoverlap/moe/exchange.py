@@ -7,6 +7,11 @@ return (handle, link); a `Pending` holds the handles and links of an exchange in
 (group None) an exchange is the identity: nothing is copied either way, and no handle is made.
 All handles: mode "ep".
 
+`wire` (moe/dispatch_wire.py, the dispatch's forward exchange only): the rows are sent as
+`wire.depart(x)` and, once waited, the received buffer becomes `wire.arrive(...)` in x's
+dtype before it joins the graph; the reverse exchange carries the gradient as it is (the
+straight-through gradient: the round trip counts as the identity).
+
 Autograd: once waited, `_Link` joins the received buffer to the sent tensor in the graph, and
 its backward runs the reverse collective (all_to_all with swapped splits; all_gather <->
 reduce_scatter).
@@ -37,7 +42,7 @@ MODE = "ep"
 @dataclass
 class Pending:
     handles: List[Optional[CommHandle]]  # None: an identity exchange (one rank)
-    links: List[tuple]  # (input with autograd history, buffer being written, backward fn)
+    links: List[tuple]  # (input with autograd history, buffer being written, backward fn, arrival fn or None)
     ctx: Dict[str, Any]
 
     def wait(self) -> List[torch.Tensor]:
@@ -50,7 +55,8 @@ class Pending:
             if h is not None:
                 h.wait()
         # buf None: one rank, the exchange was the identity (nothing copied, no reverse)
-        return [x if buf is None else _Link.apply(x, [buf], fn) for x, buf, fn in self.links]
+        return [x if buf is None else _Link.apply(x, [buf if arrive is None else arrive(buf)], fn)
+                for x, buf, fn, arrive in self.links]
 
 
 class _Link(torch.autograd.Function):
@@ -113,13 +119,23 @@ class TokenExchange:
         return out
 
 
-def issue_all_to_all(x, group, out_splits, in_splits, ledger, ex: TokenExchange):
-    """Issue all_to_all of x (no autograd); returns (handle, link)."""
+def _departing(x, wire):
+    """(what the exchange sends, the arrival fn for its received buffer or None)."""
+    sent = x.detach().contiguous()
+    if wire is None:
+        return sent, None
+    return wire.depart(sent), lambda buf: wire.arrive(buf, x.shape[1], x.dtype)
+
+
+def issue_all_to_all(x, group, out_splits, in_splits, ledger, ex: TokenExchange, wire=None):
+    """Issue all_to_all of x (no autograd); returns (handle, link). `wire`: the rows' format on
+    the wire (the dispatch's forward exchange only)."""
     if group is None:  # one rank: the identity, no copy in either direction
-        return None, (x, None, None)
+        return None, (x, None, None, None)
     x = ex.prepare(x)
-    buf = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    h = all_to_all(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger,
+    sent, arrive = _departing(x, wire)
+    buf = sent.new_empty((sum(out_splits),) + tuple(sent.shape[1:]))
+    h = all_to_all(buf, sent, group, mode=MODE, ledger=ledger,
                    output_split_sizes=out_splits, input_split_sizes=in_splits)
 
     def back(g):
@@ -128,29 +144,31 @@ def issue_all_to_all(x, group, out_splits, in_splits, ledger, ex: TokenExchange)
             return all_to_all(out, g, group, mode=MODE, ledger=ledger, output_split_sizes=in_splits,
                               input_split_sizes=out_splits), out
         return ex.reverse(issue)
-    return h, (x, buf, back)
+    return h, (x, buf, back, arrive)
 
 
-def issue_all_gather(x, group, size, ledger, ex: TokenExchange):
-    """Issue all_gather [T, ...] -> [R*T, ...]; backward reduce-scatters."""
+def issue_all_gather(x, group, size, ledger, ex: TokenExchange, wire=None):
+    """Issue all_gather [T, ...] -> [R*T, ...]; backward reduce-scatters. `wire`: as for
+    `issue_all_to_all` (the gathered tokens)."""
     if group is None:  # one rank: the identity, no copy in either direction
-        return None, (x, None, None)
+        return None, (x, None, None, None)
     x = ex.prepare(x)
-    buf = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-    h = all_gather(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger)
+    sent, arrive = _departing(x, wire)
+    buf = sent.new_empty((size * sent.shape[0],) + tuple(sent.shape[1:]))
+    h = all_gather(buf, sent, group, mode=MODE, ledger=ledger)
 
     def back(g):
         def issue():
             out = g.new_empty((g.shape[0] // size,) + tuple(g.shape[1:]))
             return reduce_scatter(out, g, group, mode=MODE, ledger=ledger), out
         return ex.reverse(issue)
-    return h, (x, buf, back)
+    return h, (x, buf, back, arrive)
 
 
 def issue_reduce_scatter(x, group, size, ledger, ex: TokenExchange):
     """Issue reduce_scatter [R*T, ...] -> [T, ...]; backward all-gathers."""
     if group is None:  # one rank: the identity, no copy in either direction
-        return None, (x, None, None)
+        return None, (x, None, None, None)
     x = ex.prepare(x)
     buf = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
     h = reduce_scatter(buf, x.detach().contiguous(), group, mode=MODE, ledger=ledger)
@@ -160,4 +178,4 @@ def issue_reduce_scatter(x, group, size, ledger, ex: TokenExchange):
             out = g.new_empty((size * g.shape[0],) + tuple(g.shape[1:]))
             return all_gather(out, g, group, mode=MODE, ledger=ledger), out
         return ex.reverse(issue)
-    return h, (x, buf, back)
+    return h, (x, buf, back, None)

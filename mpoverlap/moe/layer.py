@@ -252,7 +252,7 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
                     shared_expert: Optional[nn.Module] = None,
                     shards: Optional[SequenceShards] = None, router_options: Optional[dict] = None,
                     expert_tp: Optional[ExpertTP] = None, grouped_gemm: bool = True,
-                    capacity_padding: bool = True) -> MoELayer:
+                    capacity_padding: bool = True, dispatch_wire=None) -> MoELayer:
     """Router f"{name}.router.weight", experts f"{name}.experts.{g}.*", this rank's experts
     [ep_rank * E/ep, (ep_rank + 1) * E/ep). `shards`: the ranks holding the other parts of
     this rank's sequences (SP, CP), over which the router's statistics are summed.
@@ -261,13 +261,14 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
     `capacity_padding`: with a capacity factor at ep > 1 (all-to-all dispatcher, grouped
     experts, etp 1), every expert's queue is padded to the capacity so no size is read on the
     host; False (forward/backward pairing, whose sub-steps chunk the tokens) keeps the exchanged
-    counts and their one host read per layer and microbatch."""
+    counts and their one host read per layer and microbatch. `dispatch_wire`
+    (moe/dispatch_wire.py; None: the compute dtype): the dispatch's forward token exchange's format."""
     kinds = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
     if dispatcher not in kinds:
         raise ValueError(f"dispatcher {dispatcher!r}; one of {sorted(kinds)}")
     pads = capacity_padding and capacity_factor is not None and dispatcher == "alltoall" and expert_tp is None
     disp = kinds[dispatcher](ep_group, ep_size, ep_rank, num_experts, overlap, ledger, host_counts=not grouped_gemm,
-                             capacity_padding=pads)
+                             capacity_padding=pads, dispatch_wire=dispatch_wire)
     router = TopKRouter(hidden, num_experts, top_k, name=f"{name}.router", cfg=cfg, seed=seed,
                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
                         capacity_factor=capacity_factor, shards=shards, random_stream=ep_rank,
@@ -286,10 +287,10 @@ def build_moe_layer(hidden: int, ffn: int, num_experts: int, top_k: int, *, name
 
 
 def moe_kwargs(state, *, overlap: bool, num_chunks: int, ledger, sequence_parallel: bool = False,
-               etp: int = 1, capacity_padding: bool = True) -> dict:
+               etp: int = 1, capacity_padding: bool = True, dispatch_wire=None) -> dict:
     """The expert-parallel context a model hands to its MoE layers (see models/layers.py)."""
     return {"ep_group": state.group("ep"), "ep_size": state.grid.ep, "ep_rank": state.coords.ep,
             "overlap": bool(overlap), "num_chunks": int(num_chunks), "ledger": ledger,
-            "capacity_padding": bool(capacity_padding),
+            "capacity_padding": bool(capacity_padding), "dispatch_wire": dispatch_wire,
             "shards": sequence_shards(state, sequence_parallel=sequence_parallel, ledger=ledger),
             "expert_tp": expert_tp(state, etp=etp, sequence_parallel=sequence_parallel, ledger=ledger)}

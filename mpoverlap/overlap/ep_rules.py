@@ -98,6 +98,36 @@ def _overlap_needs_moe(lo: Layout):
                       ["overlap.ep=auto"])
 
 
+@rule("ep.dispatch_dtype", "ep", ("train.ep_dispatch_dtype", "parallel.ep", "model.num_experts", "model.hidden_size"),
+      "train.ep_dispatch_dtype=bf16|fp8 needs a mixture-of-experts model; fp8 also an expert exchange "
+      "to compress (parallel.ep >= 2) and a hidden size its blocks of 128 divide")
+def _dispatch_dtype(lo: Layout):
+    from mpoverlap.moe.dispatch_wire import BLOCK
+
+    asked = str(lo.cfg.train.ep_dispatch_dtype)
+    if asked not in ("bf16", "fp8"):  # auto, or an unknown value (value.choice)
+        return
+    key = {"train.ep_dispatch_dtype": asked}
+    if lo.cfg.model.num_experts == 0:
+        yield Problem("ep.dispatch_dtype", {**key, "model.num_experts": 0},
+                      "a dense model dispatches no tokens, so no dispatch has a dtype",
+                      ["train.ep_dispatch_dtype=auto"])
+    elif asked == "fp8" and lo.ep == 1:
+        yield Problem("ep.dispatch_dtype", {**key, "parallel.ep": 1},
+                      "fp8 compresses the tokens the dispatch sends to other expert-parallel ranks; at "
+                      "parallel.ep=1 they never leave the rank, and rounding them would only lose precision "
+                      "(or place the experts on several ranks, e.g. parallel.ep=2 with parallel.dp=2)",
+                      ["train.ep_dispatch_dtype=auto"])
+    H = lo.cfg.model.hidden_size
+    if asked == "fp8" and lo.cfg.model.num_experts > 0 and isinstance(H, int) and H >= 1 and H % BLOCK:
+        yield Problem("ep.dispatch_dtype", {**key, "model.hidden_size": H},
+                      f"fp8 gives each token's hidden vector one fp32 scale per {BLOCK} elements; {BLOCK} does "
+                      f"not divide {H}, so every row would be padded to {-(-H // BLOCK) * BLOCK} elements "
+                      f"({-(-H // BLOCK) * (BLOCK + 4)} bytes a token against {2 * H} in bf16) (or "
+                      f"model.hidden_size={-(-H // BLOCK) * BLOCK})",
+                      ["train.ep_dispatch_dtype=auto"])
+
+
 # ---- fine-grained MoE and expert tensor parallelism -------------------------------------
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROUTER_ORDERS = ("score_topk", "topk_score")

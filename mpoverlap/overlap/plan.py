@@ -59,6 +59,8 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
         f"dp gradients reduced in {_grad_wire(cfg)}",
     ]
+    if m.num_experts > 0:
+        lines.append(_ep_wire_line(cfg, lo))
     device_type = _device_type(cfg, lo.world, device)
     lines.append(_attention_line(cfg, lo, device_type))
     if cfg.model.num_experts > 0:
@@ -92,6 +94,24 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     if hosts:
         lines.extend(placement_lines(grid, hosts))
     return "\n".join(lines)
+
+
+def _ep_wire_line(cfg: Any, lo) -> str:
+    """What the MoE dispatch's forward exchange carries (train.ep_dispatch_dtype) against the
+    combine and the backward exchanges, which stay in the activation dtype."""
+    from mpoverlap.moe.dispatch_wire import DISPATCH_DTYPES, resolve_dispatch_wire
+
+    t, H = cfg.train, cfg.model.hidden_size
+    asked, act = str(t.ep_dispatch_dtype), "bf16" if t.precision == "bf16" else "fp32"
+    if asked not in DISPATCH_DTYPES:
+        return f"  ep wire: train.ep_dispatch_dtype={asked} (invalid: see the problems)"
+    wire = resolve_dispatch_wire(asked, str(t.precision))
+    row = H * (2 if act == "bf16" else 4)
+    fmt = (f"{act} (the activation dtype{', auto' if asked == 'auto' else ''})" if wire is None
+           else f"{wire.describe()}, {wire.row_bytes(H)} bytes a token against {row}")
+    where = "" if lo.ep > 1 else " (ep 1: no token leaves its rank)"
+    return (f"  ep wire: dispatch forward in {fmt}; the combine and every backward exchange in {act} "
+            f"(straight-through gradient){where}")
 
 
 def _attention_shape_line(m: Any) -> str:

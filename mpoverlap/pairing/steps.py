@@ -127,7 +127,8 @@ class _AllToAllChunk:
 
     def dispatch(self, tape: Tape, name: str) -> list:
         c = self.ctx
-        return [Exchange(tape, name, self.x_perm, self.d.group, self.d.ledger, splits=(c["out_splits"], c["in_splits"]))]
+        return [Exchange(tape, name, self.x_perm, self.d.group, self.d.ledger, splits=(c["out_splits"], c["in_splits"]),
+                         wire=self.d.wire)]
 
     def experts(self, layer, received: list):
         tokens, rows_per_expert = self.d.received_to_experts(received[0], self.ctx)
@@ -154,7 +155,8 @@ class _AllGatherChunk:
 
     def dispatch(self, tape: Tape, name: str) -> list:
         x, ids, w = self.sent
-        return [Exchange(tape, f"{name}.{what}", t, self.d.group, self.d.ledger, kind="gather", size=self.d.size)
+        return [Exchange(tape, f"{name}.{what}", t, self.d.group, self.d.ledger, kind="gather", size=self.d.size,
+                         wire=self.d.wire if what == "x" else None)
                 for what, t in (("x", x), ("weights", w), ("ids", ids))]
 
     def experts(self, layer, received: list):

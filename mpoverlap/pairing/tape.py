@@ -150,15 +150,19 @@ class Exchange:
     """One ep collective of `send` between two segments (`kind`: see `_collective`; an a2a
     takes `splits=(out_splits, in_splits)`, a gather or scatter the group `size`); the received
     buffer is the next segment's input. Its backward runs the reverse collective (a2a with the
-    splits swapped, gather <-> scatter), unless `send` carries no gradient (routing ids)."""
+    splits swapped, gather <-> scatter), unless `send` carries no gradient (routing ids).
+    `wire` (moe/dispatch_wire.py, a dispatch's token rows only): the rows travel as
+    `wire.depart(send)` and the received buffer is `wire.arrive(...)` in send's dtype once
+    waited; the reverse exchange carries the gradient as it is (straight-through)."""
 
     def __init__(self, tape: Tape, name: str, send: torch.Tensor, group, ledger, *, kind: str = "a2a",
-                 splits=(None, None), size: int = 1, record: bool = True) -> None:
+                 splits=(None, None), size: int = 1, record: bool = True, wire=None) -> None:
         self.name, self.send, self.group, self.ledger = name, send, group, ledger
-        self.kind, self.size = kind, size
+        self.kind, self.size, self.wire = kind, size, wire
         self.out_splits, self.in_splits = splits
-        self.handle, self.recv = _collective(kind, send.detach().contiguous(), group, ledger, self.out_splits,
-                                             self.in_splits, size)
+        sent = send.detach().contiguous()
+        self.handle, self.recv = _collective(kind, sent if wire is None else wire.depart(sent), group, ledger,
+                                             self.out_splits, self.in_splits, size)
         self._grad_out = self._grad_handle = None
         tape.log("F", "issue", name)
         if record:
@@ -169,6 +173,8 @@ class Exchange:
         itself (where the backward should issue the reverse exchange)."""
         self.handle.wait()
         self.handle = None
+        if self.wire is not None:  # the rows in the dtype they were sent in
+            self.recv = self.wire.arrive(self.recv, self.send.shape[1], self.send.dtype)
         tape.log("F", "wait", self.name)
         if record:
             tape.entries.append(self.waited_entry())

@@ -33,5 +33,8 @@ def run(mode: str, args: List[str]) -> int:
     if problems:
         print(render_problems(problems), file=sys.stderr)
         return EXIT_INVALID
-    print(render(cfg, hw, simulate(cfg, hw)))
+    from mpoverlap.simulate.formats import format_lines
+
+    result = simulate(cfg, hw)
+    print("\n".join([render(cfg, hw, result), *format_lines(cfg, hw, args, result)]))
     return 0

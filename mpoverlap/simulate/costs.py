@@ -23,7 +23,7 @@ from typing import Any, Dict, List
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
-from mpoverlap.overlap.estimate.comm import comm_ops, replayed_ops
+from mpoverlap.overlap.estimate.comm import comm_ops, ep_forward_share, replayed_ops
 from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, expert_ffn, is_moe_layer, mlp_mult,
                                                shared_expert_ffn, stage_layers, stage_params)
 from mpoverlap.pipeline.actions import stage_of
@@ -151,7 +151,8 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
             if moe:
                 wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], ep_chunks(cfg),
-                           gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe))
+                           gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe),
+                           ep_forward_share(cfg, c))
                 # pairing's sub-steps: the router before the dispatch, the GEMMs after it; the
                 # forward's counts exchange (its few bytes are in the volume): one call's latency
                 counts = steps("all_to_all", lo.ep) * links["ep"].latency if wire else 0.0
@@ -233,9 +234,10 @@ def _moe_pass(total: float, experts: float, shared: float, wire: float, counts: 
 
 
 def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks: int, experts: float,
-        shared: float, share: int) -> Dict[str, float]:
+        shared: float, share: int, forward: float = 0.5) -> Dict[str, float]:
     """EP per MoE layer pass: the token exchanges (dispatch and combine, ep_chunks each) under
-    the experts' `experts` seconds of forward (twice in backward) and the shared expert's.
+    the experts' `experts` seconds of forward (twice in backward) and the shared expert's;
+    `forward` of the pass's bytes move in forward (less than half with an fp8 dispatch).
     Returns the exchanges' seconds per pass ({"F", "B"}; {} without EP)."""
     wire: Dict[str, float] = {}
     if lo.ep <= 1:
@@ -246,7 +248,8 @@ def _ep(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, chunks:
     op = ops[0][1]
     main = sum(o[2] for o in ops) / share
     again = sum(o[2] for o in _mode_ops(replay, "ep")) / share
-    for kind, nbytes, under, sh in (("F", main / 2, experts, shared), ("B", main / 2 + again, 2 * experts, 2 * shared)):
+    for kind, nbytes, under, sh in (("F", main * forward, experts, shared),
+                                    ("B", main * (1 - forward) + again, 2 * experts, 2 * shared)):
         t = collective_time(op, nbytes, lo.ep, link, 2 * chunks)
         exposed = ep_chunks_exposed(t / 2, t / 2, under, chunks, sh, backward=kind == "B") if on else t
         cost.add(kind, "ep", t, exposed)

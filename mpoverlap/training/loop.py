@@ -23,6 +23,7 @@ from mpoverlap.data_parallel.grad_wire import error_feedback_on, is_wire
 from mpoverlap.data_parallel.levels import param_gather_dtype, resolve_level, shards_grads
 from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import update_expert_biases
+from mpoverlap.moe.dispatch_wire import resolve_dispatch_wire
 from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.pairing import train_paired
 from mpoverlap.parallel import ParallelState
@@ -67,7 +68,8 @@ class Trainer(Resumable, RunLoop):
         if cfg.model.num_experts > 0:
             moe = moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=ep_chunks(cfg), ledger=self.ledger,
                              sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
-                             etp=state.grid.etp, capacity_padding=not self.overlap.ep_pairing.enabled)
+                             etp=state.grid.etp, capacity_padding=not self.overlap.ep_pairing.enabled,
+                             dispatch_wire=resolve_dispatch_wire(t.ep_dispatch_dtype, t.precision))
         layout = schedule_layout(cfg.parallel, cfg.parallel.vpp)
         self.chunks = [c.to(state.device) for c in build_chunks(
             cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, layout=layout, tp=self.tp, moe=moe,

@@ -151,6 +151,9 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
     if lo.ep > 1 and moe_here:
         # Each rank dispatches the tokens it runs its experts on: with etp, the tp group's.
         tokens = b * (s_cp if etp > 1 else s_hidden)
+        # A token row of the dispatch's forward exchange on the wire (train.ep_dispatch_dtype);
+        # the combine and the backward exchanges carry H * c.
+        d = dispatch_row_bytes(cfg, c)
         if m.moe_dispatcher == "allgather":
             # Per MoE layer and microbatch, summed over chunks: forward all-gathers of the
             # tokens, router weights (fp32) and expert ids (int64) and the combine's
@@ -158,21 +161,21 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # gradient (tokens, weights) and an all-gather for the combine. The ledger counts
             # the gathered size for both (an all-gather's output, a reduce-scatter's input).
             # Plus one all_gather of every chunk's per-expert counts (int64), before the tokens.
-            gathered = (lo.ep * tokens * (2 * H * c + m.moe_top_k * 4 + m.moe_top_k * 8)
+            gathered = (lo.ep * tokens * (d + H * c + m.moe_top_k * 4 + m.moe_top_k * 8)
                         + lo.ep * min(ep_chunks(cfg), tokens) * m.num_experts * 8) * moe_here * micro
             scattered = lo.ep * tokens * (2 * H * c + m.moe_top_k * 4) * moe_here * micro
             ops += [("ep", "all_gather", gathered, lo.ep), ("ep", "reduce_scatter", scattered, lo.ep)]
         elif padded_queue_rows(cfg, lo, tokens):
             # A capacity (all-to-all, etp 1, no pairing): every expert's queue padded to the
             # capacity, its rows exchanged forward and backward, no counts (moe/dispatcher.py).
-            per_layer = 4 * padded_queue_rows(cfg, lo, tokens) * H * c
+            per_layer = padded_queue_rows(cfg, lo, tokens) * (d + 3 * H * c)
             ops.append(("ep", "all_to_all", per_layer * moe_here * micro, lo.ep))
         else:
             # Dropless all-to-all: the dispatch and the combine exchange every routed (token,
             # expert) slot once forward and once backward (the ledger counts the sent buffer;
             # received sizes vary with routing but average the same), plus one all_to_all of
             # every chunk's per-expert counts (int64).
-            per_layer = 4 * tokens * m.moe_top_k * H * c + min(ep_chunks(cfg), tokens) * m.num_experts * 8
+            per_layer = tokens * m.moe_top_k * (d + 3 * H * c) + min(ep_chunks(cfg), tokens) * m.num_experts * 8
             ops.append(("ep", "all_to_all", per_layer * moe_here * micro, lo.ep))
     return ops + replayed_ops(cfg, lo, busiest, c)
 
@@ -227,19 +230,38 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
     if lo.ep > 1 and n_moe:
         tokens = b * (s_cp // lo.tp if sp else s_cp)
         counts = min(ep_chunks(cfg), tokens) * m.num_experts * 8
+        d = dispatch_row_bytes(cfg, c)  # the replayed dispatch's rows; its combine's H * c
         if m.moe_dispatcher == "allgather":
             k = m.moe_top_k
-            ops.append(("ep", "all_gather", (lo.ep * tokens * (H * c + 12 * k) + lo.ep * counts) * n_moe * micro,
+            ops.append(("ep", "all_gather", (lo.ep * tokens * (d + 12 * k) + lo.ep * counts) * n_moe * micro,
                         lo.ep))
             n = min(ep_chunks(cfg), tokens)  # the layer's chunks: bounds i * T // n
             before_last = (n - 1) * tokens // n
             if before_last:
                 ops.append(("ep", "reduce_scatter", lo.ep * before_last * H * c * n_moe * micro, lo.ep))
         elif padded_queue_rows(cfg, lo, tokens):
-            ops.append(("ep", "all_to_all", 2 * padded_queue_rows(cfg, lo, tokens) * H * c * n_moe * micro, lo.ep))
+            ops.append(("ep", "all_to_all", padded_queue_rows(cfg, lo, tokens) * (d + H * c) * n_moe * micro, lo.ep))
         else:
-            ops.append(("ep", "all_to_all", (2 * tokens * m.moe_top_k * H * c + counts) * n_moe * micro, lo.ep))
+            ops.append(("ep", "all_to_all", (tokens * m.moe_top_k * (d + H * c) + counts) * n_moe * micro, lo.ep))
     return ops
+
+
+def dispatch_row_bytes(cfg: Any, c: int) -> int:
+    """Bytes of one token row the dispatch's forward exchange carries: H * c (the activation
+    dtype), 2H (bf16 on the wire) or fp8's H + 4 per block of 128 (moe/dispatch_wire.py)."""
+    from mpoverlap.moe.dispatch_wire import dispatch_row_bytes as row_bytes
+
+    t = cfg.train
+    return row_bytes(str(getattr(t, "ep_dispatch_dtype", "auto")), str(t.precision), cfg.model.hidden_size, c)
+
+
+def ep_forward_share(cfg: Any, c: int) -> float:
+    """The forward's share of a MoE layer pass's token bytes (dispatch + combine forward against
+    their two reverse exchanges): 1/2 when every exchange carries H * c bytes a row, less with
+    a compressed dispatch (the backward stays in the activation dtype)."""
+    H = cfg.model.hidden_size
+    d = dispatch_row_bytes(cfg, c)
+    return (d + H * c) / (d + 3 * H * c)
 
 
 def padded_queue_rows(cfg: Any, lo: Layout, tokens: int) -> int:
