@@ -11,6 +11,16 @@ and step them alternately in blocks (rotating order), in the same processes:
                   overlap.dp_param_gather=true (reduce-scatter + overlapped param all-gather)
   local_no_comm   the bare model, same loop, no gradient reduction: the compute-only floor
 
+Wire formats (not in the default set; --variants picks them, --formats all of them at once):
+
+  mpo_bf16             mpo_overlap with train.grad_reduce_dtype=bf16
+  mpo_int8_ef          ... int8 with error feedback (train.grad_error_feedback=auto)
+  mpo_fp8_ef           ... fp8 (e4m3) with error feedback
+  torch_ddp_bf16_hook  torch_ddp with DDP's bf16_compress_hook (called through a wrapper: DDP
+                       refuses to register it by name without CUDA/NCCL; gloo runs its bf16 all-reduce)
+  torch_ddp_powersgd   torch_ddp with DDP's powerSGD_hook (rank 4, error feedback, warm start,
+                       compressing from the second iteration)
+
 Per variant: the median step time (slowest rank of each step), CPU time per step (both ranks'
 processes, all threads, plus the machine's irq/softirq time), bytes on the loopback per step,
 and for mpoverlap the ledger's per-step figures (mode "dp": ops, bytes, in-flight time_s,
@@ -26,6 +36,8 @@ Run it inside `bench/netns.sh` so the loopback is a rate-limited link; on a bare
 the communication is nearly free on the wire and costs CPU instead (docs/benchmarks.md).
 
     python -m bench.dp_overlap [--block 5] [--repeats 6] [--layers 8] [--json F] [--link TEXT]
+    python -m bench.dp_overlap --formats --layers 8 --hidden 256 --heads 8 --ffn 1024 --seq 128 \
+        --micro-batch 2 --global-batch 4
 """
 from __future__ import annotations
 
@@ -46,10 +58,30 @@ VARIANTS = {
     "mpo_zero1": ["overlap.dp=true", "train.distributed_optimizer=true", "overlap.dp_param_gather=true"],
     "local_no_comm": None,
 }
+DEFAULT_VARIANTS = tuple(VARIANTS)
+_PLAIN = ["overlap.dp=true", "train.distributed_optimizer=false"]
+FORMAT_VARIANTS = {
+    "mpo_overlap": VARIANTS["mpo_overlap"],
+    "mpo_bf16": [*_PLAIN, "train.grad_reduce_dtype=bf16"],
+    "mpo_int8_ef": [*_PLAIN, "train.grad_reduce_dtype=int8"],
+    "mpo_fp8_ef": [*_PLAIN, "train.grad_reduce_dtype=fp8"],
+    "torch_ddp": None,
+    "torch_ddp_bf16_hook": None,
+    "torch_ddp_powersgd": None,
+    "local_no_comm": None,
+}
+VARIANTS.update(FORMAT_VARIANTS)
+# The torch DDP sides: (wrapped in DDP, communication hook)
+TORCH_SIDES = {"torch_ddp": (True, None), "torch_ddp_bf16_hook": (True, "bf16"),
+               "torch_ddp_powersgd": (True, "powersgd"), "local_no_comm": (False, None)}
 
 
 def _base_overrides(args) -> List[str]:
-    return ["parallel.dp=2", f"model.num_layers={args.layers}", f"overlap.dp_bucket_mb={args.bucket_mb}",
+    shape = [f"model.{key}={value}" for key, value in (("hidden_size", getattr(args, "hidden", 0)),
+                                                       ("num_attention_heads", getattr(args, "heads", 0)),
+                                                       ("ffn_hidden_size", getattr(args, "ffn", 0)),
+                                                       ("seq_length", getattr(args, "seq", 0))) if value]
+    return ["parallel.dp=2", f"model.num_layers={args.layers}", *shape, f"overlap.dp_bucket_mb={args.bucket_mb}",
             f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
             "train.steps=100000", "train.progress=false", "checkpoint.interval=0",
             "checkpoint.resume=none", f"data.max_bytes={args.data_bytes}"]
@@ -59,7 +91,8 @@ class DDPLoop:
     """torch DDP on the same model class, microbatches and optimizer settings (wrap=False:
     the bare model, nothing reduced)."""
 
-    def __init__(self, cfg: Any, dataset, dp_rank: int, dp_size: int, bucket_mb: float, wrap: bool = True) -> None:
+    def __init__(self, cfg: Any, dataset, dp_rank: int, dp_size: int, bucket_mb: float, wrap: bool = True,
+                 hook: Any = None) -> None:
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
@@ -71,7 +104,30 @@ class DDPLoop:
         self.model = GPT(cfg.model, seed=t.seed)
         # wrap=False: the bare model, no gradient reduction at all (the compute-only floor).
         self.wrap = wrap
-        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=bucket_mb) if wrap else self.model
+        # A hooked DDP gets a process group of its own: PowerSGD chains its all-reduces in future
+        # callbacks, and on the world group they could interleave with another side's collectives.
+        group = None
+        if wrap and hook is not None:
+            import torch.distributed as dist
+
+            group = dist.new_group(list(range(dist.get_world_size())))
+        self.ddp = (DistributedDataParallel(self.model, bucket_cap_mb=bucket_mb, process_group=group) if wrap
+                    else self.model)
+        if hook == "bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            # DDP's own hook, called through a function of another name: register_comm_hook refuses
+            # the name bf16_compress_hook without CUDA/NCCL, but the hook's bf16 all-reduce runs on
+            # gloo as it is.
+            def bf16_hook_on_gloo(state, bucket):
+                return default_hooks.bf16_compress_hook(state, bucket)
+            self.ddp.register_comm_hook(None, bf16_hook_on_gloo)
+        elif hook == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=4,
+                                                start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+            self.ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         self.optimizer = torch.optim.AdamW(adamw_groups(self.model, t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                            foreach=True)
@@ -179,10 +235,10 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             recorders[name] = SpanRecorder(trainers[name].ledger)
         any_trainer = next(iter(trainers.values()))
         sides: Dict[str, Any] = dict(trainers)
-        for name, wrap in (("torch_ddp", True), ("local_no_comm", False)):
+        for name, (wrap, hook) in TORCH_SIDES.items():
             if name in args.variants:
                 sides[name] = DDPLoop(any_trainer.cfg, any_trainer.train_data, any_trainer.dp_rank,
-                                      any_trainer.dp_size, args.bucket_mb, wrap=wrap)
+                                      any_trainer.dp_size, args.bucket_mb, wrap=wrap, hook=hook)
         order = [v for v in VARIANTS if v in sides]
         losses: Dict[str, List[float]] = {k: [] for k in order}
         blocks: List[Dict[str, Any]] = []
@@ -334,7 +390,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=32, help="over both ranks (default 32: 2 microbatches per rank)")
     p.add_argument("--data-bytes", type=int, default=2_000_000)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated subset of " + ",".join(VARIANTS))
+    p.add_argument("--formats", action="store_true",
+                   help="the wire-format variants: " + ",".join(FORMAT_VARIANTS) + " (instead of --variants)")
+    for name in ("hidden", "heads", "ffn", "seq"):
+        p.add_argument(f"--{name}", type=int, default=0, help=f"the model's {name} (default: gpt_tiny's)")
 
 
 def planned(argv: List[str]):
@@ -343,10 +404,13 @@ def planned(argv: List[str]):
     p = argparse.ArgumentParser()
     add_args(p)
     args = p.parse_known_args(argv)[0]
-    return _base_overrides(args), dict(VARIANTS)
+    chosen = FORMAT_VARIANTS if args.formats else [v.strip() for v in args.variants.split(",") if v.strip()]
+    return _base_overrides(args), {v: VARIANTS[v] for v in chosen}
 
 
 def run(args) -> Dict[str, Any]:
+    if getattr(args, "formats", False):
+        args.variants = ",".join(FORMAT_VARIANTS)
     args.variants = [v.strip() for v in (args.variants if isinstance(args.variants, str) else ",".join(args.variants)).split(",") if v.strip()]
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:

@@ -389,3 +389,22 @@ def test_sigterm_stop_bench_layout_validates_at_4_ranks():
     overrides = sigterm_stop.overrides(40)
     assert {"train.log_interval=50", "checkpoint.interval=1", "parallel.tp=2"} <= set(overrides)
     assert validate(compose(overrides), 4) == []
+
+
+def test_dp_overlap_formats_plan_valid_variants():
+    """bench.dp_overlap --formats: every mpoverlap wire-format variant validates at 2 ranks on the
+    layout whose reduction outlasts backward, the torch peers (None) are the DDP sides and their
+    hooks, and the default set is unchanged."""
+    from bench import dp_overlap
+
+    argv = ["--formats", "--layers", "8", "--hidden", "256", "--heads", "8", "--ffn", "1024", "--seq", "128",
+            "--micro-batch", "2", "--global-batch", "4"]
+    base, variants = dp_overlap.planned(argv)
+    assert list(variants) == list(dp_overlap.FORMAT_VARIANTS)
+    assert "model.hidden_size=256" in base and "model.seq_length=128" in base
+    for name, extra in variants.items():
+        if extra is None:
+            assert name in dp_overlap.TORCH_SIDES
+        else:
+            assert validate(compose(base + extra), 2) == [], name
+    assert list(dp_overlap.planned([])[1]) == list(dp_overlap.DEFAULT_VARIANTS)
