@@ -19,7 +19,9 @@ Wire formats (not in the default set; --variants picks them, --formats all of th
   torch_ddp_bf16_hook  torch_ddp with DDP's bf16_compress_hook (called through a wrapper: DDP
                        refuses to register it by name without CUDA/NCCL; gloo runs its bf16 all-reduce)
   torch_ddp_powersgd   torch_ddp with DDP's powerSGD_hook (rank 4, error feedback, warm start,
-                       compressing from the second iteration)
+                       compressing from the second iteration); --variants only, beside mpoverlap's
+                       sides: with another torch DDP side in the same processes the run ends in a
+                       gloo size mismatch, not yet understood
 
 Per variant: the median step time (slowest rank of each step), CPU time per step (both ranks'
 processes, all threads, plus the machine's irq/softirq time), bytes on the loopback per step,
@@ -67,10 +69,12 @@ FORMAT_VARIANTS = {
     "mpo_fp8_ef": [*_PLAIN, "train.grad_reduce_dtype=fp8"],
     "torch_ddp": None,
     "torch_ddp_bf16_hook": None,
-    "torch_ddp_powersgd": None,
     "local_no_comm": None,
 }
 VARIANTS.update(FORMAT_VARIANTS)
+# Selectable with --variants beside mpoverlap's sides only: in one process with another torch DDP
+# side it ends in a gloo size mismatch (not understood yet), so --formats leaves it out.
+VARIANTS["torch_ddp_powersgd"] = None
 # The torch DDP sides: (wrapped in DDP, communication hook)
 TORCH_SIDES = {"torch_ddp": (True, None), "torch_ddp_bf16_hook": (True, "bf16"),
                "torch_ddp_powersgd": (True, "powersgd"), "local_no_comm": (False, None)}
