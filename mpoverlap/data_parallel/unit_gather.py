@@ -48,6 +48,7 @@ class BucketGather:
             raise ValueError(f"a unit gather's format is one of {FORMATS}, got {fmt!r}")
         self.shard = numel // size
         self.size = size
+        # Built once on the host at start-up, the index tensors moved to the bucket's device below.
         mask = torch.zeros(numel, dtype=torch.bool)
         for lo, hi in exact:
             mask[lo:hi] = True

@@ -6,6 +6,14 @@ from mpoverlap.overlap.layout import Layout
 from mpoverlap.overlap.rules import Problem, rule
 
 
+def _nothing_reduced(lo: Layout) -> bool:
+    """A single data-parallel replica (dp x cp = 1) and no expert gradients reduced over tp x edp:
+    no data-parallel reduction (or gather) exists."""
+    from mpoverlap.overlap.config import expert_grad_ranks
+
+    return lo.dp_cp == 1 and expert_grad_ranks(lo) == 1
+
+
 def sharding_level(cfg) -> str:
     """train.dp_sharding, with train.distributed_optimizer=true read as `optim` (the rule
     dp.sharding_conflict refuses it beside a higher level; an unknown value reads as given)."""
@@ -31,9 +39,7 @@ def _sharding_conflict(lo: Layout):
       "overlap.dp=true needs more than one data-parallel replica (dp x cp > 1), or expert "
       "gradients reduced over tp (MoE, sequence parallelism, parallel.etp=1, tp > 1)")
 def _needs_replicas(lo: Layout):
-    from mpoverlap.overlap.config import expert_grad_ranks
-
-    if lo.mode("dp") == "true" and lo.dp_cp == 1 and expert_grad_ranks(lo) == 1:
+    if lo.mode("dp") == "true" and _nothing_reduced(lo):
         yield Problem("dp.overlap_needs_replicas",
                       {"overlap.dp": "true", "parallel.dp": lo.dp, "parallel.cp": lo.cp},
                       "with a single replica there is no gradient reduction to overlap "
@@ -96,8 +102,6 @@ def _gather_needs_replicas(lo: Layout):
       "train.param_gather_dtype=bf16|int8 rounds only ZeRO-3's transient unit gathers, and needs data-parallel "
       "ranks to gather from")
 def _gather_dtype(lo: Layout):
-    from mpoverlap.overlap.config import expert_grad_ranks
-
     asked = str(lo.cfg.train.param_gather_dtype)
     if asked not in ("bf16", "int8"):
         return
@@ -110,7 +114,7 @@ def _gather_dtype(lo: Layout):
                       "on every rank but the shard's owner; it stays fp32 (or shard the parameters: "
                       "train.dp_sharding=optim_grads_params)",
                       ["train.param_gather_dtype=auto"])
-    elif lo.dp_cp == 1 and expert_grad_ranks(lo) == 1:
+    elif _nothing_reduced(lo):
         yield Problem("dp.param_gather_dtype", {**keys, "parallel.dp": lo.dp, "parallel.cp": lo.cp},
                       "with a single data-parallel replica nothing is gathered, so no gather has a dtype "
                       "(or launch more replicas, e.g. parallel.dp=2)",
@@ -122,12 +126,10 @@ def _gather_dtype(lo: Layout):
       "train.grad_reduce_dtype=fp8|int8 quantizes a data-parallel gradient reduction: one must exist, and "
       "tensor-parallel replicas of a weight must reach the same gradient")
 def _grad_reduce_dtype(lo: Layout):
-    from mpoverlap.overlap.config import expert_grad_ranks
-
     asked = str(lo.cfg.train.grad_reduce_dtype)
     if asked not in ("fp8", "int8"):
         return
-    if lo.dp_cp == 1 and expert_grad_ranks(lo) == 1:
+    if _nothing_reduced(lo):
         yield Problem("dp.grad_reduce_dtype",
                       {"train.grad_reduce_dtype": asked, "parallel.dp": lo.dp, "parallel.cp": lo.cp},
                       "with a single data-parallel replica no gradient is reduced, so nothing would be quantized "
