@@ -171,21 +171,23 @@ def sample_index(global_sample: int, num_samples: int, seed: int) -> int:
     return int(_epoch_permutation(int(seed), int(num_samples), epoch)[pos])
 
 
-def global_batch(dataset, step: int, global_batch_size: int, seed: int) -> torch.Tensor:
-    """LongTensor[G, S+1] of global samples [step*G, (step+1)*G), same on every rank."""
+def batch_rows(dataset, first: int, count: int, seed: int) -> torch.Tensor:
+    """LongTensor[count, S+1] of global samples [first, first + count)."""
     n = len(dataset)
-    first = int(step) * int(global_batch_size)
+    first = int(first)
     if hasattr(dataset, "sample"):  # a blend (blend.py) orders its own samples
-        rows = [dataset.sample(g, seed) for g in range(first, first + global_batch_size)]
+        rows = [dataset.sample(g, seed) for g in range(first, first + count)]
     else:
-        rows = [dataset[sample_index(g, n, seed)] for g in range(first, first + global_batch_size)]
+        rows = [dataset[sample_index(g, n, seed)] for g in range(first, first + count)]
     return torch.stack(rows)
 
 
-def rank_microbatches(batch_GS: torch.Tensor, dp_rank: int, dp_size: int,
-                      micro_batch_size: int) -> List[torch.Tensor]:
-    """This DP rank's contiguous G/dp samples, split into G/dp/mbs microbatches [mbs, S+1]."""
-    G = batch_GS.shape[0]
+def global_batch(dataset, step: int, global_batch_size: int, seed: int) -> torch.Tensor:
+    """LongTensor[G, S+1] of global samples [step*G, (step+1)*G), same on every rank."""
+    return batch_rows(dataset, int(step) * int(global_batch_size), int(global_batch_size), seed)
+
+
+def _samples_per_rank(G: int, dp_size: int, micro_batch_size: int) -> int:
     if G % dp_size:
         raise ValueError(f"train.global_batch_size={G} is not divisible by the data-parallel "
                          f"size {dp_size}")
@@ -193,5 +195,21 @@ def rank_microbatches(batch_GS: torch.Tensor, dp_rank: int, dp_size: int,
     if per_rank % micro_batch_size:
         raise ValueError(f"train.global_batch_size={G} / dp={dp_size} = {per_rank} samples per "
                          f"rank is not divisible by train.micro_batch_size={micro_batch_size}")
+    return per_rank
+
+
+def rank_microbatches(batch_GS: torch.Tensor, dp_rank: int, dp_size: int,
+                      micro_batch_size: int) -> List[torch.Tensor]:
+    """This DP rank's contiguous G/dp samples, split into G/dp/mbs microbatches [mbs, S+1]."""
+    per_rank = _samples_per_rank(batch_GS.shape[0], dp_size, micro_batch_size)
     mine = batch_GS[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     return list(mine.split(micro_batch_size))
+
+
+def rank_batch(dataset, step: int, global_batch_size: int, seed: int, dp_rank: int, dp_size: int,
+               micro_batch_size: int) -> List[torch.Tensor]:
+    """`rank_microbatches(global_batch(...))` without building the other ranks' samples: this
+    DP rank's G/dp samples of step `step`, as G/dp/mbs microbatches [mbs, S+1]."""
+    per_rank = _samples_per_rank(int(global_batch_size), dp_size, micro_batch_size)
+    first = int(step) * int(global_batch_size) + dp_rank * per_rank
+    return list(batch_rows(dataset, first, per_rank, seed).split(micro_batch_size))

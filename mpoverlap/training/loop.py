@@ -30,10 +30,11 @@ from mpoverlap.parallel import ParallelState
 from mpoverlap.precision import DTYPES, autocast_context, step_cast_cache
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
 from mpoverlap.training.checkpoint import Checkpointer, checkpoint_io_group
-from mpoverlap.training.data import build_datasets, global_batch, rank_microbatches
+from mpoverlap.training.data import build_datasets, rank_batch, rank_microbatches
 from mpoverlap.training.faults import FaultInjector
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.node_failure import lost_peer
+from mpoverlap.training.prefetch import BatchPrefetcher
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks, schedule_layout, tie_spans_stages
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.run_loop import RunLoop
@@ -115,6 +116,8 @@ class Trainer(Resumable, RunLoop):
         # sequence), so the batch is sliced by the dp coordinate alone.
         self.dp_rank = state.coords.dp
         self.dp_size = state.grid.dp
+        # The next step's microbatches (this rank's only) are built while this step runs.
+        self.batches = BatchPrefetcher(self._rank_batch, state.device)
         # The router losses are attached inside each MoE layer (they live on every pipeline
         # stage); like the LM loss, each microbatch's share is 1 / microbatches.
         num_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
@@ -142,6 +145,11 @@ class Trainer(Resumable, RunLoop):
                                            pairing=self.overlap.ep_pairing.enabled)
 
     # ---- one optimizer step -------------------------------------------------------------
+    def _rank_batch(self, step: int):
+        t = self.cfg.train
+        return rank_batch(self.train_data, step, t.global_batch_size, t.seed, self.dp_rank, self.dp_size,
+                          t.micro_batch_size)
+
     def _split(self, mb_BS1: torch.Tensor):
         """A microbatch of windows [B, S+1] -> (tokens, targets, position_ids) of this rank:
         with context parallelism the load-balanced share of every sequence and its global
@@ -164,11 +172,13 @@ class Trainer(Resumable, RunLoop):
 
     def close(self) -> None:
         """End of the run: wait what is still in flight (a save, parameter gathers, gradient
-        reductions, the ledger's background waits) and remove the gradient hooks, the one link
-        to this trainer that Python's collector cannot see (DataParallel.close). Once the trainer
+        reductions, the ledger's background waits, the batch built ahead) and remove the
+        gradient hooks, the one link to this trainer that Python's collector cannot see
+        (DataParallel.close). Once the trainer
         is unreachable, `shutdown_distributed` then frees its process groups, and joins their
         threads, before interpreter exit. Idempotent."""
         self.checkpointer.wait(raise_error=False)
+        self.batches.close()
         self.optimizer.finish_param_sync()
         self.ddp.close()
         self.ledger.close()
@@ -179,8 +189,7 @@ class Trainer(Resumable, RunLoop):
         t = self.cfg.train
         self.faults.at_step(self.step + 1)
         lr = self.schedule(self.step)
-        batch = global_batch(self.train_data, self.step, t.global_batch_size, t.seed)
-        micro = rank_microbatches(batch, self.dp_rank, self.dp_size, t.micro_batch_size)
+        micro = self.batches.get(self.step, self.step + 1 if self.step + 1 < t.steps else None)
         t0 = time.perf_counter()
         self.ddp.start_step()
         # each weight cast to bf16 once a step, not once a microbatch; its gradient added in place

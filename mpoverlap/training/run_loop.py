@@ -80,6 +80,7 @@ class RunLoop:
             self.checkpointer.wait()
         finally:
             self.checkpointer.wait(raise_error=False)  # never leave a thread writing behind an error
+            self.batches.close()  # the batch-ahead thread ends with the run (an error and a SIGTERM stop too)
             profiler.close()
             self.stop.restore()
             progress.close()
