@@ -190,6 +190,7 @@ def render(results: Dict[str, Any]) -> str:
             out += _throughput_rows(shape, r)
         else:
             out.append(f"| {shape} | {r.get('status', 'no result')}: {r.get('reason', '')} | | | | | | | | | |")
+    out += priority_lines(shapes)
     figures = comparisons(shapes)
     if figures:
         out += ["", "### The Trainer against the plain loops and the simulator", "", "| shape | figure | measured |",
@@ -258,3 +259,15 @@ def write(out_dir: Path, results: Dict[str, Any]) -> None:
         tmp = out_dir / (name + ".tmp")
         tmp.write_text(text)
         tmp.replace(out_dir / name)
+
+
+def priority_lines(shapes: Dict[str, Any]) -> List[str]:
+    """Which process groups each Trainer side created with NCCL's high-priority streams
+    (overlap.comm_priority, `ParallelState.high_priority`); a one-GPU run has no group."""
+    rows = [(shape, side, row["high_priority_groups"]) for shape, r in shapes.items()
+            for side, row in (r.get("sides") or {}).items() if "high_priority_groups" in row]
+    if not rows:
+        return []
+    return (["", "High-priority NCCL streams (overlap.comm_priority): "
+             + "; ".join(f"{shape} {side}: {', '.join(kinds) or 'none (no process group at world 1)'}"
+                         for shape, side, kinds in rows)])

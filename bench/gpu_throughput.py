@@ -284,6 +284,8 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
             row["top_kernels"], row["gpu_ms"] = kernels[:40], gpu_time_by_kind(kernels)
             if side != "compiled":  # a dispatch mode around compiled regions could recompile them
                 row.update(launches_per_step(runner.train_step, device))
+            if side in ("mpoverlap", "compiled"):  # overlap.comm_priority: the kinds created high-priority
+                row["high_priority_groups"] = list(runner.state.high_priority)
             if side == "mpoverlap":  # two more profiled steps: the Trainer's eager step only (time budget)
                 row["host"] = host_profile(runner.train_step, device, lambda: _sync(device))
             result["sides"][side] = row

@@ -139,6 +139,10 @@ class OverlapConfig:
     # flight under the other's computation. Composes with ep_chunks (the chunks of each layer).
     # Default false: it holds one more microbatch of activations (mpoverlap-check states how much).
     ep_pairing: Any = "false"
+    # auto | high | normal: on CUDA/NCCL the process groups of the modes that are on (their
+    # handles are waited under compute) are created with NCCL's high-priority streams (auto =
+    # high); normal creates every group without options. No effect on gloo (mpoverlap/overlap/priority.py).
+    comm_priority: str = "auto"
 
 
 @dataclass

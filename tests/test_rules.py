@@ -18,7 +18,7 @@ FAILING = {
                     (["checkpoint.interval=-1"], None), (["train.lr_decay_steps=0"], None)],
     "value.choice": [(["model.norm=batchnorm"], None), (["overlap.dp=sometimes"], None),
                      (["train.compile_backend=tvm"], None),
-                     (["overlap.ep_pairing=maybe"], None),
+                     (["overlap.ep_pairing=maybe"], None), (["overlap.comm_priority=highest"], None),
                      (["train.dp_sharding=zero3"], None),
                      (["train.device=tpu"], None), (["checkpoint.resume=maybe"], None),
                      (["parallel.cp_comm=ring"], None), (["train.precision=fp16"], None),

@@ -10,6 +10,7 @@ from mpoverlap.overlap.estimate.comm import padded_queue_rows
 from mpoverlap.overlap.estimate.params import etp_size, expert_ffn, model_params, shared_expert_ffn
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.placement import placement_lines
+from mpoverlap.overlap.priority import priority_line
 from mpoverlap.overlap.rules import Problem
 from mpoverlap.parallel.grid import RankGrid
 from mpoverlap.pipeline.actions import ScheduleError
@@ -75,6 +76,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         lines.append(f"    overlap.{name:<16} {state.requested:>5} -> {flag}  {state.reason}")
     if ov.dp.enabled or ov.dp.requested == "false":
         lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
+    lines.append(priority_line(cfg, world_size, device_type))
     if cfg.model.num_experts > 0:
         n, asked = ep_chunks(cfg), str(cfg.overlap.ep_chunks)
         padded = padded_queue_rows(cfg, lo, _routed_tokens(cfg, lo)) if lo.ep > 1 else 0

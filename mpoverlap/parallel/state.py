@@ -28,6 +28,9 @@ class ParallelState:
     # Each rank's hostname, index = global rank (gathered once in `create`): which ranks share
     # a node, for the plan and for anything that must know what crosses the inter-node link.
     hosts: Tuple[str, ...] = ()
+    # The kinds whose groups were created with NCCL's high-priority streams
+    # (overlap.comm_priority; empty on gloo, which has no streams).
+    high_priority: Tuple[str, ...] = ()
 
     @property
     def coords(self) -> RankCoords:
@@ -66,12 +69,13 @@ class ParallelState:
 
     @classmethod
     def create(cls, grid: RankGrid, device: torch.device, timeout_s: float = 300.0,
-               skip: Sequence[str] = ()) -> "ParallelState":
+               skip: Sequence[str] = (), high_priority: Sequence[str] = ()) -> "ParallelState":
         """Build every group of the grid except the kinds in `skip` (kinds the caller never
         uses: each NCCL group is a communicator with its own memory and set-up time).
         Collective: every rank must call it with the same `skip`, because `new_group` is
         itself collective over the world and must be called in the same order everywhere;
-        the order is GROUP_KINDS' order, decided here and not by first use."""
+        the order is GROUP_KINDS' order, decided here and not by first use. On nccl the kinds in
+        `high_priority` (overlap/priority.py high_priority_kinds) get high-priority streams."""
         if not dist.is_initialized():
             raise RuntimeError("ParallelState.create needs torch.distributed to be initialised")
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -91,9 +95,20 @@ class ParallelState:
                 if len(ranks) < 2:
                     continue
                 # new_group must be called by every rank for every group, members or not.
-                pg = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+                pg = dist.new_group(ranks=ranks, backend=backend, timeout=timeout,
+                                    pg_options=nccl_group_options(kind, high_priority, backend))
                 if rank in ranks:
                     groups[kind] = pg
         hosts: list = [None] * world
         dist.all_gather_object(hosts, socket.gethostname())
-        return cls(grid=grid, rank=rank, device=device, backend=backend, groups=groups, hosts=tuple(hosts))
+        prioritized = tuple(k for k in groups if backend == "nccl" and k in high_priority and groups[k] is not None)
+        return cls(grid=grid, rank=rank, device=device, backend=backend, groups=groups, hosts=tuple(hosts),
+                   high_priority=prioritized)
+
+
+def nccl_group_options(kind: str, high_priority: Sequence[str], backend: str) -> Any:
+    """`pg_options` of a kind's groups: NCCL's high-priority-stream option on the nccl backend
+    for a kind in `high_priority`; None (torch's default options) otherwise."""
+    if backend != "nccl" or kind not in high_priority:
+        return None
+    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from mpoverlap.config import world_size_from_env
 from mpoverlap.overlap.cuda_env import device_choice, visible_gpus
 from mpoverlap.overlap.layout import build_layout
+from mpoverlap.overlap.priority import high_priority_kinds
 from mpoverlap.parallel import ParallelState, RankGrid
 
 # Group kinds the training loop never uses (checked with grep: only tests build DDP over "dp").
@@ -58,7 +59,8 @@ def init_distributed(cfg: Any) -> ParallelState:
     moe_sp = cfg.model.num_experts > 0 and bool(cfg.parallel.sequence_parallel)
     skip = unused_group_kinds(moe_sp and lo.tp > 1 and lo.cp > 1,
                               moe_sp and grid.expert_grad_kind(True) == "tp_edp")
-    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s), skip=skip)
+    return ParallelState.create(grid, device, timeout_s=float(cfg.train.comm_timeout_s), skip=skip,
+                                high_priority=high_priority_kinds(cfg, dist.get_world_size()))
 
 
 def shutdown_distributed() -> None:
