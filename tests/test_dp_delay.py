@@ -86,3 +86,33 @@ def test_bf16_within_the_undelayed_noise(runs, name):
     assert _deviation(runs, name) < bound, (noise, runs[name], runs[LAYOUTS[name][2]])
     undelayed = runs[LAYOUTS[f"{name}_nodelay"][2]]
     assert max(rel(r["loss"], w["loss"]) for r, w in zip(runs[name], undelayed)) > 1e-3
+
+
+REFUSED = {
+    "dp.delay_sharding": ["parallel.dp=2", "train.dp_sharding=optim_grads"],
+    "dp.delay_grad_wire": ["parallel.dp=2", "train.grad_reduce_dtype=int8"],
+    "dp.delay_pipeline": ["parallel.dp=2", "parallel.pp=2"],
+    "dp.delay_moe": ["model=moe_tiny", "parallel.dp=2"],
+}
+
+
+@pytest.mark.parametrize("rule_id", sorted(REFUSED))
+def test_refused_combinations_exit_2_before_any_worker(rule_id, capsys):
+    from mpoverlap.train import _compose_and_validate
+
+    cfg, code = _compose_and_validate([*SMALL, *DELAY, *REFUSED[rule_id]], None)
+    err = capsys.readouterr().err
+    assert cfg is None and code == 2
+    assert f"[{rule_id}]" in err and "overlap.dp_delay=1" in err and "fix:" in err
+    # the same layout without the delay is valid
+    assert _compose_and_validate([*SMALL, *REFUSED[rule_id]], None)[1] is None
+
+
+def test_zero3_and_delay_values_refused(capsys):
+    from mpoverlap.train import _compose_and_validate
+
+    assert _compose_and_validate([*SMALL, *DELAY, "parallel.dp=2", "train.dp_sharding=optim_grads_params"],
+                                 None)[1] == 2
+    assert "[dp.delay_sharding]" in capsys.readouterr().err
+    assert _compose_and_validate([*SMALL, "overlap.dp_delay=2"], None)[1] == 2
+    assert "[dp.delay_value]" in capsys.readouterr().err
