@@ -17,8 +17,8 @@ So after `finish_grad_sync()` of step t+1 the gradient buffer holds step t's red
 step t+1's update applies step t's gradient. The first step has no previous gradient: its
 buffer is zero and `has_delayed_grad` is False (the trainer makes no update there). A bucket
 reduced over a group of one (dp 1) takes the same path without a collective, which makes dp 1
-the single-process reference of the same math. `pending_grad()` / `load_pending_grad()` hand
-the gradient still in flight to a checkpoint and back.
+the single-process reference of the same math. A checkpoint waits the reductions in flight
+and saves `delayed_result(b)` (checkpoint/train_state.py); a resumed run applies it next.
 """
 from __future__ import annotations
 
@@ -101,17 +101,13 @@ class DelayedGrads:
         for b in sorted(self._delayed):
             self._delayed.pop(b).wait()
 
-    def pending_grad(self) -> List[torch.Tensor]:
-        """The reduced gradient of the last step, not applied yet: one tensor per bucket (this
-        rank's shard of it under ZeRO-1), or [] when none is held. Waits what is in flight."""
-        if not (self.delay and self.has_delayed_grad):
-            return []
-        self.wait_delayed()
-        return [self._result_of(b.index) for b in self.buffer.buckets]
+    def delayed_result(self, b: int):
+        """(tensor, its first element's buffer offset): where bucket b's delayed gradient is
+        held (ZeRO-1: this rank's shard of it). A checkpoint saves and loads it in place."""
+        if self._rs_out[b] is not None:
+            return self._rs_out[b], self.shard_range(b)[0]
+        return self._send[b], self.buffer.buckets[b].offset
 
-    def load_pending_grad(self, tensors: List[torch.Tensor]) -> None:
-        """A checkpoint's `pending_grad()`: the next step applies it, as the saving run would have."""
-        with torch.no_grad():
-            for b, t in zip(self.buffer.buckets, tensors):
-                self._result_of(b.index).copy_(t)
+    def loaded_delayed_grad(self) -> None:
+        """A checkpoint filled the delayed gradient: the next step applies it."""
         self.has_delayed_grad = True
