@@ -44,10 +44,30 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def second_buffer_bytes(trainer):
+    """The bytes of the delayed path's second buffer and scratch this rank allocated."""
+    ddp = trainer.ddp
+    held = sum(s.numel() * s.element_size() for s in ddp._send if s is not None) if ddp.delay else 0
+    held += ddp._scratch.numel() * ddp._scratch.element_size() if ddp._scratch is not None else 0
+    return lambda: held
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     specs = {n: (w, [*SMALL, *ov], STEPS) for n, (w, ov, _) in LAYOUTS.items()}
-    return train_layouts(specs, tmp_path_factory.mktemp("dp_delay"))
+    return train_layouts(specs, tmp_path_factory.mktemp("dp_delay"), probe=second_buffer_bytes)
+
+
+@pytest.mark.parametrize("name", ["ref", "dp2", "dp2_zero1", "dp2_bf16_reduce", "dp4", "dp2_tp2_sp"])
+def test_estimate_counts_the_second_buffer(runs, name):
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
+    world, overrides, _ = LAYOUTS[name]
+    est = estimate(compose([*SMALL, *overrides]), world).stages[0].memory_bytes["dp_delay_grads"]
+    measured = max(runs[name][0]["probe"])
+    assert abs(measured - est) <= 0.1 * est, (name, measured, est)
+    assert "dp_delay_grads" not in estimate(compose(SMALL), 1).stages[0].memory_bytes
 
 
 def _deviation(runs, name) -> float:
@@ -135,3 +155,13 @@ def test_resumed_run_continues_exactly(tmp_path):
         full, part = rows(tmp_path / f"{name}_full"), rows(tmp_path / f"{name}_part")
         assert [r["step"] for r in part] == list(range(1, 7))
         assert [(r["loss"], r["grad_norm"]) for r in part] == [(r["loss"], r["grad_norm"]) for r in full], name
+
+
+def test_plan_warns_that_the_update_is_one_step_stale():
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.plan import render_plan
+
+    plan = render_plan(compose([*SMALL, *DELAY, "parallel.dp=2"]), 2)
+    assert "warning: overlap.dp_delay=1" in plan and "one step stale" in plan
+    assert "second gradient buffer" in plan  # the estimate's line
+    assert "dp_delay" not in render_plan(compose([*SMALL, "parallel.dp=2"]), 2)
