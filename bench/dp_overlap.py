@@ -18,6 +18,8 @@ Wire formats (not in the default set; --variants picks them, --formats all of th
   mpo_fp8_ef           ... fp8 (e4m3) with error feedback
   torch_ddp_bf16_hook  torch_ddp with DDP's bf16_compress_hook (called through a wrapper: DDP
                        refuses to register it by name without CUDA/NCCL; gloo runs its bf16 all-reduce)
+  mpo_delay1           mpo_overlap with overlap.dp_delay=1 (--delay: beside mpo_overlap and
+                       local_no_comm, with each side's memory and a fresh --curve-steps loss curve)
   torch_ddp_powersgd   torch_ddp with DDP's powerSGD_hook (rank 4, error feedback, warm start,
                        compressing from the second iteration); --variants only, beside mpoverlap's
                        sides: with another torch DDP side in the same processes the run ends in a
@@ -40,6 +42,8 @@ the communication is nearly free on the wire and costs CPU instead (docs/benchma
     python -m bench.dp_overlap [--block 5] [--repeats 6] [--layers 8] [--json F] [--link TEXT]
     python -m bench.dp_overlap --formats --layers 8 --hidden 256 --heads 8 --ffn 1024 --seq 128 \
         --micro-batch 2 --global-batch 4
+    python -m bench.dp_overlap --delay --curve-steps 200 --layers 8 --hidden 256 --heads 8 --ffn 1024 \
+        --seq 128 --micro-batch 2 --global-batch 4
 """
 from __future__ import annotations
 
@@ -72,6 +76,14 @@ FORMAT_VARIANTS = {
     "local_no_comm": None,
 }
 VARIANTS.update(FORMAT_VARIANTS)
+# --delay: overlap.dp_delay 0 against 1 (one-step-delayed reduction, docs/dp_delay.md), with the
+# no-communication floor; each also trains a fresh --curve-steps loss curve after the timing.
+DELAY_VARIANTS = {
+    "mpo_overlap": VARIANTS["mpo_overlap"],
+    "mpo_delay1": [*_PLAIN, "overlap.dp_delay=1"],
+    "local_no_comm": None,
+}
+VARIANTS.update(DELAY_VARIANTS)
 # Selectable with --variants beside mpoverlap's sides only: in one process with another torch DDP
 # side it ends in a gloo size mismatch (not understood yet), so --formats leaves it out.
 VARIANTS["torch_ddp_powersgd"] = None
@@ -251,6 +263,7 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             # Leave no collective in flight across a variant switch (outside timing).
             if name in trainers:
                 trainers[name].optimizer.finish_param_sync()
+                trainers[name].ddp.wait_delayed()
                 trainers[name].ledger.reset()
                 recorders[name].take(0.0)
             dist.barrier()
@@ -310,7 +323,11 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             if rank == 0:
                 log_round("dp_overlap", r, quiet_blocks)
 
-        local = {"blocks": blocks, "losses": losses,
+        curves = {name: _curve(compose, Trainer, base + VARIANTS[name] + [f"run.dir={tmp}/{name}_curve"],
+                               state, Path(tmp) / f"{name}_curve", args.curve_steps)
+                  for name in trainers if args.curve_steps and args.delay}
+        local = {"blocks": blocks, "losses": losses, "curves": curves,
+                 "memory": {k: _memory(t) for k, t in trainers.items()},
                  "buckets": {k: [round(b.numel * 4 / 2**20, 3) for b in t.ddp.buffer.buckets]
                              for k, t in trainers.items()},
                  "ddp_buckets": ddp.bucket_sizes_mb() if ddp is not None else []}
@@ -321,6 +338,30 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
             Path(args.json_tmp).write_text(json.dumps(res, indent=2))
     finally:
         close_trainers(trainers.values())
+
+
+def _memory(trainer) -> Dict[str, float]:
+    """MiB this rank holds: the gradient buffer, overlap.dp_delay's second buffer and scratch
+    (data_parallel/delayed.py), and the whole estimate's figure for the layout."""
+    from mpoverlap.overlap.estimate import estimate
+
+    ddp = trainer.ddp
+    second = sum(s.numel() * s.element_size() for s in ddp._send if s is not None) if ddp.delay else 0
+    second += ddp._scratch.numel() * ddp._scratch.element_size() if ddp._scratch is not None else 0
+    est = estimate(trainer.cfg, trainer.state.world).stages[0].memory_bytes
+    return {"grad_buffer_mib": ddp.buffer.numel * 4 / 2**20, "second_buffer_mib": second / 2**20,
+            "estimate_total_mib": sum(est.values()) / 2**20,
+            "estimate_second_buffer_mib": est.get("dp_delay_grads", 0) / 2**20}
+
+
+def _curve(compose, trainer_cls, overrides: List[str], state, run_dir: Path, steps: int) -> List[float]:
+    """A fresh trainer's `steps` losses (the replicas' mean), untimed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = trainer_cls(compose(overrides), state, run_dir)
+    try:
+        return [float(trainer._mean_over_replicas(trainer.train_step()["loss_local"])) for _ in range(steps)]
+    finally:
+        trainer.close()
 
 
 def _variant_summary(name: str, blocks0: List[dict], blocks1: List[dict], per_rank, args_block: int) -> Dict[str, Any]:
@@ -364,6 +405,10 @@ def summarize(per_rank: List[Dict[str, Any]], order: List[str], args) -> Dict[st
         row["overrides"] = VARIANTS[name]
         if name in per_rank[0]["buckets"]:
             row["buckets_mib"] = per_rank[0]["buckets"][name]
+        if name in per_rank[0].get("memory", {}):
+            row["memory"] = per_rank[0]["memory"][name]
+        if name in per_rank[0].get("curves", {}):
+            row["loss_curve"] = per_rank[0]["curves"][name]
         if name == "torch_ddp":
             row["buckets_mib"] = per_rank[0]["ddp_buckets"]
         # The per-handle clocks of the last step of the quietest block (rank 0 and rank 1).
@@ -398,6 +443,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated subset of " + ",".join(VARIANTS))
     p.add_argument("--formats", action="store_true",
                    help="the wire-format variants: " + ",".join(FORMAT_VARIANTS) + " (instead of --variants)")
+    p.add_argument("--delay", action="store_true",
+                   help="overlap.dp_delay 0 vs 1: " + ",".join(DELAY_VARIANTS) + " (instead of --variants)")
+    p.add_argument("--curve-steps", type=int, default=200,
+                   help="with --delay: steps of each side's fresh loss curve after the timing (0: none)")
     for name in ("hidden", "heads", "ffn", "seq"):
         p.add_argument(f"--{name}", type=int, default=0, help=f"the model's {name} (default: gpt_tiny's)")
 
@@ -408,13 +457,15 @@ def planned(argv: List[str]):
     p = argparse.ArgumentParser()
     add_args(p)
     args = p.parse_known_args(argv)[0]
-    chosen = FORMAT_VARIANTS if args.formats else [v.strip() for v in args.variants.split(",") if v.strip()]
+    chosen = FORMAT_VARIANTS if args.formats else DELAY_VARIANTS if args.delay else [v.strip() for v in args.variants.split(",") if v.strip()]
     return _base_overrides(args), {v: VARIANTS[v] for v in chosen}
 
 
 def run(args) -> Dict[str, Any]:
     if getattr(args, "formats", False):
         args.variants = ",".join(FORMAT_VARIANTS)
+    if getattr(args, "delay", False):
+        args.variants = ",".join(DELAY_VARIANTS)
     args.variants = [v.strip() for v in (args.variants if isinstance(args.variants, str) else ",".join(args.variants)).split(",") if v.strip()]
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:

@@ -129,6 +129,10 @@ class OverlapConfig:
     # ZeRO-3 (train.dp_sharding=optim_grads_params): how many units ahead are gathered while
     # the current one computes, in forward and in backward (under overlap.dp; 0 = none).
     dp_prefetch: int = 1
+    # 1: one-step-delayed (double-buffered) data parallelism: step t's gradient reduction runs
+    # under step t+1's forward and backward, and step t+1's update applies it (the first step
+    # updates nothing). It changes the math (updates are one step stale): opt-in, never a default.
+    dp_delay: int = 0
     # EP detail: each microbatch's tokens are dispatched in this many chunks, so one chunk's
     # exchange is in flight while the experts compute another (on and off use the same chunks).
     # auto: 4 where tokens are exchanged (parallel.ep > 1), 1 at ep 1, where there is nothing to

@@ -408,3 +408,18 @@ def test_dp_overlap_formats_plan_valid_variants():
         else:
             assert validate(compose(base + extra), 2) == [], name
     assert list(dp_overlap.planned([])[1]) == list(dp_overlap.DEFAULT_VARIANTS)
+
+
+def test_dp_overlap_delay_plan_valid_variants():
+    """bench.dp_overlap --delay: overlap.dp_delay 0 and 1 validate at 2 ranks on the same layout,
+    beside the no-communication floor."""
+    from bench import dp_overlap
+
+    argv = ["--delay", "--layers", "8", "--hidden", "256", "--heads", "8", "--ffn", "1024", "--seq", "128",
+            "--micro-batch", "2", "--global-batch", "4"]
+    base, variants = dp_overlap.planned(argv)
+    assert list(variants) == list(dp_overlap.DELAY_VARIANTS)
+    assert "overlap.dp_delay=1" in variants["mpo_delay1"] and variants["local_no_comm"] is None
+    for name, extra in variants.items():
+        if extra is not None:
+            assert validate(compose(base + extra), 2) == [], name

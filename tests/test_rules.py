@@ -153,6 +153,12 @@ FAILING = {
                                            "overlap.ep_pairing=true"], None)],
     "ep_pairing.needs_ep_overlap": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep=false",
                                      "overlap.ep_pairing=true"], None)],
+    "dp.delay_value": [(["overlap.dp_delay=2"], None)],
+    "dp.delay_sharding": [(["overlap.dp_delay=1", "parallel.dp=2", "train.dp_sharding=optim_grads"], None),
+                          (["overlap.dp_delay=1", "parallel.dp=2", "train.dp_sharding=optim_grads_params"], None)],
+    "dp.delay_grad_wire": [(["overlap.dp_delay=1", "parallel.dp=2", "train.grad_reduce_dtype=fp8"], None)],
+    "dp.delay_pipeline": [(["overlap.dp_delay=1", "parallel.dp=2", "parallel.pp=2"], None)],
+    "dp.delay_moe": [(["overlap.dp_delay=1", "model=moe_tiny", "parallel.dp=2"], None)],
     "mode.required_applies": [(["overlap.tp=true"], None), (["overlap.pp=true"], None),
                               (["overlap.cp=true"], None), (["overlap.ep=true"], None)],
 }

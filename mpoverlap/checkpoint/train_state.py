@@ -27,7 +27,10 @@ What each rank reads: the parameters it holds (under ZeRO-3 its shard, otherwise
 tensor-parallel slice, second copies included) and its AdamW pieces' moments.
 
 With gradient error feedback (train.grad_error_feedback) the state also holds each rank's
-residuals, `grad_residual.*` (residuals.py).
+residuals, `grad_residual.*` (residuals.py). With overlap.dp_delay=1 it holds the reduced
+gradient the next step applies, `dp_delay_grad.<name>` (data_parallel/delayed.py), written and
+placed like the parameter; a checkpoint without it (written undelayed) makes the first resumed
+step apply nothing, as a run's first step does.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from mpoverlap.checkpoint.boxes import Partition, box_flat_start, flat_range_box
 from mpoverlap.checkpoint.sharded import ShardedEntry
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+PENDING = "dp_delay_grad"
 Chunks = List[Tuple[Tuple[int, ...], torch.Tensor]]
 
 
@@ -160,7 +164,33 @@ class TrainStateChunks:
         views = self._residual_views()
         if views:
             out[residuals.PREFIX] = residuals.for_save(self._chunks_of, views)
+        if self.ddp.delay and self.ddp.has_delayed_grad:
+            self.ddp.wait_delayed()
+            out[PENDING] = self._pending_entries(save=True)
         return out
+
+    def _pending_entries(self, save: bool) -> Dict[str, ShardedEntry]:
+        """The delayed gradient (`ddp.delayed_result(b)` holds elements [r_lo, r_hi) of bucket
+        b) as entries: to save, each element once (the parameters' write ranges); to load, all
+        this rank holds."""
+        buf = self.ddp.buffer
+        out: Dict[str, Chunks] = {}
+        shapes: Dict[str, tuple] = {}
+        for bucket in buf.buckets:
+            result, r_lo = self.ddp.delayed_result(bucket.index)
+            lo_b, hi_b = r_lo, r_lo + result.numel()
+            if save:
+                w_lo, w_hi = _write_range(self.ddp, bucket.index)
+                lo_b, hi_b = max(lo_b, w_lo), min(hi_b, w_hi)
+            for p in bucket.params:
+                start, end, _ = buf.index[p]
+                lo, hi = max(start, lo_b), min(end, hi_b)
+                if lo >= hi or (save and not _writes(p, self.tp_rank, self.ddp.bucket_group(bucket.index).spans_tp)):
+                    continue
+                self._add(out, shapes, p, range_chunks(result[lo - r_lo:hi - r_lo], p.shape,
+                                                       partition_of(p, self.tp_rank, self.tp_size),
+                                                       lo - start, hi - start))
+        return self._entries(out, shapes)
 
     def for_load(self, step: int, saved: Optional[dict] = None) -> Dict[str, dict]:
         """The same keys as views to fill in place: the parameters this rank holds and fresh
@@ -190,6 +220,9 @@ class TrainStateChunks:
         out = {"model": self._entries(model, shapes),
                "optimizer": {"step": step, **{k: self._entries(optim[k], shapes) for k in MOMENT_KEYS}}}
         self._after: list = []
+        if self.ddp.delay and any(k.startswith(f"{PENDING}.") for k in (saved or {})):
+            out[PENDING] = self._pending_entries(save=False)
+            self._after.append(self.ddp.loaded_delayed_grad)
         views = self._residual_views()
         if views:
             for view in views:

@@ -61,6 +61,7 @@ from mpoverlap.comm.collectives import all_reduce, reduce_scatter
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.comm.ledger import CommLedger
 from mpoverlap.data_parallel.buffer import ParamAndGradBuffer, build_buffer
+from mpoverlap.data_parallel.delayed import DelayedGrads
 from mpoverlap.data_parallel.grad_wire import GradWire, QuantizedBuckets
 from mpoverlap.data_parallel.levels import resolve_level, shards_grads, shards_params
 from mpoverlap.data_parallel.reduce_groups import ReduceGroup, expert_key, reduce_group
@@ -68,7 +69,7 @@ from mpoverlap.data_parallel.sharded_grads import ShardedGrads
 from mpoverlap.parallel.state import ParallelState
 
 
-class DataParallel(ShardedGrads, QuantizedBuckets):
+class DataParallel(ShardedGrads, QuantizedBuckets, DelayedGrads):
     """Wrap `module` for data-parallel training over `state.group(group_kind)` (expert
     weights over `state.group(expert_group_kind)`).
 
@@ -82,7 +83,7 @@ class DataParallel(ShardedGrads, QuantizedBuckets):
                  reduce_dtype: Optional[torch.dtype] = None, sharding: Optional[str] = None,
                  units: Optional[list] = None, prefetch: int = 1, reshard_after_forward: bool = True,
                  param_gather_dtype: str = "fp32", grad_wire: Optional[str] = None,
-                 error_feedback: bool = False) -> None:
+                 error_feedback: bool = False, delay: int = 0) -> None:
         self.reduce_groups = {"dense": reduce_group(state, group_kind),
                               "expert": reduce_group(state, expert_group_kind)}
         self.module = module
@@ -143,6 +144,7 @@ class DataParallel(ShardedGrads, QuantizedBuckets):
         # microbatch compares against it (building it there cost two operators per call).
         self._grad_views = {p: self.buffer.grad_view(p) for p in self.buffer.params}
         self._init_shards()
+        self._init_delayed(delay)  # overlap.dp_delay=1: delayed.py
         self._is_last = True
         self._ready: List[Set[nn.Parameter]] = [set() for _ in range(nb)]
         self._issued = [False] * nb
@@ -261,6 +263,8 @@ class DataParallel(ShardedGrads, QuantizedBuckets):
             return
         if self._next < len(self._issued):
             self._note_missing_grads()
+        if self.delay:
+            self._finish_delayed()
         while self._next < len(self._issued):
             self._issue(self._next)
         self._wait_all()
@@ -278,6 +282,7 @@ class DataParallel(ShardedGrads, QuantizedBuckets):
         see, which kept the wrapper, its process groups and their gloo threads alive until
         interpreter exit. Idempotent."""
         self._wait_all()
+        self.wait_delayed()
         if self.gatherer is not None:
             self.gatherer.wait_pending()
             self.gatherer.remove_hooks()
@@ -333,6 +338,8 @@ class DataParallel(ShardedGrads, QuantizedBuckets):
             self._issue(self._next)
 
     def _issue(self, b: int) -> None:
+        if self.delay:
+            return self._issue_delayed(b)
         bucket = self.buffer.buckets[b]
         self._issued[b] = True
         self._next = b + 1

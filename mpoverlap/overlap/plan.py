@@ -251,6 +251,12 @@ def layout_notes(cfg: Any, lo) -> List[str]:
             "every rank applies the capacity to its own share of the tokens, so WHICH slots are dropped, and "
             "with them the loss curve, depend on the layout (router losses and dropless routing do not); "
             "model.moe_capacity_factor=null is exactly layout-invariant")
+    if cfg.overlap.dp_delay == 1:
+        notes.append(
+            "warning: overlap.dp_delay=1: every update applies the PREVIOUS step's gradient (one step stale; the "
+            "first step updates nothing); the reduction runs under the next step's forward and backward in a second "
+            "gradient buffer (counted below). One-step-stale updates can degrade AdamW at scale (docs/dp_delay.md); "
+            "overlap.dp_delay=0 is the undelayed math")
     return notes
 
 

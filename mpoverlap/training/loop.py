@@ -104,7 +104,8 @@ class Trainer(Resumable, RunLoop):
             error_feedback=error_feedback_on(t.grad_error_feedback, t.grad_reduce_dtype),
             units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,
             prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward),
-            param_gather_dtype=param_gather_dtype(t.param_gather_dtype, t.precision, self.sharding))
+            param_gather_dtype=param_gather_dtype(t.param_gather_dtype, t.precision, self.sharding),
+            delay=int(cfg.overlap.dp_delay))
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
@@ -219,7 +220,9 @@ class Trainer(Resumable, RunLoop):
             raise NonFiniteError(f"non-finite gradient at step {self.step + 1} (grad norm {grad_norm}, local loss "
                                  f"{loss_sum.item()}); stopped before the update, so no non-finite value reached "
                                  "the weights or a checkpoint. train.on_nonfinite=skip skips such steps instead")
-        if not skipped:
+        # overlap.dp_delay=1: the buffer holds the previous step's gradient, none at the first step
+        # (its norm is 0 and it makes no update: data_parallel/delayed.py).
+        if not skipped and (not self.ddp.delay or self.ddp.applies_delayed_grad):
             self.optimizer.step(lr)
         update_expert_biases(self.moe_layers, self.state, self.ledger, apply=not skipped)
         # The step boundary: CUDA timings already complete are read (their events reused) and

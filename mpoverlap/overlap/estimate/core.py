@@ -16,7 +16,7 @@ from mpoverlap.overlap.estimate.activations import (Conventions, layer_activatio
 from mpoverlap.overlap.estimate.attention_work import cp_attention_work_bytes
 from mpoverlap.overlap.estimate.comm import comm_ops, comm_views
 from mpoverlap.overlap.estimate.params import model_params, stage_layers, stage_params
-from mpoverlap.overlap.estimate.sharding import residual_memory, state_memory
+from mpoverlap.overlap.estimate.sharding import delayed_grad_memory, residual_memory, state_memory
 from mpoverlap.overlap.estimate.transients import head_stage, loss_backward_bytes, weight_cast_bytes
 from mpoverlap.overlap.layout import build_layout
 
@@ -84,6 +84,8 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
         residuals = residual_memory(cfg, lo, n, n_exp)
         if residuals:
             mem["grad_residuals"] = residuals
+        if delayed_grad_memory(cfg, lo, n):
+            mem["dp_delay_grads"] = delayed_grad_memory(cfg, lo, n)
         mem["activations"] = peaks[s]["bytes"]
         mem["weight_casts"] = weight_cast_bytes(cfg, lo, s, n, conv.compute_bytes)
         if s == head_stage(cfg, lo):
@@ -158,6 +160,9 @@ def render_estimate(est: RankEstimate, world: Optional[int] = None) -> str:
     if "grad_residuals" in heaviest.memory_bytes:
         lines.append(f"    gradient error-feedback residuals (fp32, in the total): "
                      f"{_mib(heaviest.memory_bytes['grad_residuals'])}")
+    if "dp_delay_grads" in heaviest.memory_bytes:
+        lines.append(f"    overlap.dp_delay=1: the second gradient buffer holding the reduction in flight (in the "
+                     f"total): {_mib(heaviest.memory_bytes['dp_delay_grads'])}")
     if "cp_attention_work" in heaviest.memory_bytes:
         lines.append(f"    context-parallel attention working set (K/V double buffer, out/lse accumulators, "
                      f"kernel workspace; in the total): {_mib(heaviest.memory_bytes['cp_attention_work'])}")

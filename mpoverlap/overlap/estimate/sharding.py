@@ -136,6 +136,20 @@ def residual_memory(cfg: Any, lo: Layout, n: int, n_exp: int) -> int:
     return BYTES * (dense + expert + owned)
 
 
+def delayed_grad_memory(cfg: Any, lo: Layout, n: int) -> int:
+    """Bytes of overlap.dp_delay=1's second gradient buffer on a rank holding n parameters
+    (data_parallel/delayed.py): every bucket once more, in the reduction dtype where it is
+    reduced (fp32 where nothing is), plus a one-bucket fp32 scratch (buckets close at
+    overlap.dp_bucket_mb; a parameter is never split: the embedding's bucket may be larger)."""
+    if cfg.overlap.dp_delay != 1:
+        return 0
+    reduced = lo.dp * lo.cp > 1
+    per = 2 if reduced and str(cfg.train.grad_reduce_dtype) == "bf16" else BYTES
+    bucket = max(int(float(cfg.overlap.dp_bucket_mb) * 1024 * 1024) // BYTES, embedding_params(cfg, lo))
+    scratch = BYTES * min(n, bucket)
+    return per * n + scratch
+
+
 def unit_gather_format(cfg: Any, level: str) -> str:
     """train.param_gather_dtype as the trainer resolves it (data_parallel/levels.py)."""
     from mpoverlap.data_parallel.levels import param_gather_dtype
