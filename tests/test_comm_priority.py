@@ -4,7 +4,9 @@ the value's validation and the GPU report's record. The CUDA path itself (NCCL h
 option) needs a GPU and runs only under `make gpu-check`."""
 from __future__ import annotations
 
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from mpoverlap.overlap.priority import high_priority_kinds
 from mpoverlap.parallel import ParallelState, RankGrid
 from mpoverlap.parallel.grid import GROUP_KINDS
 from mpoverlap.parallel.state import nccl_group_options
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not an installed package
 
 GPT = ["model=gpt_tiny"]
 
