@@ -11,7 +11,8 @@ backward runs with autocast off). They call `compute_dtype(x)` in forward, cast 
 run their math with autocast disabled (`no_autocast`), and remember the dtype for backward.
 
 The package splits by idea: `autocast` (the forward's context and the dtype helpers the
-Functions use), `step_cast` (the step's cache of weight casts and the in-place gradient adds).
+Functions use), `step_cast` (the step's cache of weight casts and the in-place gradient adds), `fp8` (the FP8
+GEMMs over torchao, the optional `fp8` extra: imported only where fp8 is used).
 """
 from mpoverlap.precision.autocast import (DTYPES, _autocast_on, acc_dtype, autocast_context, cast,
                                           compute_cast_weights, compute_dtype, no_autocast)
