@@ -16,14 +16,25 @@ the tests compare against.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
 
-with warnings.catch_warnings():  # torchao warns that its CUDA extensions did not load: harmless here
-    warnings.simplefilter("ignore")
-    from torchao.float8.config import Float8LinearConfig, ScalingGranularity
-    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+# torchao logs that its CUDA extensions did not load (harmless: only its casts and scales are
+# used) and torch's pytree warns about one of its enums: kept out of the user's output.
+_QUIET = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+_LEVELS = [log.level for log in _QUIET]
+for _log in _QUIET:
+    _log.setLevel(logging.ERROR)
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.float8.config import Float8LinearConfig, ScalingGranularity
+        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+finally:
+    for _log, _level in zip(_QUIET, _LEVELS):
+        _log.setLevel(_level)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
