@@ -15,7 +15,7 @@ Numerics vs the plain collectives: per-chunk GEMMs and ring-order sums give the 
 up to fp32 rounding (not bitwise): the weight gradient sums chunk GEMMs, and the reduction
 order differs from the backend's reduce-scatter.
 
-Mixed precision (see mpoverlap/precision.py): autocast does not reach into these Functions, so
+Mixed precision (see mpoverlap/precision/): autocast does not reach into these Functions, so
 forward casts to the compute dtype itself (the chunks that travel the ring and the gathered
 output are bf16 under autocast) and backward recasts W and the incoming gradient. Weight
 gradient terms of the chunks are bf16 GEMMs summed in an fp32 accumulator (an in-place

@@ -14,7 +14,7 @@ region it computes it at once.
 Mixed precision: autocast does not reach into a custom Function, so forward casts x, W and b
 to the compute dtype itself (as autocast would cast F.linear) and backward casts the incoming
 gradient and uses W's cast again: made once a step inside step_cast_cache (precision.step_cast),
-else at each use (see mpoverlap/precision.py).
+else at each use (see mpoverlap/precision/step_cast.py).
 """
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
-"""Mixed precision: `train.precision` and `train.grad_reduce_dtype`, and the small helpers the
-custom autograd functions use to follow autocast on CPU and CUDA alike.
-
-train.precision=bf16 runs the forward under `torch.autocast(<device>, torch.bfloat16)`: GEMMs
-in bf16, parameters, gradients and optimizer state stay fp32 (master weights), so gradient
-accumulation and the update are fp32. The same code path serves CPU (CI) and CUDA (users).
-
-Custom autograd functions are not covered by autocast's casting rules (autocast casts the
-inputs of the ops it knows; a Function's forward sees whatever it was handed, and its
-backward runs with autocast off). They call `compute_dtype(x)` in forward, cast explicitly,
-run their math with autocast disabled (`no_autocast`), and remember the dtype for backward.
-"""
+"""The step's weight casts: each fp32 weight cast to the compute dtype once per step, and its
+low-precision gradient added into the fp32 gradient buffer in place (step_cast_cache)."""
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def autocast_context(precision: str, device: torch.device):
-    """The forward's context for `train.precision` on `device` (nullcontext for fp32)."""
-    if precision == "fp32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[precision])
-
+from mpoverlap.precision.autocast import _autocast_on
 
 # The step's weight casts (step_cast_cache): id(parameter) -> (parameter, its bf16 copy), and
 # ("plain", its memory, dtype) -> the same without autograd history (step_cast); None outside a step.
@@ -139,54 +121,3 @@ def step_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         with torch.no_grad():
             held = casts[key] = (weight, weight.to(dtype))
     return held[1]
-
-
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know (meta): never autocast
-        return False
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a GEMM on floating `x` runs in right now: autocast's dtype for x's device
-    when autocast is on there and x is fp32 (autocast leaves fp64 alone), else x's own."""
-    if x.dtype == torch.float32 and _autocast_on(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
-def no_autocast(x: torch.Tensor):
-    """Autocast off for x's device: explicit dtypes inside a custom Function (or fp32 block
-    math) must not be recast behind the code's back."""
-    if not _autocast_on(x.device.type):
-        return nullcontext()
-    return torch.autocast(x.device.type, enabled=False)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where sums over many bf16 terms accumulate: fp32 (fp64 stays fp64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def cast(x: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return None if x is None else x.to(dtype)
-
-
-def compute_cast_weights(module: torch.nn.Module) -> set:
-    """The parameters the forward reads only through a cast to the compute dtype: the weights of
-    the linears (plain, deferrable and tensor-parallel; the output head's) and the grouped experts'
-    stacks, whose GEMMs run in bf16 under train.precision=bf16. Everything else is read as it is
-    (norm weights, biases, embedding tables, also a tied one, the router): the ZeRO-3 gathers
-    carry those exactly (data_parallel/unit_gather.py)."""
-    from mpoverlap.moe.experts import GroupedExperts
-    from mpoverlap.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from mpoverlap.wgrad.functions import Linear
-
-    out = set()
-    for sub in module.modules():
-        if isinstance(sub, (Linear, ColumnParallelLinear, RowParallelLinear)):
-            out.add(sub.weight)
-        elif isinstance(sub, GroupedExperts):
-            out.update((sub.w_in, sub.w_out))
-    return out
