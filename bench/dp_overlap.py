@@ -21,9 +21,9 @@ Wire formats (not in the default set; --variants picks them, --formats all of th
   mpo_delay1           mpo_overlap with overlap.dp_delay=1 (--delay: beside mpo_overlap and
                        local_no_comm, with each side's memory and a fresh --curve-steps loss curve)
   torch_ddp_powersgd   torch_ddp with DDP's powerSGD_hook (rank 4, error feedback, warm start,
-                       compressing from the second iteration); --variants only, beside mpoverlap's
-                       sides: with another torch DDP side in the same processes the run ends in a
-                       gloo size mismatch, not yet understood
+                       compressing from the second iteration), its buckets' collectives issued in
+                       bucket order (`bucket_ordered`: gloo runs the hook's chained all-reduces
+                       from completion callbacks, which interleave across buckets otherwise)
 
 Per variant: the median step time (slowest rank of each step), CPU time per step (both ranks'
 processes, all threads, plus the machine's irq/softirq time), bytes on the loopback per step,
@@ -73,6 +73,7 @@ FORMAT_VARIANTS = {
     "mpo_fp8_ef": [*_PLAIN, "train.grad_reduce_dtype=fp8"],
     "torch_ddp": None,
     "torch_ddp_bf16_hook": None,
+    "torch_ddp_powersgd": None,
     "local_no_comm": None,
 }
 VARIANTS.update(FORMAT_VARIANTS)
@@ -84,9 +85,6 @@ DELAY_VARIANTS = {
     "local_no_comm": None,
 }
 VARIANTS.update(DELAY_VARIANTS)
-# Selectable with --variants beside mpoverlap's sides only: in one process with another torch DDP
-# side it ends in a gloo size mismatch (not understood yet), so --formats leaves it out.
-VARIANTS["torch_ddp_powersgd"] = None
 # The torch DDP sides: (wrapped in DDP, communication hook)
 TORCH_SIDES = {"torch_ddp": (True, None), "torch_ddp_bf16_hook": (True, "bf16"),
                "torch_ddp_powersgd": (True, "powersgd"), "local_no_comm": (False, None)}
@@ -143,7 +141,7 @@ class DDPLoop:
 
             state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=4,
                                                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
-            self.ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            self.ddp.register_comm_hook(state, bucket_ordered(powerSGD_hook.powerSGD_hook))
         self.optimizer = torch.optim.AdamW(adamw_groups(self.model, t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                            foreach=True)
@@ -192,6 +190,45 @@ class DDPLoop:
             return []
         raw = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
         return [round(int(x) / 2**20, 3) for x in str(raw).split(",") if x.strip().isdigit()]
+
+
+def bucket_ordered(hook):
+    """`hook` with each bucket's collectives issued after the previous bucket's have completed.
+
+    powerSGD_hook issues its second and third all-reduces (Ps, Qs) from future callbacks, which
+    gloo runs when the previous all-reduce completes on that rank: with several buckets, one
+    rank can issue bucket b's Q all-reduce while the other issues bucket b+1's first one, on the
+    same group, and gloo pairs collectives of different sizes (a size mismatch or a hang). Under
+    NCCL the callbacks run when the work is enqueued, so every collective of bucket b is issued
+    before bucket b+1's hook runs; this wrapper gives gloo that order: bucket b+1's hook starts
+    in the callback of bucket b's last future (at once when nothing is in flight)."""
+    import torch
+
+    tail: List[Any] = [None]
+
+    def ordered(state, bucket):
+        out = torch.futures.Future()
+
+        def start(_=None):
+            try:
+                hook(state, bucket).add_done_callback(lambda f: _forward(f, out))
+            except Exception as e:  # noqa: BLE001 - handed to DDP through the future
+                out.set_exception(e)
+
+        prev, tail[0] = tail[0], out
+        if prev is None or prev.done():
+            start()
+        else:
+            prev.add_done_callback(start)
+        return out
+    return ordered
+
+
+def _forward(fut, out) -> None:
+    try:
+        out.set_result(fut.value())
+    except Exception as e:  # noqa: BLE001 - handed to DDP through the future
+        out.set_exception(e)
 
 
 class _null:

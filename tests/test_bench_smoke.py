@@ -1,5 +1,6 @@
 """bench.scaling / bench.memory / bench.timelines without running anything: every configuration
 they would launch validates, and their results.md sections render from results.json's shape."""
+import json
 import sys
 from pathlib import Path
 
@@ -423,3 +424,51 @@ def test_dp_overlap_delay_plan_valid_variants():
     for name, extra in variants.items():
         if extra is not None:
             assert validate(compose(base + extra), 2) == [], name
+
+
+def _powersgd_worker(rank, port, args, tmp):
+    """bench.dp_overlap's worker shape (init_bench_worker, spawned by spawn_ranks): DDP +
+    powerSGD_hook (rank 2, error feedback, compressing from iteration 2) on six layers, one
+    bucket each, `args.steps` steps; rank 0 writes whether both ranks hold the same parameters."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bench.common import init_bench_worker
+    from bench.dp_overlap import bucket_ordered
+
+    init_bench_worker(rank, port)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    group = dist.new_group([0, 1])  # as in the bench: the hooked DDP on a group of its own
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, process_group=group)
+    state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                        use_error_feedback=True, warm_start=True)
+    hook = powerSGD_hook.powerSGD_hook
+    ddp.register_comm_hook(state, bucket_ordered(hook) if args.ordered else hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(args.steps):
+        opt.zero_grad()
+        ddp(torch.randn(8, 64, generator=gen)).square().mean().backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat)
+    if rank == 0:
+        Path(args.json_tmp).write_text(json.dumps({"same": bool(torch.equal(*both)), "n": flat.numel()}))
+    dist.destroy_process_group()
+
+
+def test_powersgd_beside_gloo_runs_in_bucket_order():
+    """bench.dp_overlap's PowerSGD side: with several buckets on gloo, powerSGD_hook's chained
+    all-reduces (issued from completion callbacks) interleave across buckets differently on the
+    two ranks (a gloo size mismatch or a hang); bucket_ordered issues them bucket by bucket, so
+    the run completes and both ranks hold the same parameters (PowerSGD's all-reduced update)."""
+    import argparse
+
+    from bench.common import spawn_ranks
+
+    res, _ = spawn_ranks(_powersgd_worker, argparse.Namespace(ordered=True, steps=6), prefix="mpo-test-psgd-")
+    assert res == {"same": True, "n": 6 * (64 * 64 + 64)}

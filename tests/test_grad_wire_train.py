@@ -1,6 +1,7 @@
 """train.grad_reduce_dtype=int8|fp8 trains: dp2 x tp2 x pp2 with sequence parallelism, ZeRO-1 and
-ZeRO-3 at dp 4, and moe_tiny at dp 4 x ep 2 (edp 2: the expert buckets are quantized over the
-expert-data-parallel group too; at dp 2 x ep 2 edp is 1 and only the dense buckets would be),
+ZeRO-3 at dp 4, and moe_tiny at dp 2 x ep 2 (the acceptance's layout: edp is 1, so only the
+dense buckets are quantized) and at dp 4 x ep 2 (edp 2: the expert buckets are quantized over
+the expert-data-parallel group too),
 each with int8 and fp8 gradients (error feedback on, `auto`), and two of them under
 train.precision=bf16 (bf16 autocast; the gradients reach the wire from the fp32 buffer).
 
@@ -63,6 +64,7 @@ LAYOUTS = {
     "zero1": (4, ["parallel.dp=4", "train.dp_sharding=optim"], "ref"),
     "zero3": (4, ["parallel.dp=4", "train.dp_sharding=optim_grads_params"], "ref"),
     "moe": (4, [*MOE, "parallel.dp=4", "parallel.ep=2"], "ref_moe"),
+    "moe_dp2": (2, [*MOE, "parallel.dp=2", "parallel.ep=2"], "ref_moe"),
 }
 LAYOUT = 1e-5
 RHO = {"int8": 512 ** 0.5 / 254, "fp8": 2.0 ** -4 + 512 ** 0.5 / (448 * 1024)}
