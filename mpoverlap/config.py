@@ -179,10 +179,16 @@ class TrainConfig:
     # ZeRO-3: free a unit's gathered parameters after its forward (gathered again for its
     # backward: 2 gathers per microbatch, least memory) or keep them until its backward.
     reshard_after_forward: bool = True
-    # fp32 | bf16: bf16 runs the forward under autocast (CPU and CUDA alike) with fp32 master
-    # weights, fp32 gradient accumulation and fp32 optimizer state. The default is fp32 on
-    # every device, CUDA included: GPU runs ask for train.precision=bf16 explicitly.
+    # fp32 | bf16 | fp8: bf16 runs the forward under autocast (CPU and CUDA alike) with fp32 master
+    # weights, fp32 gradient accumulation and fp32 optimizer state. fp8 is bf16 plus FP8 GEMMs
+    # (torchao's float8 casts and scales, the `fp8` extra) in the transformer blocks' linears and
+    # experts; embedding, output head, router, norms and softmax stay bf16. The default is fp32
+    # on every device, CUDA included: GPU runs ask for train.precision=bf16 explicitly.
     precision: str = "fp32"
+    # tensorwise | rowwise (train.precision=fp8): torchao's float8 recipes. tensorwise: one scale
+    # per tensor, e4m3 forward, e5m2 gradients; rowwise: one power-of-two scale per row, e4m3
+    # everywhere.
+    fp8_recipe: str = "tensorwise"
     # fp32 | bf16 | fp8 | int8: the dtype data-parallel gradient buckets are reduced in (bf16
     # halves the dp bytes; fp8 (e4m3) and int8 quantize blockwise, one fp32 scale per 512
     # elements, and sum in fp32: ~1/4 of them; gradients are still accumulated and applied in fp32).
