@@ -296,14 +296,15 @@ def test_ep_pairing_bench_plans_renders_and_names_a_build_without_pairing():
 
 
 def test_ep_pairing_bench_dispatch_fp8_variants_validate_and_render():
-    """bench.ep_pairing --dispatch-fp8: every variant under bf16, none and chunks again with fp8
-    dispatch (valid at 2 ranks); the table gives their rows and the step and ep bytes against bf16's."""
+    """bench.ep_pairing --dispatch-fp8: every variant with a bf16 dispatch wire over fp32 compute,
+    none and chunks again with fp8 dispatch (valid at 2 ranks); the table gives their rows and the
+    step and ep bytes against bf16's."""
     from types import SimpleNamespace
 
     from bench import ep_pairing
 
     base, run, _ = ep_pairing.planned(SimpleNamespace(**ep_pairing.DEFAULTS, dispatch_fp8=True))
-    assert "train.precision=bf16" in base
+    assert "train.ep_dispatch_dtype=bf16" in base and not any(o.startswith("train.precision=") for o in base)
     for name in ("none", "chunks"):
         assert run[f"{name}_fp8"] == run[name] + ["train.ep_dispatch_dtype=fp8"]
         assert validate(compose(base + run[f"{name}_fp8"]), 2) == []
