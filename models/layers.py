@@ -87,7 +87,9 @@ def router_options(cfg) -> dict:
     """The router's scoring keys (see mpoverlap.moe.router.TopKRouter)."""
     return {"score": cfg.moe_router_score, "order": cfg.moe_router_order, "norm_topk": cfg.moe_router_norm_topk,
             "bias_update_rate": cfg.moe_router_bias_update_rate,
-            "force_load_balancing": cfg.moe_router_force_load_balancing}
+            "force_load_balancing": cfg.moe_router_force_load_balancing,
+            "num_groups": cfg.moe_router_num_groups, "group_topk": cfg.moe_router_group_topk,
+            "scaling_factor": cfg.moe_router_scaling_factor}
 
 
 def moe_mlp(name: str, cfg, seed: int, moe: Optional[dict], shared_expert: Optional[nn.Module]) -> nn.Module:

@@ -80,6 +80,13 @@ class ModelConfig:
     # Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores for the
     # top-k choice only, moved by rate * sign(mean load - load) after every step. 0 = off.
     moe_router_bias_update_rate: float = 0.0
+    # Group-limited routing (DeepSeek-V3: 8 groups, 4 kept): the experts form num_groups
+    # contiguous groups, groups are ranked by the sum of their two best scores and the top k
+    # experts are chosen within the group_topk best groups (null = all groups). 1 = off.
+    moe_router_num_groups: int = 1
+    moe_router_group_topk: Optional[int] = None
+    # The routed weights' scale, applied after any renormalisation (DeepSeek-V3: 2.5).
+    moe_router_scaling_factor: float = 1.0
     # Benchmarks only (Megatron's moe_router_force_load_balancing): route by fixed random logits
     # instead of the router's, so every expert (and every ep rank) gets its share of the slots
     # whatever the router has learned; the router's logits get the gradient straight through.

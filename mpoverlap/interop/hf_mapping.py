@@ -114,6 +114,12 @@ def architecture(m: Dict[str, Any]) -> str:
         if float(m.get("moe_router_bias_update_rate") or 0.0) != 0.0:
             bad.append(f"model.moe_router_bias_update_rate={m['moe_router_bias_update_rate']} ({arch}'s router "
                        "has no expert bias)")
+        if int(m.get("moe_router_num_groups") or 1) != 1:
+            bad.append(f"model.moe_router_num_groups={m['moe_router_num_groups']} ({arch}'s router chooses among "
+                       "all experts, not within the best groups)")
+        if float(m.get("moe_router_scaling_factor") or 1.0) != 1.0:
+            bad.append(f"model.moe_router_scaling_factor={m['moe_router_scaling_factor']} ({arch}'s routed "
+                       "weights are not scaled)")
         if m.get("moe_router_force_load_balancing"):
             bad.append("model.moe_router_force_load_balancing=true (this run routed by random logits, a benchmark "
                        "setting: the router it trained never chose the experts)")

@@ -113,6 +113,15 @@ class TopKRouter(nn.Module):
                   logits (Mixtral's form; softmax only). With softmax it chooses the same
                   experts as score_topk and its weights equal score_topk's renormalised ones
                   up to rounding.
+    Group-limited routing (num_groups G > 1, DeepSeek-V3's n_group / topk_group; score_topk
+    only): the E experts form G contiguous groups of E / G; each group's score is the sum of
+    its best two selection scores (scores + expert_bias; the best one when a group holds one
+    expert), the group_topk best groups are kept and the top k are chosen among their experts
+    only. Experts sit contiguously on the ep ranks (rank r holds [r E/ep, (r+1) E/ep)), so with
+    groups aligned to ranks a token reaches at most group_topk groups' ranks (device-limited
+    routing; the rule engine checks the alignment).
+    scaling_factor (DeepSeek-V3's routed_scaling_factor, 2.5): the routed weights are multiplied
+    by it after any renormalisation.
     The load-balancing loss's P_e uses softmax(logits) (sigmoid: scores / their sum per token).
     expert_bias (bias_update_rate > 0, DeepSeek-V3's aux-loss-free balancing): a [E] fp32
     buffer added to the selection scores only (never to the weights), moved after each step
@@ -124,14 +133,21 @@ class TopKRouter(nn.Module):
                  capacity_factor: Optional[float] = None,
                  shards: Optional[SequenceShards] = None, score: str = "softmax",
                  order: str = "score_topk", norm_topk: bool = True, bias_update_rate: float = 0.0,
-                 force_load_balancing: bool = False, random_stream: int = 0) -> None:
+                 force_load_balancing: bool = False, random_stream: int = 0, num_groups: int = 1,
+                 group_topk: Optional[int] = None, scaling_factor: float = 1.0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if score not in ("softmax", "sigmoid") or order not in ("score_topk", "topk_score") or \
                 (order == "topk_score" and score != "softmax"):
             raise ValueError(f"router score={score!r} order={order!r}: the rule engine refuses this")
+        group_topk = num_groups if group_topk is None else group_topk
+        if num_groups < 1 or num_experts % num_groups or not 1 <= group_topk <= num_groups or \
+                top_k > group_topk * (num_experts // num_groups) or (num_groups > 1 and order != "score_topk"):
+            raise ValueError(f"router num_groups={num_groups} group_topk={group_topk} top_k={top_k} "
+                             f"num_experts={num_experts} order={order!r}: the rule engine refuses this")
         self.num_experts, self.top_k = num_experts, top_k
+        self.num_groups, self.group_topk, self.scaling_factor = int(num_groups), int(group_topk), float(scaling_factor)
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor
         self.score, self.order, self.norm_topk = score, order, bool(norm_topk)
@@ -175,6 +191,8 @@ class TopKRouter(nn.Module):
         pick_from = logits_TE if self.order == "topk_score" else scores
         if self.expert_bias is not None:
             pick_from = pick_from + self.expert_bias.to(pick_from.dtype)
+        if self.num_groups > 1 and self.group_topk < self.num_groups:
+            pick_from = self._limit_to_groups(pick_from)
         _, ids = torch.topk(pick_from, k, dim=-1)  # sorted, ties to the lower index
         if self.order == "topk_score":
             weights = torch.softmax(logits_TE.gather(1, ids), dim=-1)
@@ -182,7 +200,19 @@ class TopKRouter(nn.Module):
             weights = scores.gather(1, ids)
             if self.norm_topk:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling_factor != 1.0:
+            weights = weights * self.scaling_factor
         return ids, weights, probs
+
+    def _limit_to_groups(self, pick_TE: torch.Tensor) -> torch.Tensor:
+        """The selection scores with every expert outside the token's group_topk best groups
+        set to -inf (groups ranked by the sum of their two best scores). [T, E] -> [T, E]."""
+        T, G = pick_TE.shape[0], self.num_groups
+        per_group = pick_TE.view(T, G, self.num_experts // G)
+        group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+        best = group_score.topk(self.group_topk, dim=-1).indices  # [T, group_topk]
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+        return per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(pick_TE)
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor) -> torch.Tensor:
