@@ -29,6 +29,7 @@ from mpoverlap.models import fused, layers
 from mpoverlap.ops.activation import swiglu
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
 from mpoverlap.models.init import head_dim_of, qkv_rows, query_groups
+from mpoverlap.models.mtp import MTPDepth, mtp_loss
 from mpoverlap.models.rope import apply_rope, apply_rope_qk, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)
 from mpoverlap.precision import compute_dtype
 from mpoverlap.recompute import recomputed, recomputed_layers
@@ -197,6 +198,9 @@ class GPT(nn.Module):
     blocks keep their global names (`layers.<i>`), so every layout starts from the same weights.
     A tied head on a chunk without the embedding keeps its own copy of `embedding.weight`
     (kept equal by summing the two copies' gradients over the embedding group).
+    model.mtp_num_layers > 0: the chunk with post_process also holds the multi-token
+    prediction depths (`mtp`, models/mtp.py), which read the embedding (a copy on a chunk
+    without pre_process, summed like the tied one's) and the output head.
     """
 
     def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa, tp: Optional[dict] = None,
@@ -208,12 +212,21 @@ class GPT(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
         ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
+        has_mtp = post_process and getattr(cfg, "mtp_num_layers", 0) > 0
+        needs_embedding = pre_process or (post_process and cfg.tie_embeddings) or has_mtp
         self.embedding = (layers.embedding(self.vocab_size, cfg.hidden_size, cfg, seed, self.tp)
                           if needs_embedding else None)
         self.layers = nn.ModuleDict({str(i): Block(cfg, f"layers.{i}", seed, core_attention, self.tp, moe, i,
                                                    compile_backend) for i in ids})
         self.final_norm = make_norm(cfg) if post_process else None
+        self.mtp = None
+        if has_mtp:
+            L = cfg.num_layers
+            self.mtp = nn.ModuleDict({str(d): MTPDepth(cfg, make_norm, Block(
+                cfg, f"mtp.{d}.block", seed, core_attention, self.tp, moe, L + d, compile_backend))
+                for d in range(cfg.mtp_num_layers)})
+        self._pending_mtp_loss = None  # set by forward (with mtp_targets), taken by loss
+        self.last_loss_parts = None  # (LM loss, MTP loss), detached: the last loss() with MTP
         # model.recompute=full: the chunk's first blocks keep only their input (see mpoverlap/recompute).
         self.num_recomputed = recomputed_layers(getattr(cfg, "recompute", "none"), len(self.layers),
                                                 getattr(cfg, "recompute_num_layers", None))
@@ -237,13 +250,15 @@ class GPT(nn.Module):
                 p.copy_(init_tensor(name, p.shape, self.cfg, seed))
 
     def forward(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                fp32_logits: bool = True) -> torch.Tensor:
+                fp32_logits: bool = True, mtp_targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens_BS (int64) -> logits_BSV (fp32; V/tp per rank under TP). position_ids [S]
         default 0..S-1 (context parallelism passes the global positions of its share).
         A chunk without pre_process takes hidden states x_BSH instead of tokens; one without
         post_process returns hidden states. `fp32_logits=False`: the logits as the head's GEMM
         made them (bf16 under bf16 autocast), for `loss`, which upcasts them itself (in one
-        kernel with the log-softmax under train.compile)."""
+        kernel with the log-softmax under train.compile). `mtp_targets` [B, S, 1 + D]
+        (models/mtp.py) on the chunk holding the MTP depths: their loss is computed here and
+        added by the next `loss` call."""
         x_BSH, cos_SD, sin_SD = self.embed(tokens_BS, position_ids)
         for j, layer in enumerate(self.layers.values()):
             if j < self.num_recomputed:
@@ -252,6 +267,9 @@ class GPT(nn.Module):
                 x_BSH = layer(x_BSH, cos_SD, sin_SD)
         if not self.post_process:
             return x_BSH
+        if self.mtp is not None and mtp_targets is not None:
+            self._pending_mtp_loss = mtp_loss(self.mtp, x_BSH, mtp_targets, cos_SD, sin_SD, embed=self.embedding,
+                                              project=self.project, tp=self.tp, seq_length=self.cfg.seq_length)
         return self.head(x_BSH, fp32_logits)
 
     def embed(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
@@ -275,17 +293,29 @@ class GPT(nn.Module):
     def head(self, x_BSH: torch.Tensor, fp32_logits: bool = True) -> torch.Tensor:
         """The forward after the last block: final norm and output layer -> logits_BSV (fp32,
         or as the GEMM made them with fp32_logits=False)."""
-        x_BSH = self.final_norm(x_BSH)
-        if self.output is None:
-            logits_BSV = layers.tied_head(x_BSH, self.embedding, self.tp)
-        else:
-            logits_BSV = self.output(x_BSH)
+        logits_BSV = self.project(self.final_norm(x_BSH))
         return logits_BSV.float() if fp32_logits else logits_BSV
+
+    def project(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """The output head alone (tied or not): normed hidden states -> logits as the GEMM made them."""
+        if self.output is None:
+            return layers.tied_head(x_BSH, self.embedding, self.tp)
+        return self.output(x_BSH)
 
     def loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """Mean token cross entropy over B*S tokens, in fp32 from logits of any float dtype
-        (vocab-parallel under TP; train.compile: the compiled `loss` region on one TP rank)."""
-        return layers.token_loss(logits_BSV, targets_BS, self.tp, self.loss_math)
+        (vocab-parallel under TP; train.compile: the compiled `loss` region on one TP rank).
+        With MTP targets [B, S, 1 + D] (models/mtp.py): the LM loss on column 0 plus
+        model.mtp_loss_scale times the MTP loss the forward computed; `last_loss_parts` keeps
+        both, detached, for the metrics."""
+        if targets_BS.dim() == 2:
+            return layers.token_loss(logits_BSV, targets_BS, self.tp, self.loss_math)
+        main = layers.token_loss(logits_BSV, targets_BS[..., 0], self.tp, self.loss_math)
+        extra, self._pending_mtp_loss = self._pending_mtp_loss, None
+        if extra is None:
+            raise RuntimeError("MTP targets reached loss() without an MTP forward: pass mtp_targets to the forward")
+        self.last_loss_parts = (main.detach(), extra.detach())
+        return main + float(self.cfg.mtp_loss_scale) * extra
 
     def foreign_reads(self) -> list:
         """[(module, parameters)]: the parameters a module's forward reads although another
@@ -298,7 +328,8 @@ class GPT(nn.Module):
 
     def moe_layers(self) -> list:
         """This model's (or chunk's) MoE layers, in layer order."""
-        return [b.mlp for b in self.layers.values() if not isinstance(b.mlp, MLP)]
+        blocks = [*self.layers.values(), *([d.block for d in self.mtp.values()] if self.mtp is not None else [])]
+        return [b.mlp for b in blocks if not isinstance(b.mlp, MLP)]
 
     def sequence_parallel_params(self) -> list:
         """Parameters replicated over TP whose gradients are partial on each TP rank: they need
@@ -308,7 +339,8 @@ class GPT(nn.Module):
         if self.tp is None:
             return []
         if not self.tp["sequence_parallel"]:
-            return [p for b in self.layers.values() if b.attn.q_norm is not None
+            blocks = [*self.layers.values(), *([d.block for d in self.mtp.values()] if self.mtp is not None else [])]
+            return [p for b in blocks if b.attn.q_norm is not None
                     for p in (*b.attn.q_norm.parameters(), *b.attn.k_norm.parameters())]
         return [p for p in self.parameters() if not getattr(p, "tensor_model_parallel", False)]
 

@@ -92,6 +92,11 @@ class ModelConfig:
     # whatever the router has learned; the router's logits get the gradient straight through.
     # The model does not learn to route: for timing runs, never for a model you keep.
     moe_router_force_load_balancing: bool = False
+    # Multi-token prediction (DeepSeek-V3, models/mtp.py): extra depths, each one block that
+    # predicts one token further ahead from the previous depth's hidden state and the next
+    # token's embedding; their mean loss is added times mtp_loss_scale (0 depths = off).
+    mtp_num_layers: int = 0
+    mtp_loss_scale: float = 0.1
     transformer_impl: str = "local"  # local | te
     # Activation recomputation: none | selective (the attention core) | full (whole blocks).
     recompute: str = "none"

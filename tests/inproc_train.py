@@ -5,8 +5,8 @@ A CLI run costs a launcher, an elastic agent and a fresh torch import per rank (
 its groups and its model. specs: {name: (world, overrides, steps)}; the overrides are
 complete (the caller adds its base overrides). Returns {name: [row per step]}, each row
 {"loss": replicas' mean, "grad_norm", "comm": per-mode summary averaged over the ranks, "moe":
-the router figures (None for a dense model)}, the figures metrics.jsonl reports at
-train.log_interval=1.
+the router figures (None for a dense model)} and, with model.mtp_num_layers, "mtp_loss": the
+figures metrics.jsonl reports at train.log_interval=1.
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def _train(rank, world, specs: Dict[str, Spec], root: str, probe: Optional[Calla
             rows.append({"loss": trainer._mean_over_replicas(res["loss_local"]), "grad_norm": res["grad_norm"],
                          "comm": trainer.ledger.reset(),
                          "moe": {k: sum(st[k] for st in moe) for k in moe[0]} if moe else None})
+            if "mtp_loss_local" in res:  # the MTP depths' loss, apart from the LM loss
+                rows[-1]["mtp_loss"] = trainer._mean_over_replicas(res["mtp_loss_local"])
             if watch is not None:  # what the probe saw in the first step
                 rows[-1]["probe"], watch = watch(), None
         out[name] = rows

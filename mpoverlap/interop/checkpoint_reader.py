@@ -29,7 +29,8 @@ CONFIG_ONLY_KEYS = ("rope_base", "norm_eps", "seq_length", "init_std", "moe_capa
                     # fine-grained MoE keys: the export refuses what Mixtral cannot reproduce
                     "moe_first_dense_layers", "moe_shared_expert_ffn_hidden_size", "moe_router_score",
                     "moe_router_order", "moe_router_norm_topk", "moe_router_bias_update_rate",
-                    "moe_router_force_load_balancing", "moe_router_num_groups", "moe_router_scaling_factor")
+                    "moe_router_force_load_balancing", "moe_router_num_groups", "moe_router_scaling_factor",
+                    "mtp_num_layers")
 
 
 def resolve_step_dir(path: str | Path) -> Path:

@@ -93,6 +93,9 @@ def architecture(m: Dict[str, Any]) -> str:
     if qkv_bias and qk_norm:
         bad.append("model.qkv_bias=true with model.qk_norm=true (Qwen3's attention_bias also adds an o_proj "
                    "bias; Qwen2 has no q/k norm)")
+    if int(m.get("mtp_num_layers") or 0) > 0:
+        bad.append(f"model.mtp_num_layers={m['mtp_num_layers']} (the exported architectures have no multi-token "
+                   "prediction depths)")
     moe = int(m.get("num_experts") or 0) > 0
     if moe:
         arch = ARCH_QWEN3_MOE if qk_norm else ARCH_MIXTRAL

@@ -21,6 +21,7 @@ from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.data_parallel.fsdp import gpt_units
 from mpoverlap.data_parallel.grad_wire import error_feedback_on, is_wire
 from mpoverlap.data_parallel.levels import param_gather_dtype, resolve_level, shards_grads
+from mpoverlap.models.mtp import mtp_targets
 from mpoverlap.moe import moe_kwargs
 from mpoverlap.moe.balance import update_expert_biases
 from mpoverlap.moe.dispatch_wire import resolve_dispatch_wire
@@ -54,6 +55,7 @@ class Trainer(Resumable, RunLoop):
         self.ledger = CommLedger()
         t = cfg.train
         self.cp_size, self.cp_rank = state.grid.cp, state.coords.cp
+        self.mtp_depths = int(cfg.model.mtp_num_layers)
         self._positions: dict = {}  # sequence length -> this rank's positions (see _split)
         attention = {}
         if self.cp_size > 1:
@@ -158,6 +160,8 @@ class Trainer(Resumable, RunLoop):
         the cp ranks' losses (taken by the dp x cp gradient average) is the global mean."""
         mb_BS1 = mb_BS1.to(self.state.device, non_blocking=True)
         tokens_BS, targets_BS = mb_BS1[:, :-1], mb_BS1[:, 1:]
+        if self.mtp_depths:  # [B, S, 1 + D]: the MTP depths' shifted ids, from the whole window
+            targets_BS = mtp_targets(mb_BS1, self.mtp_depths)
         S = tokens_BS.shape[1]
         # the same positions tensor for every microbatch of a length (the model makes RoPE's
         # tables once for it: models/gpt.py embed)
@@ -193,10 +197,12 @@ class Trainer(Resumable, RunLoop):
         micro = self.batches.get(self.step, self.step + 1 if self.step + 1 < t.steps else None)
         t0 = time.perf_counter()
         self.ddp.start_step()
+        self.mtp_loss_sum = torch.zeros((), device=self.state.device)  # this stage's, summed by its forwards
         # each weight cast to bf16 once a step, not once a microbatch; its gradient added in place
         with step_cast_cache(t.precision, self.state.device, self.sharding == "optim_grads_params"):
             if self.pipeline is not None:
                 loss_sum = self.pipeline.train_microbatches(micro, self.pairing_trace)
+                self.mtp_loss_sum = self.pipeline.mtp_loss_sum
             else:
                 loss_sum = self._train_microbatches(micro)
         self.ddp.finish_grad_sync()
@@ -230,8 +236,11 @@ class Trainer(Resumable, RunLoop):
         self.ledger.end_step()
         step_time = time.perf_counter() - t0
         self.step += 1
-        return {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
-                "skipped": skipped}
+        out = {"loss_local": loss_sum, "lr": lr, "grad_norm": float(grad_norm), "step_time_s": step_time,
+               "skipped": skipped}
+        if self.mtp_depths:
+            out["mtp_loss_local"] = self.mtp_loss_sum
+        return out
 
     def _train_microbatches(self, micro) -> torch.Tensor:
         if self.overlap.ep_pairing.enabled:  # pp 1 (pp > 1: the pipeline's paired table)
@@ -241,12 +250,18 @@ class Trainer(Resumable, RunLoop):
         for i, mb in enumerate(micro):
             tokens, targets, positions = self._split(mb)
             self.ddp.set_last_microbatch(i == len(micro) - 1)
+            mtp = {"mtp_targets": targets} if self.mtp_depths else {}
             with self.autocast:
-                logits = self.ddp(tokens, position_ids=positions, fp32_logits=False)
+                logits = self.ddp(tokens, position_ids=positions, fp32_logits=False, **mtp)
             loss = self.model.loss(logits, targets) / len(micro)
             del logits  # the loss keeps what its backward needs (under TP its softmax, not these logits)
             loss.backward()
-            loss_sum += loss.detach()
+            if self.mtp_depths:  # the LM loss reported, the MTP loss apart
+                main, extra = self.model.last_loss_parts
+                loss_sum += main / len(micro)
+                self.mtp_loss_sum += extra / len(micro)
+            else:
+                loss_sum += loss.detach()
         return loss_sum
 
     def _mean_over_replicas(self, value: torch.Tensor) -> float:
@@ -276,6 +291,7 @@ class Trainer(Resumable, RunLoop):
                 continue
             for mb in micro:
                 tokens, targets, positions = self._split(mb)
+                targets = targets[..., 0] if self.mtp_depths else targets  # the LM loss alone
                 with self.autocast:
                     logits = self.model(tokens, position_ids=positions, fp32_logits=False)
                 total += self.model.loss(logits, targets) / (len(micro) * n)

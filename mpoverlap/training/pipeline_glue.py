@@ -42,10 +42,16 @@ def schedule_layout(parallel_cfg: Any, vpp: int) -> str:
     return chunk_layout(resolve_schedule(getattr(parallel_cfg, "pp_schedule", "auto"), vpp))
 
 
+def shares_embedding(model_cfg: Any) -> bool:
+    """Whether the head's chunk reads the embedding: a tied head, or the MTP depths (models/mtp.py)."""
+    return bool(model_cfg.tie_embeddings) or getattr(model_cfg, "mtp_num_layers", 0) > 0
+
+
 def tie_spans_stages(model_cfg: Any, pp: int, layout: str) -> bool:
-    """Whether a tied embedding has copies on two stages (first and last, summed over the
-    embedding group): pipelined in the loop layout; the V keeps both ends on stage 0."""
-    return bool(model_cfg.tie_embeddings) and pp > 1 and layout == LOOP
+    """Whether the embedding has copies on two stages (first and last, summed over the
+    embedding group): a tied head or MTP, pipelined in the loop layout; the V keeps both ends
+    on stage 0."""
+    return shares_embedding(model_cfg) and pp > 1 and layout == LOOP
 
 
 def build_chunks(cfg: Any, pp: int, vpp: int, stage: int, seed: int, layout: str = LOOP,
@@ -56,7 +62,7 @@ def build_chunks(cfg: Any, pp: int, vpp: int, stage: int, seed: int, layout: str
     chunks = [GPT(cfg, seed=seed, layer_ids=chunk_layer_ids(cfg.num_layers, pp, vpp, stage, v, layout),
                   pre_process=(k == 0), post_process=(k == last), **gpt_kwargs)
               for v, k in zip(range(vpp), ks)]
-    if cfg.tie_embeddings and 0 in ks and last in ks and len(chunks) > 1:
+    if shares_embedding(cfg) and 0 in ks and last in ks and len(chunks) > 1:
         # The V: the head chunk reads the embedding chunk's weight (GPT.foreign_reads), one
         # parameter whose gradient both chunks' W actions feed (PipelineExecutor.shared_params).
         chunks[ks.index(last)].embedding = chunks[ks.index(0)].embedding
@@ -109,7 +115,8 @@ def forward_only(chunks: List[GPT], stage: int, pp_ranks: List[int], num_microba
 
 class PipelineRunner:
     """Runs one optimizer step's microbatches through this stage's chunks with the pipeline
-    executor, and evaluation forward-only. `split(mb)` gives (tokens, targets, positions)."""
+    executor, and evaluation forward-only. `split(mb)` gives (tokens, targets, positions).
+    With MTP, `mtp_loss_sum` holds the step's MTP loss on the stage of its depths (0 elsewhere)."""
 
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
                  ledger: Any, ddp: Any, split: Callable, autocast: Any, pairing: bool = False) -> None:
@@ -159,10 +166,20 @@ class PipelineRunner:
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
         tokens, targets, positions = self.inputs[mb]
+        # MTP (targets [B, S, 1 + D]): its depths run in training forwards; evaluation is the LM loss
+        mtp = chunk.mtp is not None and targets.dim() == 3 and torch.is_grad_enabled()
+        if targets.dim() == 3 and not mtp:
+            targets = targets[..., 0]
         with self.autocast:
-            out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions, fp32_logits=False)
+            out = chunk(tokens if chunk.pre_process else hidden, position_ids=positions, fp32_logits=False,
+                        **({"mtp_targets": targets} if mtp else {}))
         if chunk.post_process:
-            return chunk.loss(out, targets) / self.num_microbatches
+            loss = chunk.loss(out, targets) / self.num_microbatches
+            if mtp:  # the LM loss reported, the MTP loss apart (loss: their sum, for backward)
+                main, extra = chunk.last_loss_parts
+                self.main_loss_sum += main / self.num_microbatches
+                self.mtp_loss_sum += extra / self.num_microbatches
+            return loss
         return out  # the residual stream as it is (the executor checks its dtype)
 
     def train_microbatches(self, micro: List[torch.Tensor], trace: Optional[list] = None) -> torch.Tensor:
@@ -172,8 +189,12 @@ class PipelineRunner:
         self.inputs = [self.split(mb) for mb in micro]
         if self.paired is not None:
             self.paired.trace = trace
+        self.main_loss_sum = torch.zeros((), device=self.state.device)
+        self.mtp_loss_sum = torch.zeros((), device=self.state.device)
         losses = self.executor.run(len(micro))
         self.bubble_since_log += self.executor.bubble_s
+        if any(c.mtp is not None for c in self.chunks):
+            return self.main_loss_sum
         total = torch.zeros((), device=self.state.device)
         for loss in losses:
             total += loss.detach()

@@ -119,6 +119,8 @@ class RunLoop:
                "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _, _, _ in gathered]),
                # Per rank, in rank order: RSS on CPU, max allocated on CUDA.
                "peak_memory_bytes": [m for _, m, _, _ in gathered]}
+        if "mtp_loss_local" in out:  # the MTP depths' mean loss, unscaled (row["loss"]: the LM loss)
+            row["mtp_loss"] = self._mean_over_replicas(out["mtp_loss_local"])
         if self.pipeline is not None:
             # Per pipeline stage: seconds per step blocked on a receive (mean over the stage's ranks).
             per_stage = [[b for _, _, _, (s, b) in gathered if s == stage] for stage in range(self.pp)]

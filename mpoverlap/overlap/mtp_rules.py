@@ -1,0 +1,61 @@
+"""Multi-token prediction rules (model.mtp_num_layers, model.mtp_loss_scale; models/mtp.py).
+
+The MTP depths run on the chunk with the head and read a copy of the embedding there, summed
+over the embedding group like a tied head's (training/pipeline_glue.py, `shares_embedding`).
+What that machinery cannot carry is refused here rather than run wrong.
+"""
+from __future__ import annotations
+
+from mpoverlap.overlap.layout import Layout
+from mpoverlap.overlap.rules import Problem, rule
+
+
+@rule("mtp.values", "general", ("model.mtp_num_layers", "model.mtp_loss_scale", "model.seq_length"),
+      "MTP depths are a count below the sequence length; their loss scale is not negative")
+def _values(lo: Layout):
+    m = lo.cfg.model
+    D, S = m.mtp_num_layers, m.seq_length
+    if D < 0 or (isinstance(S, int) and S >= 2 and D >= S):
+        yield Problem("mtp.values", {"model.mtp_num_layers": D, "model.seq_length": S},
+                      "depth d predicts the token d + 1 positions ahead: 0 (off) up to seq_length - 1 depths",
+                      [f"model.mtp_num_layers={0 if D < 0 else 1}"])
+    if m.mtp_loss_scale < 0:
+        yield Problem("mtp.values", {"model.mtp_loss_scale": m.mtp_loss_scale},
+                      "the MTP loss is added times this scale: a negative one would train against it",
+                      ["model.mtp_loss_scale=0.1"])
+
+
+@rule("mtp.unsupported_with", "general",
+      ("model.mtp_num_layers", "overlap.ep_pairing", "train.dp_sharding", "train.distributed_optimizer",
+       "parallel.pp", "parallel.pp_schedule"),
+      "MTP runs with the plain step and the pipelines that keep the embedding copy's gradient whole "
+      "(not forward/backward pairing, ZeRO-3, ZeRO-1 across stages or the zbv V)")
+def _unsupported(lo: Layout):
+    from mpoverlap.overlap.dp_rules import sharding_level
+
+    c = lo.cfg
+    D = c.model.mtp_num_layers
+    if D <= 0:
+        return
+    key = {"model.mtp_num_layers": D}
+    if lo.mode("ep_pairing") == "true":
+        yield Problem("mtp.unsupported_with", {**key, "overlap.ep_pairing": True},
+                      "the paired sub-steps run the main chunks only; the MTP depths and their loss would be "
+                      "left out", ["overlap.ep_pairing=false"])
+    level = sharding_level(c)
+    if level == "optim_grads_params":
+        yield Problem("mtp.unsupported_with", {**key, "train.dp_sharding": level},
+                      "ZeRO-3 gathers each unit's parameters before it runs; the MTP depths are in no unit "
+                      "and would run on released shards", ["train.dp_sharding=optim_grads"])
+    pp = lo.pp or 1
+    if pp > 1 and level == "optim":
+        k = "train.distributed_optimizer" if c.train.distributed_optimizer else "train.dp_sharding"
+        yield Problem("mtp.unsupported_with", {**key, "parallel.pp": pp, k: True if k == "train.distributed_optimizer"
+                                               else "optim"},
+                      "the MTP depths' stage holds a copy of the embedding whose gradient is summed with the first "
+                      "stage's; under ZeRO-1 each stage keeps a different slice of it",
+                      ["train.distributed_optimizer=false", "train.dp_sharding=optim_grads"])
+    if pp > 1 and str(c.parallel.pp_schedule) == "zbv":
+        yield Problem("mtp.unsupported_with", {**key, "parallel.pp_schedule": "zbv"},
+                      "the V places the head's chunk on stage 0 beside the embedding; MTP is built and tested "
+                      "with the loop layouts only", ["parallel.pp_schedule=auto"])
