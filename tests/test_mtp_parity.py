@@ -2,7 +2,9 @@
 layouts: each reproduces its SINGLE-PROCESS curve within 1e-5 relative over STEPS steps, in the
 LM loss, the MTP loss (reported apart) and the gradient norm. pp 2 holds the depths on the last
 stage, with a copy of the embedding there (tied head or not) summed over the embedding group.
-All layouts of a world size train inside one spawn (tests/inproc_train.py)."""
+tp 2 (with and without SP) and cp 2 (ring and a2a) check the shift across shard boundaries:
+the shifted ids are cut from the whole window before the cp split, and under SP every tp rank
+embeds the whole (cp-local) sequence. All layouts of a world size train inside one spawn (tests/inproc_train.py)."""
 import json
 import os
 import sys
@@ -23,8 +25,14 @@ LAYOUTS = {
     "untied_ref": (1, [*UNTIED, "parallel.dp=1"]),
     "pp2_last": (2, ["parallel.pp=2", "parallel.dp=1"]),
     "untied_pp2_last": (2, [*UNTIED, "parallel.pp=2", "parallel.dp=1"]),
+    # the shift across shard boundaries: sequence-parallel shards, the zig-zag cp halves
+    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1"]),
+    "untied_tp2": (2, [*UNTIED, "parallel.tp=2", "parallel.dp=1"]),
+    "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_comm=p2p", "parallel.dp=1"]),
+    "untied_cp2_a2a": (2, [*UNTIED, "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.dp=1"]),
 }
-REFS = {"pp2_last": "ref", "untied_pp2_last": "untied_ref"}
+REFS = {"pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
+        "cp2_ring": "ref", "untied_cp2_a2a": "untied_ref"}
 
 
 @pytest.fixture(scope="module")
