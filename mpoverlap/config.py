@@ -125,6 +125,10 @@ class ParallelConfig:
     # Total ranks, for dp=auto outside torchrun (self-launch, mpoverlap-check); under torchrun
     # WORLD_SIZE is used and must agree.
     world_size: Any = None
+    # The stage that runs the MTP depths (model.mtp_num_layers): -1 = the stage of the head's
+    # chunk (the last stage; stage 0 in zbv's V). They read the final hidden state, so they
+    # sit on the head's stage: 0 needs parallel.pp_schedule=zbv (the V puts the head there).
+    mtp_stage: int = -1
 
 
 @dataclass

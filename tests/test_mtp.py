@@ -109,3 +109,26 @@ def test_shifted_targets_hold_the_next_tokens_and_mask_past_the_end():
 def test_mtp_moe_depths_join_the_moe_layers():
     m, _ = _model(["model=moe_tiny", "model.num_layers=2", "model.moe_layer_freq=1"])
     assert len(m.moe_layers()) == 2 + 2
+
+
+@pytest.mark.parametrize("schedule,vpp,mtp_stage", [("1f1b", 1, 1), ("zbv", 2, 0)])
+def test_depths_live_on_the_head_stage(schedule, vpp, mtp_stage):
+    """The loop layouts put the head, and so the depths, on the last stage; zbv's V on stage 0
+    (parallel.mtp_stage=0), where the depths share the one embedding module."""
+    from mpoverlap.overlap import validate
+    from mpoverlap.training.pipeline_glue import build_chunks, schedule_layout
+
+    ov = ["model.num_layers=4", "model.mtp_num_layers=1", "parallel.pp=2", f"parallel.vpp={vpp}",
+          f"parallel.pp_schedule={schedule}", f"parallel.mtp_stage={mtp_stage}"]
+    cfg = compose(ov)
+    assert [p.render() for p in validate(cfg, 2) if p.rule.startswith("mtp.")] == []
+    layout = schedule_layout(cfg.parallel, vpp)
+    for stage in (0, 1):
+        chunks = build_chunks(cfg.model, 2, vpp, stage, 1, layout=layout)
+        holders = [c for c in chunks if c.mtp is not None]
+        assert len(holders) == (1 if stage == mtp_stage else 0), (schedule, stage)
+        if holders and stage == 0:
+            assert holders[0].embedding is chunks[0].embedding
+    if schedule == "1f1b":  # the first stage of a loop layout is refused, pointing to the V
+        bad = [p for p in validate(compose([*ov[:-1], "parallel.mtp_stage=0"]), 2) if p.rule == "mtp.stage"]
+        assert bad and "parallel.pp_schedule=zbv" in bad[0].fix

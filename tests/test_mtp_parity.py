@@ -1,7 +1,9 @@
 """Multi-token prediction (model.mtp_num_layers=2, mtp_loss_scale 0.3) through the parallel
 layouts: each reproduces its SINGLE-PROCESS curve within 1e-5 relative over STEPS steps, in the
-LM loss, the MTP loss (reported apart) and the gradient norm. pp 2 holds the depths on the last
-stage, with a copy of the embedding there (tied head or not) summed over the embedding group.
+LM loss, the MTP loss (reported apart) and the gradient norm. pp 2 in a loop layout holds the
+depths on the last stage, with a copy of the embedding there (tied head or not) summed over the
+embedding group; pp 2 in zbv's V (parallel.mtp_stage=0) holds them on the first stage, beside the
+embedding they share.
 tp 2 (with and without SP) and cp 2 (ring and a2a) check the shift across shard boundaries:
 the shifted ids are cut from the whole window before the cp split, and under SP every tp rank
 embeds the whole (cp-local) sequence. All layouts of a world size train inside one spawn (tests/inproc_train.py)."""
@@ -19,9 +21,15 @@ BASE = ["model=gpt_tiny", "model.num_layers=2", "model.seq_length=64", "model.mt
         "model.mtp_loss_scale=0.3", "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_interval=1",
         "data.max_bytes=300000", "overlap.dp_bucket_mb=0.05", "train.progress=false", "train.eval_iters=1"]
 UNTIED = ["model.tie_embeddings=false"]
+L4 = ["model.num_layers=4"]
+ZBV = ["parallel.pp_schedule=zbv", "parallel.vpp=2"]  # the V: the head's chunk on stage 0
 STEPS = 3
 LAYOUTS = {
     "ref": (1, ["parallel.dp=1"]),
+    "l4_ref": (1, [*L4, "parallel.dp=1"]),
+    "untied_l4_ref": (1, [*L4, *UNTIED, "parallel.dp=1"]),
+    "pp2_first": (2, [*L4, *ZBV, "parallel.mtp_stage=0", "parallel.pp=2", "parallel.dp=1"]),
+    "untied_pp2_first": (2, [*L4, *UNTIED, *ZBV, "parallel.mtp_stage=0", "parallel.pp=2", "parallel.dp=1"]),
     "untied_ref": (1, [*UNTIED, "parallel.dp=1"]),
     "pp2_last": (2, ["parallel.pp=2", "parallel.dp=1"]),
     "untied_pp2_last": (2, [*UNTIED, "parallel.pp=2", "parallel.dp=1"]),
@@ -31,7 +39,7 @@ LAYOUTS = {
     "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_comm=p2p", "parallel.dp=1"]),
     "untied_cp2_a2a": (2, [*UNTIED, "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.dp=1"]),
 }
-REFS = {"pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
+REFS = {"pp2_first": "l4_ref", "untied_pp2_first": "untied_l4_ref", "pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
         "cp2_ring": "ref", "untied_cp2_a2a": "untied_ref"}
 
 

@@ -1,8 +1,11 @@
 """Multi-token prediction rules (model.mtp_num_layers, model.mtp_loss_scale; models/mtp.py).
 
 The MTP depths run on the chunk with the head and read a copy of the embedding there, summed
-over the embedding group like a tied head's (training/pipeline_glue.py, `shares_embedding`).
-What that machinery cannot carry is refused here rather than run wrong.
+over the embedding group like a tied head's (training/pipeline_glue.py, `shares_embedding`); in
+zbv's V that chunk is on stage 0 beside the embedding, one module for both. What that machinery
+cannot carry is refused here rather than run wrong, among it MTP on a stage other than the
+head's (parallel.mtp_stage): the final hidden state would have to go there and its gradient
+come back inside the schedule.
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ def _values(lo: Layout):
 
 @rule("mtp.unsupported_with", "general",
       ("model.mtp_num_layers", "overlap.ep_pairing", "train.dp_sharding", "train.distributed_optimizer",
-       "parallel.pp", "parallel.pp_schedule"),
+       "parallel.pp"),
       "MTP runs with the plain step and the pipelines that keep the embedding copy's gradient whole "
-      "(not forward/backward pairing, ZeRO-3, ZeRO-1 across stages or the zbv V)")
+      "(not forward/backward pairing, ZeRO-3 or ZeRO-1 across stages)")
 def _unsupported(lo: Layout):
     from mpoverlap.overlap.dp_rules import sharding_level
 
@@ -55,7 +58,36 @@ def _unsupported(lo: Layout):
                       "the MTP depths' stage holds a copy of the embedding whose gradient is summed with the first "
                       "stage's; under ZeRO-1 each stage keeps a different slice of it",
                       ["train.distributed_optimizer=false", "train.dp_sharding=optim_grads"])
-    if pp > 1 and str(c.parallel.pp_schedule) == "zbv":
-        yield Problem("mtp.unsupported_with", {**key, "parallel.pp_schedule": "zbv"},
-                      "the V places the head's chunk on stage 0 beside the embedding; MTP is built and tested "
-                      "with the loop layouts only", ["parallel.pp_schedule=auto"])
+
+
+def head_stage(pp: int, pp_schedule: str) -> int:
+    """The pipeline stage of the head's chunk: the last one, or 0 in zbv's V."""
+    return 0 if pp > 1 and str(pp_schedule) == "zbv" else pp - 1
+
+
+@rule("mtp.stage", "pp", ("parallel.mtp_stage", "model.mtp_num_layers", "parallel.pp", "parallel.pp_schedule"),
+      "parallel.mtp_stage is -1 or the stage of the head's chunk (the last; 0 in zbv's V), and is set "
+      "only with MTP depths")
+def _stage(lo: Layout):
+    c = lo.cfg
+    s, D = c.parallel.mtp_stage, c.model.mtp_num_layers
+    if s == -1:
+        return
+    if D <= 0:
+        yield Problem("mtp.stage", {"parallel.mtp_stage": s, "model.mtp_num_layers": D},
+                      "a model without MTP depths has nothing to place on that stage", ["parallel.mtp_stage=-1"])
+        return
+    pp = lo.pp or 1
+    if not 0 <= s < pp:
+        yield Problem("mtp.stage", {"parallel.mtp_stage": s, "parallel.pp": pp},
+                      f"the pipeline has stages 0 .. {pp - 1} (-1 = the head's stage)", ["parallel.mtp_stage=-1"])
+        return
+    head = head_stage(pp, c.parallel.pp_schedule)
+    if s != head:
+        fix = ["parallel.pp_schedule=zbv", "parallel.vpp=2"] if s == 0 else ["parallel.mtp_stage=-1"]
+        yield Problem("mtp.stage", {"parallel.mtp_stage": s, "parallel.pp": pp,
+                                    "parallel.pp_schedule": c.parallel.pp_schedule},
+                      f"the depths read the final hidden state and the output head, which are on stage {head} in "
+                      f"this schedule; stage {s} would need the final hidden state sent there and its gradient sent "
+                      "back inside the schedule, which the pipeline does not do (zbv's V puts the head, and so "
+                      "the depths, on stage 0)", fix)
