@@ -362,13 +362,30 @@ def flops_per_token(cfg) -> float:
     MoE layers count the ACTIVE parameters: top_k experts of width moe_ffn (+ the shared
     expert of its own width) and the router H * E, instead of the dense m H F.
     """
-    H, L, S, Fh = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
-    m = 3 if cfg.activation == "swiglu" else 2
+    H, L, S = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     vpad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-    n_moe = sum(is_moe_layer(cfg, i) for i in range(L))
-    shared = layers.shared_expert_ffn(cfg) if cfg.num_experts > 0 and cfg.shared_expert else 0
-    moe_mlp = m * H * (layers.moe_ffn(cfg) * cfg.moe_top_k + shared) + H * cfg.num_experts
     q_rows = qkv_rows(cfg)[0]  # N * D (= H unless model.head_dim says otherwise)
-    attn = sum(qkv_rows(cfg)) * H + q_rows * H
-    n_matmul = L * attn + (L - n_moe) * m * H * Fh + n_moe * moe_mlp + H * vpad
-    return float(6 * n_matmul + 12 * L * q_rows * S)
+    n_matmul = sum(block_matmul_params(cfg, i) for i in range(L)) + H * vpad
+    return float(6 * n_matmul + 12 * L * q_rows * S) + mtp_flops_per_token(cfg)
+
+
+def block_matmul_params(cfg, i: int) -> int:
+    """The active GEMM parameters of the block at layer index i (see flops_per_token)."""
+    H, Fh = cfg.hidden_size, cfg.ffn_hidden_size
+    m = 3 if cfg.activation == "swiglu" else 2
+    attn = sum(qkv_rows(cfg)) * H + qkv_rows(cfg)[0] * H
+    if not is_moe_layer(cfg, i):
+        return attn + m * H * Fh
+    shared = layers.shared_expert_ffn(cfg) if cfg.shared_expert else 0
+    return attn + m * H * (layers.moe_ffn(cfg) * cfg.moe_top_k + shared) + H * cfg.num_experts
+
+
+def mtp_flops_per_token(cfg) -> float:
+    """Training FLOPs per token of the MTP depths (models/mtp.py), as flops_per_token counts a
+    layer: each depth's block (at layer index num_layers + d), its eh_proj 2 H^2 and the output
+    head H Vpad it runs again, times 6, plus its attention's 12 H S."""
+    H, S = cfg.hidden_size, cfg.seq_length
+    vpad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    depths = range(cfg.num_layers, cfg.num_layers + getattr(cfg, "mtp_num_layers", 0))
+    return float(sum(6 * (block_matmul_params(cfg, i) + 2 * H * H + H * vpad) + 12 * qkv_rows(cfg)[0] * S
+                     for i in depths))

@@ -132,3 +132,27 @@ def test_depths_live_on_the_head_stage(schedule, vpp, mtp_stage):
     if schedule == "1f1b":  # the first stage of a loop layout is refused, pointing to the V
         bad = [p for p in validate(compose([*ov[:-1], "parallel.mtp_stage=0"]), 2) if p.rule == "mtp.stage"]
         assert bad and "parallel.pp_schedule=zbv" in bad[0].fix
+
+
+@pytest.mark.parametrize("overrides", [["model.tie_embeddings=false"], ["model=moe_fine_tiny", "model.num_layers=2",
+                                                                         "model.mtp_num_layers=1"]])
+def test_parameter_counts_include_the_depths_exactly(overrides):
+    """The estimate's counts (overlap/estimate/params.py) against the built model and chunks:
+    the whole model, and per stage of pp 2 (the depths and the untied model's embedding copy on
+    the last stage)."""
+    from mpoverlap.models.gpt import GPT, flops_per_token, mtp_flops_per_token, num_parameters
+    from mpoverlap.overlap.estimate.params import model_params, stage_params
+    from mpoverlap.overlap.layout import build_layout
+    from mpoverlap.training.pipeline_glue import build_chunks
+
+    ov = ["model.num_layers=2", "model.seq_length=16", "model.mtp_num_layers=2", *overrides]
+    cfg = compose(ov)
+    assert model_params(cfg)[0] == num_parameters(GPT(cfg.model, seed=1))
+    cfg2 = compose([*ov, "parallel.pp=2"])
+    lo = build_layout(cfg2, 2)
+    for stage in (0, 1):
+        chunks = build_chunks(cfg2.model, 2, 1, stage, 1)
+        assert stage_params(cfg2, lo, stage) == sum(num_parameters(c) for c in chunks), stage
+    assert mtp_flops_per_token(cfg.model) > 0
+    plain = compose([o for o in ov if not o.startswith("model.mtp_num_layers")])
+    assert flops_per_token(cfg.model) == flops_per_token(plain.model) + mtp_flops_per_token(cfg.model)

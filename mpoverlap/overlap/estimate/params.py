@@ -78,16 +78,54 @@ def model_params(cfg: Any) -> tuple:
     V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
     total = active = V * H * (1 if m.tie_embeddings else 2) + norm_params(m)
     for i in range(m.num_layers):
-        common = attention_params(m) + 2 * norm_params(m)
-        if not is_moe_layer(m, i):
-            dense = common + mlp_mult(m) * H * m.ffn_hidden_size
-            total, active = total + dense, active + dense
-            continue
-        one = mlp_mult(m) * H * expert_ffn(m)
-        base = common + moe_dense_unsplit(m) + shared_expert_params(m)
-        total += base + m.num_experts * one
-        active += base + m.moe_top_k * one
+        layer_total, layer_active = block_params(m, i)
+        total, active = total + layer_total, active + layer_active
+    mtp_total, mtp_active = mtp_params(m)
+    return total + mtp_total, active + mtp_active
+
+
+def block_params(m: Any, i: int) -> tuple:
+    """(total, active per token) parameters of the block at layer index i."""
+    H = m.hidden_size
+    common = attention_params(m) + 2 * norm_params(m)
+    if not is_moe_layer(m, i):
+        dense = common + mlp_mult(m) * H * m.ffn_hidden_size
+        return dense, dense
+    one = mlp_mult(m) * H * expert_ffn(m)
+    base = common + moe_dense_unsplit(m) + shared_expert_params(m)
+    return base + m.num_experts * one, base + m.moe_top_k * one
+
+
+def mtp_depth_extra(m: Any) -> int:
+    """What one MTP depth (models/mtp.py) holds beside its block: three norms (hidden, embedding,
+    final) and eh_proj [H, 2H], replicated over tp; the embedding and head are the model's."""
+    return 3 * norm_params(m) + 2 * m.hidden_size * m.hidden_size
+
+
+def mtp_params(m: Any) -> tuple:
+    """(total, active per token) parameters of the model.mtp_num_layers MTP depths: depth d's
+    block sits at layer index num_layers + d (dense or MoE as a main layer there)."""
+    total = active = 0
+    for d in range(getattr(m, "mtp_num_layers", 0)):
+        block_total, block_active = block_params(m, m.num_layers + d)
+        total += mtp_depth_extra(m) + block_total
+        active += mtp_depth_extra(m) + block_active
     return total, active
+
+
+def mtp_stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) -> int:
+    """Parameters of the MTP depths on one rank of `stage` (they live on the head's stage), and
+    the copy of the embedding an untied model keeps there for them in the loop layouts."""
+    m = cfg.model
+    D = getattr(m, "mtp_num_layers", 0)
+    if D <= 0 or stage != head_stage(cfg, lo):
+        return 0
+    parts = [layer_params(cfg, lo, m.num_layers + d) for d in range(D)]
+    if expert_only:
+        return sum(e for _, e in parts)
+    V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    copy = V * m.hidden_size // lo.tp if stage != 0 and not m.tie_embeddings else 0
+    return sum(d + e for d, e in parts) + D * mtp_depth_extra(m) + copy
 
 
 def attention_params(m: Any, tp: int = 1) -> int:
@@ -150,7 +188,7 @@ def stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) ->
     V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
     parts = [layer_params(cfg, lo, i) for i in stage_layers(cfg, lo, stage)]
     if expert_only:
-        return sum(e for _, e in parts)
+        return sum(e for _, e in parts) + mtp_stage_params(cfg, lo, stage, expert_only=True)
     total = sum(d + e for d, e in parts)
     first, last = stage == 0, stage == head_stage(cfg, lo)
     if first or (last and m.tie_embeddings):
@@ -158,5 +196,5 @@ def stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) ->
         # zbv's V the head is on stage 0 and shares it)
     if last:
         total += norm_params(m) + (0 if m.tie_embeddings else V * H // tp)
-    return total
+    return total + mtp_stage_params(cfg, lo, stage)
 
