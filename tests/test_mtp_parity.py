@@ -73,9 +73,16 @@ def test_references_learn_and_report_both_losses(runs):
 
 
 def test_metrics_jsonl_reports_the_mtp_loss_apart(tmp_path):
+    """Trainer.run() writes loss (LM) and mtp_loss per step; the validation loss (the LM loss
+    alone, the pipeline's forward-only pass included) is the same at pp 2."""
     from inproc_train import run_chains
 
-    run_chains({"mtp": [(1, [*BASE, "parallel.dp=1"], 1)]}, tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "mtp" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "grad_norm" in r]
-    assert train and all(r["mtp_loss"] > 0 and r["loss"] > 0 for r in train)
+    run_chains({"mtp": [(1, [*BASE, "parallel.dp=1"], 1)], "mtp_pp2": [(2, [*BASE, "parallel.pp=2", "parallel.dp=1"], 1)]},
+               tmp_path)
+    val = {}
+    for name in ("mtp", "mtp_pp2"):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in rows if "grad_norm" in r]
+        assert train and all(r["mtp_loss"] > 0 and r["loss"] > 0 and r["mtp_loss"] != r["loss"] for r in train)
+        val[name] = [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    assert abs(val["mtp_pp2"] - val["mtp"]) <= 1e-5 * val["mtp"]
