@@ -83,7 +83,7 @@ def _tp_what(lo: Layout) -> str:
     if bool(lo.cfg.parallel.sequence_parallel):
         return ("collective matmul: the SP all-gather / reduce-scatter in ring steps under GEMM "
                 "chunks; backward all-gather under the dgrad GEMM, dgrad reduction under wgrad")
-    what = ("without SP: each column-parallel linear's input-gradient all-reduce (qkv, MLP gate/up, "
+    what = ("without SP: each column-parallel linear's input-gradient all-reduce (qkv, a dense MLP's gate/up, "
             "output head) issued after its dgrad GEMM and waited after its wgrad GEMM; the forward's "
             "row-parallel all-reduces are waited at once (their sums are the next op's input)")
     schedule = str(getattr(lo.cfg.parallel, "pp_schedule", "auto"))
