@@ -5,7 +5,9 @@ stepped in rotating blocks in the same two processes (`bench.common.rotating_blo
 dp_overlap method: warmup, quiet-block filtering, slowest rank per step).
 
   tp      parallel.tp=2 parallel.sequence_parallel=true, overlap.tp=true (collective matmul)
-          vs overlap.tp=false, vs torch DTensor: the same GPT built single-process with the
+          vs overlap.tp=false; the same without SP (mpo_tp_nosp_*: each column-parallel
+          backward's input-gradient all-reduce under its wgrad GEMM, vs waited at once); vs
+          torch DTensor: the same GPT built single-process with the
           same seed, `parallelize_module` with ColwiseParallel on attn.qkv / mlp.gate_up and
           RowwiseParallel on attn.proj / mlp.down (no SP; local heads), torch.optim.AdamW.
   cp      parallel.cp=2 (ring attention), overlap.cp=true vs false, long sequence.
@@ -56,8 +58,10 @@ def scenario_overrides(args) -> Dict[str, Any]:
     global_batch = [f"train.global_batch_size={args.micro_batch * args.microbatches}"]
     if s == "tp":
         base = ["parallel.tp=2", "parallel.sequence_parallel=true"] + model + global_batch
+        nosp = ["parallel.sequence_parallel=false"]
         return {"base": base, "variants": {"mpo_tp_overlap": ["overlap.tp=true"], "mpo_tp_off": ["overlap.tp=false"],
-                                           "dtensor_tp": None}}
+                                           "mpo_tp_nosp_overlap": [*nosp, "overlap.tp=true"],
+                                           "mpo_tp_nosp_off": [*nosp, "overlap.tp=false"], "dtensor_tp": None}}
     if s == "cp":
         base = ["parallel.cp=2"] + model + global_batch
         return {"base": base, "variants": {"mpo_cp_overlap": ["overlap.cp=true"], "mpo_cp_off": ["overlap.cp=false"]}}

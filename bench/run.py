@@ -345,6 +345,8 @@ def render(results: Dict[str, Any]) -> str:
 
 MODE_LABELS = {"mpo_tp_overlap": "mpoverlap overlap.tp=true (collective matmul)",
                "mpo_tp_off": "mpoverlap overlap.tp=false", "dtensor_tp": "torch DTensor Colwise/Rowwise",
+               "mpo_tp_nosp_overlap": "mpoverlap without SP, overlap.tp=true (input-gradient all-reduce under wgrad)",
+               "mpo_tp_nosp_off": "mpoverlap without SP, overlap.tp=false",
                "mpo_cp_overlap": "mpoverlap overlap.cp=true", "mpo_cp_off": "mpoverlap overlap.cp=false",
                "mpo_pp_overlap": "mpoverlap overlap.pp=true", "mpo_pp_off": "mpoverlap overlap.pp=false",
                "mpo_ep_overlap": "mpoverlap overlap.ep=true", "mpo_ep_off": "mpoverlap overlap.ep=false",
@@ -352,7 +354,8 @@ MODE_LABELS = {"mpo_tp_overlap": "mpoverlap overlap.tp=true (collective matmul)"
                "mpo_ep_off_shared": "overlap.ep=false + shared expert",
                "torch_interleaved_1f1b": "torch ScheduleInterleaved1F1B"}
 MODE_PEER = {"tp": "dtensor_tp", "pp": "torch_interleaved_1f1b"}
-MODE_TITLE = {"tp": "TP + SP, tp=2", "cp": "CP ring attention, cp=2", "pp": "PP interleaved 1F1B, pp=2 vpp=2",
+MODE_TITLE = {"tp": "TP, tp=2: with SP, and without (the mpo_tp_nosp_* variants)", "cp": "CP ring attention, cp=2",
+              "pp": "PP interleaved 1F1B, pp=2 vpp=2",
               "bubble": "Pipeline bubble, pp=2, overlap.pp=true",
               "ep": "EP token dispatch, ep=2 (dp 2), 8 experts top-2, with and without a shared expert"}
 

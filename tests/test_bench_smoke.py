@@ -137,20 +137,23 @@ def test_tp_scenario_peers_compute_the_same_first_loss(tmp_path):
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    for name in ("mpo_tp_overlap", "mpo_tp_off"):  # the typical step's figures beside the sums
+    mpo = ("mpo_tp_overlap", "mpo_tp_off", "mpo_tp_nosp_overlap", "mpo_tp_nosp_off")  # with SP and without
+    for name in mpo:  # the typical step's figures beside the sums
         tp = result["variants"][name]["comm"]["tp"]
         assert 0 < tp["exposed_ms_median"] <= tp["in_flight_ms_median"]
     first = result["first_loss"]
     ref = first["mpo_tp_off"][0]
-    for name in ("mpo_tp_overlap", "dtensor_tp"):
+    for name in (*mpo, "dtensor_tp"):
         assert abs(first[name][0] - ref) <= 1e-5 * abs(ref), (name, first)
-    # The simulator's model rate, timed in the rounds: one probe for the two mpoverlap variants
-    # (same machine), none for the peer; the rate counts the model's FLOPs per microbatch.
+    # The simulator's model rate, timed in the rounds: one probe for the mpoverlap variants of one
+    # layout (with SP, without: bench/rate_probe.py machine_of), none for the peer; the rate
+    # counts the model's FLOPs per microbatch.
     from mpoverlap.config import compose
     from mpoverlap.models.gpt import flops_per_token
 
     probe = result["model_rate_probe"]
-    assert set(probe) == {"mpo_tp_overlap", "mpo_tp_off"} and probe["mpo_tp_overlap"] == probe["mpo_tp_off"]
+    assert set(probe) == set(mpo) and probe["mpo_tp_overlap"] == probe["mpo_tp_off"]
+    assert probe["mpo_tp_nosp_overlap"] == probe["mpo_tp_nosp_off"]
     cfg = compose(result["base_overrides"] + result["variant_overrides"]["mpo_tp_off"])
     flops = flops_per_token(cfg.model) * cfg.train.micro_batch_size * cfg.model.seq_length
     row = probe["mpo_tp_off"]

@@ -28,7 +28,9 @@ GPT = ["model=gpt_tiny"]
 @pytest.mark.parametrize("overrides, world, kinds", [
     (["parallel.dp=2"], 2, ("dp_cp",)),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"], 4, ("tp", "dp_cp")),
-    (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.dp=2"], 4, ("dp_cp",)),  # TP waited at once
+    # without SP the column backward's input-gradient all-reduce is waited under its wgrad GEMM
+    (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.dp=2"], 4, ("tp", "dp_cp")),
+    (["parallel.tp=2", "overlap.tp=false", "parallel.dp=2"], 4, ("dp_cp",)),  # TP waited at once
     (["parallel.pp=2", "parallel.dp=2"], 4, ("dp_cp", "pp")),
     (["parallel.cp=2"], 2, ("cp", "dp_cp")),  # cp ranks reduce gradients over dp x cp too
     (["parallel.dp=2", "overlap.comm_priority=high"], 2, ("dp_cp",)),

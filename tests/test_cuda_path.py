@@ -295,6 +295,8 @@ def test_launcher_sets_max_connections_only_for_tp_cp_overlap(monkeypatch, tmp_p
     cases = [([], None, None),  # dense dp: nothing to set
              (["parallel.tp=2", "parallel.sequence_parallel=true"], None, "1"),  # TP overlap on
              (["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=false"], None, None),
+             (["parallel.tp=2"], None, "1"),  # without SP: the input-gradient all-reduce under wgrad
+             (["parallel.tp=2", "overlap.tp=false"], None, None),
              (["parallel.tp=2", "parallel.sequence_parallel=true"], "4", "4"),  # the user's value is kept
              (["parallel.tp=2", "parallel.sequence_parallel=true", "train.device=cpu"], None, None)]
     for extra, user, expected in cases:

@@ -192,6 +192,29 @@ def probed(tmp_path_factory):
     return run_distributed(_probe, 2, specs, str(tmp_path_factory.mktemp("wiring")), timeout_s=600)[0]
 
 
+# TP without sequence parallelism: overlap.tp=auto (on at tp 2) against false.
+TP_NOSP = {"tp_nosp_auto": [*SMALL, "parallel.tp=2"], "tp_nosp_off": [*SMALL, "parallel.tp=2", "overlap.tp=false"]}
+
+
+@pytest.fixture(scope="module")
+def probed_tp_nosp(tmp_path_factory):
+    return run_distributed(_probe, 2, TP_NOSP, str(tmp_path_factory.mktemp("wiring_tp_nosp")), timeout_s=600)[0]
+
+
+def test_tp_without_sp_waits_the_input_gradient_all_reduce_after_the_wgrad_gemm(probed_tp_nosp):
+    """tp 2 without SP, overlap.tp=auto: the Trainer's TP layers get overlap on, and every
+    column-parallel backward's input-gradient all-reduce has its wgrad GEMM between its issue
+    and its wait; with overlap.tp=false each is waited right after its issue (nothing between)."""
+    auto, off = probed_tp_nosp["tp_nosp_auto"], probed_tp_nosp["tp_nosp_off"]
+    assert auto["switches"]["tp"] and all(auto["switches"]["tp"]), auto["switches"]
+    assert off["switches"]["tp"] and not any(off["switches"]["tp"]), off["switches"]
+    total, deferred = auto["deferred"]["tp"]
+    print(f"\ntp without SP: auto {auto['deferred']['tp']}  off {off['deferred']['tp']}")
+    assert total > 0 and deferred == total, auto["deferred"]
+    total_off, deferred_off = off["deferred"]["tp"]
+    assert total_off == total and deferred_off == 0, off["deferred"]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_trainer_wires_each_mode_switch_into_its_layers(probed, mode):
     on, off = probed[f"{mode}_on"]["switches"][mode], probed[f"{mode}_off"]["switches"][mode]

@@ -124,7 +124,6 @@ FAILING = {
     "sp.sequence_divisible": [(["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_length=18"], None),
                               (["parallel.tp=4", "parallel.cp=2", "parallel.sequence_parallel=true",
                                 "model.seq_length=20"], None)],
-    "tp.overlap_needs_sp": [(["parallel.tp=2", "overlap.tp=true"], None)],
     "tp.transformer_engine": [(["model.transformer_impl=te"], None)],
     "cuda.max_connections": [],
     "dp.overlap_needs_replicas": [(["overlap.dp=true"], None)],
@@ -376,6 +375,26 @@ def test_auto_says_why_off():
     ov = CommOverlapConfig.from_config(compose(["overlap.dp=false", "parallel.dp=2"]))
     assert not ov.dp.enabled and "waited at once" in ov.dp.reason
 
+
+
+def test_tp_overlap_applies_without_sequence_parallelism():
+    """tp 2 without SP: overlap.tp=auto turns on (the column-parallel input-gradient all-reduce
+    under the wgrad GEMM), true is accepted, false keeps it off; the reason says what hides
+    under what, and under zb1p where the deferred W leaves the all-reduce."""
+    for asked in ("auto", "true"):
+        cfg = compose(["parallel.tp=2", f"overlap.tp={asked}"])
+        assert validate(cfg, 2) == []
+        tp = CommOverlapConfig.from_config(cfg, 2).tp
+        assert tp.enabled and "input-gradient all-reduce" in tp.reason and "wgrad GEMM" in tp.reason
+        assert "pp_schedule" not in tp.reason
+    off = CommOverlapConfig.from_config(compose(["parallel.tp=2", "overlap.tp=false"]), 2).tp
+    assert not off.enabled and "waited at once" in off.reason
+    zb = compose(["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=zb1p"])
+    tp = CommOverlapConfig.from_config(zb, 4).tp
+    assert tp.enabled and "parallel.pp_schedule=zb1p" in tp.reason and "bias-gradient sum only" in tp.reason
+    from mpoverlap.overlap.plan import render_plan
+
+    assert "overlap.tp                auto -> ON" in render_plan(zb, 4)
 
 
 def test_dp_overlap_applies_to_expert_buckets_over_tp_at_dp1():

@@ -45,12 +45,8 @@ class CommOverlapConfig:
         return cls(
             dp=_resolve(lo, "dp", lo.dp_cp > 1 or expert_grad_ranks(lo) > 1, _dp_what(lo),
                         f"dp x cp = {lo.dp_cp}: a single replica has no gradient reduction"),
-            tp=_resolve(lo, "tp", lo.tp > 1 and bool(cfg.parallel.sequence_parallel),
-                        "collective matmul: the SP all-gather / reduce-scatter in ring steps under GEMM "
-                        "chunks; backward all-gather under the dgrad GEMM, dgrad reduction under wgrad",
-                        f"parallel.tp={lo.tp}: no tensor-parallel communication" if lo.tp == 1 else
-                        "parallel.sequence_parallel=false: TP collectives waited at once (overlap needs SP)",
-                        blocked),
+            tp=_resolve(lo, "tp", lo.tp > 1, _tp_what(lo),
+                        f"parallel.tp={lo.tp}: no tensor-parallel communication", blocked),
             pp=_resolve(lo, "pp", lo.pp > 1, "pipeline send/receive posted ahead",
                         f"parallel.pp={lo.pp}: no pipeline communication"),
             cp=_resolve_cp(lo, blocked),
@@ -76,6 +72,26 @@ def _resolve(lo: Layout, mode: str, applies: bool, what: str, why_not: str,
         return ModeState(requested, True, what)
     # `true` that cannot apply never reaches here: the rule engine rejects it first.
     return ModeState(requested, False, why_not)
+
+
+def _tp_what(lo: Layout) -> str:
+    """What overlap.tp hides under what, with and without sequence parallelism; without SP, also
+    where a zero-bubble schedule's deferred weight gradients leave the input-gradient all-reduce
+    (with SP the collective-matmul ring keeps its dgrad GEMM chunks under the transfers)."""
+    from mpoverlap.pipeline.schedules import defers_weight_grads, resolve_schedule
+
+    if bool(lo.cfg.parallel.sequence_parallel):
+        return ("collective matmul: the SP all-gather / reduce-scatter in ring steps under GEMM "
+                "chunks; backward all-gather under the dgrad GEMM, dgrad reduction under wgrad")
+    what = ("without SP: each column-parallel linear's input-gradient all-reduce (qkv, a dense MLP's gate/up, "
+            "output head) issued after its dgrad GEMM and waited after its wgrad GEMM; the forward's "
+            "row-parallel all-reduces are waited at once (their sums are the next op's input)")
+    schedule = str(getattr(lo.cfg.parallel, "pp_schedule", "auto"))
+    if lo.pp not in (None, 1) and lo.vpp is not None and defers_weight_grads(resolve_schedule(schedule, lo.vpp)):
+        what += (f"; parallel.pp_schedule={schedule}: a B that has a W defers the wgrad GEMM, so there the "
+                 "all-reduce hides under the bias-gradient sum only and is waited at the end of the linear's "
+                 "backward (mostly exposed; the W runs later); in a B without a W it hides under the wgrad GEMM")
+    return what
 
 
 def _resolve_cp(lo: Layout, blocked: Optional[str] = None) -> ModeState:

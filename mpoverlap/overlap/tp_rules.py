@@ -93,16 +93,6 @@ def _sp_seq(lo: Layout):
                       [f"model.seq_length={next_multiple(m.seq_length, step)}"])
 
 
-@rule("tp.overlap_needs_sp", "tp", ("overlap.tp", "parallel.sequence_parallel"),
-      "overlap.tp=true (collective matmul) needs sequence parallelism")
-def _overlap_needs_sp(lo: Layout):
-    if lo.mode("tp") == "true" and lo.tp is not None and lo.tp > 1 and not lo.cfg.parallel.sequence_parallel:
-        yield Problem("tp.overlap_needs_sp", {"overlap.tp": "true", "parallel.sequence_parallel": False},
-                      "collective matmul decomposes the sequence all-gather / reduce-scatter of SP into ring "
-                      "steps; without SP there is no such collective to decompose",
-                      ["parallel.sequence_parallel=true"])
-
-
 @rule("tp.transformer_engine", "tp", ("model.transformer_impl",), "model.transformer_impl=te needs TE on CUDA")
 def _te(lo: Layout):
     if lo.cfg.model.transformer_impl != "te":

@@ -122,9 +122,11 @@ def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchRe
     for values in cands:
         if (tp_overlap and values["parallel.tp"] > 1 and not values["parallel.sequence_parallel"]
                 and "parallel.sequence_parallel" not in fixed):
-            # Without SP, TP's all-reduces are waited at once and every rank holds the whole
-            # sequence's activations: never faster nor smaller than with SP while TP overlap is on.
-            dropped["dominated: parallel.sequence_parallel=false (TP overlap needs SP; SP holds less)"] += 1
+            # Without SP only the backward's input-gradient all-reduces hide (under the wgrad
+            # GEMMs; the forward's are waited at once) and every rank holds the whole sequence's
+            # activations: never faster nor smaller than with SP while TP overlap is on.
+            dropped["dominated: parallel.sequence_parallel=false (SP hides the forward's TP traffic too, "
+                    "and holds less)"] += 1
             continue
         c = with_values(base, {**values, "model.recompute": "none", "parallel.world_size": world})
         problems = validate(c)
