@@ -29,6 +29,7 @@ from mpoverlap.models import fused, layers
 from mpoverlap.ops.activation import swiglu
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
 from mpoverlap.models.init import head_dim_of, qkv_rows, query_groups
+from mpoverlap.models.mla import LatentAttention, latent_attention_matmul_params, rope_dim
 from mpoverlap.models.rope import apply_rope, apply_rope_qk, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)
 from mpoverlap.precision import compute_dtype
 from mpoverlap.recompute import recomputed, recomputed_layers
@@ -153,7 +154,9 @@ class Block(nn.Module):
         # train.compile: the block's elementwise math as compiled regions (models/fused.py)
         self.math = fused.regions(compile_backend) if compile_backend else None
         self.attn_norm = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg, f"{prefix}.attn", seed, core_attention, tp, self.math)
+        # model.attention: mha (multi-head, grouped-query with model.num_query_groups) | mla
+        attention = LatentAttention if getattr(cfg, "attention", "mha") == "mla" else CausalSelfAttention
+        self.attn = attention(cfg, f"{prefix}.attn", seed, core_attention, tp, self.math)
         self.mlp_norm = make_norm(cfg)
         if is_moe_layer(cfg, layer_index):
             # Experts and router are not split over TP: under SP each TP rank routes its own
@@ -267,7 +270,7 @@ class GPT(nn.Module):
         # microbatch (the Trainer's split) gets them made once (~15 operators each time).
         held = self._rope_tables
         if held is None or held[0] is not position_ids or held[1] != x_BSH.dtype:
-            cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim_of(self.cfg), self.cfg.rope_base,
+            cos_SD, sin_SD = rope_cos_sin(position_ids, rope_dim(self.cfg), self.cfg.rope_base,
                                           rope_scaling_of(self.cfg))
             held = self._rope_tables = (position_ids, x_BSH.dtype, cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype))
         return x_BSH, held[2], held[3]
@@ -304,11 +307,12 @@ class GPT(nn.Module):
         """Parameters replicated over TP whose gradients are partial on each TP rank: they need
         a sum over the TP group. Under sequence parallelism every replicated one (norms: each
         rank saw S/tp positions); without it the q/k norms of model.qk_norm (each rank saw its
-        own heads)."""
+        own heads). MLA's replicated down-projections and norms get complete gradients
+        without SP (models/mla.py)."""
         if self.tp is None:
             return []
         if not self.tp["sequence_parallel"]:
-            return [p for b in self.layers.values() if b.attn.q_norm is not None
+            return [p for b in self.layers.values() if getattr(b.attn, "q_norm", None) is not None
                     for p in (*b.attn.q_norm.parameters(), *b.attn.k_norm.parameters())]
         return [p for p in self.parameters() if not getattr(p, "tensor_model_parallel", False)]
 
@@ -329,6 +333,8 @@ def flops_per_token(cfg) -> float:
                 times 3; the causal mask is not discounted (as Megatron reports it).
     MoE layers count the ACTIVE parameters: top_k experts of width moe_ffn (+ the shared
     expert of its own width) and the router H * E, instead of the dense m H F.
+    MLA (model.attention=mla): A = its projections (models/mla.py); scores and values take
+    2 * 2 S N (n + p) and 2 * 2 S N v (the query/key and value head widths differ).
     """
     H, L, S, Fh = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
     m = 3 if cfg.activation == "swiglu" else 2
@@ -338,5 +344,10 @@ def flops_per_token(cfg) -> float:
     moe_mlp = m * H * (layers.moe_ffn(cfg) * cfg.moe_top_k + shared) + H * cfg.num_experts
     q_rows = qkv_rows(cfg)[0]  # N * D (= H unless model.head_dim says otherwise)
     attn = sum(qkv_rows(cfg)) * H + q_rows * H
+    core = 12 * L * q_rows * S
+    if getattr(cfg, "attention", "mha") == "mla":
+        attn = latent_attention_matmul_params(cfg)
+        width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+        core = 6 * L * cfg.num_attention_heads * width * S
     n_matmul = L * attn + (L - n_moe) * m * H * Fh + n_moe * moe_mlp + H * vpad
-    return float(6 * n_matmul + 12 * L * q_rows * S)
+    return float(6 * n_matmul + core)

@@ -1,0 +1,121 @@
+"""Multi-head latent attention (models/mla.py) on one process, and the DeepSeek-V3 presets' counts."""
+import math
+import re
+
+import pytest
+import torch
+
+from mpoverlap.config import ModelConfig, compose
+from mpoverlap.models.gpt import GPT, flops_per_token, num_parameters
+from mpoverlap.models.mla import LatentAttention
+from mpoverlap.models.rope import rope_cos_sin
+from mpoverlap.overlap.estimate import estimate
+
+
+def mla_cfg(**kw):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
+                attention="mla", q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=6)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rotate(x, pos, base):
+    """Rotate-half RoPE of x [..., S, p] at positions pos, written out by hand."""
+    p = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, p, 2, dtype=torch.float64) / p)
+    ang = pos.double()[:, None] * inv[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., : p // 2], x[..., p // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def reference_mla(attn: LatentAttention, cfg, x_BSH):
+    """DeepSeek-V3's attention from its equations, in float64 with an explicit softmax."""
+    B, S, _ = x_BSH.shape
+    N, n, p, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    W = {k: t.detach().double() for k, t in attn.state_dict().items()}
+    x = x_BSH.double()
+    if cfg.q_lora_rank:
+        c_q = rms(x @ W["q_a_proj.weight"].T, W["q_a_layernorm.weight"], cfg.norm_eps)
+        q = c_q @ W["q_b_proj.weight"].T
+    else:
+        q = x @ W["q_proj.weight"].T
+    q = q.view(B, S, N, n + p).transpose(1, 2)
+    kv_a = x @ W["kv_a_proj_with_mqa.weight"].T
+    c_kv, k_pe = kv_a[..., : cfg.kv_lora_rank], kv_a[..., cfg.kv_lora_rank:]
+    kv = (rms(c_kv, W["kv_a_layernorm.weight"], cfg.norm_eps) @ W["kv_b_proj.weight"].T)
+    kv = kv.view(B, S, N, n + v).transpose(1, 2)
+    pos = torch.arange(S)
+    q = torch.cat([q[..., :n], rotate(q[..., n:], pos, cfg.rope_base)], dim=-1)
+    k_pe = rotate(k_pe[:, None], pos, cfg.rope_base).expand(B, N, S, p)
+    k = torch.cat([kv[..., :n], k_pe], dim=-1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(n + p)
+    scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    y = scores.softmax(-1) @ kv[..., n:]
+    return y.transpose(1, 2).reshape(B, S, N * v) @ W["proj.weight"].T
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, 0])
+def test_latent_attention_matches_the_equations(q_lora_rank):
+    """Query/key heads n + p = 12 wide, value heads 6: the module equals DeepSeek-V3's equations
+    (shared RoPE key, scale 1/sqrt(n + p)) computed by hand, with and without the query latent."""
+    cfg = mla_cfg(q_lora_rank=q_lora_rank)
+    model = GPT(cfg, seed=3)
+    attn = model.layers["0"].attn
+    assert isinstance(attn, LatentAttention)
+    with torch.no_grad():  # norms away from ones, so a missing norm shows
+        attn.kv_a_layernorm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+        if q_lora_rank:
+            attn.q_a_layernorm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    cos, sin = rope_cos_sin(torch.arange(16), cfg.qk_rope_head_dim, cfg.rope_base)
+    y = attn(x, cos, sin)
+    torch.testing.assert_close(y.double(), reference_mla(attn, cfg, x), rtol=1e-5, atol=1e-6)
+
+
+def test_latent_attention_is_causal_and_trains():
+    cfg = mla_cfg()
+    model = GPT(cfg)
+    t = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    u = t.clone()
+    u[0, 9:] = (u[0, 9:] + 5) % 256
+    a, b = model(t), model(u)
+    torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=0)
+    model.loss(a, t).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("overrides", [["model=deepseek_v3_tiny"], ["model=deepseek_v3_tiny", "model.q_lora_rank=0"]])
+def test_estimated_parameters_equal_the_model(overrides):
+    cfg = compose(overrides)
+    assert estimate(cfg, 1).total_params == num_parameters(GPT(cfg.model))
+
+
+def test_flops_per_token_counts_the_latent_projections_and_both_head_widths():
+    cfg = mla_cfg()
+    H, N, S, L = 32, 4, 16, 2
+    proj = H * 16 + 16 * N * 12 + H * (12 + 4) + 12 * N * (8 + 6) + N * 6 * H
+    matmul = L * (proj + 3 * H * 64) + H * 256
+    assert flops_per_token(cfg) == 6 * matmul + 6 * L * N * (12 + 6) * S
+
+
+def test_deepseek_v3_671b_counts_the_published_total_and_active(capsys):
+    """DeepSeek-V3 without its MTP module: published 671B total (within 1%), 37B active (2%)."""
+    from mpoverlap.check import main
+
+    assert main(["model=deepseek_v3_671b"]) == 0
+    out = capsys.readouterr().out
+    total, active = (int(g.replace(",", "")) for g in
+                     re.search(r"parameters: ([\d,]+) total .*?, ([\d,]+) active per token", out).groups())
+    assert abs(total - 671e9) <= 0.01 * 671e9
+    assert abs(active - 37e9) <= 0.02 * 37e9
+    from mpoverlap.config import config_dir
+    from pathlib import Path
+
+    text = (Path(config_dir()) / "model" / "deepseek_v3_671b.yaml").read_text()
+    assert f"{total:,}" in text and f"{active:,}" in text  # the comment's figures
