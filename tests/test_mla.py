@@ -119,3 +119,19 @@ def test_deepseek_v3_671b_counts_the_published_total_and_active(capsys):
 
     text = (Path(config_dir()) / "model" / "deepseek_v3_671b.yaml").read_text()
     assert f"{total:,}" in text and f"{active:,}" in text  # the comment's figures
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["model.num_attention_heads=100", "parallel.tp=8", "parallel.world_size=8"],
+     ["parallel.tp=8", "model.num_attention_heads=100", "fix: parallel.tp=4"]),
+    (["parallel.cp=2", "parallel.world_size=2", "parallel.cp_attention_backend=cudnn", "train.precision=bf16"],
+     ["model.attention=mla", "parallel.cp_attention_backend=cudnn", "fix: parallel.cp_attention_backend=auto"]),
+])
+def test_check_refuses_invalid_mla_layouts_naming_the_key_and_a_fix(overrides, named, capsys):
+    """Latent attention over a layout that cannot run exits 2 naming the key and a fix: heads
+    not divisible by tp (100 heads at tp 8), CP on the cuDNN block kernel."""
+    from mpoverlap.check import main
+
+    assert main(["model=deepseek_v3_671b", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in named), err

@@ -106,3 +106,76 @@ def test_latent_attention_under_tp_matches_one_process(results):
                 assert err < 1e-5, (rank, key, what, err)
                 n += 1
     assert n == 2 * 3 * ((2 + 7) + (2 + 5))
+
+
+# ---- context parallelism: q/k heads 12 wide, v heads 6 -------------------------------------------
+
+DQK, DV, SC = 12, 6, 32
+
+
+def cp_inputs():
+    g = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(B, N, SC, DQK, generator=g) for _ in range(2))
+    v, w = (torch.randn(B, N, SC, DV, generator=g) for _ in range(2))
+    return q, k, v, w
+
+
+def cp_worker(rank, world):
+    import functools
+
+    from mpoverlap.comm.ledger import CommLedger
+    from mpoverlap.context_parallel import a2a_attention, ring_attention, split_for_cp
+    from mpoverlap.parallel import ParallelState, RankGrid
+
+    state = ParallelState.create(RankGrid(cp=2), torch.device("cpu"))
+    r = state.coords.cp
+    q, k, v, w = cp_inputs()
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out_ref = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True)
+    grads_ref = torch.autograd.grad((out_ref * w).sum(), ref)
+    local = [split_for_cp(t, r, 2, seq_dim=2) for t in (q, k, v, w)]
+    out = {}
+    for variant, fn in (("p2p", ring_attention), ("a2a", a2a_attention)):
+        for backend, overlap in (("auto", False), ("auto", True), ("explicit", False)):
+            attn = functools.partial(fn, cp_group=state.group("cp"), cp_ranks=state.ranks("cp"), cp_rank=r,
+                                     cp_size=2, overlap=overlap, ledger=CommLedger(), backend=backend)
+            xs = [t.clone().requires_grad_(True) for t in local[:3]]
+            y = attn(*xs)
+            grads = torch.autograd.grad((y * local[3]).sum(), xs)
+            out[(variant, backend, overlap)] = [rel(y, split_for_cp(out_ref, r, 2, seq_dim=2))] + [
+                rel(gr, split_for_cp(want, r, 2, seq_dim=2)) for gr, want in zip(grads, grads_ref)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_results():
+    return run_distributed(cp_worker, 2, timeout_s=150)
+
+
+def test_cp_attention_with_a_narrower_value_head_matches_one_process(cp_results):
+    """Ring and all-to-all attention (the fused CPU flash block kernel, padded and trimmed,
+    overlap on and off, and the explicit math) with q/k heads 12 wide and v heads 6: output
+    and dq, dk, dv equal full-sequence causal SDPA on one process."""
+    for rank, out in enumerate(cp_results):
+        assert len(out) == 6
+        for key, errs in out.items():
+            assert max(errs) < 1e-5, (rank, key, errs)
+
+
+def test_flash_block_kernel_pads_and_trims_differing_head_widths():
+    """The CPU flash kernel takes one head width for q, k and v (it raises otherwise): the
+    block kernel pads v and trims back, equal to the explicit math, forward and backward."""
+    from mpoverlap.context_parallel.block_kernels import EXPLICIT, FLASH_CPU
+
+    q, k, v, w = cp_inputs()
+    with pytest.raises(RuntimeError, match="same head size"):
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=DQK ** -0.5)
+    scale = DQK ** -0.5
+    o, lse = FLASH_CPU.forward(q, k, v, scale, True)
+    o_ref, lse_ref = EXPLICIT.forward(q, k, v, scale, True)
+    assert o.shape == (B, N, SC, DV)
+    assert rel(o, o_ref) < 1e-5 and rel(lse, lse_ref) < 1e-5
+    got = FLASH_CPU.backward(w, q, k, v, o, lse, scale, True)
+    want = EXPLICIT.backward(w, q, k, v, o_ref, lse_ref, scale, True)
+    assert [g.shape[-1] for g in got] == [DQK, DQK, DV]
+    assert all(rel(a, b) < 1e-5 for a, b in zip(got, want))

@@ -136,6 +136,8 @@ FAILING = {
     "cp.attention_backend_kernel": [(["parallel.cp=2", "parallel.cp_attention_backend=cudnn"], None),
                                     (["parallel.cp=2", "parallel.cp_attention_backend=cudnn", "train.device=cpu",
                                       "train.precision=bf16"], None)],
+    "cp.mla_backend": [(["model=deepseek_v3_tiny", "parallel.cp=2", "parallel.cp_attention_backend=cudnn",
+                         "train.device=cuda", "train.precision=bf16"], None)],
     "model.query_groups_divide_heads": [(["model.num_query_groups=3"], None), (["model.num_query_groups=0"], None),
                                         (["model=llama_tiny", "model.num_query_groups=16"], None)],
     "tp.divides_query_groups": [(["model=llama_tiny", "parallel.tp=4"], None),
