@@ -135,3 +135,17 @@ def test_check_refuses_invalid_mla_layouts_naming_the_key_and_a_fix(overrides, n
     assert main(["model=deepseek_v3_671b", *overrides]) == 2
     err = capsys.readouterr().err
     assert all(n in err for n in named), err
+
+
+def test_every_latent_projection_is_deferrable_and_cast_for_bf16():
+    """The zero-bubble W split defers the weight gradients of the wgrad Linear builders, and
+    train.precision=bf16 casts exactly the linears' weights (precision.compute_cast_weights):
+    every 2-D weight of the latent attention is one of them; its norms are not."""
+    from mpoverlap.precision.autocast import compute_cast_weights
+    from mpoverlap.wgrad.functions import Linear
+
+    attn = GPT(mla_cfg()).layers["0"].attn
+    linears = [m for m in attn.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 5 and all(isinstance(m, Linear) for m in linears)
+    cast = compute_cast_weights(attn)
+    assert {id(p) for p in cast} == {id(p) for p in attn.parameters() if p.dim() == 2}
