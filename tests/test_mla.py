@@ -184,3 +184,18 @@ def test_estimated_activations_equal_what_a_block_saves(q_lora_rank, bf16):
     measured = saved_activation_bytes(forward, block.parameters(), [cos, sin])
     est = layer_activation_bytes(cfg, build_layout(cfg, 1), 0, Conventions.for_dtype(2 if bf16 else 4), B)
     assert abs(est - measured) <= (0.10 if bf16 else 0.01) * measured, (measured, est)
+
+
+def test_compiled_regions_match_eager():
+    """train.compile: the block's compiled regions (the RoPE region on the q_rope heads and the
+    shared key) give eager's loss and gradients (aot_eager: traced, not fused)."""
+    cfg = compose(["model=deepseek_v3_tiny", "model.num_layers=2", "model.seq_length=16"]).model
+    ref, got = GPT(cfg, seed=5), GPT(cfg, seed=5, compile_backend="aot_eager")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    out = []
+    for model in (ref, got):
+        loss = model.loss(model(tokens), tokens)
+        loss.backward()
+        out.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*out):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
