@@ -60,3 +60,19 @@ def activation_bytes_per_token(m: Any, tp: int, c: int, f: int, selective: bool,
     kv_b = N * (m.qk_nope_head_dim + m.v_head_dim)
     core = q + k + 3 * v if cp > 1 and cp_comm == "a2a" else kv_b + q + k + 2 * v
     return residual, (core * c + (0 if selective else N * f)) // tp
+
+
+def wgrad_kept_per_token(m: Any, tp: int, sp: bool) -> Tuple[int, int, int, int]:
+    """What a zero-bubble W's closures keep of one layer's attention, channels a token (compute
+    dtype): (TP-region kept, of it also saved as activations, residual-region kept, of it saved).
+    TP region (every position): q_b_proj's input r (gathered under SP) and output gradient
+    N (n + p)/tp, kv_b_proj's c and N (n + v)/tp, proj's N v/tp and H (q_proj's input H when
+    q_lora_rank is 0, under SP: without it that input is the down-projection's). Residual region
+    (S/tp positions with SP): the down-projections' input H (one tensor for both) and output
+    gradients r and c + p."""
+    H, N, r, lat, p = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    qk, v = m.qk_nope_head_dim + p, m.v_head_dim
+    tp_kept = (r if r else (H if sp else 0)) + N * qk // tp + lat + N * (m.qk_nope_head_dim + v) // tp \
+        + N * v // tp + H
+    tp_shared = N * v // tp + (0 if sp else (r + lat if r else lat))
+    return tp_kept, tp_shared, H + r + lat + p, H
