@@ -216,3 +216,15 @@ def test_zero_bubble_kept_bytes_equal_the_estimate(q_lora_rank, monkeypatch):
     monkeypatch.setitem(test_estimate.FAMILIES, family, ["model=deepseek_v3_tiny", f"model.q_lora_rank={q_lora_rank}"])
     measured, est = test_estimate._measure_kept(family, False), test_estimate._estimate_kept(family, 1, False, False)
     assert abs(measured - est) <= 0.05 * measured, (measured, est)
+
+
+def test_checkpoint_meta_records_the_latent_shape_keys():
+    """A checkpoint's meta records latent attention's shape keys, so a resume with another
+    latent shape is refused by name before a tensor is read (training/resume.py)."""
+    from mpoverlap.training.resume import _shape_key_defaults, shape_keys
+
+    keys = shape_keys(compose(["model=deepseek_v3_tiny"]).model)
+    assert {k: keys[k] for k in ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                 "v_head_dim")} == {"attention": "mla", "q_lora_rank": 32, "kv_lora_rank": 16,
+                                                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+    assert _shape_key_defaults()["attention"] == "mha"  # what a checkpoint from before the key had
