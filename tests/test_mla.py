@@ -228,3 +228,11 @@ def test_checkpoint_meta_records_the_latent_shape_keys():
                                  "v_head_dim")} == {"attention": "mla", "q_lora_rank": 32, "kv_lora_rank": 16,
                                                     "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
     assert _shape_key_defaults()["attention"] == "mha"  # what a checkpoint from before the key had
+
+
+def test_plan_names_the_padded_flash_block_kernel(capsys):
+    from mpoverlap.check import main
+
+    assert main(["model=deepseek_v3_tiny", "parallel.cp=2", "parallel.world_size=2"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  attention:"))
+    assert "flash_cpu" in line and "pad v from 16 to 24 channels" in line, line
