@@ -29,6 +29,7 @@ from mpoverlap.models import fused, layers
 from mpoverlap.ops.activation import swiglu
 from mpoverlap.models.init import RESIDUAL_OUT_SUFFIXES, init_tensor, padded_vocab_size, param_seed  # noqa: F401
 from mpoverlap.models.init import head_dim_of, qkv_rows, query_groups
+from mpoverlap.models.mla import LatentAttention, latent_attention_matmul_params, rope_dim
 from mpoverlap.models.mtp import MTPDepth, mtp_loss
 from mpoverlap.models.rope import apply_rope, apply_rope_qk, rope_cos_sin, rope_scaling_of  # noqa: F401 (re-exported)
 from mpoverlap.precision import compute_dtype
@@ -154,7 +155,9 @@ class Block(nn.Module):
         # train.compile: the block's elementwise math as compiled regions (models/fused.py)
         self.math = fused.regions(compile_backend) if compile_backend else None
         self.attn_norm = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg, f"{prefix}.attn", seed, core_attention, tp, self.math)
+        # model.attention: mha (multi-head, grouped-query with model.num_query_groups) | mla
+        attention = LatentAttention if getattr(cfg, "attention", "mha") == "mla" else CausalSelfAttention
+        self.attn = attention(cfg, f"{prefix}.attn", seed, core_attention, tp, self.math)
         self.mlp_norm = make_norm(cfg)
         if is_moe_layer(cfg, layer_index):
             # Experts and router are not split over TP: under SP each TP rank routes its own
@@ -285,7 +288,7 @@ class GPT(nn.Module):
         # microbatch (the Trainer's split) gets them made once (~15 operators each time).
         held = self._rope_tables
         if held is None or held[0] is not position_ids or held[1] != x_BSH.dtype:
-            cos_SD, sin_SD = rope_cos_sin(position_ids, head_dim_of(self.cfg), self.cfg.rope_base,
+            cos_SD, sin_SD = rope_cos_sin(position_ids, rope_dim(self.cfg), self.cfg.rope_base,
                                           rope_scaling_of(self.cfg))
             held = self._rope_tables = (position_ids, x_BSH.dtype, cos_SD.to(x_BSH.dtype), sin_SD.to(x_BSH.dtype))
         return x_BSH, held[2], held[3]
@@ -335,12 +338,13 @@ class GPT(nn.Module):
         """Parameters replicated over TP whose gradients are partial on each TP rank: they need
         a sum over the TP group. Under sequence parallelism every replicated one (norms: each
         rank saw S/tp positions); without it the q/k norms of model.qk_norm (each rank saw its
-        own heads)."""
+        own heads). MLA's replicated down-projections and norms get complete gradients
+        without SP (models/mla.py)."""
         if self.tp is None:
             return []
         if not self.tp["sequence_parallel"]:
             blocks = [*self.layers.values(), *([d.block for d in self.mtp.values()] if self.mtp is not None else [])]
-            return [p for b in blocks if b.attn.q_norm is not None
+            return [p for b in blocks if getattr(b.attn, "q_norm", None) is not None
                     for p in (*b.attn.q_norm.parameters(), *b.attn.k_norm.parameters())]
         return [p for p in self.parameters() if not getattr(p, "tensor_model_parallel", False)]
 
@@ -361,19 +365,32 @@ def flops_per_token(cfg) -> float:
                 times 3; the causal mask is not discounted (as Megatron reports it).
     MoE layers count the ACTIVE parameters: top_k experts of width moe_ffn (+ the shared
     expert of its own width) and the router H * E, instead of the dense m H F.
+    MLA (model.attention=mla): A = its projections (models/mla.py); scores and values take
+    2 * 2 S N (n + p) and 2 * 2 S N v (the query/key and value head widths differ).
     """
     H, L, S = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     vpad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-    q_rows = qkv_rows(cfg)[0]  # N * D (= H unless model.head_dim says otherwise)
     n_matmul = sum(block_matmul_params(cfg, i) for i in range(L)) + H * vpad
-    return float(6 * n_matmul + 12 * L * q_rows * S) + mtp_flops_per_token(cfg)
+    return float(6 * n_matmul + L * attention_core_flops(cfg)) + mtp_flops_per_token(cfg)
+
+
+def attention_core_flops(cfg) -> float:
+    """Training FLOPs per token of one layer's attention scores and values: 12 S N D (multi-head),
+    or 2 * 2 S N (n + p) + 2 * 2 S N v times 3 under MLA (query/key and value widths differ)."""
+    S = cfg.seq_length
+    if getattr(cfg, "attention", "mha") == "mla":
+        return float(6 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * S)
+    return float(12 * qkv_rows(cfg)[0] * S)
 
 
 def block_matmul_params(cfg, i: int) -> int:
     """The active GEMM parameters of the block at layer index i (see flops_per_token)."""
     H, Fh = cfg.hidden_size, cfg.ffn_hidden_size
     m = 3 if cfg.activation == "swiglu" else 2
-    attn = sum(qkv_rows(cfg)) * H + qkv_rows(cfg)[0] * H
+    if getattr(cfg, "attention", "mha") == "mla":
+        attn = latent_attention_matmul_params(cfg)
+    else:
+        attn = sum(qkv_rows(cfg)) * H + qkv_rows(cfg)[0] * H
     if not is_moe_layer(cfg, i):
         return attn + m * H * Fh
     shared = layers.shared_expert_ffn(cfg) if cfg.shared_expert else 0
@@ -383,9 +400,9 @@ def block_matmul_params(cfg, i: int) -> int:
 def mtp_flops_per_token(cfg) -> float:
     """Training FLOPs per token of the MTP depths (models/mtp.py), as flops_per_token counts a
     layer: each depth's block (at layer index num_layers + d), its eh_proj 2 H^2 and the output
-    head H Vpad it runs again, times 6, plus its attention's 12 H S."""
-    H, S = cfg.hidden_size, cfg.seq_length
+    head H Vpad it runs again, times 6, plus its attention core."""
+    H = cfg.hidden_size
     vpad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
     depths = range(cfg.num_layers, cfg.num_layers + getattr(cfg, "mtp_num_layers", 0))
-    return float(sum(6 * (block_matmul_params(cfg, i) + 2 * H * H + H * vpad) + 12 * qkv_rows(cfg)[0] * S
+    return float(sum(6 * (block_matmul_params(cfg, i) + 2 * H * H + H * vpad) + attention_core_flops(cfg)
                      for i in depths))

@@ -52,6 +52,14 @@ class ModelConfig:
     head_dim: Optional[int] = None
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2 / Qwen2.5)
     qk_norm: bool = False  # RMSNorm over each head's D channels of q and k, before RoPE (Qwen3)
+    # mha (multi-head attention; grouped-query with num_query_groups) | mla (DeepSeek-V2/V3's
+    # multi-head latent attention, models/mla.py; the five keys below, defaults DeepSeek-V2-Lite's).
+    attention: str = "mha"
+    q_lora_rank: int = 0  # mla: the query latent's width (0 = no query compression)
+    kv_lora_rank: int = 512  # mla: the key/value latent's width
+    qk_nope_head_dim: int = 128  # mla: per-head query/key channels without RoPE
+    qk_rope_head_dim: int = 64  # mla: per-head query/key channels with RoPE (one key shared by all heads)
+    v_head_dim: int = 128  # mla: per-head value width
     tie_embeddings: bool = True
     init_std: float = 0.02
     norm_eps: float = 1e-5

@@ -49,6 +49,19 @@ def default_head_chunks(num_heads: int, cp_size: int, num_groups: Optional[int] 
     return 2 if (num_heads // cp_size) % 2 == 0 and (kv // cp_size) % 2 == 0 else 1
 
 
+def _stacked(tensors) -> list:
+    """Runs of consecutive tensors of one shape, each stacked [T, ...]: q, k, v as one [3, ...]
+    (multi-head attention), q alone and k, v as [2, ...] (grouped-query: fewer K/V heads), q, k
+    as [2, ...] and v alone (latent attention: a narrower value head), or all three apart."""
+    runs = []
+    for t in tensors:
+        if runs and runs[-1][-1].shape == t.shape:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return [torch.stack(run) for run in runs]
+
+
 def _concat(buffers) -> tuple:
     """Several send buffers [cp, ...] as one [cp, X] (one buffer: itself); returns (buffer,
     shapes for _split, None for one)."""
@@ -107,13 +120,13 @@ def _exchange_groups(ring: CPRing, xs, groups: int, stats: CPStats, phase: str, 
         if not ring.overlap:
             _wait(handle, stats, phase, g)
         pending_out.append((g, handle, recv, out_shapes))
-    B, S_local, D = xs[0].shape[1], xs[0].shape[3], xs[0].shape[4]
+    B, S_local = xs[0].shape[1], xs[0].shape[3]
     outs = None
     for g, handle, recv, out_shapes in pending_out:
         _wait(handle, stats, phase, g)
         parts = _split(recv, out_shapes)  # each [cp, T', B, n, S_local, D]
         if outs is None:
-            outs = [torch.empty((p.shape[1], B, p.shape[3] * cp * groups, S_local, D), dtype=p.dtype,
+            outs = [torch.empty((p.shape[1], B, p.shape[3] * cp * groups, S_local, p.shape[-1]), dtype=p.dtype,
                                 device=xs[0].device) for p in parts]
         for part, out in zip(parts, outs):
             unpack_head_to_seq(part, out, groups, g)
@@ -130,10 +143,9 @@ class A2AAttentionFunction(torch.autograd.Function):
                 stats: CPStats, kernel: BlockKernel):
         saved = []
         k_BGSD, v_BGSD = k_BGSD.to(q_BNSD.dtype), v_BGSD.to(q_BNSD.dtype)
-        gqa = k_BGSD.shape[1] != q_BNSD.shape[1]
 
         def attend(g, received):
-            # received: [q, k, v stacked [3, B, n, S, D]], or with GQA [q [1, ...], k|v [2, ...]]
+            # received: q, k, v in the runs `_stacked` made (e.g. [3, B, n, S, D] all three)
             q, k, v = [t for r in received for t in r.unbind(0)]
             y_BnSD, lse_BnS = kernel.forward(q, k, v, scale, True)
             saved.append((q, k, v, y_BnSD, lse_BnS))
@@ -141,16 +153,15 @@ class A2AAttentionFunction(torch.autograd.Function):
             stats.count_dense("fwd", B, Ng, S, D)
             return [y_BnSD.to(q.dtype).unsqueeze(0)]
 
-        # Without GQA q, k, v travel as one stacked tensor; with it q and the (fewer) k, v
-        # groups are packed side by side into the same all_to_all per head group.
-        xs = ([torch.stack([q_BNSD, k_BGSD, v_BGSD])] if not gqa
-              else [q_BNSD.unsqueeze(0), torch.stack([k_BGSD, v_BGSD])])
+        # q, k, v travel in one all_to_all per head group: one stacked tensor when they share a
+        # shape, else their runs of one shape packed side by side.
+        xs = _stacked([q_BNSD, k_BGSD, v_BGSD])
         with no_autocast(q_BNSD):
             (out_1BNSD,) = _exchange_groups(ring, xs, groups, stats, "fwd", attend)
         # Saved through autograd (not as ctx attributes): saved-tensor hooks (activation
         # recomputation, memory accounting) see them.
         ctx.save_for_backward(*[t for group in saved for t in group])
-        ctx.ring, ctx.groups, ctx.stats, ctx.gqa = ring, groups, stats, gqa
+        ctx.ring, ctx.groups, ctx.stats = ring, groups, stats
         ctx.scale, ctx.kernel = scale, kernel
         return out_1BNSD[0]
 
@@ -164,14 +175,13 @@ class A2AAttentionFunction(torch.autograd.Function):
                                              ctx.scale, True)
             B, Ng, S, D = y_BnSD.shape
             stats.count_dense("bwd", B, Ng, S, D)
-            return [torch.stack([dq, dk, dv])] if not ctx.gqa else [dq.unsqueeze(0), torch.stack([dk, dv])]
+            return _stacked([dq, dk, dv])
 
         with no_autocast(dout_BNSD):
             outs = _exchange_groups(ctx.ring, [dout_BNSD.unsqueeze(0)], ctx.groups, stats, "bwd",
                                     attend_backward)
-        if not ctx.gqa:
-            return outs[0][0], outs[0][1], outs[0][2], None, None, None, None, None
-        return outs[0][0], outs[1][0], outs[1][1], None, None, None, None, None
+        dq, dk, dv = [t for o in outs for t in o.unbind(0)]
+        return dq, dk, dv, None, None, None, None, None
 
 
 def a2a_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
@@ -179,11 +189,11 @@ def a2a_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tens
                   overlap: bool, ledger=None, stats: Optional[CPStats] = None,
                   softmax_scale: Optional[float] = None,
                   head_chunks: Optional[int] = None, backend: str = "auto") -> torch.Tensor:
-    """Causal attention over the global sequence via head sharding: out_BNSD [B, N, S_local, D].
+    """Causal attention over the global sequence via head sharding: out_BNSD [B, N, S_local, Dv].
 
     Same contract as ring_attention (layout of split_for_cp, RoPE at global positions, equal
     to full-sequence causal SDPA split the same way, collective over the cp group; k, v may
-    hold G < N groups), plus: N and G divisible by cp * head_chunks (rank j then holds query
+    hold G < N groups and v another head width Dv), plus: N and G divisible by cp * head_chunks (rank j then holds query
     heads j N/cp.. and the groups j G/cp.. they read). `cp_ranks` is accepted for a uniform
     signature. `backend`: parallel.cp_attention_backend (block_kernels.py)."""
     check_qkv_shapes(q_BNSD, k_BGSD, v_BGSD)

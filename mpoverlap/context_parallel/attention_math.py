@@ -10,7 +10,8 @@ probabilities of each block from the saved q, k and the final lse (flash-attenti
 Everything is computed in fp32 (inputs are upcast; outputs are fp32); fp64 inputs stay fp64.
 
 Shape letters: B batch, N heads, G K/V groups (grouped-query attention; G = N without it),
-Q query rows of the block, K key rows of the block, D head dim.
+Q query rows of the block, K key rows of the block, D head dim (of q and k; v's may differ, as
+in latent attention: the output then has v's).
 """
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ def _up(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_qkv_shapes(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> int:
-    """N / G, the query heads per K/V group, after checking q [B, N, S, D] and k, v [B, G, S, D]
-    (same B, S, D; G divides N)."""
-    if q_BNSD.dim() != 4 or k_BGSD.shape != v_BGSD.shape or k_BGSD.dim() != 4:
-        raise ValueError(f"q must be [B, N, S, D] and k, v one [B, G, S, D] shape; got "
+    """N / G, the query heads per K/V group, after checking q [B, N, S, D], k [B, G, S, D] and
+    v [B, G, S, Dv] (same B, S; q and k share D; v's head width Dv may differ, as in latent
+    attention; G divides N)."""
+    if q_BNSD.dim() != 4 or k_BGSD.shape[:3] != v_BGSD.shape[:3] or k_BGSD.dim() != 4 or v_BGSD.dim() != 4:
+        raise ValueError(f"q must be [B, N, S, D], k [B, G, S, D] and v [B, G, S, Dv]; got "
                          f"{tuple(q_BNSD.shape)}, {tuple(k_BGSD.shape)}, {tuple(v_BGSD.shape)}")
     (B, N, S, D), G = q_BNSD.shape, k_BGSD.shape[1]
     if (k_BGSD.shape[0], k_BGSD.shape[2], k_BGSD.shape[3]) != (B, S, D) or N % G:
-        raise ValueError(f"k, v {tuple(k_BGSD.shape)} must share q's B, S, D {tuple(q_BNSD.shape)} "
+        raise ValueError(f"k {tuple(k_BGSD.shape)} must share q's B, S, D {tuple(q_BNSD.shape)} "
                          f"with K/V groups G dividing the heads N")
     return N // G
 

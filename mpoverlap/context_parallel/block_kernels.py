@@ -31,6 +31,13 @@ Backends (`select_block_kernel`, once per backend request, device and dtype):
   explicit        attention_math.py: scores by hand in fp32 (fp64 stays fp64), c x c per
                   block and head; the fallback (fp64 references, dtypes no kernel takes).
 
+Query/key and value head widths may differ (latent attention: 192 and 128 in DeepSeek-V3).
+The flash kernels (flash_cpu, flash_cuda) require one head width for q, k and v: `BlockKernel`
+pads the narrower of (q, k) and v with zero channels for the call and trims the output and the
+gradients back (zero value channels give zero output channels and leave the scores, so the
+result is exact; the cost is the padded channels' work). efficient_cuda and explicit take the
+two widths as they are. cudnn_cuda is refused for them (rule cp.mla_backend), not padded.
+
 No kernel is ever handed a mask tensor: blocks are either unmasked or top-left causal, so
 nothing of size Q x K exists outside the kernels' own tiles.
 """
@@ -60,6 +67,8 @@ class BlockKernel:
     gqa_native: bool
     _forward: Callable[..., Pair]
     _backward: Callable[..., Triple]
+    # The kernel takes one head width for q, k and v: differing ones are padded and trimmed.
+    one_head_dim: bool = False
 
     @property
     def fused(self) -> bool:
@@ -69,16 +78,32 @@ class BlockKernel:
         rep = q_BNQD.shape[1] // k_BGKD.shape[1]
         if not self.gqa_native:
             k_BGKD, v_BGKD = repeat_kv(k_BGKD, rep), repeat_kv(v_BGKD, rep)
+        Dv = v_BGKD.shape[-1]
+        if self.one_head_dim and Dv != q_BNQD.shape[-1]:
+            D = max(Dv, q_BNQD.shape[-1])
+            out_BNQD, lse_BNQ = self._forward(_pad(q_BNQD, D), _pad(k_BGKD, D), _pad(v_BGKD, D), scale, causal)
+            return out_BNQD[..., :Dv], lse_BNQ
         return self._forward(q_BNQD, k_BGKD, v_BGKD, scale, causal)
 
     def backward(self, dout_BNQD, q_BNQD, k_BGKD, v_BGKD, out_BNQD, lse_BNQ, scale: float,
                  causal: bool) -> Triple:
         rep = q_BNQD.shape[1] // k_BGKD.shape[1]
+        Dqk, Dv = q_BNQD.shape[-1], v_BGKD.shape[-1]
+        if self.one_head_dim and Dv != Dqk:
+            D = max(Dqk, Dv)
+            dq, dk, dv = self.backward(_pad(dout_BNQD, D), _pad(q_BNQD, D), _pad(k_BGKD, D), _pad(v_BGKD, D),
+                                       _pad(out_BNQD, D), lse_BNQ, scale, causal)
+            return dq[..., :Dqk], dk[..., :Dqk], dv[..., :Dv]
         if self.gqa_native or rep == 1:
             return self._backward(dout_BNQD, q_BNQD, k_BGKD, v_BGKD, out_BNQD, lse_BNQ, scale, causal)
         dq, dk, dv = self._backward(dout_BNQD, q_BNQD, repeat_kv(k_BGKD, rep), repeat_kv(v_BGKD, rep),
                                     out_BNQD, lse_BNQ, scale, causal)
         return dq, sum_kv_groups(dk, rep), sum_kv_groups(dv, rep)
+
+
+def _pad(x: torch.Tensor, D: int) -> torch.Tensor:
+    """x with zero channels appended up to head width D (x itself when it has D)."""
+    return x if x.shape[-1] == D else torch.nn.functional.pad(x, (0, D - x.shape[-1]))
 
 
 # ---------------------------------------------------------------- explicit (the fallback)
@@ -154,6 +179,9 @@ def _efficient_backward(dout, q, k, v, out, lse, scale, causal):
 
 
 def _cudnn_forward(q, k, v, scale, causal):
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"the cudnn block kernel is not used with a value head width ({v.shape[-1]}) other than "
+                         f"the query/key one ({q.shape[-1]}); use parallel.cp_attention_backend=auto")
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                   scale=scale)[:2]
     return out, lse.reshape(q.shape[:3])  # cuDNN returns [B, N, Q, 1]
@@ -168,9 +196,9 @@ def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):
 
 EXPLICIT = BlockKernel("explicit", "attention_math (fp32 by hand)", False, _explicit_forward, _explicit_backward)
 FLASH_CPU = BlockKernel("flash_cpu", "aten._scaled_dot_product_flash_attention_for_cpu", True,
-                        _flash_cpu_forward, _flash_cpu_backward)
+                        _flash_cpu_forward, _flash_cpu_backward, one_head_dim=True)
 FLASH_CUDA = BlockKernel("flash_cuda", "aten._scaled_dot_product_flash_attention", True,
-                         _flash_cuda_forward, _flash_cuda_backward)
+                         _flash_cuda_forward, _flash_cuda_backward, one_head_dim=True)
 EFFICIENT_CUDA = BlockKernel("efficient_cuda", "aten._scaled_dot_product_efficient_attention", False,
                              _efficient_forward, _efficient_backward)
 CUDNN_CUDA = BlockKernel("cudnn_cuda", "aten._scaled_dot_product_cudnn_attention", False,
@@ -244,15 +272,17 @@ def describe_block_backend(request: str, device_type: str, dtype: torch.dtype, h
 
 
 def describe_sdpa_backend(device_type: str, dtype: torch.dtype, num_heads: int, num_groups: int,
-                          head_dim: int) -> str:
+                          head_dim: int, v_head_dim: int | None = None) -> str:
     """The kernel F.scaled_dot_product_attention picks for the attention without context
     parallelism (models/gpt.py causal_sdpa): asked of torch itself on CPU; on CUDA torch
-    decides per GPU at run time."""
+    decides per GPU at run time. `v_head_dim`: the value heads' width when it differs (latent
+    attention)."""
     if device_type != "cpu":
         return "F.scaled_dot_product_attention (torch picks flash / cuDNN / efficient per GPU and dtype)"
     from torch.nn.attention import SDPBackend
 
     q = torch.empty(1, num_heads, 8, head_dim, dtype=dtype, device="cpu")
     kv = torch.empty(1, num_groups, 8, head_dim, dtype=dtype, device="cpu")
-    choice = SDPBackend(torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=num_groups != num_heads))
+    v = torch.empty(1, num_groups, 8, v_head_dim or head_dim, dtype=dtype, device="cpu")
+    choice = SDPBackend(torch._fused_sdp_choice(q, kv, v, is_causal=True, enable_gqa=num_groups != num_heads))
     return f"F.scaled_dot_product_attention -> {choice.name.lower()}"

@@ -86,9 +86,19 @@ def _count(ring: CPRing, src: int, stats: CPStats, phase: str, B: int, N: int, c
 
 
 def _kv_double_buffer(k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, ring: CPRing) -> list:
-    """[kv_2BGSD in hand, buffer the next block is received into (None when cp == 1)]."""
-    held = torch.stack([k_BGSD, v_BGSD])
+    """[kv in hand, buffer the next block is received into (None when cp == 1)]: k and v
+    stacked [2, B, G, S, D], or, when their head widths differ (latent attention), side by side
+    [B, G, S, D + Dv] (`kv_views` reads either)."""
+    held = (torch.stack([k_BGSD, v_BGSD]) if k_BGSD.shape == v_BGSD.shape
+            else torch.cat([k_BGSD, v_BGSD], dim=-1))
     return [held, torch.empty_like(held) if ring.cp_size > 1 else None]
+
+
+def kv_views(held: torch.Tensor, D: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) of a buffer made like `_kv_double_buffer`'s (D: k's head width)."""
+    if held.dim() == 5:
+        return held[0], held[1]
+    return held[..., :D], held[..., D:]
 
 
 def _issue_next_kv(ring: CPRing, buffers: list, step: int, stats: CPStats, phase: str):
@@ -112,20 +122,19 @@ def ring_forward(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tenso
     c = S_local // 2
     acc = acc_dtype(q_BNSD.dtype)
     # The online-softmax accumulators of every local query row (fp32): an empty row has
-    # lse -inf and out 0, and merges with its first block exactly.
-    out_acc_BNSD = torch.zeros(q_BNSD.shape, dtype=acc, device=q_BNSD.device)
+    # lse -inf and out 0, and merges with its first block exactly. (out has v's head width.)
+    out_acc_BNSD = torch.zeros((B, N, S_local, v_BGSD.shape[-1]), dtype=acc, device=q_BNSD.device)
     lse_acc_BNS = torch.full((B, N, S_local), float("-inf"), dtype=acc, device=q_BNSD.device)
     # kv_2BGSD: the block in hand; the other buffer receives the next one.
     buffers = _kv_double_buffer(k_BGSD, v_BGSD, ring)
     for step in range(ring.cp_size):
-        kv_2BGSD = buffers[step % 2]
+        k_held, v_held = kv_views(buffers[step % 2], D)
         handle = _issue_next_kv(ring, buffers, step, stats, "fwd")
         stats.event("fwd", "compute_begin", step)
         src = ring.source_of_step(step)
         _count(ring, src, stats, "fwd", B, N, c, D)
         for rows, keys, causal in _blocks(ring, src, c, kernel.fused):
-            o, l = kernel.forward(q_BNSD[:, :, rows], kv_2BGSD[0][:, :, keys], kv_2BGSD[1][:, :, keys],
-                                  scale, causal)
+            o, l = kernel.forward(q_BNSD[:, :, rows], k_held[:, :, keys], v_held[:, :, keys], scale, causal)
             merge_into(out_acc_BNSD[:, :, rows], lse_acc_BNS[:, :, rows], o, l)
         stats.event("fwd", "compute_end", step)
         if handle is not None and ring.overlap:
@@ -136,8 +145,8 @@ def ring_forward(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tenso
 
 def ring_backward(dout_BNSD, q_BNSD, k_BGSD, v_BGSD, out_BNSD, lse_BNS, ring: CPRing,
                   scale: float, stats: CPStats, kernel: BlockKernel):
-    """(dq [B, N, S_local, D], dk, dv [B, G, S_local, D]) in the inputs' dtypes; fp32 (fp64
-    for fp64) accumulation, also of the dK/dV that travel the ring."""
+    """(dq [B, N, S_local, D], dk [B, G, S_local, D], dv [B, G, S_local, Dv]) in the inputs'
+    dtypes; fp32 (fp64 for fp64) accumulation, also of the dK/dV that travel the ring."""
     B, N, S_local, D = q_BNSD.shape
     c = S_local // 2
     acc = acc_dtype(q_BNSD.dtype)
@@ -146,20 +155,21 @@ def ring_backward(dout_BNSD, q_BNSD, k_BGSD, v_BGSD, out_BNSD, lse_BNS, ring: CP
     buffers = _kv_double_buffer(k_BGSD, v_BGSD, ring)
     dkv_handle, dkv_recv_2BGSD = None, None
     for step in range(ring.cp_size):
-        kv_2BGSD = buffers[step % 2]
+        k_held, v_held = kv_views(buffers[step % 2], D)
         kv_handle = _issue_next_kv(ring, buffers, step, stats, "bwd")
         stats.event("bwd", "compute_begin", step)
         # This rank's share of the gradient of the block in hand.
-        dkv_2BGSD = torch.zeros(kv_2BGSD.shape, dtype=acc, device=q_BNSD.device)
+        dkv_2BGSD = torch.zeros(buffers[step % 2].shape, dtype=acc, device=q_BNSD.device)
+        dk_held, dv_held = kv_views(dkv_2BGSD, D)
         src = ring.source_of_step(step)
         _count(ring, src, stats, "bwd", B, N, c, D)
         for rows, keys, causal in _blocks(ring, src, c, kernel.fused):
-            dq, dk, dv = kernel.backward(dout_BNSD[:, :, rows], q_BNSD[:, :, rows], kv_2BGSD[0][:, :, keys],
-                                         kv_2BGSD[1][:, :, keys], out_BNSD[:, :, rows], lse_BNS[:, :, rows],
+            dq, dk, dv = kernel.backward(dout_BNSD[:, :, rows], q_BNSD[:, :, rows], k_held[:, :, keys],
+                                         v_held[:, :, keys], out_BNSD[:, :, rows], lse_BNS[:, :, rows],
                                          scale, causal)
             dq_BNSD[:, :, rows].add_(dq)
-            dkv_2BGSD[0][:, :, keys].add_(dk)
-            dkv_2BGSD[1][:, :, keys].add_(dv)
+            dk_held[:, :, keys].add_(dk)
+            dv_held[:, :, keys].add_(dv)
         stats.event("bwd", "compute_end", step)
         if dkv_handle is not None:
             # The accumulator of this block from the ranks before, sent at the previous step:
@@ -185,8 +195,8 @@ def ring_backward(dout_BNSD, q_BNSD, k_BGSD, v_BGSD, out_BNSD, lse_BNS, ring: CP
     if dkv_handle is not None and not dkv_handle.waited:
         dkv_handle.wait()  # the last hop brings each rank its own, complete dK/dV
         stats.event("bwd", "wait_dkv", ring.cp_size)
-    return (dq_BNSD.to(q_BNSD.dtype), dkv_recv_2BGSD[0].to(k_BGSD.dtype),
-            dkv_recv_2BGSD[1].to(v_BGSD.dtype))
+    dk_home, dv_home = kv_views(dkv_recv_2BGSD, D)
+    return dq_BNSD.to(q_BNSD.dtype), dk_home.to(k_BGSD.dtype), dv_home.to(v_BGSD.dtype)
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -217,10 +227,10 @@ def ring_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Ten
                    cp_group, cp_ranks: Sequence[int], cp_rank: int, cp_size: int,
                    overlap: bool, ledger=None, stats: Optional[CPStats] = None,
                    softmax_scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
-    """Causal attention over the global sequence, ring-parallel: out_BNSD [B, N, S_local, D].
+    """Causal attention over the global sequence, ring-parallel: out_BNSD [B, N, S_local, Dv].
 
-    q: [B, N, S_local, D]; k, v: [B, G, S_local, D] (G divides N; G < N is grouped-query
-    attention), in the load-balanced layout of split_for_cp (chunks r and 2cp-1-r), RoPE
+    q, k: [B, N, S_local, D], [B, G, S_local, D] (G divides N; G < N is grouped-query
+    attention); v: [B, G, S_local, Dv] (Dv = D, or another value head width: latent attention), in the load-balanced layout of split_for_cp (chunks r and 2cp-1-r), RoPE
     already applied at the global positions. Equals
     F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G < N) on the full sequence,
     split the same way. Collective over the cp group: every cp rank calls it, also backward.

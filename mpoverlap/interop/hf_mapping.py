@@ -89,6 +89,9 @@ def architecture(m: Dict[str, Any]) -> str:
     rs = rope_scaling(m)
     if rs is not None and rs["rope_type"] != "llama3":
         bad.append(f"model.rope_scaling.rope_type={rs['rope_type']} (only llama3 scaling is exported)")
+    if m.get("attention", "mha") == "mla":
+        bad.append("model.attention=mla (latent attention maps to DeepseekV3ForCausalLM, which is not "
+                   "exported)")
     qkv_bias, qk_norm = bool(m.get("qkv_bias")), bool(m.get("qk_norm"))
     if qkv_bias and qk_norm:
         bad.append("model.qkv_bias=true with model.qk_norm=true (Qwen3's attention_bias also adds an o_proj "
@@ -241,7 +244,7 @@ def model_keys_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
             "num_query_groups": kv, "head_dim": int(hf.get("head_dim") or H // N),
             "norm": "rmsnorm", "activation": "swiglu", "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), **_rope_keys_from_hf(hf),
-            "qkv_bias": arch == ARCH_QWEN2, "qk_norm": arch in (ARCH_QWEN3, ARCH_QWEN3_MOE)}
+            "qkv_bias": arch == ARCH_QWEN2, "qk_norm": arch in (ARCH_QWEN3, ARCH_QWEN3_MOE), "attention": "mha"}
     if arch in (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3):
         keys.update({"ffn_hidden_size": int(hf["intermediate_size"]), "num_experts": 0})
     elif arch == ARCH_MIXTRAL:

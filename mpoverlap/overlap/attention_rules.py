@@ -1,6 +1,6 @@
 """Rules for the attention keys that starting points like Llama 3.1/3.2 and Qwen need:
-model.rope_scaling (Llama 3's frequency scaling) and model.head_dim (a head width other than
-hidden_size / heads)."""
+model.rope_scaling (Llama 3's frequency scaling), model.head_dim (a head width other than
+hidden_size / heads) and model.attention (multi-head or DeepSeek's latent attention)."""
 from __future__ import annotations
 
 from mpoverlap.models.rope import ROPE_TYPES, rope_scaling_of
@@ -60,3 +60,41 @@ def _head_dim(lo: Layout):
         yield Problem("model.head_dim", {"model.head_dim": d},
                       "rotary embeddings rotate pairs of channels (x[i], x[i + D/2]): the head width must "
                       "be positive and even", ["model.head_dim=null"])
+
+
+ATTENTION_KINDS = ("mha", "mla")
+# Keys of multi-head attention that latent attention has no place for: set, they would be ignored.
+_MHA_ONLY = {"num_query_groups": None, "head_dim": None, "qk_norm": False, "qkv_bias": False}
+
+
+@rule("model.attention", "general", ("model.attention", "model.q_lora_rank", "model.kv_lora_rank",
+                                     "model.qk_nope_head_dim", "model.qk_rope_head_dim", "model.v_head_dim"),
+      "model.attention is mha or mla; mla's latent and head widths are positive (qk_rope_head_dim even, "
+      "q_lora_rank 0 = no query latent) and the multi-head-only keys are left unset")
+def _attention(lo: Layout):
+    m = lo.cfg.model
+    if m.attention not in ATTENTION_KINDS:
+        yield Problem("model.attention", {"model.attention": m.attention},
+                      f"must be one of {'|'.join(ATTENTION_KINDS)}", ["model.attention=mha"])
+        return
+    if m.attention != "mla":
+        return
+    widths = {"model.kv_lora_rank": m.kv_lora_rank, "model.qk_nope_head_dim": m.qk_nope_head_dim,
+              "model.v_head_dim": m.v_head_dim}
+    for key, value in widths.items():
+        if value < 1:
+            yield Problem("model.attention", {"model.attention": "mla", key: value},
+                          "latent attention needs a positive width here", [f"{key}={128 if 'dim' in key else 512}"])
+    if m.q_lora_rank < 0:
+        yield Problem("model.attention", {"model.attention": "mla", "model.q_lora_rank": m.q_lora_rank},
+                      "the query latent's width is 0 (no query compression) or positive", ["model.q_lora_rank=0"])
+    if m.qk_rope_head_dim < 2 or m.qk_rope_head_dim % 2:
+        yield Problem("model.attention", {"model.attention": "mla", "model.qk_rope_head_dim": m.qk_rope_head_dim},
+                      "rotary embeddings rotate pairs of channels: the RoPE part of each query/key head "
+                      "must be positive and even", ["model.qk_rope_head_dim=64"])
+    for key, unset in _MHA_ONLY.items():
+        if getattr(m, key) != unset:
+            yield Problem("model.attention", {"model.attention": "mla", f"model.{key}": getattr(m, key)},
+                          f"model.{key} shapes multi-head attention's fused qkv; latent attention's heads are "
+                          "set by model.qk_nope_head_dim, model.qk_rope_head_dim and model.v_head_dim, so it "
+                          "would be ignored", [f"model.{key}={'null' if unset is None else 'false'}"])

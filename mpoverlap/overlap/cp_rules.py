@@ -81,3 +81,18 @@ def _attention_backend(lo: Layout):
                        "train.precision": t.precision},
                       "the cuDNN attention kernel runs on CUDA with bf16 inputs only (or set train.device=cuda "
                       "and train.precision=bf16)", ["parallel.cp_attention_backend=auto"])
+
+
+@rule("cp.mla_backend", "cp", ("parallel.cp_attention_backend", "model.attention", "parallel.cp"),
+      "latent attention (q/k heads wider than v heads) under CP runs on the flash, efficient or explicit block "
+      "kernels, not on cudnn")
+def _mla_backend(lo: Layout):
+    p, m = lo.cfg.parallel, lo.cfg.model
+    if m.attention != "mla" or p.cp_attention_backend != "cudnn" or lo.cp is None or lo.cp < 2:
+        return
+    yield Problem("cp.mla_backend",
+                  {"model.attention": "mla", "parallel.cp_attention_backend": "cudnn", "parallel.cp": lo.cp},
+                  f"the cuDNN block kernel is not used with a value head width (model.v_head_dim={m.v_head_dim}) "
+                  f"other than the query/key one ({m.qk_nope_head_dim + m.qk_rope_head_dim}); auto takes the flash "
+                  "kernel (padding v to the q/k width and trimming it back) or the efficient one, which takes "
+                  "both widths", ["parallel.cp_attention_backend=auto"])

@@ -157,8 +157,8 @@ def _head_shape_fix(m) -> list:
       "attention heads divide the hidden size")
 def _heads(lo: Layout):
     m = lo.cfg.model
-    if m.head_dim is not None:
-        return  # the head width is its own key (model.head_dim): heads need not divide H
+    if m.head_dim is not None or m.attention == "mla":
+        return  # the head width is its own key (model.head_dim, MLA's): heads need not divide H
     if m.hidden_size >= 1 and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
         # The fix must also give an even head dimension, or it would trip model.head_dim_even.
         yield Problem("model.heads_divide_hidden",
@@ -170,8 +170,8 @@ def _heads(lo: Layout):
       "the head dimension hidden_size / num_attention_heads is even (RoPE rotates channel pairs)")
 def _head_dim_even(lo: Layout):
     m = lo.cfg.model
-    if m.head_dim is not None:
-        return  # model.head_dim reports it
+    if m.head_dim is not None or m.attention == "mla":
+        return  # model.head_dim (or, MLA, model.attention) reports it
     if m.hidden_size < 1 or m.num_attention_heads < 1 or m.hidden_size % m.num_attention_heads:
         return  # model.heads_divide_hidden reports it
     head_dim = m.hidden_size // m.num_attention_heads

@@ -148,12 +148,16 @@ def _attention_line(cfg: Any, lo, device_type: str) -> str:
 
     m = cfg.model
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    heads, head_dim = m.num_attention_heads, head_dim_of(m)
+    heads, head_dim, v_head_dim, groups = m.num_attention_heads, head_dim_of(m), None, query_groups(m)
+    if m.attention == "mla":  # latent attention: q/k heads n + p wide, v heads v_head_dim, one per query head
+        head_dim, v_head_dim, groups = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, heads
     if lo.cp > 1:
-        return (f"  attention: context-parallel {cfg.parallel.cp_comm} blocks on "
-                + describe_block_backend(cfg.parallel.cp_attention_backend, device_type, dtype, head_dim)
-                + f" (parallel.cp_attention_backend={cfg.parallel.cp_attention_backend})")
-    return f"  attention: {describe_sdpa_backend(device_type, dtype, heads, query_groups(m), head_dim)}"
+        kernel = describe_block_backend(cfg.parallel.cp_attention_backend, device_type, dtype, head_dim)
+        padded = (f"; the flash kernels pad v from {v_head_dim} to {head_dim} channels and trim it back"
+                  if v_head_dim is not None and "flash" in kernel else "")
+        return (f"  attention: context-parallel {cfg.parallel.cp_comm} blocks on {kernel}"
+                + f" (parallel.cp_attention_backend={cfg.parallel.cp_attention_backend}{padded})")
+    return f"  attention: {describe_sdpa_backend(device_type, dtype, heads, groups, head_dim, v_head_dim)}"
 
 
 def _routed_tokens(cfg: Any, lo) -> int:

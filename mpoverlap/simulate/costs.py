@@ -8,6 +8,9 @@ sequence, tp the tensor-parallel degree; backward is twice the forward):
   attention GEMMs  2 t (H (H + 2 H g/N) + H^2) / tp     (qkv with g query groups of N heads, proj)
   attention core   4 t s H / tp                          (scores and values, the causal half not
                                                           discounted, as `flops_per_token` counts)
+  latent attention the replicated down-projections over t' tokens (t / tp with SP), the
+                   split up-projections and proj over t / tp (estimate/latent.py); the core
+                   2 t s N (n + p + v) / tp (q/k and v of their own widths)
   dense MLP        2 t m H F / tp                        (m = 3 SwiGLU, 2 GeLU)
   MoE MLP          2 t' (k + shared) m H F_e + 2 t' H E  (t' = t / tp with SP, else t)
   output head      2 t H V / tp on the last chunk
@@ -22,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
+from mpoverlap.overlap.estimate import latent
 from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
 from mpoverlap.overlap.estimate.comm import comm_ops, ep_forward_share, replayed_ops
+from mpoverlap.overlap.estimate.latent import core_widths, is_latent
 from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, expert_ffn, is_moe_layer, mlp_mult,
                                                shared_expert_ffn, stage_layers, stage_params)
 from mpoverlap.pipeline.actions import stage_of
@@ -74,6 +79,10 @@ def layer_flops(cfg: Any, lo: Layout, i: int) -> Dict[str, float]:
     t = cfg.train.micro_batch_size * s / lo.cp
     q, kv, _ = qkv_rows(m)  # N D and G D (H and H G / N unless model.head_dim says otherwise)
     out = {"attn_gemm": 2 * t * (H * (q + 2 * kv) + q * H) / tp, "core": 4 * t * s * q / tp, "shared": 0.0}
+    if is_latent(m):  # latent attention: replicated down-projections, q/k and v of their own widths
+        q_w, _, v_w = core_widths(m)
+        out["attn_gemm"] = latent.gemm_flops(m, t, moe_tokens(cfg, lo), tp)
+        out["core"] = 2 * t * s * (q_w + v_w) / tp
     if is_moe_layer(m, i):
         t_moe = moe_tokens(cfg, lo)
         fe = expert_ffn(m)

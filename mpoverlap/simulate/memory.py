@@ -57,6 +57,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
+from mpoverlap.overlap.estimate.latent import core_widths, is_latent
 from mpoverlap.overlap.estimate.params import expert_ffn, is_moe_layer, layer_params, shared_expert_ffn
 from mpoverlap.overlap.layout import Layout
 
@@ -91,15 +92,20 @@ def layer_bytes(cfg: Any, lo: Layout, i: int, c: int) -> dict:
     tn = t / tp if sp else t
     q_all, kv_all, _ = qkv_rows(m)
     q, g = q_all / tp, kv_all / tp
+    roped = copied = q + g  # RoPE rotates q and k; attention's copies are q- and k-sized
+    if is_latent(m):  # latent attention: RoPE on the q_rope heads and the one shared key (on every rank);
+        # the copies are the concatenated q and k, N (n + p) each
+        roped = m.num_attention_heads * m.qk_rope_head_dim / tp + m.qk_rope_head_dim
+        copied = 2 * core_widths(m)[0] / tp
     fused = bool(getattr(cfg.train, "compile", False))
     rope = 0.0  # eager RoPE's backward moves what its forward does (not BACKWARD x)
     if fused:  # the compiled regions: norm + cast, add + norm + cast, RoPE; the last add eager
-        act = tn * H * (r + c) + tn * H * (2 * r + 2 * c) + t * (q + g) * 2 * c + tn * H * (2 * r + c)
+        act = tn * H * (r + c) + tn * H * (2 * r + 2 * c) + t * roped * 2 * c + tn * H * (2 * r + c)
     else:
         act = 2 * tn * H * (2 * r + k * (r + c))  # norms
-        rope = t * (q + g) * (3 * c + 8)  # RoPE on q and k
+        rope = t * roped * (3 * c + 8)  # RoPE on q and k
         act += 2 * tn * H * (2 * r + c)  # residual adds
-    act += 2 * c * t * (g + q)  # copies around attention
+    act += 2 * c * t * copied  # copies around attention
     if is_moe_layer(m, i):
         rows = moe_tokens(cfg, lo) * m.moe_top_k
         act += _activation(m, rows, expert_ffn(m), c) + 2 * 2 * rows * H * c  # experts stay eager

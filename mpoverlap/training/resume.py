@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
               "make_vocab_size_divisible_by", "norm", "activation", "tie_embeddings", "num_experts",
               "moe_top_k", "shared_expert", "moe_layer_freq", "moe_ffn_hidden_size", "moe_first_dense_layers",
-              "moe_shared_expert_ffn_hidden_size", "head_dim", "qkv_bias", "qk_norm", "rope_scaling")
+              "moe_shared_expert_ffn_hidden_size", "head_dim", "qkv_bias", "qk_norm", "rope_scaling",
+              "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def shape_keys(model: Any) -> Dict[str, Any]:

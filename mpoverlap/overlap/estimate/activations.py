@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
+from mpoverlap.overlap.estimate import latent
+from mpoverlap.overlap.estimate.latent import is_latent
 from mpoverlap.overlap.estimate.params import chunk_layers, etp_size, expert_ffn, is_moe_layer, shared_expert_ffn
 from mpoverlap.overlap.layout import Layout
 
@@ -97,6 +99,9 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
     if not conv.rope and p.cp_comm != "a2a":
         core -= (q + g) * c
     attn_tp = core + (0 if selective else N * f)  # the log-sum-exp per head (recomputed: none)
+    if is_latent(m):  # multi-head latent attention: its latents and core widths (latent.py)
+        latent_res, attn_tp = latent.activation_bytes_per_token(m, 1, c, f, selective, p.cp_comm, lo.cp)
+        residual += latent_res
     if not conv.flash and lo.cp == 1 and not selective:
         # Math SDPA keeps the causal softmax over all S keys; with dropout also its mask
         # (1 byte) and the dropped-out probabilities.

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpoverlap.models.init import query_groups
+from mpoverlap.overlap.estimate.latent import is_latent
 from mpoverlap.overlap.layout import Layout
 
 ACC = 4  # fp32 accumulators and softmax statistics
@@ -43,6 +44,10 @@ def cp_attention_work_bytes(cfg: Any, lo: Layout, compute_bytes: int, micro_batc
     m, p = cfg.model, cfg.parallel
     heads, groups = m.num_attention_heads // lo.tp, max(1, query_groups(m) // lo.tp)
     D = m.hidden_size // m.num_attention_heads
+    if is_latent(m):
+        # latent attention: K/V per head, q/k n + p wide and v narrower; counted at the wider
+        # width (what the flash kernels compute on: v padded to it)
+        groups, D = heads, m.qk_nope_head_dim + m.qk_rope_head_dim
     T = micro_batch * (m.seq_length // lo.cp)
     c, a = compute_bytes, ACC
     explicit = getattr(p, "cp_attention_backend", "auto") == "explicit"

@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from mpoverlap.models.init import head_dim_of, padded_vocab_size, query_groups
+from mpoverlap.overlap.estimate import latent
+from mpoverlap.overlap.estimate.latent import core_widths, is_latent
 from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer,
                                                moe_dense_unsplit, norm_params, stage_layers)
 from mpoverlap.overlap.estimate.sharding import dp_ops, expert_group_size
@@ -86,18 +88,28 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         # half (a shared expert is split like a dense MLP).
         tokens = b * s_cp * H * micro
         tp_layers = layers_here - (0 if m.shared_expert else moe_here / 2)
+        # Latent attention gathers its latents and the RoPE key instead of the hidden state
+        # (models/mla.py): per layer `latent_in` channels a token for the attention's input
+        # (forward gather, backward reduce-scatter; the latents also re-gathered in backward).
+        latent_in, latent_regather = tp_latent_widths(m)
+        per_width = tokens / H * c * layers_here
         if p.sequence_parallel:
             gather = tokens * (c * (5 * tp_layers + 2 / lo.pp) + f / lo.pp)
             scatter = tokens * (c * (5 * tp_layers + 1 / lo.pp) + f / lo.pp)
+            if is_latent(m):
+                gather += per_width * (latent_in + latent_regather - 2 * H)
+                scatter += per_width * (latent_in - H)
             ops += [("tp", "all_gather", gather, lo.tp), ("tp", "reduce_scatter", scatter, lo.tp)]
             # Parameters not split over TP saw only S/tp positions: their gradients are summed
-            # over TP once per step (norms, and the MoE layers' routers). Experts are not among
-            # them: split over etp, or reduced over tp x edp in the dp buckets (dp_ops).
+            # over TP once per step (norms, the MoE layers' routers, latent attention's
+            # down-projections and their norms). Experts are not among them: split over etp,
+            # or reduced over tp x edp in the dp buckets (dp_ops).
             unsplit = sum(2 * norm_params(m) + (moe_dense_unsplit(m) if is_moe_layer(m, i) else 0)
-                          for i in here)
+                          + latent_unsplit(m) for i in here)
             ops.append(("tp", "all_reduce", unsplit * PARAM_BYTES, lo.tp))
         else:
-            ops.append(("tp", "all_reduce", tokens * (c * (4 * tp_layers + 1 / lo.pp) + f / lo.pp), lo.tp))
+            reduced = tokens * (c * (4 * tp_layers + 1 / lo.pp) + f / lo.pp)
+            ops.append(("tp", "all_reduce", reduced + (per_width * (latent_in - H) if is_latent(m) else 0), lo.tp))
     if lo.pp > 1:
         # pp*vpp - 1 chunk boundaries, each an activation forward and a gradient backward,
         # counted at the sending and the receiving end; plus the tied embedding's gradient sum
@@ -114,17 +126,18 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
             ops.append(("pp", "all_reduce", V * H // lo.tp * PARAM_BYTES * min(2, lo.pp) / lo.pp, 2))
     if lo.cp > 1:
-        local_q, local_kv = cp_local_qkv_bytes(cfg, lo, c)
+        local_q, local_k, local_v, local_out = cp_local_qkv_bytes(cfg, lo, c)
         if p.cp_comm == "a2a":
             # a2a_attention.py, per layer and microbatch: forward q, k, v go to head-sharded
-            # (q and 2 K/V-sized buffers) and the output comes back (q-sized); backward d(out)
-            # goes (q-sized) and dq, dk, dv come back. Head groups split these, never add.
-            ops.append(("cp", "all_to_all", 4 * (local_q + local_kv) * layers_here * micro, lo.cp))
+            # and the output comes back; backward d(out) goes and dq, dk, dv come back. Head
+            # groups split these, never add.
+            ops.append(("cp", "all_to_all", 2 * (local_q + local_k + local_v + local_out) * layers_here * micro,
+                        lo.cp))
         else:
             # Ring, per layer and microbatch: cp-1 K+V exchanges forward; backward cp-1 K+V and
             # cp dK+dV exchanges (each exchange counts its send and its receive). Only the G
             # K/V groups travel: N / G times less than multi-head attention.
-            ops.append(("cp", "send_recv", 2 * 2 * local_kv * (3 * lo.cp - 2) * layers_here * micro, 2))
+            ops.append(("cp", "send_recv", 2 * (local_k + local_v) * (3 * lo.cp - 2) * layers_here * micro, 2))
     sp_split = lo.tp > 1 and bool(p.sequence_parallel)
     if moe_here and (sp_split or lo.cp > 1):
         # The router's whole-sequence statistics (moe/sequence_shards.py): counts, summed
@@ -219,11 +232,11 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
         else:
             ops.append(("tp", "all_reduce", full * len(full_ids), lo.tp))  # the attention's row all-reduce
     if lo.cp > 1 and core_ids:
-        local_q, local_kv = cp_local_qkv_bytes(cfg, lo, c)
+        local_q, local_k, local_v, local_out = cp_local_qkv_bytes(cfg, lo, c)
         if p.cp_comm == "a2a":
-            ops.append(("cp", "all_to_all", 2 * (local_q + local_kv) * len(core_ids) * micro, lo.cp))
+            ops.append(("cp", "all_to_all", (local_q + local_k + local_v + local_out) * len(core_ids) * micro, lo.cp))
         else:
-            ops.append(("cp", "send_recv", 2 * 2 * local_kv * (lo.cp - 1) * len(core_ids) * micro, 2))
+            ops.append(("cp", "send_recv", 2 * (local_k + local_v) * (lo.cp - 1) * len(core_ids) * micro, 2))
     if n_moe and (sp or lo.cp > 1):
         ops.append(("cp" if lo.cp > 1 else "tp", "all_reduce", (2 * m.num_experts + 2) * 4 * n_moe * micro,
                     (lo.tp if sp else 1) * lo.cp))
@@ -282,13 +295,38 @@ def padded_queue_rows(cfg: Any, lo: Layout, tokens: int) -> int:
     return m.num_experts * n * -(-C // n)
 
 
-def cp_local_qkv_bytes(cfg: Any, lo: Layout, c: int) -> Tuple[int, int]:
-    """(bytes of q, bytes of one of k, v) on one rank per microbatch: [b, N/tp or G/tp, S/cp, D]
-    in the compute dtype (G = model.num_query_groups, N without grouped-query attention)."""
+def tp_latent_widths(m: Any) -> Tuple[int, int]:
+    """Latent attention under TP, channels a token: (what its attention input's gather and its
+    gradient's reduction carry: the query latent (the hidden state when q_lora_rank is 0), the
+    key/value latent and the RoPE key; what backward re-gathers: the latents). (0, 0) otherwise."""
+    if not is_latent(m):
+        return 0, 0
+    q_in = m.q_lora_rank or m.hidden_size
+    return q_in + m.kv_lora_rank + m.qk_rope_head_dim, q_in + m.kv_lora_rank
+
+
+def latent_unsplit(m: Any) -> int:
+    """Latent attention's parameters replicated over TP (down-projections and their norms); 0 otherwise."""
+    if not is_latent(m):
+        return 0
+    return latent.gemm_weights(m)[0] + m.q_lora_rank + m.kv_lora_rank
+
+
+def cp_local_qkv_bytes(cfg: Any, lo: Layout, c: int) -> Tuple[int, int, int, int]:
+    """(bytes of q, of k, of v, of the attention output) on one rank per microbatch: [b, N/tp
+    or G/tp, S/cp, D] in the compute dtype (G = model.num_query_groups, N without grouped-query
+    attention; the output N/tp heads); latent attention: q and k N/tp heads of n + p, v and the
+    output N/tp heads of v_head_dim (estimate/latent.py; the shared RoPE key travels expanded,
+    in every head)."""
     m, b = cfg.model, cfg.train.micro_batch_size
-    head_dim, s_cp = head_dim_of(m), m.seq_length // lo.cp
-    return (c * b * m.num_attention_heads // lo.tp * s_cp * head_dim,
-            c * b * query_groups(m) // lo.tp * s_cp * head_dim)
+    s_cp = m.seq_length // lo.cp
+    if is_latent(m):
+        q, k, v = (c * b * s_cp * w // lo.tp for w in core_widths(m))
+        return q, k, v, v
+    head_dim = head_dim_of(m)
+    q = c * b * m.num_attention_heads // lo.tp * s_cp * head_dim
+    kv = c * b * query_groups(m) // lo.tp * s_cp * head_dim
+    return q, kv, kv, q
 
 
 def comm_views(ops: List[Op]) -> Tuple[Dict[str, int], Dict[str, int]]:

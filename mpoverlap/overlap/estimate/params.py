@@ -131,10 +131,29 @@ def mtp_stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False
 def attention_params(m: Any, tp: int = 1) -> int:
     """Parameters of one attention on one of `tp` ranks: qkv [(N + 2G) D, H] (+ its bias with
     model.qkv_bias) and proj [H, N D] (4 H^2 without GQA), split over tp; the two RMSNorms of
-    model.qk_norm (D each), replicated."""
+    model.qk_norm (D each), replicated. MLA: `latent_attention_params`."""
+    if m.attention == "mla":
+        return latent_attention_params(m, tp)
     rows = qkv_rows(m)
     split = sum(rows) * m.hidden_size + rows[0] * m.hidden_size + (sum(rows) if m.qkv_bias else 0)
     return split // tp + (2 * head_dim_of(m) if m.qk_norm else 0)
+
+
+def latent_attention_params(m: Any, tp: int = 1) -> int:
+    """One MLA layer on one of `tp` ranks (models/mla.py): the down-projections q_a_proj [r, H]
+    and kv_a_proj_with_mqa [c + p, H] and their RMSNorms (r, c) replicated; q_b_proj [N (n + p), r]
+    (or q_proj [N (n + p), H] when q_lora_rank is 0), kv_b_proj [N (n + v), c] and proj [H, N v]
+    split over tp."""
+    r, c, p = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    H, N, qk = m.hidden_size, m.num_attention_heads, m.qk_nope_head_dim + p
+    replicated = (H * r + r if r else 0) + H * (c + p) + c
+    split = (r if r else H) * N * qk + c * N * (m.qk_nope_head_dim + m.v_head_dim) + N * m.v_head_dim * H
+    return replicated + split // tp
+
+
+def latent_norm_params(m: Any) -> int:
+    """MLA's two latent RMSNorms (q_lora_rank + kv_lora_rank weights; 0 for multi-head attention)."""
+    return m.q_lora_rank + m.kv_lora_rank if m.attention == "mla" else 0
 
 
 def shared_expert_params(m: Any, tp: int = 1) -> int:
@@ -157,14 +176,15 @@ def layer_params(cfg: Any, lo: Layout, i: int) -> tuple:
 
 def read_as_is_params(cfg: Any, lo: Layout, stage: int) -> int:
     """Parameters of one rank of `stage` that the forward reads without a cast to the compute
-    dtype (precision.compute_cast_weights: all but the GEMM weights): the norms, the qkv bias,
+    dtype (precision.compute_cast_weights: all but the GEMM weights): the norms (MLA's latent
+    norms too), the qkv bias,
     the routers, the embedding (and the last stage's tied copy) and the final norm."""
     m = cfg.model
     H, tp = m.hidden_size, lo.tp
     V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
     total = 0
     for i in stage_layers(cfg, lo, stage):
-        total += 2 * norm_params(m) + (2 * head_dim_of(m) if m.qk_norm else 0)
+        total += 2 * norm_params(m) + (2 * head_dim_of(m) if m.qk_norm else 0) + latent_norm_params(m)
         total += sum(qkv_rows(m)) // tp if m.qkv_bias else 0
         total += moe_dense_unsplit(m) if is_moe_layer(m, i) else 0
     first, last = stage == 0, stage == head_stage(cfg, lo)

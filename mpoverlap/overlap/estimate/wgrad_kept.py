@@ -9,6 +9,7 @@ kept gathered: W runs no communication):
 
     attention qkv   input H,            output gradient (q + 2g)/tp
     attention proj  input q/tp,         output gradient H
+    latent attention (model.attention=mla): estimate/latent.py, wgrad_kept_per_token
     MLP up/gate_up  input H,            output gradient F/tp (2F/tp for SwiGLU's gate|up)
     MLP down        input F/tp,         output gradient H
   MoE layer instead of the MLP: per routed copy (k per token; all s positions with etp > 1,
@@ -29,6 +30,7 @@ from __future__ import annotations
 from typing import Any, List, Tuple
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
+from mpoverlap.overlap.estimate import latent
 from mpoverlap.overlap.estimate.params import chunk_layers, etp_size, expert_ffn, is_moe_layer, shared_expert_ffn
 
 
@@ -50,12 +52,18 @@ def layer_wgrad_kept(cfg: Any, lo: Any, i: int, conv: Any, micro_batch: int) -> 
     # attention: qkv (input H, grad (q+2g)/tp), proj (input q/tp, grad H)
     inputs, grads = H + q // tp, (q + 2 * g) // tp + H
     shared = q // tp + (0 if sp else H)
+    res_kept = res_shared = 0
+    if latent.is_latent(m):  # its own projections (latent.py); the residual-region ones on S/tp with SP
+        tp_kept, shared, res_kept, res_shared = latent.wgrad_kept_per_token(m, tp, sp)
+        inputs, grads = tp_kept, 0
+        tokens_res = tokens_tp // tp if sp else tokens_tp
+        res_kept, res_shared = tokens_res * res_kept * c, tokens_res * res_shared * c
     if not is_moe_layer(m, i):
         mi, mg = _mlp_kept(H, m.ffn_hidden_size // tp, swiglu)
         inputs, grads = inputs + mi, grads + mg
         shared += m.ffn_hidden_size // tp + (0 if sp else H)
-        return tokens_tp * (inputs + grads) * c, tokens_tp * shared * c
-    total, shared_bytes = tokens_tp * (inputs + grads) * c, tokens_tp * shared * c
+        return tokens_tp * (inputs + grads) * c + res_kept, tokens_tp * shared * c + res_shared
+    total, shared_bytes = tokens_tp * (inputs + grads) * c + res_kept, tokens_tp * shared * c + res_shared
     etp = etp_size(cfg)
     expert_tokens = tokens_tp if etp > 1 or not sp else tokens_tp // tp
     ei, eg = _mlp_kept(H, expert_ffn(m) // etp, swiglu)
