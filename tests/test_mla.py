@@ -105,20 +105,25 @@ def test_flops_per_token_counts_the_latent_projections_and_both_head_widths():
 
 
 def test_deepseek_v3_671b_counts_the_published_total_and_active(capsys):
-    """DeepSeek-V3 without its MTP module: published 671B total (within 1%), 37B active (2%)."""
+    """DeepSeek-V3: the main model's published 671B total (within 1%) and 37B active (2%); with
+    its MTP depth, the released 685B (1%: the release stores the MTP module's own embedding and
+    head copy, 1.85B, which ours shares)."""
     from mpoverlap.check import main
 
     assert main(["model=deepseek_v3_671b"]) == 0
     out = capsys.readouterr().out
+    line = re.search(r"parameters: .*", out).group(0)
+    with_mtp = int(re.search(r"parameters: ([\d,]+) total", line).group(1).replace(",", ""))
     total, active = (int(g.replace(",", "")) for g in
-                     re.search(r"parameters: ([\d,]+) total .*?, ([\d,]+) active per token", out).groups())
+                     re.search(r"MTP depth\(s\) .*?: ([\d,]+) .*? total, ([\d,]+) .*? active", line).groups())
     assert abs(total - 671e9) <= 0.01 * 671e9
     assert abs(active - 37e9) <= 0.02 * 37e9
+    assert abs(with_mtp - 685e9) <= 0.01 * 685e9
     from mpoverlap.config import config_dir
     from pathlib import Path
 
     text = (Path(config_dir()) / "model" / "deepseek_v3_671b.yaml").read_text()
-    assert f"{total:,}" in text and f"{active:,}" in text  # the comment's figures
+    assert all(f"{n:,}" in text for n in (with_mtp, total, active))  # the comment's figures
 
 
 @pytest.mark.parametrize("overrides,named", [

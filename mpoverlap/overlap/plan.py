@@ -7,7 +7,7 @@ from mpoverlap.models.rope import rope_scaling_of
 from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.overlap.estimate import estimate, render_estimate
 from mpoverlap.overlap.estimate.comm import padded_queue_rows
-from mpoverlap.overlap.estimate.params import etp_size, expert_ffn, model_params, shared_expert_ffn
+from mpoverlap.overlap.estimate.params import etp_size, expert_ffn, model_params, mtp_params, shared_expert_ffn
 from mpoverlap.overlap.layout import build_layout
 from mpoverlap.overlap.placement import placement_lines
 from mpoverlap.overlap.priority import priority_line
@@ -236,12 +236,17 @@ def _param_line(cfg: Any) -> str:
     def short(n: int) -> str:
         return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
+    mtp_total, mtp_active = mtp_params(m)
+    mtp = (f"; without the {m.mtp_num_layers} MTP depth(s) ({short(mtp_total)}, sharing the embedding and head): "
+           f"{total - mtp_total:,} ({short(total - mtp_total)})" if mtp_total else "")
     if m.num_experts == 0:
-        return f"  parameters: {total:,} ({short(total)})"
+        return f"  parameters: {total:,} ({short(total)}){mtp}"
     shared = shared_expert_ffn(m)
+    if mtp_total:
+        mtp += f" total, {active - mtp_active:,} ({short(active - mtp_active)}) active"
     return (f"  parameters: {total:,} total ({short(total)}), {active:,} active per token "
             f"({short(active)}: top-{m.moe_top_k} of {m.num_experts} experts"
-            + (f" + a shared expert of width {shared}" if shared else "") + ")")
+            + (f" + a shared expert of width {shared}" if shared else "") + ")" + mtp)
 
 
 def layout_notes(cfg: Any, lo) -> List[str]:
