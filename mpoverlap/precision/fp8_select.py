@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 from typing import List
 
+import torch.nn.functional as F
 from torch import nn
 
 INSTALL = "pip install -e '.[fp8]'"
@@ -57,3 +58,13 @@ def fp8_gemms(module: nn.Module):
     from mpoverlap.precision.fp8 import Fp8Gemms
 
     return Fp8Gemms(recipe, getattr(module, "fp8_emulate", False))
+
+
+def linear_or_fp8(fp8, x, weight, bias=None):
+    """x W^T (+ b) inside a linear Function: F.linear, or the FP8 forward GEMM when `fp8` is set."""
+    return F.linear(x, weight, bias) if fp8 is None else fp8.forward(x, weight, bias)
+
+
+def dgrad_or_fp8(fp8, grad, weight):
+    """grad W, the input gradient inside a linear Function's backward, in FP8 when `fp8` is set."""
+    return grad.matmul(weight) if fp8 is None else fp8.dgrad(grad, weight)
