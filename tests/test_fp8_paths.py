@@ -25,6 +25,8 @@ def close(a, b, rel):
 # round their fp32 sums to bf16): one bf16 rounding apart at most. Weight gradients come out in
 # fp32: the two differ by fp32 summation order only.
 BF16_OUT, FP32_OUT = 2.0 ** -8, 1e-5
+# A GPT small enough for bf16 GEMMs on CPU, every FP8 dimension a multiple of 16.
+SMALL = ["model.hidden_size=32", "model.num_attention_heads=2", "model.ffn_hidden_size=64", "model.vocab_size=128"]
 
 
 def _linear_run(recipe, emulate, x, w, b, g, deferral=None, x_dtype=None):
@@ -92,7 +94,7 @@ def test_fp8_model_differs_from_bf16_and_stays_near():
     from mpoverlap.config import compose
     from mpoverlap.models.gpt import GPT
 
-    cfg = compose(["model.num_layers=1", "model.seq_length=32"]).model
+    cfg = compose(["model.num_layers=1", "model.seq_length=32", *SMALL]).model
     tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     losses = {}
     for precision in ("bf16", "fp8"):
@@ -135,3 +137,82 @@ def test_plan_names_the_fp8_gemms():
     assert "rowwise" in line and "attn.qkv" in line and "attn.proj" in line and "mlp gate_up" in line
     assert "bf16: embedding, output head, router" in line
     assert "fp8 GEMMs" not in render_plan(compose(["train.precision=bf16"]), 1)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("grad_there", [True, False], ids=["in_place", "autograd"])
+def test_plain_linear_deferred_weight_grad(recipe, grad_there):
+    """The zero-bubble W action's FP8 weight gradient of the plain Linear (the bf16 operands kept,
+    quantized when W runs): bit for bit the immediate one, so the emulation's within fp32
+    rounding; the input gradient unchanged. Both of W's ways in: added into an existing
+    gradient in place, and through autograd (no .grad yet)."""
+    from mpoverlap.wgrad import WeightGradDeferral, WeightGradQueue
+
+    torch.manual_seed(0)
+    x, w, g = torch.randn(2, 16, 32), torch.randn(48, 32), torch.randn(2, 16, 48)
+    now, gx_now = _linear_run(recipe, False, x, w, None, g)[::2]
+    emu = _linear_run(recipe, True, x, w, None, g)[0]
+    deferral = WeightGradDeferral()
+    from mpoverlap.wgrad.functions import Linear
+
+    lin = Linear(32, 48, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    if grad_there:
+        lin.weight.grad = torch.zeros_like(lin.weight)
+    lin.fp8_recipe, lin.wgrad = recipe, deferral
+    xr = x.clone().requires_grad_(True)
+    with autocast_context("fp8", CPU):
+        y = lin(xr)
+    with deferral.deferring(WeightGradQueue()) as queue:
+        y.backward(g)
+    assert len(queue) == 1 and (lin.weight.grad is None or not lin.weight.grad.any())
+    queue.run()
+    assert torch.equal(lin.weight.grad, now.weight.grad)
+    assert torch.equal(xr.grad, gx_now)
+    close(lin.weight.grad, emu.weight.grad, FP32_OUT)
+
+
+def _gpt_grads(recompute, recipe, emulate, count=None):
+    from mpoverlap.config import compose
+    from mpoverlap.models.gpt import GPT
+
+    cfg = compose(["model.num_layers=2", "model.seq_length=16", f"model.recompute={recompute}", *SMALL]).model
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    model = GPT(cfg)
+    mark_fp8_gemms(model, recipe, emulate)
+    with autocast_context("fp8", CPU):
+        loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recompute_reproduces_the_fp8_casts(recipe, monkeypatch):
+    """model.recompute=full and selective with the blocks in FP8: the recomputed forward runs its
+    FP8 GEMMs again (counted) with the same casts and scales (the same amax of the same
+    inputs), so every gradient equals the run without recompute bit for bit; the full-recompute
+    run's weight gradients equal its emulation's within fp32 rounding, and bf16 output rounding
+    carried through the block's backward."""
+    from mpoverlap.precision import fp8
+
+    calls, original = [0], fp8.fp8_gemm
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fp8, "fp8_gemm", counted)
+    base = _gpt_grads("none", recipe, False)
+    per_run = calls[0]
+    assert per_run == 2 * 4 * 3  # 2 blocks x 4 linears x (forward, dgrad, wgrad)
+    runs = {}
+    for mode, extra in (("full", 2 * 4), ("selective", 0)):
+        calls[0] = 0
+        runs[mode] = _gpt_grads(mode, recipe, False)
+        assert calls[0] == per_run + extra, (mode, calls[0])
+        for name, grad in runs[mode].items():
+            assert torch.equal(grad, base[name]), (mode, name)
+    emu = _gpt_grads("full", recipe, True)
+    for name in ("layers.0.attn.qkv.weight", "layers.1.mlp.down.weight"):
+        assert (runs["full"][name] - emu[name]).norm() <= 2.0 ** -6 * emu[name].norm(), name
