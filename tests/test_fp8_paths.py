@@ -247,3 +247,16 @@ def test_compiled_fp8_matches_eager_fp8(backend):
     assert got == pytest.approx(ref, rel=1e-4)
     for g, r in zip(grads, ref_grads):
         assert (g - r).norm() <= 0.02 * r.norm()
+
+
+def test_fp8_counts_as_bf16_for_the_attention_kernel_rule():
+    """fp8 runs attention in bf16: the cuDNN CP attention kernel (bf16 only) is allowed under it."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap import validate
+
+    def fired(precision):
+        cfg = compose(["parallel.cp=2", "parallel.cp_attention_backend=cudnn", "train.device=cuda",
+                       f"train.precision={precision}"])
+        return any(p.rule == "cp.attention_backend_kernel" for p in validate(cfg, 2))
+
+    assert fired("fp32") and not fired("bf16") and not fired("fp8")
