@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from mpoverlap.comm.collectives import send_recv
 from mpoverlap.comm.handle import CommHandle
