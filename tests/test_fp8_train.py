@@ -1,6 +1,6 @@
 """train.precision=fp8 trains: the single process differs from bf16 (FP8 really ran) and stays
-near it, and dp2 x tp2 x pp2 with sequence parallelism, pp2 x vpp2 under zb1p (deferred W) and
-cp 2 reproduce the single-process fp8 curve within a bound built from measured distances.
+near it, and dp2 x tp2 x pp2 with sequence parallelism, pp2 x vpp2 under zb1p (deferred W),
+cp 2 and ZeRO-3 at dp 2 (its gathers in bf16) reproduce the single-process fp8 curve within a bound built from measured distances.
 
 The bound. A layout's fp8 loss L'_8 at step t must stay within
 
@@ -41,6 +41,8 @@ LAYOUTS = {
     "3d": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
     "zb1p_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zb1p"]),
     "cp2": (2, ["parallel.cp=2"]),
+    # ZeRO-3: the unit gathers carry bf16 under fp8 (param_gather_dtype=auto), the GEMMs cast to FP8
+    "zero3": (2, ["parallel.dp=2", "train.dp_sharding=optim_grads_params"]),
 }
 SPECS = {"ref_bf16": (1, [*SMALL, "train.precision=bf16"], STEPS),
          "ref_fp8": (1, [*SMALL, "train.precision=fp8"], STEPS)}
@@ -50,9 +52,10 @@ for _name, (_world, _layout) in LAYOUTS.items():
 
 
 def marked(trainer):
-    """How many of this rank's linears run in FP8 (read after the first step)."""
-    count = len(trainer.fp8_gemms)
-    return lambda: count
+    """How many of this rank's linears run in FP8, and the ZeRO-3 gathers' dtype (None below it)."""
+    gatherer = trainer.ddp.gatherer
+    seen = (len(trainer.fp8_gemms), None if gatherer is None else gatherer.gather_dtype)
+    return lambda: seen
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,7 @@ def test_fp8_single_process_differs_from_bf16(runs):
     ref16, ref8 = _losses(runs, "ref_bf16"), _losses(runs, "ref_fp8")
     assert ref16 != ref8
     assert all(abs(a - b) / b < 0.01 for a, b in zip(ref8, ref16)), (ref8, ref16)
-    assert runs["ref_fp8"][0]["probe"] == [4 * 4] and runs["ref_bf16"][0]["probe"] == [0]
+    assert runs["ref_fp8"][0]["probe"] == [(4 * 4, None)] and runs["ref_bf16"][0]["probe"] == [(0, None)]
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -88,4 +91,6 @@ def test_fp8_layout_reproduces_the_single_process_curve(runs, name):
     print(f"{name}: gaps {['%.1e' % g for g in gaps]}, bounds {['%.1e' % b for b in limit]}")
     assert all(g <= b for g, b in zip(gaps, limit)), (name, gaps, limit)
     # every rank marks its own blocks' linears: 4 per block it holds
-    assert all(n > 0 and n % 4 == 0 for n in runs[f"{name}_fp8"][0]["probe"]), runs[f"{name}_fp8"][0]["probe"]
+    probe = runs[f"{name}_fp8"][0]["probe"]
+    assert all(n > 0 and n % 4 == 0 for n, _ in probe), probe
+    assert all(gather == ("bf16" if name == "zero3" else None) for _, gather in probe), probe
