@@ -52,6 +52,11 @@ SPECS = {"ref_bf16": (1, [*SMALL, "train.precision=bf16"], STEPS),
 for _name, (_world, _layout) in LAYOUTS.items():
     for _p in ("bf16", "fp8"):
         SPECS[f"{_name}_{_p}"] = (_world, [*SMALL, *_layout, f"train.precision={_p}"], STEPS)
+# rowwise on the 3-D layout: the row-parallel GEMMs' rows are cut by the TP shards, so their
+# per-row scales differ from the single process's
+ROWWISE = ["train.precision=fp8", "train.fp8_recipe=rowwise"]
+SPECS["ref_fp8_rowwise"] = (1, [*SMALL, *ROWWISE], STEPS)
+SPECS["3d_fp8_rowwise"] = (LAYOUTS["3d"][0], [*SMALL, *LAYOUTS["3d"][1], *ROWWISE], STEPS)
 
 
 def marked(trainer):
@@ -85,16 +90,16 @@ def test_fp8_single_process_differs_from_bf16(runs):
     assert runs["ref_fp8"][0]["probe"] == [(4 * 4, None)] and runs["ref_bf16"][0]["probe"] == [(0, None)]
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_fp8_layout_reproduces_the_single_process_curve(runs, name):
-    ref16, ref8 = _losses(runs, "ref_bf16"), _losses(runs, "ref_fp8")
-    got = _losses(runs, f"{name}_fp8")
+@pytest.mark.parametrize("name,recipe", [(n, "") for n in sorted(LAYOUTS)] + [("3d", "_rowwise")])
+def test_fp8_layout_reproduces_the_single_process_curve(runs, name, recipe):
+    ref16, ref8 = _losses(runs, "ref_bf16"), _losses(runs, f"ref_fp8{recipe}")
+    got = _losses(runs, f"{name}_fp8{recipe}")
     limit = bounds(ref16, ref8, _losses(runs, f"{name}_bf16"))
     gaps = [abs(a - b) / b for a, b in zip(got, ref8)]
-    print(f"{name}: gaps {['%.1e' % g for g in gaps]}, bounds {['%.1e' % b for b in limit]}")
+    print(f"{name}{recipe}: gaps {['%.1e' % g for g in gaps]}, bounds {['%.1e' % b for b in limit]}")
     assert all(g <= b for g, b in zip(gaps, limit)), (name, gaps, limit)
     # every rank marks its own blocks' linears: 4 per block it holds
-    probe = runs[f"{name}_fp8"][0]["probe"]
+    probe = runs[f"{name}_fp8{recipe}"][0]["probe"]
     assert all(n > 0 and n % 4 == 0 for n, _ in probe), probe
     assert all(gather == ("bf16" if name == "zero3" else None) for _, gather in probe), probe
 
