@@ -186,6 +186,12 @@ FAILING = {
     "dp.delay_grad_wire": [(["overlap.dp_delay=1", "parallel.dp=2", "train.grad_reduce_dtype=fp8"], None)],
     "dp.delay_pipeline": [(["overlap.dp_delay=1", "parallel.dp=2", "parallel.pp=2"], None)],
     "dp.delay_moe": [(["overlap.dp_delay=1", "model=moe_tiny", "parallel.dp=2"], None)],
+    "fp8.gemm_dims": [(["train.precision=fp8", "model.hidden_size=72", "model.num_attention_heads=4"], None),
+                      (["train.precision=fp8", "parallel.tp=2", "model.ffn_hidden_size=48"], 2),
+                      (["train.precision=fp8", "model.seq_length=20", "train.micro_batch_size=1",
+                        "train.global_batch_size=4"], None)],
+    "fp8.param_gather": [(["train.precision=fp8", "train.param_gather_dtype=fp8"], None)],
+    "fp8.moe": [(["train.precision=fp8", "model=moe_tiny"], None)],
     "mode.required_applies": [(["overlap.tp=true"], None), (["overlap.pp=true"], None),
                               (["overlap.cp=true"], None), (["overlap.ep=true"], None)],
 }
@@ -201,11 +207,11 @@ CASES = [(rid, ov, world) for rid, cases in FAILING.items() for ov, world in cas
 
 
 # Rules that only fire on a CUDA machine; tested below with the GPU faked.
-CUDA_ONLY = {"train.device_available", "cuda.max_connections"}
+CUDA_ONLY = {"train.device_available", "cuda.max_connections", "fp8.device"}
 
 
 # Rules that fire on what the machine lacks; tested below with the lack faked.
-ENVIRONMENT_ONLY = {"compile.environment", "environment.torch_version"}
+ENVIRONMENT_ONLY = {"compile.environment", "environment.torch_version", "fp8.torchao"}
 
 
 def test_every_rule_has_a_failing_case():
@@ -245,6 +251,37 @@ def test_cuda_max_connections_rule(monkeypatch):
     assert CommOverlapConfig.from_config(compose(overrides + ["train.device=cpu"]), 2).tp.enabled
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     assert not problems(overrides + ["overlap.tp=true"])
+
+
+def test_fp8_device_rule(monkeypatch):
+    """train.precision=fp8 on a (faked) GPU below compute capability 8.9 is refused with the
+    capability named and train.precision=bf16 as the fix; 8.9 and 9.0 pass, CPU runs pass."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+
+    def problems(ov):
+        return [p for p in validate(compose(ov), world_size=1) if p.rule == "fp8.device"]
+
+    fp8 = ["train.precision=fp8", "train.device=cuda"]
+    for cc, refused in (((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cc=cc: cc)
+        found = problems(fp8)
+        assert bool(found) == refused, (cc, found)
+        if refused:
+            assert f"cuda_capability={cc[0]}.{cc[1]}" in found[0].render()
+            assert not problems(fp8 + found[0].fix)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert not problems(["train.precision=fp8", "train.device=cpu"])
+
+
+def test_fp8_torchao_rule(monkeypatch):
+    """train.precision=fp8 with torchao's import blocked: refused with the install command."""
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    found = [p for p in validate(compose(["train.precision=fp8"])) if p.rule == "fp8.torchao"]
+    assert found and "pip install -e '.[fp8]'" in found[0].render()
+    assert not [p for p in validate(compose(["train.precision=bf16"])) if p.rule == "fp8.torchao"]
 
 
 def test_compile_environment_rule(monkeypatch):

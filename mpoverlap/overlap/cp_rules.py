@@ -75,7 +75,7 @@ def _attention_backend(lo: Layout):
     p, t = lo.cfg.parallel, lo.cfg.train
     if p.cp_attention_backend != "cudnn" or lo.cp is None or lo.cp < 2:
         return
-    if t.device == "cpu" or t.precision != "bf16":
+    if t.device == "cpu" or str(t.precision) not in ("bf16", "fp8"):  # fp8 runs attention in bf16
         yield Problem("cp.attention_backend_kernel",
                       {"parallel.cp_attention_backend": "cudnn", "train.device": t.device,
                        "train.precision": t.precision},

@@ -112,7 +112,8 @@ _CHOICES = {
     "parallel.pp_schedule": ("auto", "1f1b", "interleaved", "zb1p", "zbv"),  # = pipeline.SCHEDULE_CHOICES
     "parallel.cp_attention_backend": ("auto", "fused", "explicit", "cudnn"),
     "train.on_nonfinite": ("stop", "skip"),
-    "train.precision": ("fp32", "bf16"),
+    "train.precision": ("fp32", "bf16", "fp8"),
+    "train.fp8_recipe": ("tensorwise", "rowwise"),  # = precision.fp8.RECIPES
     "train.compile_backend": ("inductor", "aot_eager", "eager"),  # = models/fused.py BACKENDS
     "train.grad_reduce_dtype": ("fp32", "bf16", "fp8", "int8"),
     "train.param_gather_dtype": ("auto", "fp32", "bf16", "int8"),  # = data_parallel.levels.GATHER_DTYPES

@@ -14,6 +14,7 @@ from mpoverlap.overlap.priority import priority_line
 from mpoverlap.overlap.rules import Problem
 from mpoverlap.parallel.grid import RankGrid
 from mpoverlap.pipeline.actions import ScheduleError
+from mpoverlap.precision.autocast import compute_precision
 
 _PLAN_KINDS = ("tp", "cp", "dp", "pp", "ep", "edp", "etp")
 
@@ -60,6 +61,8 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
         f"dp gradients reduced in {_grad_wire(cfg)}",
     ]
+    if t.precision == "fp8":
+        lines.append(fp8_line(cfg))
     if m.num_experts > 0:
         lines.append(_ep_wire_line(cfg, lo))
     device_type = _device_type(cfg, lo.world, device)
@@ -98,16 +101,25 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
     return "\n".join(lines)
 
 
+def fp8_line(cfg: Any) -> str:
+    """Which GEMMs run in FP8 under train.precision=fp8 (precision/fp8_select.py) and which stay bf16."""
+    fc = "gate_up (fc1), down (fc2)" if cfg.model.activation == "swiglu" else "up (fc1), down (fc2)"
+    return (f"  fp8 GEMMs ({cfg.train.fp8_recipe} recipe, torchao's casts and scales): per block attn.qkv (q/k/v), "
+            f"attn.proj (out), mlp {fc}, in forward, input gradient and weight gradient; bf16: embedding, "
+            "output head, router, norms, attention's softmax")
+
+
 def _ep_wire_line(cfg: Any, lo) -> str:
     """What the MoE dispatch's forward exchange carries (train.ep_dispatch_dtype) against the
     combine and the backward exchanges, which stay in the activation dtype."""
     from mpoverlap.moe.dispatch_wire import DISPATCH_DTYPES, resolve_dispatch_wire
 
     t, H = cfg.train, cfg.model.hidden_size
-    asked, act = str(t.ep_dispatch_dtype), "bf16" if t.precision == "bf16" else "fp32"
+    precision = compute_precision(str(t.precision))
+    asked, act = str(t.ep_dispatch_dtype), "bf16" if precision == "bf16" else "fp32"
     if asked not in DISPATCH_DTYPES:
         return f"  ep wire: train.ep_dispatch_dtype={asked} (invalid: see the problems)"
-    wire = resolve_dispatch_wire(asked, str(t.precision))
+    wire = resolve_dispatch_wire(asked, precision)
     row = H * (2 if act == "bf16" else 4)
     fmt = (f"{act} (the activation dtype{', auto' if asked == 'auto' else ''})" if wire is None
            else f"{wire.describe()}, {wire.row_bytes(H)} bytes a token against {row}")
@@ -147,7 +159,7 @@ def _attention_line(cfg: Any, lo, device_type: str) -> str:
     from mpoverlap.models.init import head_dim_of, query_groups
 
     m = cfg.model
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if compute_precision(str(cfg.train.precision)) == "bf16" else torch.float32
     heads, head_dim, v_head_dim, groups = m.num_attention_heads, head_dim_of(m), None, query_groups(m)
     if m.attention == "mla":  # latent attention: q/k heads n + p wide, v heads v_head_dim, one per query head
         head_dim, v_head_dim, groups = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, heads
@@ -198,7 +210,7 @@ def grouped_gemm_line(cfg: Any, lo, device_type: str) -> str:
     if not getattr(m, "moe_grouped_gemm", True):
         return ("  grouped GEMM: off (model.moe_grouped_gemm=false): one GEMM per expert, the rows split by host "
                 "counts (one host read per MoE layer and microbatch, every chunk's counts together)")
-    dtype = DTYPES[cfg.train.precision]
+    dtype = DTYPES[compute_precision(str(cfg.train.precision))]
     H, F = m.hidden_size, expert_ffn(m) // etp_size(cfg)
     W = 2 * F if m.activation == "swiglu" else F
     rows, calls, varies = _expert_calls(cfg, lo)
@@ -304,7 +316,7 @@ def _sharding(cfg: Any) -> str:
         from mpoverlap.data_parallel.unit_gather import describe
 
         asked = str(cfg.train.param_gather_dtype)
-        kind = param_gather_dtype(asked, str(cfg.train.precision), level)
+        kind = param_gather_dtype(asked, compute_precision(str(cfg.train.precision)), level)
         why = ", auto: the compute dtype" if asked == "auto" else ""
         extra = (f", reshard_after_forward={str(bool(cfg.train.reshard_after_forward)).lower()}, "
                  f"prefetch {cfg.overlap.dp_prefetch} unit(s); unit gathers in {describe(kind)}{why}; the fp32 "

@@ -71,14 +71,15 @@ def all_rules() -> List[Rule]:
     # Importing registers; the modules are listed here so the registry is always complete.
     from mpoverlap.overlap import (  # noqa: F401,I001
         general_rules, dp_rules, tp_rules, pp_rules, cp_rules, ep_rules, mode_rules, recompute_rules, interop_rules,
-        attention_rules, compile_rules, environment_rules, dp_delay_rules, router_rules, mtp_rules,
+        attention_rules, compile_rules, environment_rules, dp_delay_rules, router_rules, mtp_rules, fp8_rules,
     )
 
     # Module order, then definition order: the same whichever module some caller imported first
     # (the README's rule table and the order of reported problems must not depend on it).
     modules = [m.__name__ for m in (general_rules, dp_rules, tp_rules, pp_rules, cp_rules, ep_rules, mode_rules,
                                     recompute_rules, interop_rules, attention_rules, compile_rules,
-                                    environment_rules, dp_delay_rules, router_rules, mtp_rules)]
+                                    environment_rules, dp_delay_rules, router_rules, mtp_rules,
+                                    fp8_rules)]
     return sorted(_REGISTRY.values(), key=lambda r: modules.index(_MODULE_OF[r.id]))
 
 

@@ -12,12 +12,14 @@ run their math with autocast disabled (`no_autocast`), and remember the dtype fo
 
 The package splits by idea: `autocast` (the forward's context and the dtype helpers the
 Functions use), `step_cast` (the step's cache of weight casts and the in-place gradient adds), `fp8` (the FP8
-GEMMs over torchao, the optional `fp8` extra: imported only where fp8 is used).
+GEMMs over torchao, the optional `fp8` extra: imported only where fp8 is used), `fp8_select`
+(which modules' GEMMs run in FP8, and the torchao check; no torchao import).
 """
 from mpoverlap.precision.autocast import (DTYPES, _autocast_on, acc_dtype, autocast_context, cast,
-                                          compute_cast_weights, compute_dtype, no_autocast)
+                                          compute_cast_weights, compute_dtype, compute_precision, no_autocast)
 from mpoverlap.precision.step_cast import (_FoldedCast, added_into_grad, grad_buffer, step_cast,
                                            step_cast_cache, step_weight)
 
 __all__ = ["DTYPES", "acc_dtype", "added_into_grad", "autocast_context", "cast", "compute_cast_weights",
-           "compute_dtype", "grad_buffer", "no_autocast", "step_cast", "step_cast_cache", "step_weight"]
+           "compute_dtype", "compute_precision", "grad_buffer", "no_autocast", "step_cast", "step_cast_cache",
+           "step_weight"]

@@ -10,8 +10,17 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def compute_precision(precision: str) -> str:
+    """The precision everything but the FP8 GEMMs runs in: train.precision=fp8 is bf16 autocast
+    plus the marked GEMMs in fp8 (precision/fp8_select.py), so it reads as bf16 wherever a
+    dtype is chosen (autocast, activations on the wire, the ZeRO-3 gathers' auto dtype)."""
+    return "bf16" if precision == "fp8" else precision
+
+
 def autocast_context(precision: str, device: torch.device):
-    """The forward's context for `train.precision` on `device` (nullcontext for fp32)."""
+    """The forward's context for `train.precision` on `device` (nullcontext for fp32; bf16
+    autocast for bf16 and fp8)."""
+    precision = compute_precision(precision)
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])

@@ -39,7 +39,8 @@ finally:
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 RECIPES = ("tensorwise", "rowwise")
-__all__ = ["E4M3", "E5M2", "Float8LinearConfig", "Fp8Linear", "RECIPES", "fp8_gemm", "fp8_linear", "grad_dtype"]
+__all__ = ["E4M3", "E5M2", "Float8LinearConfig", "Fp8Gemms", "Fp8Linear", "Fp8WeightGrad", "RECIPES", "fp8_gemm",
+           "fp8_linear", "grad_dtype"]
 
 
 def _quantize(t: torch.Tensor, dtype: torch.dtype, dim, rowwise: bool):
@@ -53,17 +54,19 @@ def _quantize(t: torch.Tensor, dtype: torch.dtype, dim, rowwise: bool):
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, dtype_a: torch.dtype, dtype_b: torch.dtype, recipe: str,
-             emulate: bool = False) -> torch.Tensor:
-    """a (M, K) @ b (K, N) with both cast to fp8 (scaled along K under rowwise); bf16 out, or
-    fp32 from the dequantized operands under `emulate`."""
+             emulate: bool = False, out_dtype=None) -> torch.Tensor:
+    """a (M, K) @ b (K, N) with both cast to fp8 (scaled along K under rowwise); `out_dtype`
+    out (default bf16), or fp32 from the dequantized operands under `emulate` (cast to
+    `out_dtype` when one is given, so both round their fp32 sum to the same dtype)."""
     rowwise = recipe == "rowwise"
     qa, sa = _quantize(a, dtype_a, -1, rowwise)
     qb, sb = _quantize(b, dtype_b, 0, rowwise)
     if emulate:
-        return (qa.float() / sa) @ (qb.float() / sb)
+        out = (qa.float() / sa) @ (qb.float() / sb)
+        return out if out_dtype is None else out.to(out_dtype)
     # _scaled_mm wants its second operand column-major.
     return torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(),
-                            out_dtype=torch.bfloat16)
+                            out_dtype=out_dtype or torch.bfloat16)
 
 
 def grad_dtype(recipe: str) -> torch.dtype:
@@ -103,3 +106,61 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str = "tensorwise"
         raise ValueError(f"train.fp8_recipe={recipe}: not a recipe; use one of {', '.join(RECIPES)}, "
                          "e.g. train.fp8_recipe=tensorwise")
     return Fp8Linear.apply(x, weight, recipe, emulate)
+
+
+class Fp8Gemms:
+    """The three GEMMs of a linear y = x W^T in fp8 under `recipe`, as plain calls for the
+    framework's own linear Functions (plain and deferrable, tensor-parallel, the collective
+    matmul's ring chunks): each call casts and scales its operands itself (torchao), so a
+    caller that splits a GEMM into chunks quantizes each chunk with its own scale, and the
+    emulation (`emulate=True`: the same casts and scales, dequantized, fp32 matmul) follows
+    the same split. x and the output gradient arrive in the compute dtype (bf16 under
+    train.precision=fp8), W as the step's bf16 cast of the fp32 parameter; forward and dgrad
+    return that dtype, wgrad fp32 (the master gradient's dtype: _scaled_mm writes it directly)."""
+
+    __slots__ = ("recipe", "emulate")
+
+    def __init__(self, recipe: str, emulate: bool = False) -> None:
+        if recipe not in RECIPES:
+            raise ValueError(f"train.fp8_recipe={recipe}: not a recipe; use one of {', '.join(RECIPES)}, "
+                             "e.g. train.fp8_recipe=tensorwise")
+        self.recipe, self.emulate = recipe, emulate
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        """x (..., K) W (N, K)^T (+ bias) -> (..., N) in x's dtype; x and W in e4m3."""
+        y = fp8_gemm(x.reshape(-1, x.shape[-1]), weight.t(), E4M3, E4M3, self.recipe, self.emulate, x.dtype)
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """grad (..., N) W (N, K) -> (..., K) in grad's dtype; the gradient in grad_dtype(recipe)."""
+        out = fp8_gemm(grad.reshape(-1, grad.shape[-1]), weight, grad_dtype(self.recipe), E4M3, self.recipe,
+                       self.emulate, grad.dtype)
+        return out.reshape(*grad.shape[:-1], weight.shape[1])
+
+    def wgrad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """dW (N, K) = grad^T x summed over the leading dims, fp32."""
+        return fp8_gemm(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]), grad_dtype(self.recipe),
+                        E4M3, self.recipe, self.emulate, torch.float32)
+
+    def deferred_wgrad(self, grad: torch.Tensor, x: torch.Tensor) -> "Fp8WeightGrad":
+        return Fp8WeightGrad(self, grad, x)
+
+
+class Fp8WeightGrad:
+    """A deferred fp8 weight gradient (the zero-bubble schedules' W action): keeps the output
+    gradient and the input in the compute dtype and quantizes them when W runs. The same
+    tensors and the same casts as an immediate wgrad, so the same values bit for bit (what
+    the emulation checks); the cost is 2 bytes an element held until W instead of fp8's 1
+    (plus its scales), and the quantization runs in W rather than in B."""
+
+    __slots__ = ("gemms", "grad", "x")
+
+    def __init__(self, gemms: Fp8Gemms, grad: torch.Tensor, x: torch.Tensor) -> None:
+        self.gemms, self.grad, self.x = gemms, grad, x
+
+    def __call__(self) -> torch.Tensor:
+        return self.gemms.wgrad(self.grad, self.x)
+
+    def accumulate_into(self, grad: torch.Tensor) -> None:
+        grad.add_(self())

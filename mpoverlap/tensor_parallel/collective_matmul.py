@@ -20,17 +20,21 @@ forward casts to the compute dtype itself (the chunks that travel the ring and t
 output are bf16 under autocast) and backward recasts W and the incoming gradient. Weight
 gradient terms of the chunks are bf16 GEMMs summed in an fp32 accumulator (an in-place
 `addmm_` would need every operand in one dtype).
+
+FP8 (`fp8`, precision.fp8.Fp8Gemms): each ring chunk's GEMM is its own FP8 GEMM, its operands
+scaled per chunk (the chunk is all a step holds: a scale over the gathered tensor would wait
+for the whole ring); the emulation runs the same chunks with the same scales.
 """
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from mpoverlap.comm.collectives import send_recv
 from mpoverlap.comm.handle import CommHandle
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_cast
+from mpoverlap.precision.fp8_select import dgrad_or_fp8, linear_or_fp8
 from mpoverlap.tensor_parallel.comm_spec import TPComm
 from mpoverlap.tensor_parallel.mappings import MODE, seq_chunk
 
@@ -84,10 +88,14 @@ def ring_reduce_scatter(partial_fn: Callable[[int], torch.Tensor], comm: TPComm,
     return part
 
 
-def _accumulate(acc_oH: Optional[torch.Tensor], g_2d: torch.Tensor, x_2d: torch.Tensor) -> torch.Tensor:
+def _accumulate(acc_oH: Optional[torch.Tensor], g_2d: torch.Tensor, x_2d: torch.Tensor, fp8=None) -> torch.Tensor:
     """acc + g^T x, one chunk's weight-gradient term. fp32 operands: the in-place addmm_ as
     before (bitwise unchanged). bf16: the term is a bf16 GEMM, added into an fp32 accumulator
-    (the chunks' sum, like the gradient buffer it ends in, is fp32)."""
+    (the chunks' sum, like the gradient buffer it ends in, is fp32). FP8: the chunk's own FP8
+    GEMM (its operands scaled per chunk), fp32 out, added the same way."""
+    if fp8 is not None:
+        term = fp8.wgrad(g_2d, x_2d)
+        return term if acc_oH is None else acc_oH.add_(term)
     if g_2d.dtype == acc_dtype(g_2d.dtype):
         return g_2d.t().matmul(x_2d) if acc_oH is None else acc_oH.addmm_(g_2d.t(), x_2d)
     term = g_2d.t().matmul(x_2d)
@@ -96,11 +104,11 @@ def _accumulate(acc_oH: Optional[torch.Tensor], g_2d: torch.Tensor, x_2d: torch.
     return acc_oH.add_(term)
 
 
-def _accumulate_all(pairs) -> torch.Tensor:
+def _accumulate_all(pairs, fp8=None) -> torch.Tensor:
     """The sum of g^T x over the (g_2d, x_2d) chunk pairs, in ring order (as the ring would)."""
     acc = None
     for g_2d, x_2d in pairs:
-        acc = _accumulate(acc, g_2d, x_2d)
+        acc = _accumulate(acc, g_2d, x_2d, fp8)
     return acc
 
 
@@ -110,8 +118,8 @@ class ColumnParallelRingFn(torch.autograd.Function):
     step's weight-gradient GEMM and the next step's dgrad GEMM."""
 
     @staticmethod
-    def forward(ctx, x_BsH, weight_oH, bias_o, comm: TPComm):
-        ctx.comm, ctx.has_bias = comm, bias_o is not None
+    def forward(ctx, x_BsH, weight_oH, bias_o, comm: TPComm, fp8=None):
+        ctx.comm, ctx.has_bias, ctx.fp8 = comm, bias_o is not None, fp8
         ctx.param = weight_oH  # W accumulates into the parameter (checkpointing unpacks an alias)
         ctx.dtype = dtype = compute_dtype(x_BsH)
         x_BsH = x_BsH.to(dtype)  # the chunks travel the ring in the compute dtype
@@ -121,7 +129,7 @@ class ColumnParallelRingFn(torch.autograd.Function):
         w_oH, b_o = step_cast(weight_oH, dtype), cast(bias_o, dtype)
 
         def gemm(c, x_c):
-            seq_chunk(y_BSo, c, s).copy_(F.linear(x_c, w_oH, b_o))
+            seq_chunk(y_BSo, c, s).copy_(linear_or_fp8(fp8, x_c, w_oH, b_o))
 
         with no_autocast(x_BsH):
             ring_all_gather_apply(x_BsH, comm, gemm, "column.fwd")
@@ -136,7 +144,7 @@ class ColumnParallelRingFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, x_BsH, weight_oH, grad_y_BSo, param):
-        comm, s = ctx.comm, x_BsH.shape[1]
+        comm, s, fp8 = ctx.comm, x_BsH.shape[1], ctx.fp8
         need_dgrad = ctx.needs_input_grad[0]
         held, handle, incoming = x_BsH.contiguous(), None, None
         part: Optional[torch.Tensor] = None
@@ -148,7 +156,7 @@ class ColumnParallelRingFn(torch.autograd.Function):
         for k in range(comm.size):
             if need_dgrad:
                 comm.mark(label, k, "gemm_start")
-                part = seq_chunk(grad_y_BSo, (comm.rank - 1 - k) % comm.size, s).matmul(weight_oH)
+                part = dgrad_or_fp8(fp8, seq_chunk(grad_y_BSo, (comm.rank - 1 - k) % comm.size, s), weight_oH)
                 comm.mark(label, k, "gemm_end")
             if handle is not None:
                 _wait(handle, comm, label, k - 1)
@@ -165,13 +173,13 @@ class ColumnParallelRingFn(torch.autograd.Function):
                 deferred.append((g_2d, x_2d))
                 continue
             comm.mark(label, k, "gemm_start")
-            grad_w_oH = _accumulate(grad_w_oH, g_2d, x_2d)
+            grad_w_oH = _accumulate(grad_w_oH, g_2d, x_2d, fp8)
             comm.mark(label, k, "gemm_end")
-        if deferred is not None and not comm.defer_wgrad(param, lambda: _accumulate_all(deferred)):
-            grad_w_oH = _accumulate_all(deferred)
+        if deferred is not None and not comm.defer_wgrad(param, lambda: _accumulate_all(deferred, fp8)):
+            grad_w_oH = _accumulate_all(deferred, fp8)
         grad_b_o = (grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
                     if ctx.has_bias else None)
-        return part if need_dgrad else None, grad_w_oH, grad_b_o, None
+        return part if need_dgrad else None, grad_w_oH, grad_b_o, None, None
 
 
 class RowParallelRingFn(torch.autograd.Function):
@@ -179,8 +187,8 @@ class RowParallelRingFn(torch.autograd.Function):
     ring; each arriving chunk gives its dgrad rows and its weight-gradient term."""
 
     @staticmethod
-    def forward(ctx, x_BSi, weight_Oi, comm: TPComm):
-        ctx.comm = comm
+    def forward(ctx, x_BSi, weight_Oi, comm: TPComm, fp8=None):
+        ctx.comm, ctx.fp8 = comm, fp8
         ctx.param = weight_Oi  # W accumulates into the parameter (checkpointing unpacks an alias)
         ctx.dtype = dtype = compute_dtype(x_BSi)
         x_BSi = x_BSi.to(dtype)  # the partial sums travel the ring in the compute dtype
@@ -191,7 +199,7 @@ class RowParallelRingFn(torch.autograd.Function):
         s = S // comm.size
         w_Oi = step_cast(weight_Oi, dtype)
         with no_autocast(x_BSi):
-            return ring_reduce_scatter(lambda c: F.linear(seq_chunk(x_BSi, c, s), w_Oi),
+            return ring_reduce_scatter(lambda c: linear_or_fp8(fp8, seq_chunk(x_BSi, c, s), w_Oi),
                                        comm, "row.fwd")
 
     @staticmethod
@@ -203,7 +211,7 @@ class RowParallelRingFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, x_BSi, weight_Oi, grad_y_BsO, param):
-        comm, s = ctx.comm, grad_y_BsO.shape[1]
+        comm, s, fp8 = ctx.comm, grad_y_BsO.shape[1], ctx.fp8
         need_dgrad = ctx.needs_input_grad[0]
         grad_x_BSi = x_BSi.new_empty(x_BSi.shape) if need_dgrad else None
         acc: List[Optional[torch.Tensor]] = [None]
@@ -212,15 +220,15 @@ class RowParallelRingFn(torch.autograd.Function):
 
         def gemms(c, g_c):
             if need_dgrad:
-                seq_chunk(grad_x_BSi, c, s).copy_(g_c.matmul(weight_Oi))
+                seq_chunk(grad_x_BSi, c, s).copy_(dgrad_or_fp8(fp8, g_c, weight_Oi))
             x_c = seq_chunk(x_BSi, c, s)
             g_2d, x_2d = g_c.reshape(-1, g_c.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
             if deferred is not None:
                 deferred.append((g_2d, x_2d))
             else:
-                acc[0] = _accumulate(acc[0], g_2d, x_2d)
+                acc[0] = _accumulate(acc[0], g_2d, x_2d, fp8)
 
         ring_all_gather_apply(grad_y_BsO, comm, gemms, "row.bwd")
-        if deferred is not None and not comm.defer_wgrad(param, lambda: _accumulate_all(deferred)):
-            acc[0] = _accumulate_all(deferred)
-        return grad_x_BSi, acc[0], None
+        if deferred is not None and not comm.defer_wgrad(param, lambda: _accumulate_all(deferred, fp8)):
+            acc[0] = _accumulate_all(deferred, fp8)
+        return grad_x_BSi, acc[0], None, None

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mpoverlap.models.init import init_tensor
+from mpoverlap.precision.fp8_select import fp8_gemms
 from mpoverlap.tensor_parallel.comm_spec import make_comm
 from mpoverlap.tensor_parallel.linear_functions import column_parallel_linear, row_parallel_linear
 from mpoverlap.tensor_parallel.mappings import (
@@ -91,7 +92,11 @@ class ColumnParallelLinear(_TPModule):
     [gate|up]) or their sizes (qkv [q|k|v]: (N*D, G*D, G*D), equal without GQA); the local
     output is then [q_r | k_r | v_r], each block's size / tp.
     forward(x, weight=...) uses another [out/tp, in] weight (the tied output head).
+    `fp8_recipe` / `fp8_emulate`: its GEMMs in FP8 (precision/fp8_select.py; None = bf16).
     """
+
+    fp8_recipe = None
+    fp8_emulate = False
 
     def __init__(self, in_features: int, out_features: int, *, name: str, cfg, seed: int,
                  blocks=1, bias: bool = False, tp_group=None, tp_rank: int = 0,
@@ -107,7 +112,8 @@ class ColumnParallelLinear(_TPModule):
                      if bias else None)
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight if weight is None else weight, self.bias, self.comm)
+        return column_parallel_linear(x, self.weight if weight is None else weight, self.bias, self.comm,
+                                      fp8_gemms(self))
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.out_features_per_rank}), "
@@ -122,8 +128,11 @@ class RowParallelLinear(_TPModule):
     output) -> no SP: y_BSO all-reduced; SP: y_BsO reduce-scattered along the sequence (with
     overlap, a GEMM + reduce-scatter ring). The bias is replicated and added after the
     reduction; under SP its gradient is per-chunk (attribute `sequence_parallel=True`): sum
-    it with allreduce_sequence_parallel_grads.
+    it with allreduce_sequence_parallel_grads. `fp8_recipe` / `fp8_emulate`: as the column's.
     """
+
+    fp8_recipe = None
+    fp8_emulate = False
 
     def __init__(self, in_features: int, out_features: int, *, name: str, cfg, seed: int,
                  bias: bool = False, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
@@ -138,7 +147,7 @@ class RowParallelLinear(_TPModule):
                                  sequence_parallel=sequence_parallel) if bias else None)
 
     def forward(self, x_BSi: torch.Tensor) -> torch.Tensor:
-        return row_parallel_linear(x_BSi, self.weight, self.bias, self.comm)
+        return row_parallel_linear(x_BSi, self.weight, self.bias, self.comm, fp8_gemms(self))
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.in_features_per_rank}), out={self.out_features}, "

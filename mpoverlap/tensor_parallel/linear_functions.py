@@ -29,6 +29,10 @@ the SP all-gather (activations travel in the compute dtype), and backward casts 
 gradient to the same dtype and uses W's cast again (made once a step inside step_cast_cache,
 `mpoverlap.precision.step_cast`; else recast). The weight gradient comes out of a bf16 GEMM; autograd
 casts it to the fp32 parameter's dtype and accumulates it in fp32 (the master gradient).
+
+FP8 (`fp8`, precision.fp8.Fp8Gemms): the same Functions with their three GEMMs through it; the
+column GEMMs quantize the gathered x (SP: one scale over the whole sequence, as the single
+process's), the weight being this rank's shard with its own scale.
 """
 from __future__ import annotations
 
@@ -38,8 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_cast
+from mpoverlap.precision.fp8_select import dgrad_or_fp8, linear_or_fp8
 from mpoverlap.tensor_parallel.comm_spec import TPComm
-from mpoverlap.wgrad.deferral import WeightGradGemm, weight_grad_2d
+from mpoverlap.wgrad.deferral import WeightGradGemm
 from mpoverlap.tensor_parallel.mappings import (
     all_reduce_async, reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel,
     seq_all_gather_async, seq_reduce_scatter_async)
@@ -47,8 +52,8 @@ from mpoverlap.tensor_parallel.mappings import (
 
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight_oH, bias_o, comm: TPComm):
-        ctx.comm, ctx.has_bias = comm, bias_o is not None
+    def forward(ctx, x, weight_oH, bias_o, comm: TPComm, fp8=None):
+        ctx.comm, ctx.has_bias, ctx.fp8 = comm, bias_o is not None, fp8
         ctx.param = weight_oH  # W accumulates into the parameter (checkpointing unpacks an alias)
         ctx.dtype = dtype = compute_dtype(x)
         x = x.to(dtype)  # before the all-gather: bf16 under autocast moves half the bytes
@@ -57,7 +62,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight_oH)
         total_x_BSH = seq_all_gather_async(x, comm).wait() if comm.sequence_parallel else x
         with no_autocast(x):
-            return F.linear(total_x_BSH, step_cast(weight_oH, dtype), cast(bias_o, dtype))
+            return linear_or_fp8(fp8, total_x_BSH, step_cast(weight_oH, dtype), cast(bias_o, dtype))
 
     @staticmethod
     def backward(ctx, grad_y_BSo):
@@ -81,7 +86,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         reduce = None
         if need_dgrad:
             comm.mark(_BWD, 0, "gemm_start")
-            grad_x_BSH = grad_y_BSo.matmul(weight_oH)  # runs under the all-gather
+            grad_x_BSH = dgrad_or_fp8(ctx.fp8, grad_y_BSo, weight_oH)  # runs under the all-gather
             comm.mark(_BWD, 0, "gemm_end")
         if gather is not None and comm.overlap:
             _wait(gather, comm, 0)
@@ -93,9 +98,11 @@ class ColumnParallelLinearFn(torch.autograd.Function):
                 _wait(reduce, comm, 1)
         total_x_BSH = gather.wait() if gather is not None else x
         grad_w_oH = None
-        if not comm.defer_wgrad(param, WeightGradGemm(grad_y_BSo, total_x_BSH)):
+        wgrad = (WeightGradGemm(grad_y_BSo, total_x_BSH) if ctx.fp8 is None
+                 else ctx.fp8.deferred_wgrad(grad_y_BSo, total_x_BSH))
+        if not comm.defer_wgrad(param, wgrad):
             comm.mark(_BWD, 1, "gemm_start")
-            grad_w_oH = weight_grad_2d(grad_y_BSo, total_x_BSH)  # runs under the dgrad reduction
+            grad_w_oH = wgrad()  # runs under the dgrad reduction
             comm.mark(_BWD, 1, "gemm_end")
         grad_b_o = (grad_y_BSo.reshape(-1, grad_y_BSo.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
                     if ctx.has_bias else None)
@@ -104,7 +111,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             if comm.overlap:
                 _wait(reduce, comm, 1)
             grad_x = reduce.wait()
-        return grad_x, grad_w_oH, grad_b_o, None
+        return grad_x, grad_w_oH, grad_b_o, None, None
 
 
 _BWD = "column.bwd"
@@ -116,26 +123,27 @@ def _wait(pending, comm: TPComm, step: int) -> None:
 
 
 def column_parallel_linear(x, weight_oH: torch.Tensor, bias_o: Optional[torch.Tensor],
-                           comm: TPComm) -> torch.Tensor:
+                           comm: TPComm, fp8=None) -> torch.Tensor:
     """x_BSH (no SP) / x_BsH (SP) -> y_BSo. Chooses collective matmul when comm.use_ring.
-    Also the tied output head: `column_parallel_linear(h, embedding.weight, None, comm)`."""
+    Also the tied output head: `column_parallel_linear(h, embedding.weight, None, comm)`.
+    `fp8`: the FP8 GEMMs (precision.fp8.Fp8Gemms) or None (the compute dtype's)."""
     if comm.use_ring:
         from mpoverlap.tensor_parallel.collective_matmul import ColumnParallelRingFn
-        return ColumnParallelRingFn.apply(x, weight_oH, bias_o, comm)
-    return ColumnParallelLinearFn.apply(x, weight_oH, bias_o, comm)
+        return ColumnParallelRingFn.apply(x, weight_oH, bias_o, comm, fp8)
+    return ColumnParallelLinearFn.apply(x, weight_oH, bias_o, comm, fp8)
 
 
 def row_parallel_linear(x_BSi: torch.Tensor, weight_Oi: torch.Tensor,
-                        bias_O: Optional[torch.Tensor], comm: TPComm) -> torch.Tensor:
+                        bias_O: Optional[torch.Tensor], comm: TPComm, fp8=None) -> torch.Tensor:
     """x_BSi -> y_BSO (no SP) / y_BsO (SP). The bias is added once, after the reduction."""
     if comm.use_ring:
         from mpoverlap.tensor_parallel.collective_matmul import RowParallelRingFn
-        y = RowParallelRingFn.apply(x_BSi, weight_Oi, comm)
+        y = RowParallelRingFn.apply(x_BSi, weight_Oi, comm, fp8)
     else:
-        if comm.wgrad is not None:
+        if comm.wgrad is not None or fp8 is not None:
             from mpoverlap.wgrad import linear
 
-            partial = linear(x_BSi, weight_Oi, None, comm.wgrad)
+            partial = linear(x_BSi, weight_Oi, None, comm.wgrad, fp8)
         else:
             partial = F.linear(x_BSi, weight_Oi)  # a plain op: autocast casts it
         y = (reduce_scatter_to_sequence_parallel(partial, comm) if comm.sequence_parallel

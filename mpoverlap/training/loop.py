@@ -28,7 +28,8 @@ from mpoverlap.moe.dispatch_wire import resolve_dispatch_wire
 from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.pairing import train_paired
 from mpoverlap.parallel import ParallelState
-from mpoverlap.precision import DTYPES, autocast_context, step_cast_cache
+from mpoverlap.precision import DTYPES, autocast_context, compute_precision, step_cast_cache
+from mpoverlap.precision.fp8_select import mark_fp8_gemms, torchao_missing
 from mpoverlap.tensor_parallel import allreduce_sequence_parallel_grads, tp_kwargs
 from mpoverlap.training.checkpoint import Checkpointer, checkpoint_io_group
 from mpoverlap.training.data import build_datasets, rank_batch, rank_microbatches
@@ -49,6 +50,10 @@ class NonFiniteError(FloatingPointError):
 
 class Trainer(Resumable, RunLoop):
     def __init__(self, cfg: Any, state: ParallelState, run_dir: Path) -> None:
+        if cfg.train.precision == "fp8" and torchao_missing():  # before any group or model is built
+            from mpoverlap.config import ConfigError
+
+            raise ConfigError(torchao_missing())
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
         self.is_rank0 = state.rank == 0
         self.overlap = CommOverlapConfig.from_config(cfg, state.world)
@@ -72,12 +77,17 @@ class Trainer(Resumable, RunLoop):
             moe = moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=ep_chunks(cfg), ledger=self.ledger,
                              sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
                              etp=state.grid.etp, capacity_padding=not self.overlap.ep_pairing.enabled,
-                             dispatch_wire=resolve_dispatch_wire(t.ep_dispatch_dtype, t.precision))
+                             dispatch_wire=resolve_dispatch_wire(t.ep_dispatch_dtype, compute_precision(t.precision)))
         layout = schedule_layout(cfg.parallel, cfg.parallel.vpp)
         self.chunks = [c.to(state.device) for c in build_chunks(
             cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, layout=layout, tp=self.tp, moe=moe,
             compile_backend=str(t.compile_backend) if t.compile else None, **attention)]
         self.moe_layers = [layer for c in self.chunks for layer in c.moe_layers()]
+        # train.precision=fp8: the blocks' projections and MLP linears run their GEMMs in FP8
+        # (precision/fp8_select.py); everything else is the bf16 run.
+        self.fp8_gemms = []
+        if t.precision == "fp8":
+            self.fp8_gemms = [n for c in self.chunks for n in mark_fp8_gemms(c, str(t.fp8_recipe))]
         # One chunk: the model itself. Pipelined: this stage's chunks, whose blocks keep their
         # global names; `params_by_name` maps the layout-free names used in checkpoints.
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -106,7 +116,7 @@ class Trainer(Resumable, RunLoop):
             error_feedback=error_feedback_on(t.grad_error_feedback, t.grad_reduce_dtype),
             units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,
             prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward),
-            param_gather_dtype=param_gather_dtype(t.param_gather_dtype, t.precision, self.sharding),
+            param_gather_dtype=param_gather_dtype(t.param_gather_dtype, compute_precision(t.precision), self.sharding),
             delay=int(cfg.overlap.dp_delay))
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,

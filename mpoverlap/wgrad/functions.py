@@ -15,6 +15,11 @@ Mixed precision: autocast does not reach into a custom Function, so forward cast
 to the compute dtype itself (as autocast would cast F.linear) and backward casts the incoming
 gradient and uses W's cast again: made once a step inside step_cast_cache (precision.step_cast),
 else at each use (see mpoverlap/precision/step_cast.py).
+
+FP8 (`fp8`: precision.fp8.Fp8Gemms, for the linears mark_fp8_gemms marked): the same Function,
+with or without a deferral, its three GEMMs through Fp8Gemms on the compute-dtype x and W
+cast; a deferred weight gradient keeps the bf16 operands and quantizes them in W (see
+precision.fp8.Fp8WeightGrad), so it equals the immediate one.
 """
 from __future__ import annotations
 
@@ -25,13 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_cast, step_weight
-from mpoverlap.wgrad.deferral import WeightGradGemm, weight_grad_2d
+from mpoverlap.precision.fp8_select import fp8_gemms
+from mpoverlap.wgrad.deferral import WeightGradGemm
 
 
 class DeferrableLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, deferral):
-        ctx.deferral, ctx.has_bias = deferral, bias is not None
+    def forward(ctx, x, weight, bias, deferral, fp8=None):
+        ctx.deferral, ctx.has_bias, ctx.fp8 = deferral, bias is not None, fp8
         # The parameter itself: under activation checkpointing the saved weight unpacks as a
         # detached alias, which is not what the W action must accumulate into.
         ctx.param = weight
@@ -39,20 +45,27 @@ class DeferrableLinearFn(torch.autograd.Function):
         x = x.to(dtype)
         ctx.save_for_backward(x, weight)
         with no_autocast(x):
+            if fp8 is not None:
+                return fp8.forward(x, step_cast(weight, dtype), cast(bias, dtype))
             return F.linear(x, step_cast(weight, dtype), cast(bias, dtype))
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
+        fp8 = ctx.fp8
         with no_autocast(x):
             grad_y = grad_y.to(ctx.dtype)
-            grad_x = grad_y.matmul(step_cast(weight, ctx.dtype)) if ctx.needs_input_grad[0] else None
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                w = step_cast(weight, ctx.dtype)
+                grad_x = grad_y.matmul(w) if fp8 is None else fp8.dgrad(grad_y, w)
             grad_w = None
-            if not ctx.deferral.defer(ctx.param, WeightGradGemm(grad_y, x)):
-                grad_w = weight_grad_2d(grad_y, x)
+            deferred = WeightGradGemm(grad_y, x) if fp8 is None else fp8.deferred_wgrad(grad_y, x)
+            if ctx.deferral is None or not ctx.deferral.defer(ctx.param, deferred):
+                grad_w = deferred()
             grad_b = (grad_y.reshape(-1, grad_y.shape[-1]).sum(0, dtype=acc_dtype(ctx.dtype))
                       if ctx.has_bias else None)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class DeferrableEmbeddingFn(torch.autograd.Function):
@@ -75,10 +88,11 @@ class DeferrableEmbeddingFn(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           deferral=None) -> torch.Tensor:
-    if deferral is None:
+           deferral=None, fp8=None) -> torch.Tensor:
+    """x W^T (+ b); `deferral`: the zero-bubble W switch; `fp8`: the FP8 GEMMs (Fp8Gemms) or None."""
+    if deferral is None and fp8 is None:
         return F.linear(x, step_weight(weight), bias)
-    return DeferrableLinearFn.apply(x, weight, bias, deferral)
+    return DeferrableLinearFn.apply(x, weight, bias, deferral, fp8)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, deferral=None) -> torch.Tensor:
@@ -88,12 +102,15 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, deferral=None) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight gradient can be deferred (`wgrad`, set by attach_deferral)."""
+    """nn.Linear whose weight gradient can be deferred (`wgrad`, set by attach_deferral) and whose
+    GEMMs can run in FP8 (`fp8_recipe`, set by precision.fp8_select.mark_fp8_gemms)."""
 
     wgrad = None
+    fp8_recipe = None
+    fp8_emulate = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.wgrad)
+        return linear(x, self.weight, self.bias, self.wgrad, fp8_gemms(self))
 
 
 class Embedding(nn.Embedding):

@@ -1,0 +1,112 @@
+"""train.precision=fp8 rules: torchao present, every FP8 GEMM's dimensions divisible by 16, a
+device with FP8 GEMMs, the ZeRO-3 gathers' dtype, and the layouts not built in FP8 yet.
+
+What runs in FP8 (precision/fp8_select.py): the transformer blocks' q/k/v and attention output
+projections and the MLP linears, on every path (plain, tensor-parallel with sequence
+parallelism and collective matmul, the zero-bubble deferred weight gradient, recompute); the
+embedding, output head, router, norms and softmax stay bf16.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Tuple
+
+from mpoverlap.overlap.cuda_env import device_choice
+from mpoverlap.overlap.layout import Layout
+from mpoverlap.overlap.rules import Problem, rule
+
+# FP8 GEMMs (torch._scaled_mm on CUDA) need every dimension divisible by 16.
+FP8_DIM = 16
+# FP8 tensor cores: Ada (8.9) and Hopper (9.0) on.
+FP8_CAPABILITY = (8, 9)
+TO_BF16 = "train.precision=bf16"
+
+
+def _fp8(lo: Layout) -> bool:
+    return str(lo.cfg.train.precision) == "fp8"
+
+
+@rule("fp8.torchao", "general", ("train.precision",), "train.precision=fp8 needs torchao (the fp8 extra)")
+def _torchao(lo: Layout):
+    if not _fp8(lo):
+        return
+    from mpoverlap.precision.fp8_select import INSTALL, torchao_missing
+
+    reason = torchao_missing()
+    if reason:
+        yield Problem("fp8.torchao", {"train.precision": "fp8"}, reason, [INSTALL, TO_BF16])
+
+
+def fp8_gemm_dims(lo: Layout) -> Iterator[Tuple[str, str, int]]:
+    """(GEMM, model key behind the dimension, this rank's dimension after TP) for each dimension
+    of each FP8 GEMM: the projections' and MLP's input and output widths, and the tokens a GEMM
+    holds (the wgrad GEMM's contraction: micro batch x sequence / cp, / tp under sequence
+    parallelism, where collective matmul's ring runs each sequence chunk as its own GEMM)."""
+    from mpoverlap.models.init import head_dim_of, qkv_rows
+
+    m, t = lo.cfg.model, lo.cfg.train
+    tp, cp = lo.tp or 1, lo.cp or 1
+    H, F = int(m.hidden_size), int(m.ffn_hidden_size)
+    rows = qkv_rows(m)
+    heads = f"model.num_attention_heads x model.head_dim (D={head_dim_of(m)})"
+    yield "attn.qkv (in)", "model.hidden_size", H
+    yield "attn.qkv (out)", f"{heads} + 2 x model.num_query_groups x D, / parallel.tp", sum(rows) // tp
+    yield "attn.proj (in)", f"{heads} / parallel.tp", rows[0] // tp
+    yield "attn.proj (out)", "model.hidden_size", H
+    fc1 = 2 * F if str(m.activation) == "swiglu" else F
+    yield "mlp fc1 (out)", "model.ffn_hidden_size / parallel.tp", fc1 // tp
+    yield "mlp fc2 (in)", "model.ffn_hidden_size / parallel.tp", F // tp
+    tokens = int(t.micro_batch_size) * int(m.seq_length) // cp
+    sp = tp > 1 and bool(lo.cfg.parallel.sequence_parallel)
+    yield ("tokens", "train.micro_batch_size x model.seq_length / parallel.cp" + (" / parallel.tp" if sp else ""),
+           tokens // tp if sp else tokens)
+
+
+@rule("fp8.gemm_dims", "general", ("train.precision", "model.hidden_size", "model.ffn_hidden_size",
+                                   "model.num_attention_heads", "parallel.tp"),
+      "every FP8 GEMM's dimensions (after TP) are divisible by 16")
+def _gemm_dims(lo: Layout):
+    if not _fp8(lo) or lo.tp is None or lo.cp is None:
+        return
+    for gemm, key, dim in fp8_gemm_dims(lo):
+        if dim % FP8_DIM:
+            yield Problem("fp8.gemm_dims", {"train.precision": "fp8", key: dim},
+                          f"the FP8 GEMM {gemm} has dimension {dim} on each rank, not divisible by {FP8_DIM} "
+                          f"(torch._scaled_mm's requirement): choose {key.split(' ')[0]} so that it is a "
+                          f"multiple of {FP8_DIM}, or keep the GEMMs in bf16", [TO_BF16])
+
+
+@rule("fp8.device", "general", ("train.precision", "train.device"),
+      "FP8 GEMMs need CUDA compute capability 8.9 or newer (CPU runs them for tests)")
+def _device(lo: Layout):
+    if not _fp8(lo) or device_choice(str(lo.cfg.train.device), lo.world_env)[0] != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return  # train.device=cuda without CUDA is refused by the device rules
+    cc = torch.cuda.get_device_capability()
+    if cc < FP8_CAPABILITY:
+        yield Problem("fp8.device", {"train.precision": "fp8", "cuda_capability": f"{cc[0]}.{cc[1]}"},
+                      "FP8 GEMMs need CUDA compute capability 8.9 or newer (Ada, Hopper, Blackwell)",
+                      [TO_BF16])
+
+
+@rule("fp8.param_gather", "general", ("train.precision", "train.param_gather_dtype"),
+      "under fp8 the ZeRO-3 gathers carry bf16 (FP8 gathers are not built)")
+def _param_gather(lo: Layout):
+    asked = str(lo.cfg.train.param_gather_dtype)
+    if _fp8(lo) and asked == "fp8":
+        yield Problem("fp8.param_gather", {"train.param_gather_dtype": asked,
+                                           "train.fp8_recipe": str(lo.cfg.train.fp8_recipe)},
+                      "FP8 parameter gathers are not built (and the rowwise recipe's per-row scales cannot "
+                      "travel with a gathered shard): under train.precision=fp8 the gathers carry bf16 "
+                      "and each GEMM casts its weight to fp8",
+                      ["train.param_gather_dtype=auto"])
+
+
+@rule("fp8.moe", "general", ("train.precision", "model.num_experts"),
+      "the grouped experts in FP8 are not built in this layout")
+def _moe(lo: Layout):
+    if _fp8(lo) and int(lo.cfg.model.num_experts) > 0:
+        yield Problem("fp8.moe", {"train.precision": "fp8", "model.num_experts": int(lo.cfg.model.num_experts)},
+                      "grouped experts in fp8 are not built in this layout", [TO_BF16])
