@@ -241,3 +241,15 @@ def test_plan_names_the_padded_flash_block_kernel(capsys):
     assert main(["model=deepseek_v3_tiny", "parallel.cp=2", "parallel.world_size=2"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  attention:"))
     assert "flash_cpu" in line and "pad v from 16 to 24 channels" in line, line
+
+
+def test_fp8_checks_the_latent_projections_dimensions(capsys):
+    """Under train.precision=fp8 the dims rule covers MLA's GEMMs: deepseek_v3_tiny's
+    kv_a_proj_with_mqa produces kv_lora_rank + qk_rope_head_dim = 24 channels, not a multiple of 16."""
+    from mpoverlap.check import main
+
+    assert main(["model=deepseek_v3_tiny", "train.precision=fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "[fp8.gemm_dims]" in err and "model.kv_lora_rank + model.qk_rope_head_dim=24" in err, err
+    assert main(["model=deepseek_v3_tiny", "train.precision=fp8", "model.qk_rope_head_dim=16"]) == 2
+    assert "[fp8.gemm_dims]" not in capsys.readouterr().err

@@ -46,12 +46,15 @@ def fp8_gemm_dims(lo: Layout) -> Iterator[Tuple[str, str, int]]:
     m, t = lo.cfg.model, lo.cfg.train
     tp, cp = lo.tp or 1, lo.cp or 1
     H, F = int(m.hidden_size), int(m.ffn_hidden_size)
-    rows = qkv_rows(m)
-    heads = f"model.num_attention_heads x model.head_dim (D={head_dim_of(m)})"
-    yield "attn.qkv (in)", "model.hidden_size", H
-    yield "attn.qkv (out)", f"{heads} + 2 x model.num_query_groups x D, / parallel.tp", sum(rows) // tp
-    yield "attn.proj (in)", f"{heads} / parallel.tp", rows[0] // tp
-    yield "attn.proj (out)", "model.hidden_size", H
+    if str(getattr(m, "attention", "mha")) == "mla":
+        yield from _latent_gemm_dims(m, tp)
+    else:
+        rows = qkv_rows(m)
+        heads = f"model.num_attention_heads x model.head_dim (D={head_dim_of(m)})"
+        yield "attn.qkv (in)", "model.hidden_size", H
+        yield "attn.qkv (out)", f"{heads} + 2 x model.num_query_groups x D, / parallel.tp", sum(rows) // tp
+        yield "attn.proj (in)", f"{heads} / parallel.tp", rows[0] // tp
+        yield "attn.proj (out)", "model.hidden_size", H
     fc1 = 2 * F if str(m.activation) == "swiglu" else F
     yield "mlp fc1 (out)", "model.ffn_hidden_size / parallel.tp", fc1 // tp
     yield "mlp fc2 (in)", "model.ffn_hidden_size / parallel.tp", F // tp
@@ -59,6 +62,25 @@ def fp8_gemm_dims(lo: Layout) -> Iterator[Tuple[str, str, int]]:
     sp = tp > 1 and bool(lo.cfg.parallel.sequence_parallel)
     yield ("tokens", "train.micro_batch_size x model.seq_length / parallel.cp" + (" / parallel.tp" if sp else ""),
            tokens // tp if sp else tokens)
+
+
+def _latent_gemm_dims(m, tp: int) -> Iterator[Tuple[str, str, int]]:
+    """Multi-head latent attention's GEMMs (models/mla.py): the replicated down-projections, the
+    column-parallel up-projections (split by heads) and the row-parallel output."""
+    N, r, c = int(m.num_attention_heads), int(m.q_lora_rank), int(m.kv_lora_rank)
+    nope, rope, v = int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim)
+    yield "attn.kv_a_proj_with_mqa (in)", "model.hidden_size", int(m.hidden_size)
+    yield "attn.kv_a_proj_with_mqa (out)", "model.kv_lora_rank + model.qk_rope_head_dim", c + rope
+    if r:
+        yield "attn.q_a_proj (out)", "model.q_lora_rank", r
+    yield ("attn.q_b_proj (out)" if r else "attn.q_proj (out)",
+           "model.num_attention_heads x (model.qk_nope_head_dim + model.qk_rope_head_dim) / parallel.tp",
+           N * (nope + rope) // tp)
+    yield "attn.kv_b_proj (in)", "model.kv_lora_rank", c
+    yield ("attn.kv_b_proj (out)", "model.num_attention_heads x (model.qk_nope_head_dim + model.v_head_dim) "
+           "/ parallel.tp", N * (nope + v) // tp)
+    yield "attn.proj (in)", "model.num_attention_heads x model.v_head_dim / parallel.tp", N * v // tp
+    yield "attn.proj (out)", "model.hidden_size", int(m.hidden_size)
 
 
 @rule("fp8.gemm_dims", "general", ("train.precision", "model.hidden_size", "model.ffn_hidden_size",
