@@ -12,7 +12,8 @@ run their math with autocast disabled (`no_autocast`), and remember the dtype fo
 
 The package splits by idea: `autocast` (the forward's context and the dtype helpers the
 Functions use), `step_cast` (the step's cache of weight casts and the in-place gradient adds), `fp8` (the FP8
-GEMMs over torchao, the optional `fp8` extra: imported only where fp8 is used).
+GEMMs over torchao, the optional `fp8` extra: imported only where fp8 is used), `fp8_grouped`
+(the grouped expert GEMMs in FP8, torch._scaled_grouped_mm on CUDA).
 """
 from mpoverlap.precision.autocast import (DTYPES, _autocast_on, acc_dtype, autocast_context, cast,
                                           compute_cast_weights, compute_dtype, no_autocast)
