@@ -105,12 +105,12 @@ def test_grouped_wgrad_cpu_path_equals_emulation_with_per_expert_scales(rows_pas
     assert torch.equal(emu[1], torch.zeros(32, 24))  # the empty expert
 
 
-def _experts(recipe, emulate, activation):
+def _experts(recipe, emulate, activation, ffn=16):
     from mpoverlap.config import compose
     from mpoverlap.moe.experts import GroupedExperts
 
     cfg = compose(["model=moe_tiny"]).model
-    e = GroupedExperts(len(COUNTS), 32, 16, first_expert_index=0, name_prefix="layers.0.mlp", cfg=cfg, seed=3,
+    e = GroupedExperts(len(COUNTS), 32, ffn, first_expert_index=0, name_prefix="layers.0.mlp", cfg=cfg, seed=3,
                        activation=activation)
     e.fp8_recipe, e.fp8_emulate = recipe, emulate
     return e
@@ -155,6 +155,12 @@ def test_grouped_experts_fp8_bf16_inputs_equal_emulation():
         assert ((a - b).abs() <= tol).all(), (a - b).abs().max()
 
 
+def test_grouped_experts_refuse_widths_off_16_on_every_device():
+    e = _experts("rowwise", False, "swiglu", ffn=24)
+    with pytest.raises(ValueError, match=r"the expert width 24 .*fix: model.moe_ffn_hidden_size=32"):
+        e(torch.randn(sum(COUNTS), 32), torch.tensor(COUNTS))
+
+
 def test_grouped_experts_refuse_an_unknown_recipe():
     e = _experts("blockwise", False, "swiglu")
     with pytest.raises(ValueError, match="train.fp8_recipe=blockwise"):
@@ -174,3 +180,22 @@ def test_scaled_grouped_mm_equals_emulation_on_cuda(rows_past):
         assert got.dtype == torch.bfloat16
         tol = want.abs() * 2.0 ** -7 + 2.0 ** -10 * want.abs().max()
         assert ((got.float() - want).abs() <= tol).all(), (got.float() - want).abs().max()
+
+
+@pytest.mark.cuda
+def test_grouped_experts_fp8_on_cuda_equal_emulation():
+    """The whole expert MLP on CUDA (the kernel's six products under bf16 autocast) against its
+    emulation on the same GPU: output, input gradient, w_in and w_out gradients."""
+    torch.manual_seed(0)
+    x, gy = torch.randn(sum(COUNTS), 32, device="cuda"), torch.randn(sum(COUNTS), 32, device="cuda")
+    runs = []
+    for emulate in (False, True):
+        e = _experts("rowwise", emulate, "swiglu").cuda()
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", torch.bfloat16):
+            y = e(xi, torch.tensor(COUNTS, device="cuda"))
+        y.backward(gy)
+        runs.append([y.float(), xi.grad.float(), e.w_in.grad, e.w_out.grad])
+    for a, b in zip(*runs):
+        tol = b.abs() * 2.0 ** -6 + 2.0 ** -6 * b.abs().max()
+        assert ((a - b).abs() <= tol).all(), (a - b).abs().max()

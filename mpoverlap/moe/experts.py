@@ -231,10 +231,19 @@ class GroupedExperts(nn.Module):
         if self.fp8_recipe is None:
             return None
         from mpoverlap.precision.fp8 import RECIPES
-        from mpoverlap.precision.fp8_grouped import Fp8Grouped  # torchao: the optional fp8 extra
+        from mpoverlap.precision.fp8_grouped import ALIGN, Fp8Grouped  # torchao: the optional fp8 extra
         if self.fp8_recipe not in RECIPES:
             raise ValueError(f"train.fp8_recipe={self.fp8_recipe}: not a recipe; use one of {', '.join(RECIPES)}, "
                              "e.g. train.fp8_recipe=rowwise")
+        hidden, ffn = self.w_in.shape[2], self.w_out.shape[2]
+        if hidden % ALIGN or ffn % ALIGN:
+            # torch._scaled_grouped_mm's rule on every GEMM dimension but the grouped one; refused
+            # on every device, so a layout that trains on CPU trains on a GPU
+            etp = " per parallel.etp rank" if getattr(self.w_out, "tensor_model_parallel", False) else ""
+            raise ValueError(f"model.hidden_size={hidden}, the expert width{etp} {ffn} (model.moe_ffn_hidden_size): "
+                             f"the FP8 grouped experts need both multiples of {ALIGN} (torch._scaled_grouped_mm); "
+                             f"fix: model.moe_ffn_hidden_size={-(-ffn // ALIGN) * ALIGN} (times parallel.etp), or "
+                             "train.precision=bf16")
         dtype = torch.bfloat16 if x_NH.device.type == "cuda" else compute_dtype(x_NH)
         return Fp8Grouped(out_dtype=dtype, emulate=self.fp8_emulate)
 
