@@ -19,8 +19,7 @@ gemm_efficiency (hardware.fp8_peak_flops; refused where the preset has none); th
 core, the router and the head stay at the bf16 rate. Activations, saved tensors and gathers
 are the bf16 run's: the FP8 Functions save their bf16 inputs and quantize again in backward
 (precision/fp8.py, fp8_grouped.py), and parameters are gathered in bf16 (estimate.core). The
-FP8 casts' own traffic (amax and cast of every operand at each use) is not in the memory-bound
-time: the fp8 step is a lower bound.
+FP8 casts of every operand at each use are memory-bound time (memory.py `fp8_cast_bytes`).
 Beside the FLOPs at peak x gemm_efficiency, each layer and the head carry memory-bound seconds:
 their elementwise bytes (memory.py) at hardware.hbm_bw (0 where the preset does not set it).
 """
