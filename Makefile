@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 RUN_ARGS ?= parallel.dp=2 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true overlap.dp_bucket_mb=0.5 train.steps=200 train.log_interval=20 train.eval_interval=100 checkpoint.interval=100
 BENCH_ARGS ?=
 
-.PHONY: setup run test test-slurm test-exits test-compositions bench gpu-check gpu-wheels clean
+.PHONY: setup run test test-slurm test-exits test-compositions bench gpu-check gpu-check-fp8 gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -61,11 +61,20 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	@$(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
-# The wheels a bare GPU machine lacks (Python 3.12 there), into the git-ignored .gpu/whl.
+# train.precision=fp8 on one GPU, a call of its own (docs/gpu-check.md): the tier's fp8 tests,
+# llama3_1b and moe_350m in fp8 beside bf16, eager and compiled, the FP8 GEMM kernels named.
+gpu-check-fp8:
+	@$(GPU_PY) -m bench.gpu_check --fp8 $(GPU_CHECK_ARGS)
+
+# The wheels a bare GPU machine lacks (Python 3.12 there), into the git-ignored .gpu/whl;
+# torchao (train.precision=fp8) ships one cp310-abi3 manylinux_2_24/2_28 wheel for every
+# CPython from 3.10.
 gpu-wheels: setup
 	mkdir -p .gpu/whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
 		--platform any -d .gpu/whl hydra-core==1.3.2 omegaconf==2.3.0
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+		-d .gpu/whl torchao==0.18.0
 	$(PY) -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w .gpu/whl
 	ls .gpu/whl
 

@@ -11,11 +11,17 @@ DEFAULT_BUDGET_S: every part's own limit and the setup, so a default run has roo
      runs/gpu-check), rewritten after every part: a part that fails or runs out of time is
      recorded and the next one runs; what does not fit in the budget is skipped with the reason.
 
+`--fp8` (`make gpu-check-fp8`, a call of its own: the default check fills a 10-minute call):
+the CUDA tier's FP8 tests (`-k fp8`), then llama3_1b (seq 4096) and moe_350m with
+train.precision=fp8, eager and compiled, beside the bf16 Trainer's eager and compiled sides in
+the same process (FP8_SIDES), the FP8 GEMM kernels named in the report, and the llama3_1b
+compiled fp8 / bf16 tokens/s against its 1.25x target.
+
 A bare GPU machine lacks hydra-core / omegaconf / antlr4: where they cannot be imported, the
 wheels in .gpu/whl (`make gpu-wheels`, docs/gpu-check.md) and the package itself are installed
 with pip into folders under /tmp (no network) and the parts run with PYTHONPATH on them.
 
-    python -m bench.gpu_check [--out DIR] [--budget-s S] [--tests-s S] [--shapes a,b]
+    python -m bench.gpu_check [--fp8] [--out DIR] [--budget-s S] [--tests-s S] [--shapes a,b]
 """
 from __future__ import annotations
 
@@ -47,6 +53,12 @@ SETUP_S = 30.0
 # The default budget has room for every part's whole limit, so a default run skips nothing by
 # design (530 s: the whole check fits in 9 minutes).
 DEFAULT_BUDGET_S = TESTS_S + sum(SHAPE_S.values()) + SETUP_S
+# --fp8: each shape's four Trainer sides (bf16 and fp8, eager and compiled: two compiles of
+# 30-60 s each, the host profile of the eager bf16 side), the tier's FP8 tests
+FP8_SHAPE_S = {"llama3_1b": 220, "moe_350m": 190}
+FP8_SIDES = "mpoverlap,compiled,fp8,fp8_compiled"
+FP8_TESTS_S = 60.0
+FP8_BUDGET_S = FP8_TESTS_S + sum(FP8_SHAPE_S.values()) + SETUP_S
 
 
 class SetupError(RuntimeError):
@@ -101,12 +113,14 @@ def cuda_test_files(repo: Path = REPO) -> List[str]:
     return sorted(str(p) for p in (repo / "tests").glob("test_*.py") if "pytest.mark.cuda" in p.read_text())
 
 
-def run_tests(out: Path, env: Dict[str, str], timeout_s: float) -> Dict[str, Any]:
+def run_tests(out: Path, env: Dict[str, str], timeout_s: float, select: Optional[str] = None) -> Dict[str, Any]:
+    """`pytest -m cuda` on the CUDA test files (`select`: a -k expression, e.g. fp8)."""
     from bench.gpu_report import junit_summary
 
     xml = out / "cuda-tier.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", f"--junitxml={xml}", *cuda_test_files()]
+           "--continue-on-collection-errors", f"--junitxml={xml}", *(["-k", select] if select else []),
+           *cuda_test_files()]
     t0 = time.monotonic()
     with open(out / "cuda-tier.log", "w") as log:
         try:
@@ -123,10 +137,13 @@ def run_tests(out: Path, env: Dict[str, str], timeout_s: float) -> Dict[str, Any
     return row
 
 
-def run_shape(shape: str, out: Path, env: Dict[str, str], timeout_s: float) -> Dict[str, Any]:
+def run_shape(shape: str, out: Path, env: Dict[str, str], timeout_s: float,
+              sides: Optional[str] = None) -> Dict[str, Any]:
+    """One shape's throughput (bench/gpu_throughput.py) in a subprocess; `sides`: its --sides."""
     path = out / f"throughput-{shape}.json"
+    more = ["--sides", sides] if sides else []
     code = (f"import sys; sys.path.append({str(REPO)!r}); from bench.gpu_throughput import main; "
-            f"raise SystemExit(main(['--shape', {shape!r}, '--out', {str(path)!r}]))")
+            f"raise SystemExit(main(['--shape', {shape!r}, '--out', {str(path)!r}, *{more!r}]))")
     with open(out / f"throughput-{shape}.log", "w") as log:
         try:
             rc = subprocess.run([sys.executable, "-c", code], cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -151,15 +168,29 @@ def read_jsonl(path: Path) -> List[Dict[str, Any]]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output folder (default: $OUT, else runs/gpu-check)")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+    p.add_argument("--fp8", action="store_true",
+                   help="the FP8 check: the tier's fp8 tests, llama3_1b and moe_350m in fp8 beside bf16")
+    p.add_argument("--budget-s", type=float, default=None,
                    help="the whole check's wall-time budget (default: every part's limit and the setup)")
-    p.add_argument("--tests-s", type=float, default=TESTS_S, help="the CUDA tier's share of it at most")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tests-s", type=float, default=None, help="the CUDA tier's share of it at most")
+    p.add_argument("--shapes", default=None)
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def options(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The parsed arguments, the defaults of the check asked for (--fp8 or not) filled in."""
     a = parser().parse_args(argv)
+    if a.budget_s is None:
+        a.budget_s = FP8_BUDGET_S if a.fp8 else DEFAULT_BUDGET_S
+    if a.tests_s is None:
+        a.tests_s = FP8_TESTS_S if a.fp8 else TESTS_S
+    if a.shapes is None:
+        a.shapes = ",".join(FP8_SHAPE_S if a.fp8 else SHAPES)
+    return a
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = options(argv)
     visible = gpu_visible()
     if not visible:
         print(NO_GPU if visible is False else "gpu-check: torch is not importable here, so no CUDA GPU is visible; "
@@ -172,7 +203,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = Path(a.out or os.environ.get("OUT") or REPO / "runs" / "gpu-check").resolve()
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                               "budget_s": a.budget_s, "env": gpu_report.environment(REPO), "skipped": []}
+                               "budget_s": a.budget_s, "check": "fp8" if a.fp8 else "default", "env": gpu_report.environment(REPO), "skipped": []}
 
     def save() -> None:
         results["elapsed_s"] = time.monotonic() - start
@@ -193,7 +224,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         (out / f"{name}.jsonl").unlink(missing_ok=True)
     shapes = [s for s in a.shapes.split(",") if s]
     reserve = MIN_SHAPE_S * min(len(shapes), 2)  # the tier leaves time for at least Llama's throughput
-    results["tests"] = run_tests(out, env, max(30.0, min(a.tests_s, deadline - time.monotonic() - reserve)))
+    results["tests"] = run_tests(out, env, max(30.0, min(a.tests_s, deadline - time.monotonic() - reserve)),
+                                 "fp8" if a.fp8 else None)
     results.update({name: read_jsonl(out / f"{name}.jsonl") for name in records})
     save()
     results["throughput"] = {}
@@ -203,7 +235,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             results["skipped"].append(f"throughput {shape}: {left:.0f} s of the budget left, under {MIN_SHAPE_S} s")
             save()
             continue
-        results["throughput"][shape] = run_shape(shape, out, env, min(SHAPE_S.get(shape, 60), left))
+        limit = (FP8_SHAPE_S if a.fp8 else SHAPE_S).get(shape, 60)
+        results["throughput"][shape] = run_shape(shape, out, env, min(limit, left), FP8_SIDES if a.fp8 else None)
         save()
     return 0 if passed(results) else 1
 

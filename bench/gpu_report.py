@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 SIDE_NAMES = {"mpoverlap": "mpoverlap Trainer", "plain": "same module, plain loop", "hf": "transformers Llama loop",
-              "compiled": "mpoverlap Trainer, train.compile=true"}
+              "compiled": "mpoverlap Trainer, train.compile=true", "fp8": "mpoverlap Trainer, train.precision=fp8",
+              "fp8_compiled": "mpoverlap Trainer, train.precision=fp8, train.compile=true"}
+# train.precision=fp8's target: llama3_1b at seq 4096, compiled, fp8 tokens/s over bf16's
+FP8_TARGET = 1.25
 
 
 def _run(cmd: List[str], cwd: Optional[Path] = None) -> Optional[str]:
@@ -118,7 +121,35 @@ COMPARISONS = [
     ("Trainer step eager / with train.compile=true", lambda r: _ratio(_step(r, "mpoverlap"), _step(r, "compiled")),
      ".3f"),
     ("simulator's error on the Trainer step (abs(simulated - measured) / measured)", _simulator_error, ".1%"),
+    ("fp8 tokens/s / bf16 tokens/s, eager Trainer", lambda r: _ratio(_step(r, "mpoverlap"), _step(r, "fp8")), ".3f"),
+    ("fp8 tokens/s / bf16 tokens/s, train.compile=true",
+     lambda r: _ratio(_step(r, "compiled"), _step(r, "fp8_compiled")), ".3f"),
 ]
+
+
+def fp8_lines(shapes: Dict[str, Any]) -> List[str]:
+    """The FP8 sides' GEMM kernels (named like FP8 GEMMs: bench/gpu_throughput.py FP8_KERNEL) and
+    llama3_1b's compiled fp8 / bf16 tokens/s against FP8_TARGET."""
+    rows = [(shape, side, row) for shape, r in shapes.items() for side, row in (r.get("sides") or {}).items()
+            if side in ("fp8", "fp8_compiled")]
+    if not rows:
+        return []
+    out = ["", "### FP8 GEMMs (train.precision=fp8): the kernels named like FP8 over one step (GEMMs, and casts "
+           "whose names carry fp8)", "",
+           "| shape | side | FP8 kernels (ms, calls) |", "|---|---|---|"]
+    for shape, side, row in rows:
+        if "error" in row:
+            named = f"error: {row['error'][:120]}"
+        else:
+            named = "; ".join(f"`{k['kernel'][:90]}` ({k['ms']:.2f}, {k['calls']})" for k in row.get("fp8_kernels", [])[:6])
+            named = named or "none: no kernel named like an FP8 GEMM ran"
+        out.append(f"| {shape} | {SIDE_NAMES.get(side, side)} | {named} |")
+    llama = shapes.get("llama3_1b") or {}
+    ratio = _ratio(_step(llama, "compiled"), _step(llama, "fp8_compiled"))
+    if ratio is not None:
+        out += ["", f"Acceptance: llama3_1b at seq 4096, train.compile=true: fp8 {ratio:.2f}x bf16's tokens/s, target "
+                f">= {FP8_TARGET:.2f}x: {'met' if ratio >= FP8_TARGET else 'missed'}"]
+    return out
 
 
 def comparisons(throughput: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -191,6 +222,7 @@ def render(results: Dict[str, Any]) -> str:
         else:
             out.append(f"| {shape} | {r.get('status', 'no result')}: {r.get('reason', '')} | | | | | | | | | |")
     out += priority_lines(shapes)
+    out += fp8_lines(shapes)
     figures = comparisons(shapes)
     if figures:
         out += ["", "### The Trainer against the plain loops and the simulator", "", "| shape | figure | measured |",

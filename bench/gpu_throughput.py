@@ -8,8 +8,12 @@ For one shape (SHAPES) on one GPU, in ONE process and on the same batches (the s
               weights, torch's fused AdamW, clip_grad_norm_ 1.0 (bench/overhead.py PlainLoop)
   hf          (Llama shape only) transformers LlamaForCausalLM built from the same keys
               (interop/hf_mapping.py hf_config; no download), SDPA, the same loop
-  compiled    (Llama shape only) the Trainer with train.compile=true: each block's elementwise
+  compiled    (Llama and MoE shapes) the Trainer with train.compile=true: each block's elementwise
               math through torch.compile (models/fused.py); its compile runs in the warm-up steps
+  fp8, fp8_compiled  (Llama and MoE shapes; `make gpu-check-fp8`) the Trainer and the compiled
+              Trainer with train.precision=fp8: the blocks' linears and the grouped experts on
+              FP8 GEMMs (torch._scaled_mm, torch._scaled_grouped_mm); the kernels named like
+              FP8 GEMMs (FP8_KERNEL) listed apart
 
 each: median step time over the timed steps (synchronized), tokens/s, model TFLOP/s and MFU
 (`flops_per_token` against the GPU's dense bf16 peak, training/metrics.py), peak memory, and the
@@ -26,6 +30,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import socket
 import statistics
 import time
@@ -46,6 +51,28 @@ HF_SHAPES = ("llama3_1b",)
 # the `compiled` side: train.compile=true (inductor); for moe_350m the block's regions and the
 # loss around the eager router, permutation and grouped experts
 COMPILED_SHAPES = ("llama3_1b", "moe_350m")
+# the fp8 sides (train.precision=fp8, eager and compiled), beside the bf16 Trainer's two
+FP8_SHAPES = ("llama3_1b", "moe_350m")
+TRAINER_SIDES = ("mpoverlap", "compiled", "fp8", "fp8_compiled")
+# A kernel named like an FP8 GEMM: cuBLASLt's e4m3/e5m2 kernels, CUTLASS/FBGEMM f8f8bf16 ones,
+# torch's scaled (grouped) mm; lower-case names
+FP8_KERNEL = re.compile(r"fp8|f8f8|e4m3|e5m2|float8|scaled_mm|scaled_grouped|_f8_")
+
+
+def side_overrides(overrides: List[str], side: str) -> List[str]:
+    """The overrides of a side: train.compile=true for the compiled ones, train.precision=fp8 in
+    place of bf16 for the fp8 ones."""
+    out = list(overrides)
+    if side in ("fp8", "fp8_compiled"):
+        out = [o for o in out if not o.startswith("train.precision=")] + ["train.precision=fp8"]
+    if side in ("compiled", "fp8_compiled"):
+        out.append("train.compile=true")
+    return out
+
+
+def fp8_kernels(kernels: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The kernels of `top_kernels` named like FP8 GEMMs (FP8_KERNEL), most GPU time first."""
+    return [k for k in kernels if FP8_KERNEL.search(k["kernel"].lower())]
 
 
 def overrides_of(shape: str, device: str = "cuda") -> List[str]:
@@ -262,14 +289,15 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
     save()
     train_data = None
     for side in sides:
-        if (side == "hf" and shape not in HF_SHAPES) or (side == "compiled" and shape not in COMPILED_SHAPES):
+        if ((side == "hf" and shape not in HF_SHAPES) or (side == "compiled" and shape not in COMPILED_SHAPES)
+                or (side in ("fp8", "fp8_compiled") and shape not in FP8_SHAPES)):
             continue
         runner = None
         try:
             _free(device)
-            if side in ("mpoverlap", "compiled"):
+            if side in TRAINER_SIDES:
                 init_world_of_one()
-                side_cfg = compose(overrides + [f"run.dir={run_dir}", "train.compile=true"]) if side == "compiled" else cfg
+                side_cfg = compose(side_overrides(overrides, side) + [f"run.dir={run_dir}"]) if side != "mpoverlap" else cfg
                 runner = Trainer(side_cfg, init_distributed(side_cfg), run_dir)
                 train_data = runner.train_data
             else:
@@ -278,13 +306,15 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
                 runner = PlainLoop(cfg, train_data, device) if side == "plain" else HFLoop(cfg, train_data, device)
             times = time_steps(runner.train_step, device, warmup, steps)
             row = figures(times, tokens, flops_per_token(m), peak, device)
-            if side in ("mpoverlap", "compiled"):  # the estimate models the Trainer's step, not the loops
+            if side in TRAINER_SIDES:  # the estimate models the Trainer's step, not the loops
                 row["estimated_peak_gib"] = estimated_peak_gib(side_cfg)
             kernels = top_kernels(runner.train_step, device, n=None)
             row["top_kernels"], row["gpu_ms"] = kernels[:40], gpu_time_by_kind(kernels)
-            if side != "compiled":  # a dispatch mode around compiled regions could recompile them
+            if side in ("fp8", "fp8_compiled"):
+                row["fp8_kernels"] = fp8_kernels(kernels)[:20]
+            if side not in ("compiled", "fp8_compiled"):  # a dispatch mode around compiled regions could recompile them
                 row.update(launches_per_step(runner.train_step, device))
-            if side in ("mpoverlap", "compiled"):  # overlap.comm_priority: the kinds created high-priority
+            if side in TRAINER_SIDES:  # overlap.comm_priority: the kinds created high-priority
                 row["high_priority_groups"] = list(runner.state.high_priority)
             if side == "mpoverlap":  # two more profiled steps: the Trainer's eager step only (time budget)
                 row["host"] = host_profile(runner.train_step, device, lambda: _sync(device))

@@ -291,6 +291,9 @@ class HardwareConfig:
     name: str = "h100_sxm"
     gpus_per_node: int = 8
     peak_flops: float = 989e12  # dense bf16 tensor-core FLOP/s
+    # dense FP8 tensor-core FLOP/s: the rate of the GEMMs train.precision=fp8 covers; 0 = the
+    # GPU has no FP8 GEMMs (the simulator refuses train.precision=fp8 there)
+    fp8_peak_flops: float = 0.0
     gemm_efficiency: float = 0.55  # fraction of peak the model's GEMMs (and flash attention) reach
     hbm_gb: float = 80.0
     # HBM bytes/s: the memory-bound time (mpoverlap/simulate/memory.py); 0 = not modelled

@@ -301,10 +301,86 @@ def test_default_budget_holds_every_part_within_a_ten_minute_call():
     the figure docs/gpu-check.md gives."""
     import bench.gpu_check as gc
 
-    a = gc.parser().parse_args([])
+    a = gc.options([])
     shapes = a.shapes.split(",")
     assert set(shapes) == set(gc.SHAPE_S) and gc.SETUP_S >= 5 * len(shapes)
     assert a.budget_s >= a.tests_s + sum(gc.SHAPE_S[s] for s in shapes) + gc.SETUP_S, a
     assert a.budget_s <= 570, a  # a 600 s call, with room for the machine's own start of the command
     doc = (REPO / "docs" / "gpu-check.md").read_text()
     assert f"default {a.budget_s:.0f}" in doc and f"at most {a.tests_s:.0f} s" in doc
+
+
+def test_fp8_check_budget_shapes_and_sides():
+    """`make gpu-check-fp8`: llama3_1b and moe_350m, the four Trainer sides each (bf16 and fp8,
+    eager and compiled) within a ten-minute call, the tier's fp8 tests only; the figure is the
+    one docs/gpu-check.md gives."""
+    import bench.gpu_check as gc
+    from bench.gpu_throughput import side_overrides
+
+    a = gc.options(["--fp8"])
+    assert a.shapes.split(",") == ["llama3_1b", "moe_350m"] == list(gc.FP8_SHAPE_S)
+    assert a.budget_s >= a.tests_s + sum(gc.FP8_SHAPE_S.values()) + gc.SETUP_S and a.budget_s <= 570, a
+    assert gc.options(["--fp8", "--budget-s", "300"]).budget_s == 300
+    assert set(gc.FP8_SIDES.split(",")) == {"mpoverlap", "compiled", "fp8", "fp8_compiled"}
+    base = ["model=llama3_1b", "train.precision=bf16", "parallel.dp=1"]
+    assert side_overrides(base, "fp8") == ["model=llama3_1b", "parallel.dp=1", "train.precision=fp8"]
+    assert side_overrides(base, "fp8_compiled")[-2:] == ["train.precision=fp8", "train.compile=true"]
+    assert side_overrides(base, "compiled") == base + ["train.compile=true"]
+    doc = (REPO / "docs" / "gpu-check.md").read_text()
+    assert f"default {a.budget_s:.0f}" in doc and "make gpu-check-fp8" in doc
+
+
+def test_fp8_check_passes_its_selection_and_sides_to_the_parts(tmp_path, monkeypatch):
+    import bench.gpu_check as gc
+
+    calls = []
+
+    class Done:
+        returncode = 0
+
+    monkeypatch.setattr(gc.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or Done())
+    gc.run_tests(tmp_path, {}, 10.0, "fp8")
+    assert calls[0][calls[0].index("-k") + 1] == "fp8"
+    gc.run_shape("llama3_1b", tmp_path, {}, 10.0, gc.FP8_SIDES)
+    assert f"'--sides', '{gc.FP8_SIDES}'" in calls[1][-1]
+    gc.run_tests(tmp_path, {}, 10.0)
+    gc.run_shape("gpt_125m", tmp_path, {}, 10.0)
+    assert "-k" not in calls[2] and "--sides" not in calls[3][-1]
+
+
+def test_fp8_kernels_are_picked_by_name():
+    from bench.gpu_throughput import fp8_kernels
+
+    names = ["sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1",
+             "void fbgemm_gpu::f8f8bf16_rowwise_grouped_kernel<cutlass::float_e4m3_t>",
+             "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::float8_copy_kernel_cuda"]
+    got = [k["kernel"] for k in fp8_kernels([{"kernel": n, "ms": 1.0, "calls": 1} for n in names])]
+    assert got == [names[0], names[1], names[4]]
+
+
+def test_report_names_the_fp8_kernels_and_the_acceptance_line():
+    from bench.gpu_report import render
+
+    gemm = {"kernel": "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n", "ms": 40.0, "calls": 96}
+    side = {"tokens_per_s": 1.0, "model_tflops_per_s": 1.0, "mfu": 0.1, "peak_memory_gib": 1.0}
+
+    def results(fp8_step):
+        return {"env": {}, "throughput": {
+            "llama3_1b": {"sides": {"mpoverlap": dict(side, step_s=0.75), "compiled": dict(side, step_s=0.6),
+                                    "fp8": dict(side, step_s=0.6, fp8_kernels=[gemm]),
+                                    "fp8_compiled": dict(side, step_s=fp8_step, fp8_kernels=[])}},
+            "moe_350m": {"sides": {"fp8": {"error": "ConfigError: train.precision=fp8"}}}}}
+
+    md = render(results(0.45))
+    for text in ("| llama3_1b | mpoverlap Trainer, train.precision=fp8 | `sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n` "
+                 "(40.00, 96) |",
+                 "| llama3_1b | mpoverlap Trainer, train.precision=fp8, train.compile=true | none: no kernel named",
+                 "| moe_350m | mpoverlap Trainer, train.precision=fp8 | error: ConfigError",
+                 "| llama3_1b | fp8 tokens/s / bf16 tokens/s, eager Trainer | 1.250 |",
+                 "| llama3_1b | fp8 tokens/s / bf16 tokens/s, train.compile=true | 1.333 |",
+                 "Acceptance: llama3_1b at seq 4096, train.compile=true: fp8 1.33x bf16's tokens/s, target >= 1.25x: met"):
+        assert text in md, text
+    assert "fp8 1.20x bf16's tokens/s, target >= 1.25x: missed" in render(results(0.5))
+    assert "FP8 GEMMs" not in render({"env": {}, "throughput": {"gpt_125m": {"sides": {"mpoverlap": dict(side, step_s=1.0)}}}})

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mpoverlap.models.init import init_tensor
 from mpoverlap.moe.grouped import grouped_mlp
+from mpoverlap.precision import compute_dtype
 from mpoverlap.tensor_parallel.layers import shard_tensor
 from mpoverlap.wgrad.functions import Linear
 
@@ -169,6 +170,11 @@ class GroupedExperts(nn.Module):
 
     wgrad = None
     defers_weight_grad = True  # attach_deferral hands it the deferral
+    # train.precision=fp8: the recipe (set by the FP8 marking of the model's GEMMs; None: not
+    # FP8). The experts run torchao's one grouped recipe, rowwise, under either recipe
+    # (precision/fp8_grouped.py); `fp8_emulate` runs its fp32 reference instead.
+    fp8_recipe = None
+    fp8_emulate = False
 
     def __init__(self, num_local_experts: int, hidden: int, ffn: int, *, first_expert_index: int,
                  name_prefix: str, cfg, seed: int, activation: str = "swiglu", etp_rank: int = 0,
@@ -217,7 +223,29 @@ class GroupedExperts(nn.Module):
         # The module's own forward reads its parameters: the distributed optimizer's forward
         # pre-hook on this module waits their all-gather first.
         return grouped_mlp(x_NH, self.w_in, self.w_out, counts, activation=self.activation, padded=self.padded,
-                           deferral=self.wgrad)
+                           deferral=self.wgrad, fp8=self._fp8_products(x_NH))
+
+    def _fp8_products(self, x_NH: torch.Tensor):
+        """The FP8 grouped products under `fp8_recipe` (None: not FP8): bf16 out on CUDA, as the
+        kernel's; elsewhere in the compute dtype."""
+        if self.fp8_recipe is None:
+            return None
+        from mpoverlap.precision.fp8 import RECIPES
+        from mpoverlap.precision.fp8_grouped import ALIGN, Fp8Grouped  # torchao: the optional fp8 extra
+        if self.fp8_recipe not in RECIPES:
+            raise ValueError(f"train.fp8_recipe={self.fp8_recipe}: not a recipe; use one of {', '.join(RECIPES)}, "
+                             "e.g. train.fp8_recipe=rowwise")
+        hidden, ffn = self.w_in.shape[2], self.w_out.shape[2]
+        if hidden % ALIGN or ffn % ALIGN:
+            # torch._scaled_grouped_mm's rule on every GEMM dimension but the grouped one; refused
+            # on every device, so a layout that trains on CPU trains on a GPU
+            etp = " per parallel.etp rank" if getattr(self.w_out, "tensor_model_parallel", False) else ""
+            raise ValueError(f"model.hidden_size={hidden}, the expert width{etp} {ffn} (model.moe_ffn_hidden_size): "
+                             f"the FP8 grouped experts need both multiples of {ALIGN} (torch._scaled_grouped_mm); "
+                             f"fix: model.moe_ffn_hidden_size={-(-ffn // ALIGN) * ALIGN} (times parallel.etp), or "
+                             "train.precision=bf16")
+        dtype = torch.bfloat16 if x_NH.device.type == "cuda" else compute_dtype(x_NH)
+        return Fp8Grouped(out_dtype=dtype, emulate=self.fp8_emulate)
 
 
 def per_expert_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -20,7 +20,9 @@ one autograd Function: forward 2 grouped GEMMs; backward 2 for the input gradien
 weight gradients, the latter handed to a zero-bubble deferral (mpoverlap/wgrad) when one is
 active. The activation is recomputed from the saved pre-activation in backward. Mixed
 precision as the deferrable linear (wgrad/functions.py): weights cast to the compute dtype,
-once a step inside step_cast_cache (precision.step_cast), else at each use.
+once a step inside step_cast_cache (precision.step_cast), else at each use. Under
+train.precision=fp8 the six products are precision/fp8_grouped.py's instead (torchao's rowwise
+FP8 grouped recipe; torch._scaled_grouped_mm on CUDA).
 """
 from __future__ import annotations
 
@@ -139,15 +141,16 @@ def _looped_wgrad(a: torch.Tensor, g: torch.Tensor, bounds: List[int]) -> torch.
 
 
 class _WeightGrad:
-    """A deferred grouped weight gradient: called, returns dW [L, out, in] = (g_l^T a_l)."""
+    """A deferred grouped weight gradient: called, returns dW [L, out, in] = (g_l^T a_l) by
+    `products` (this module's grouped GEMMs, or the FP8 ones: precision/fp8_grouped.py)."""
 
-    __slots__ = ("g", "a", "offs", "path", "bounds")
+    __slots__ = ("g", "a", "offs", "products")
 
-    def __init__(self, g, a, offs, path: str, bounds: Optional[List[int]]) -> None:
-        self.g, self.a, self.offs, self.path, self.bounds = g, a, offs, path, bounds
+    def __init__(self, g, a, offs, products) -> None:
+        self.g, self.a, self.offs, self.products = g, a, offs, products
 
     def __call__(self) -> torch.Tensor:
-        return grouped_wgrad(self.g, self.a, self.offs, self.path, self.bounds)
+        return self.products.wgrad(self.g, self.a, self.offs)
 
     def accumulate_into(self, grad: torch.Tensor) -> None:
         """The W queue's in-place path (wgrad/deferral.py): dW added into the fp32 gradient
@@ -155,42 +158,65 @@ class _WeightGrad:
         grad.add_(self())
 
 
+class _Products:
+    """grouped_mm / grouped_wgrad on one call's path and host bounds (the interface
+    precision.fp8_grouped.Fp8Grouped also has)."""
+
+    __slots__ = ("path", "bounds")
+
+    def __init__(self, path: str, bounds: Optional[List[int]]) -> None:
+        self.path, self.bounds = path, bounds
+
+    def mm(self, a, b, offs):
+        return grouped_mm(a, b, offs, self.path, self.bounds)
+
+    def wgrad(self, a, g, offs):
+        return grouped_wgrad(a, g, offs, self.path, self.bounds)
+
+
 class GroupedMLPFn(torch.autograd.Function):
     """x [N, H] grouped by expert, w_in [L, W, H], w_out [L, H, F], offs [L] int32 -> [N, H].
     The grouped path is chosen once per call (moe/grouped_path.py); the looped one reads the
-    offsets on the host here, once, for the forward, the backward and the deferred W."""
+    offsets on the host here, once, for the forward, the backward and the deferred W. `fp8`
+    (a precision.fp8_grouped.Fp8Grouped, or None): the six products in FP8 instead, from the
+    parameters themselves (their quantization is their cast)."""
 
     @staticmethod
-    def forward(ctx, x, w_in, w_out, offs, activation: str, padded: bool, deferral):
+    def forward(ctx, x, w_in, w_out, offs, activation: str, padded: bool, deferral, fp8=None):
         ctx.activation, ctx.padded, ctx.deferral = activation, padded, deferral
         ctx.params = (w_in, w_out)  # the parameters themselves (see DeferrableLinearFn)
         ctx.dtype = dtype = compute_dtype(x)
-        ctx.path = path = grouped_path.call_path(x, w_in, w_out, dtype).name
-        ctx.bounds = bounds = offs.tolist() if path == LOOPED else None  # the looped path's one host read
+        if fp8 is None:
+            path = grouped_path.call_path(x, w_in, w_out, dtype).name
+            bounds = offs.tolist() if path == LOOPED else None  # the looped path's one host read
+            ctx.products = _Products(path, bounds)
+        else:
+            ctx.products = fp8
+        mm = ctx.products.mm
         x = x.to(dtype)
         with no_autocast(x):
-            h = grouped_mm(x, step_cast(w_in, dtype).transpose(1, 2), offs, path, bounds)  # [N, W]
-            y = grouped_mm(activate(h, activation), step_cast(w_out, dtype).transpose(1, 2), offs, path,
-                           bounds)  # [N, H]
+            h = mm(x, _weight(w_in, dtype, fp8).transpose(1, 2), offs)  # [N, W]
+            y = mm(activate(h.to(dtype), activation), _weight(w_out, dtype, fp8).transpose(1, 2), offs)  # [N, H]
             if padded:
                 y = _zero_rows_past(y, offs)
         ctx.save_for_backward(x, h, w_in, w_out, offs)
-        return y
+        return y.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, h, w_in, w_out, offs = ctx.saved_tensors
-        dtype, act, path, bounds = ctx.dtype, ctx.activation, ctx.path, ctx.bounds
+        dtype, act, products = ctx.dtype, ctx.activation, ctx.products
+        fp8 = None if isinstance(products, _Products) else products
         with no_autocast(x):
             grad_y = grad_y.to(dtype).contiguous()
-            grad_a = grouped_mm(grad_y, step_cast(w_out, dtype), offs, path, bounds)  # [N, F]
-            grad_h = activation_backward(grad_a, h, act)  # [N, W]
-            grad_x = grouped_mm(grad_h, step_cast(w_in, dtype), offs, path, bounds)  # [N, H]
+            grad_a = products.mm(grad_y, _weight(w_out, dtype, fp8), offs).to(dtype)  # [N, F]
+            grad_h = activation_backward(grad_a, h.to(dtype), act)  # [N, W]
+            grad_x = products.mm(grad_h, _weight(w_in, dtype, fp8), offs).to(dtype)  # [N, H]
             if ctx.padded:
                 grad_x = _zero_rows_past(grad_x, offs)
             grads = []
             for param, g, a in ((ctx.params[0], grad_h, x), (ctx.params[1], grad_y, None)):
-                wg = _WeightGrad(g, a if a is not None else activate(h, act), offs, path, bounds)
+                wg = _WeightGrad(g, a if a is not None else activate(h.to(dtype), act), offs, products)
                 if ctx.deferral is not None and ctx.deferral.defer(param, wg):
                     grads.append(None)
                     continue
@@ -201,7 +227,13 @@ class GroupedMLPFn(torch.autograd.Function):
                 if grad_w.dtype != param.dtype and added_into_grad(param, grad_w):
                     grad_w = None
                 grads.append(grad_w)
-        return grad_x, grads[0], grads[1], None, None, None, None
+        return grad_x, grads[0], grads[1], None, None, None, None, None
+
+
+def _weight(w: torch.Tensor, dtype: torch.dtype, fp8) -> torch.Tensor:
+    """A stacked weight as the products take it: cast to the compute dtype (once a step inside
+    step_cast_cache), or the parameter itself for the FP8 products (which quantize it)."""
+    return w if fp8 is not None else step_cast(w, dtype)
 
 
 def _zero_rows_past(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -210,7 +242,8 @@ def _zero_rows_past(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, counts: torch.Tensor, *,
-                activation: str, padded: bool, deferral=None) -> torch.Tensor:
-    """x [N, H] grouped by expert, counts [L] (device) rows per expert -> [N, H]."""
+                activation: str, padded: bool, deferral=None, fp8=None) -> torch.Tensor:
+    """x [N, H] grouped by expert, counts [L] (device) rows per expert -> [N, H]; `fp8`: the
+    FP8 products (precision.fp8_grouped.Fp8Grouped) or None."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    return GroupedMLPFn.apply(x, w_in, w_out, offs, activation, padded, deferral)
+    return GroupedMLPFn.apply(x, w_in, w_out, offs, activation, padded, deferral, fp8)

@@ -12,8 +12,9 @@ run their math with autocast disabled (`no_autocast`), and remember the dtype fo
 
 The package splits by idea: `autocast` (the forward's context and the dtype helpers the
 Functions use), `step_cast` (the step's cache of weight casts and the in-place gradient adds), `fp8` (the FP8
-GEMMs over torchao, the optional `fp8` extra: imported only where fp8 is used), `fp8_select`
-(which modules' GEMMs run in FP8, and the torchao check; no torchao import).
+GEMMs over torchao, the optional `fp8` extra: imported only where fp8 is used), `fp8_grouped`
+(the grouped expert GEMMs in FP8, torch._scaled_grouped_mm on CUDA), `fp8_select` (which
+modules' GEMMs run in FP8, and the torchao check; no torchao import).
 """
 from mpoverlap.precision.autocast import (DTYPES, _autocast_on, acc_dtype, autocast_context, cast,
                                           compute_cast_weights, compute_dtype, compute_precision, no_autocast)

@@ -11,15 +11,22 @@ def run(mode: str, args: List[str]) -> int:
     from mpoverlap.overlap.plan import render_problems
     from mpoverlap.overlap.rules import validate
     from mpoverlap.simulate.core import simulate
-    from mpoverlap.simulate.hardware import from_config
+    from mpoverlap.simulate.hardware import from_config, fp8_speedup
     from mpoverlap.simulate.planner import parse_top, render_search, search
     from mpoverlap.simulate.report import render
 
     top, args = parse_top(args)
+    from mpoverlap.config import ConfigError
+
     cfg = compose_or_report(args)
     if cfg is None:
         return EXIT_INVALID
     hw = from_config(cfg)
+    try:
+        fp8_speedup(cfg, hw)  # a preset without FP8 GEMMs refuses train.precision=fp8 here
+    except ConfigError as err:
+        print(f"mpoverlap: {err}", file=sys.stderr)
+        return EXIT_INVALID
     if mode == "--search":
         from mpoverlap.overlap.layout import as_positive_int
 

@@ -27,7 +27,7 @@ from mpoverlap.overlap.layout import Layout, build_layout
 from mpoverlap.simulate.collectives import collective_time, group_links
 from mpoverlap.simulate.costs import MODES, ChunkCost, chunk_costs, step_ops
 from mpoverlap.simulate.engine import last_backward_spans, run_pipeline
-from mpoverlap.simulate.hardware import Hardware
+from mpoverlap.simulate.hardware import Hardware, fp8_speedup
 from mpoverlap.simulate.pairing import PipelinePairing, apply_pairing, pairing_state
 from mpoverlap.simulate.plain import plain
 from mpoverlap.simulate.overlap import bucket_finish, buckets_over, gather_exposed
@@ -69,6 +69,9 @@ class SimResult:
     # more ranks than CPU cores (a measured machine): {"ranks", "cores", "stretch" (compute's
     # slow-down), "runnable" (the fraction of the step a rank computes)}; {} otherwise
     core_sharing: Dict[str, float] = field(default_factory=dict)
+    # train.precision=fp8: FLOPs run per compute-bound second over the bf16 rate's (the covered
+    # GEMMs ran at the FP8 rate); 1.0 otherwise
+    fp8_gain: float = 1.0
 
     @property
     def exposed_share(self) -> Dict[str, float]:
@@ -234,7 +237,9 @@ def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRe
     # each stage's compute-bound seconds: its FLOPs at the GEMM rate (compute less memory-bound)
     flop_s = [per_stage[s] - micro * sum(costs[v * lo.pp + s].memory[k] for v in range(lo.vpp) for k in ("F", "B"))
               for s in range(lo.pp)]
-    run_flops = sum(flop_s) / lo.pp * hw.flops * world
+    # GEMMs at the FP8 rate (train.precision=fp8) ran `speed` x the FLOPs of their seconds
+    fp8_extra = (fp8_speedup(cfg, hw) - 1.0) * micro * sum(c.fp8_s for c in costs)
+    run_flops = (sum(flop_s) + fp8_extra) / lo.pp * hw.flops * world
     avg_compute = sum(per_stage[s] + update[s] for s in range(lo.pp)) / lo.pp + stolen
     ledger_pp = {}
     if lo.pp > 1:
@@ -258,6 +263,7 @@ def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRe
         comm_cpu_s=stolen,
         memory_s=memory,
         compute_bound_share=sum(flop_s) / lo.pp / avg_compute if avg_compute else 1.0,
+        fp8_gain=(sum(flop_s) + fp8_extra) / sum(flop_s) if fp8_extra else 1.0,
         ep_pairing=pairing_why if lo.ep > 1 else "",
         ep_pairing_exposed=pairing_exposed,
         bubble_forms=forms,

@@ -16,6 +16,13 @@ sequence, tp the tensor-parallel degree; backward is twice the forward):
   output head      2 t H V / tp on the last chunk
 Recomputation adds to backward the forward of what it replays: `full` whole blocks (the first
 model.recompute_num_layers of each chunk), `selective` the attention core.
+Under train.precision=fp8 the GEMMs the FP8 path covers (attention GEMMs, dense MLP, experts,
+shared expert: forward, input and weight gradients) run at the preset's FP8 peak x
+gemm_efficiency (hardware.fp8_peak_flops; refused where the preset has none); the attention
+core, the router and the head stay at the bf16 rate. Activations, saved tensors and gathers
+are the bf16 run's: the FP8 Functions save their bf16 inputs and quantize again in backward
+(precision/fp8.py, fp8_grouped.py), and parameters are gathered in bf16 (estimate.core). The
+FP8 casts of every operand at each use are memory-bound time (memory.py `fp8_cast_bytes`).
 Beside the FLOPs at peak x gemm_efficiency, each layer and the head carry memory-bound seconds:
 their elementwise bytes (memory.py) at hardware.hbm_bw (0 where the preset does not set it).
 """
@@ -35,7 +42,7 @@ from mpoverlap.pipeline.actions import stage_of
 from mpoverlap.overlap.config import ep_chunks
 from mpoverlap.overlap.layout import Layout
 from mpoverlap.simulate.collectives import collective_time, steps
-from mpoverlap.simulate.hardware import Hardware, Link
+from mpoverlap.simulate.hardware import Hardware, Link, fp8_speedup
 from mpoverlap.simulate.memory import head_bytes, layer_bytes
 from mpoverlap.simulate.overlap import cp_ring_exposed, ep_chunks_exposed, ring_exposed
 from mpoverlap.simulate.pairing import LayerPass
@@ -55,6 +62,9 @@ class ChunkCost:
     # per layer of the chunk, in forward order: its forward and its backward cut into the
     # sub-steps EP pairing interleaves (pairing.py)
     layers: Dict[str, List[LayerPass]] = field(default_factory=lambda: {"F": [], "B": []})
+    # of `compute` (forward and backward), the seconds of GEMMs run at the FP8 rate
+    # (train.precision=fp8): their FLOPs are that many seconds at the FP8 rate, not the bf16 one
+    fp8_s: float = 0.0
 
     def duration(self, kind: str) -> float:
         return self.compute[kind] + sum(self.exposed[kind].values())
@@ -113,6 +123,7 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
     sp = bool(p.sequence_parallel) and lo.tp > 1
     recompute = getattr(m, "recompute", "none")
     rate = hw.flops
+    speed = fp8_speedup(cfg, hw)
     costs: List[ChunkCost] = []
     per_stage = {}
     for stage in range(lo.pp):
@@ -132,17 +143,25 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
         for i in chunk_layers(cfg, lo, chunk):
             fl = layer_flops(cfg, lo, i)
             fwd = sum(fl.values())
-            extra = fwd if i in replayed else (fl["core"] if recompute == "selective" else 0.0)
             # an MoE layer: the experts' GEMMs at the experts' own rate (timed on this rank's
-            # experts with a dispatch chunk's rows), the rest (the router too) at the model's
+            # experts with a dispatch chunk's rows), the rest (the router too) at the model's;
+            # under train.precision=fp8 the GEMMs it covers (the blocks' linears, the experts,
+            # the shared expert; not the router, the attention core or the head) `speed` x faster
             moe = is_moe_layer(m, i)
             router = 2 * moe_tokens(cfg, lo) * m.hidden_size * m.num_experts if moe else 0.0
             expert_flops = fl["mlp"] - router if moe else 0.0
-            gemms = expert_flops / (hw.expert_flops or rate)
-            f_time = (fwd - expert_flops) / rate + gemms
-            b_time = (2 * (fwd - expert_flops) + extra) / rate + 2 * gemms
+            covered = fl["attn_gemm"] + fl["shared"] + (0.0 if moe else fl["mlp"])
+            fast = covered / (rate * speed)  # seconds of the dense covered GEMMs
+            gemms = expert_flops / ((hw.expert_flops or rate) * speed)
+            # the forward but the experts (covered GEMMs at their own rate under fp8)
+            dense = (fwd - expert_flops) / rate if speed == 1.0 else (fwd - expert_flops - covered) / rate + fast
+            f_time = dense + gemms
+            extra = dense if i in replayed else (fl["core"] / rate if recompute == "selective" else 0.0)
+            b_time = 2 * dense + extra + 2 * gemms
             if moe and i in replayed:  # full recompute replays the experts too
-                b_time += gemms - expert_flops / rate
+                b_time += gemms
+            replays = 1 if i in replayed else 0
+            cost.fp8_s += (fast + gemms) * (3 + replays) if speed != 1.0 else 0.0
             # the memory-bound time (elementwise work, casts, the weights' casts and gradient
             # accumulation) after the GEMMs, on the same stream: it adds (pre-dispatch compute
             # for pairing); the communication above hides under the GEMMs only
@@ -156,16 +175,16 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             cost.compute["B"] += b_time
             passes = {"F": LayerPass(f_time), "B": LayerPass(b_time)}
             share = micro * max(1, n_layers)
-            _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate, share, i in replayed)
+            _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate * speed, share, i in replayed)
             _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
             if moe:
                 wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], ep_chunks(cfg),
-                           gemms + router / rate, fl["shared"] / rate, micro * max(1, n_moe),
+                           gemms + router / rate, fl["shared"] / (rate * speed), micro * max(1, n_moe),
                            ep_forward_share(cfg, c))
                 # pairing's sub-steps: the router before the dispatch, the GEMMs after it; the
                 # forward's counts exchange (its few bytes are in the volume): one call's latency
                 counts = steps("all_to_all", lo.ep) * links["ep"].latency if wire else 0.0
-                passes = {k: _moe_pass(passes[k].pre, f * gemms, f * fl["shared"] / rate, wire.get(k, 0.0),
+                passes = {k: _moe_pass(passes[k].pre, f * gemms, f * fl["shared"] / (rate * speed), wire.get(k, 0.0),
                                        counts if k == "F" else 0.0) for k, f in (("F", 1), ("B", 2))}
             for k in ("F", "B"):
                 cost.layers[k].append(passes[k])

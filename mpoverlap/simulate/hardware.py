@@ -60,6 +60,9 @@ class Hardware:
     # every rank computes on a device of its own (the GPU presets). With more ranks than cores
     # the simulator stretches compute by how many ranks want a core at once (core.simulate).
     cores: int = 0
+    # dense FP8 tensor-core FLOP/s (hardware.fp8_peak_flops): the peak of the GEMMs
+    # train.precision=fp8 covers, reached at the same gemm_efficiency; 0 = no FP8 GEMMs
+    fp8_peak_flops: float = 0.0
 
     def memory_seconds(self, nbytes: float) -> float:
         """Seconds `nbytes` of elementwise traffic take at the HBM bandwidth (0 when not modelled)."""
@@ -89,10 +92,27 @@ def from_config(cfg: Any, rates: Optional[Sequence[Dict[str, float]]] = None) ->
                   gemm_efficiency=float(h.gemm_efficiency), hbm_bytes=float(h.hbm_gb) * 1e9,
                   intra=Link(float(h.intra_bw), float(h.intra_latency), "intra", eff),
                   inter=Link(float(h.inter_bw), float(h.inter_latency), "inter", eff),
-                  hbm_bw=float(h.get("hbm_bw", 0.0) or 0.0))
+                  hbm_bw=float(h.get("hbm_bw", 0.0) or 0.0),
+                  fp8_peak_flops=float(h.get("fp8_peak_flops", 0.0) or 0.0))
     if bool(h.measure):
         hw = with_rates(hw, cfg, rates or [measured_rates(cfg)])
     return hw
+
+
+def fp8_speedup(cfg: Any, hw: Hardware) -> float:
+    """How many times faster than at the bf16 rate the GEMMs train.precision=fp8 covers run on
+    `hw` (its FP8 peak over its bf16 peak); 1.0 under any other precision. Raises ConfigError
+    where the preset has no FP8 rate (A100, the measured CPU)."""
+    from mpoverlap.config import ConfigError
+
+    if str(cfg.train.precision) != "fp8":
+        return 1.0
+    if not hw.fp8_peak_flops > 0:
+        raise ConfigError(f"train.precision=fp8 with hardware={hw.name}: the preset has no FP8 GEMM rate "
+                          f"(hardware.fp8_peak_flops={hw.fp8_peak_flops:g}; A100 has no FP8 tensor cores, the measured "
+                          "CPU times none), so the step cannot be predicted; fix: hardware=h100_sxm (or "
+                          "hardware=h200_sxm), or train.precision=bf16")
+    return hw.fp8_peak_flops / hw.peak_flops
 
 
 def collective_efficiency(h: Any) -> Tuple[Tuple[str, float], ...]:

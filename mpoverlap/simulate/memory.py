@@ -49,6 +49,16 @@ the rest; at tp 1 the loss region reads the head's logits once forward (T c) and
 writing their gradient (2 T c); under TP the vocabulary-parallel loss stays eager (`train.compile`
 read here as the memory term only; the GEMM rate is unchanged).
 
+Under train.precision=fp8 (`fp8_cast_bytes`) each covered GEMM (attention qkv and projection,
+the MLP's, the experts', the shared expert's) also casts its operands at each use: forward its
+input rows and weight; backward the output gradient twice (input gradient, weight gradient),
+the input rows again and the weight again. A cast is torchao's operators run eagerly (the GEMMs'
+Functions sit outside the compiled regions, so train.compile=true leaves them eager too),
+`cast_bytes(src)` an element of `src` bytes: the amax (abs: read and write src, its max: read
+src), the fp32 upcast (read src, write 4; none from fp32), the product with the scale and the
+saturating clamp (read 4, write 4 each), the fp8 cast (read 4, write 1): 33 bytes from bf16 or
+fp32. The dense weights are cast from their bf16 step copies, the grouped experts' from fp32.
+
 Not modelled: flash attention's own traffic (inside the compute term, at the GEMM rate), the
 embedding lookup and its gradient (t H per microbatch, small beside the above), host time.
 """
@@ -58,7 +68,7 @@ from typing import Any
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate.latent import core_widths, is_latent
-from mpoverlap.overlap.estimate.params import expert_ffn, is_moe_layer, layer_params, shared_expert_ffn
+from mpoverlap.overlap.estimate.params import etp_size, expert_ffn, is_moe_layer, layer_params, shared_expert_ffn
 from mpoverlap.overlap.layout import Layout
 
 # The backward of an elementwise operator moves about twice its forward's bytes: it reads the
@@ -115,8 +125,42 @@ def layer_bytes(cfg: Any, lo: Layout, i: int, c: int) -> dict:
         act += _activation(m, t, m.ffn_hidden_size / tp, c, fused)
     dense, expert = layer_params(cfg, lo, i)
     params = dense + expert
-    return {"F": act + rope + k * params * (4 + c) / _casts_shared_by(cfg, lo),
-            "B": BACKWARD * act + rope + params * (2 * c + 8)}
+    casts = fp8_cast_bytes(cfg, lo, i, c) if str(cfg.train.precision) == "fp8" else {"F": 0.0, "B": 0.0}
+    return {"F": act + rope + k * params * (4 + c) / _casts_shared_by(cfg, lo) + casts["F"],
+            "B": BACKWARD * act + rope + params * (2 * c + 8) + casts["B"]}
+
+
+def cast_bytes(src: int) -> int:
+    """HBM bytes of one element's eager FP8 cast from `src` bytes (module docstring): amax 3 src,
+    upcast src + 4 (from below fp32), scale 8, clamp 8, fp8 cast 5."""
+    return 3 * src + (src + 4 if src < 4 else 0) + 8 + 8 + 5
+
+
+def fp8_cast_bytes(cfg: Any, lo: Layout, i: int, c: int) -> dict:
+    """{"F", "B"} bytes of layer i's FP8 casts per rank and microbatch (module docstring): per
+    covered GEMM [rows, K] x [K, N], the rows' casts forward (rows K) and backward (2 rows N +
+    rows K), and its weight's, forward and for the input gradient."""
+    from mpoverlap.simulate.costs import moe_tokens
+
+    m = cfg.model
+    H, tp = m.hidden_size, lo.tp
+    t = cfg.train.micro_batch_size * m.seq_length / lo.cp  # the GEMMs' rows (gathered under SP)
+    q, kv, _ = qkv_rows(m)
+    up = 2 if m.activation == "swiglu" else 1  # gate and up in one GEMM
+    gemms = [(t, H, (q + 2 * kv) / tp), (t, q / tp, H)]
+    if is_moe_layer(m, i):
+        fe = expert_ffn(m) / etp_size(cfg)
+        rows = moe_tokens(cfg, lo) * m.moe_top_k
+        gemms += [(rows, H, up * fe), (rows, fe, H)]
+        if m.shared_expert:
+            gemms += [(t, H, up * shared_expert_ffn(m) / tp), (t, shared_expert_ffn(m) / tp, H)]
+    else:
+        gemms += [(t, H, up * m.ffn_hidden_size / tp), (t, m.ffn_hidden_size / tp, H)]
+    per = cast_bytes(c)
+    dense, expert = layer_params(cfg, lo, i)
+    weights = dense * per + expert * cast_bytes(4)  # the experts cast their fp32 master weights
+    return {"F": sum(rows * K for rows, K, _ in gemms) * per + weights,
+            "B": sum(rows * (2 * N + K) for rows, K, N in gemms) * per + weights}
 
 
 def _casts_shared_by(cfg: Any, lo: Layout) -> int:

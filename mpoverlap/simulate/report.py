@@ -28,12 +28,16 @@ def render(cfg: Any, hw: Hardware, r: SimResult, world_size: Optional[int] = Non
              f"pipeline idle {r.bubble_s * 1e3:,.2f} ms (bubble and stage imbalance), exposed communication "
              f"{exposed * 1e3:,.2f} ms",
              f"  of the compute: compute-bound {(r.compute_s - r.memory_s) * 1e3:,.2f} ms (FLOPs at "
-             f"{hw.peak_flops / 1e12:,.4g} TFLOP/s x {hw.gemm_efficiency:.2f}), memory-bound "
+             f"{hw.peak_flops / 1e12:,.4g} TFLOP/s x {hw.gemm_efficiency:.2f}"
+             + (f"; the GEMMs train.precision=fp8 covers at its {hw.fp8_peak_flops / 1e12:,.4g} TFLOP/s"
+                if r.fp8_gain != 1.0 else "") + "), memory-bound "
              + (f"{r.memory_s * 1e3:,.2f} ms ({r.memory_s * hw.hbm_bw / 1e9:,.1f} GB of norms, activations, RoPE, "
                 f"casts, residual adds, the fp32 loss and the update at {hw.hbm_bw / 1e12:,.4g} TB/s HBM)"
                 if hw.hbm_bw > 0 else "not modelled (hardware.hbm_bw not set: gemm_efficiency covers the step)"),
              f"  {r.tokens_per_s:,.0f} tokens/s, MFU {100 * r.mfu:.1f}% of {hw.peak_flops / 1e12:,.4g} TFLOP/s peak",
-             f"  why: MFU = GEMM fraction {hw.gemm_efficiency:.2f} x useful share {r.useful_share:.2f} (model FLOPs "
+             f"  why: MFU = GEMM fraction {hw.gemm_efficiency:.2f} x "
+             + (f"FP8 gain {r.fp8_gain:.2f} (FLOPs run per FLOP second over the bf16 rate's) x " if r.fp8_gain != 1.0 else "")
+             + f"useful share {r.useful_share:.2f} (model FLOPs "
              f"over FLOPs run: recomputation and the head counted as run) x compute-bound share "
              f"{r.compute_bound_share:.2f} (FLOP seconds over compute: the rest memory-bound and the update) x busy share "
              f"{r.avg_compute_s / r.step_s:.2f} (mean stage compute over the step; the rest is pipeline idle "

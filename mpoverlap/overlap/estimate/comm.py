@@ -263,9 +263,10 @@ def dispatch_row_bytes(cfg: Any, c: int) -> int:
     """Bytes of one token row the dispatch's forward exchange carries: H * c (the activation
     dtype), 2H (bf16 on the wire) or fp8's H + 4 per block of 128 (moe/dispatch_wire.py)."""
     from mpoverlap.moe.dispatch_wire import dispatch_row_bytes as row_bytes
+    from mpoverlap.overlap.estimate.core import activation_precision
 
     t = cfg.train
-    return row_bytes(str(getattr(t, "ep_dispatch_dtype", "auto")), str(t.precision), cfg.model.hidden_size, c)
+    return row_bytes(str(getattr(t, "ep_dispatch_dtype", "auto")), activation_precision(cfg), cfg.model.hidden_size, c)
 
 
 def ep_forward_share(cfg: Any, c: int) -> float:

@@ -50,11 +50,18 @@ class RankEstimate:
     active_params: int = 0  # per token: a mixture of experts counts top_k of its experts
 
 
+def activation_precision(cfg: Any) -> str:
+    """train.precision as the activations, saved tensors and gathers see it: fp8 is bf16 there
+    (the FP8 GEMMs take and return bf16 and save their bf16 inputs for backward; no FP8 gather
+    is built), any other value itself (the key is read only where the schema has it)."""
+    precision = str(getattr(cfg.train, "precision", "fp32"))
+    return "bf16" if precision == "fp8" else precision
+
+
 def compute_bytes(cfg: Any) -> int:
-    """Bytes of the compute dtype: 2 when `train.precision` is bf16, else fp32's 4 (the key is
-    read only where the schema has it)."""
-    precision = getattr(cfg.train, "precision", "fp32")
-    return 2 if str(precision) in ("bf16", "fp16") else 4
+    """Bytes of the compute dtype: 2 when `train.precision` is bf16 (or fp8, whose activations
+    are bf16), else fp32's 4."""
+    return 2 if activation_precision(cfg) in ("bf16", "fp16") else 4
 
 
 def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optional[int] = None,

@@ -153,8 +153,9 @@ def delayed_grad_memory(cfg: Any, lo: Layout, n: int) -> int:
 def unit_gather_format(cfg: Any, level: str) -> str:
     """train.param_gather_dtype as the trainer resolves it (data_parallel/levels.py)."""
     from mpoverlap.data_parallel.levels import param_gather_dtype
+    from mpoverlap.overlap.estimate.core import activation_precision
 
-    return param_gather_dtype(str(cfg.train.param_gather_dtype), str(cfg.train.precision), level)
+    return param_gather_dtype(str(cfg.train.param_gather_dtype), activation_precision(cfg), level)
 
 
 def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: float, stage: int = 0) -> list:
