@@ -59,6 +59,17 @@ SPECS["ref_fp8_rowwise"] = (1, [*SMALL, *ROWWISE], STEPS)
 SPECS["3d_fp8_rowwise"] = (LAYOUTS["3d"][0], [*SMALL, *LAYOUTS["3d"][1], *ROWWISE], STEPS)
 
 
+# moe_tiny at dp 2 x ep 2: the experts' grouped GEMMs in FP8 (torchao's rowwise grouped recipe,
+# precision/fp8_grouped.py) on each rank's local experts, the dispatch in bf16
+MOE = ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+       "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=32", "model.seq_length=16",
+       "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_interval=100", "train.progress=false",
+       "train.lr_decay_steps=6"]
+for _p in ("bf16", "fp8"):
+    SPECS[f"moe_ref_{_p}"] = (1, [*MOE, f"train.precision={_p}"], STEPS)
+    SPECS[f"moe_ep2_{_p}"] = (2, [*MOE, "parallel.dp=2", "parallel.ep=2", f"train.precision={_p}"], STEPS)
+
+
 def marked(trainer):
     """How many of this rank's linears run in FP8, and the ZeRO-3 gathers' dtype (None below it)."""
     gatherer = trainer.ddp.gatherer
@@ -110,3 +121,17 @@ def test_compiled_fp8_run_matches_the_eager_fp8_run(runs):
     eager, compiled = _losses(runs, "ref_fp8"), _losses(runs, "compiled_fp8")
     assert all(abs(a - b) / b < 1e-4 for a, b in zip(compiled, eager)), (compiled, eager)
     assert runs["compiled_fp8"][0]["probe"] == [(4 * 4, None)]
+
+
+def test_fp8_moe_at_ep2_reproduces_the_single_process_curve(runs):
+    """moe_tiny in fp8 (the grouped experts' GEMMs in FP8 beside the blocks' linears) differs from
+    bf16 and at dp 2 x ep 2 stays within the same bound of the single-process fp8 curve."""
+    ref16, ref8 = _losses(runs, "moe_ref_bf16"), _losses(runs, "moe_ref_fp8")
+    assert ref16 != ref8
+    got, limit = _losses(runs, "moe_ep2_fp8"), bounds(ref16, ref8, _losses(runs, "moe_ep2_bf16"))
+    gaps = [abs(a - b) / b for a, b in zip(got, ref8)]
+    print(f"moe ep2: gaps {['%.1e' % g for g in gaps]}, bounds {['%.1e' % b for b in limit]}")
+    assert all(g <= b for g, b in zip(gaps, limit)), (gaps, limit)
+    # per block: q/k/v, the attention output and the grouped experts (one module)
+    assert runs["moe_ref_fp8"][0]["probe"] == [(2 * 3, None)], runs["moe_ref_fp8"][0]["probe"]
+    assert all(n == 2 * 3 for n, _ in runs["moe_ep2_fp8"][0]["probe"]), runs["moe_ep2_fp8"][0]["probe"]

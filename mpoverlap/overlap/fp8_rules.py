@@ -126,9 +126,26 @@ def _param_gather(lo: Layout):
                       ["train.param_gather_dtype=auto"])
 
 
-@rule("fp8.moe", "general", ("train.precision", "model.num_experts"),
-      "the grouped experts in FP8 are not built in this layout")
+@rule("fp8.moe", "general", ("train.precision", "model.num_experts", "model.moe_grouped_gemm",
+                              "model.moe_ffn_hidden_size", "parallel.etp"),
+      "MoE in FP8 runs the grouped experts (precision/fp8_grouped.py), widths divisible by 16 per rank")
 def _moe(lo: Layout):
-    if _fp8(lo) and int(lo.cfg.model.num_experts) > 0:
-        yield Problem("fp8.moe", {"train.precision": "fp8", "model.num_experts": int(lo.cfg.model.num_experts)},
-                      "grouped experts in fp8 are not built in this layout", [TO_BF16])
+    """The experts' FP8 GEMMs are the grouped ones (torchao's rowwise grouped recipe, whichever
+    train.fp8_recipe); each expert's width on its rank and the hidden size must divide by 16."""
+    m = lo.cfg.model
+    if not _fp8(lo) or int(m.num_experts) == 0:
+        return
+    if not bool(m.moe_grouped_gemm):
+        yield Problem("fp8.moe", {"train.precision": "fp8", "model.moe_grouped_gemm": False},
+                      "the experts' FP8 GEMMs are the grouped ones; the per-expert linear path is not built in FP8",
+                      ["model.moe_grouped_gemm=true", TO_BF16])
+        return
+    from mpoverlap.overlap.estimate.params import etp_size, expert_ffn
+
+    width = expert_ffn(m) // etp_size(lo.cfg)
+    for key, dim in (("model.moe_ffn_hidden_size / parallel.etp", width), ("model.hidden_size", int(m.hidden_size))):
+        if dim % FP8_DIM:
+            yield Problem("fp8.moe", {"train.precision": "fp8", key: dim},
+                          f"the FP8 grouped expert GEMMs have dimension {dim} ({key}) on each rank, not divisible "
+                          f"by {FP8_DIM} (torch._scaled_grouped_mm's requirement): choose a multiple of {FP8_DIM}",
+                          [TO_BF16])
