@@ -260,3 +260,19 @@ def test_fp8_counts_as_bf16_for_the_attention_kernel_rule():
         return any(p.rule == "cp.attention_backend_kernel" for p in validate(cfg, 2))
 
     assert fired("fp32") and not fired("bf16") and not fired("fp8")
+
+
+def test_plan_names_the_fp8_experts_and_latent_projections():
+    """Under fp8 an MoE model's plan names the routed experts' FP8 grouped GEMMs (and not the bf16
+    torch._grouped_mm), and an MLA model's the latent projections instead of attn.qkv."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.plan import render_plan
+
+    plan = render_plan(compose(["model=moe_tiny", "train.precision=fp8"]), 1)
+    line = next(ln for ln in plan.splitlines() if "fp8 GEMMs" in ln)
+    assert "routed experts' grouped GEMMs" in line
+    grouped = next(ln for ln in plan.splitlines() if ln.startswith("  grouped GEMM"))
+    assert "FP8" in grouped and "torch._scaled_grouped_mm" in grouped, grouped
+    plan = render_plan(compose(["model=deepseek_v3_tiny", "model.qk_rope_head_dim=16", "train.precision=fp8"]), 1)
+    line = next(ln for ln in plan.splitlines() if "fp8 GEMMs" in ln)
+    assert "attn.kv_a_proj_with_mqa" in line and "attn.q_b_proj" in line and "attn.qkv" not in line, line

@@ -103,9 +103,18 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
 
 def fp8_line(cfg: Any) -> str:
     """Which GEMMs run in FP8 under train.precision=fp8 (precision/fp8_select.py) and which stay bf16."""
-    fc = "gate_up (fc1), down (fc2)" if cfg.model.activation == "swiglu" else "up (fc1), down (fc2)"
-    return (f"  fp8 GEMMs ({cfg.train.fp8_recipe} recipe, torchao's casts and scales): per block attn.qkv (q/k/v), "
-            f"attn.proj (out), mlp {fc}, in forward, input gradient and weight gradient; bf16: embedding, "
+    m = cfg.model
+    fc = "gate_up (fc1), down (fc2)" if m.activation == "swiglu" else "up (fc1), down (fc2)"
+    attn = "attn.qkv (q/k/v), attn.proj (out)"
+    if getattr(m, "attention", "mha") == "mla":
+        attn = ("attn." + ("q_a_proj, attn.q_b_proj" if m.q_lora_rank else "q_proj")
+                + ", attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.proj (out)")
+    mlp = f"mlp {fc}"
+    if m.num_experts > 0:
+        mlp += (" (dense layers and the shared expert), the routed experts' grouped GEMMs (torchao's rowwise "
+                "grouped recipe whichever recipe: precision/fp8_grouped.py)")
+    return (f"  fp8 GEMMs ({cfg.train.fp8_recipe} recipe, torchao's casts and scales): per block {attn}, "
+            f"{mlp}, in forward, input gradient and weight gradient; bf16: embedding, "
             "output head, router, norms, attention's softmax")
 
 
@@ -236,6 +245,10 @@ def grouped_gemm_line(cfg: Any, lo, device_type: str) -> str:
         if hopper == other:
             return f"  grouped GEMM on any GPU: {hopper}"
         return f"  grouped GEMM: on sm90/sm100 {hopper}; on other GPUs (e.g. sm80) {other}"
+    if str(cfg.train.precision) == "fp8":  # precision/fp8_grouped.py
+        return ("  grouped GEMM: FP8 (rowwise grouped recipe, groups padded to 16 rows): torch._scaled_grouped_mm "
+                "on CUDA; elsewhere the same quantized operands dequantized and multiplied in fp32 by the project's "
+                "grouped GEMM (precision/fp8_grouped.py): no host read")
     capability = gp.device_capability(torch.device("cuda", 0)) if device_type == "cuda" else None
     return f"  grouped GEMM: {describe(capability)}"
 
