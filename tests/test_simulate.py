@@ -625,3 +625,26 @@ def test_check_knows_zb1p():
     assert [s.layers_in_flight for s in e_zb.stages] == [max(s.layers_in_flight for s in e_base.stages)] * 4
     r_base, r_zb = simulate(base, from_config(base)), simulate(zb, from_config(zb))
     assert r_zb.step_s < r_base.step_s and r_zb.bubble_s < r_base.bubble_s
+
+
+def test_tp_without_sp_hides_the_backward_all_reduces_under_wgrad_unless_w_is_deferred():
+    """tp 8 without SP: overlap.tp on hides part of the backward's input-gradient all-reduces
+    (under the column linears' wgrad GEMMs), never the forward's; under zb1p at pp 2 the W is
+    deferred, nothing is under them, and on equals off."""
+    from mpoverlap.config import compose
+    from mpoverlap.simulate.core import simulate
+    from mpoverlap.simulate.hardware import from_config
+
+    base = ["hardware=h100_sxm", "model=llama3_8b", "parallel.tp=8", "parallel.sequence_parallel=false",
+            "train.global_batch_size=8", "train.micro_batch_size=1"]
+
+    def run(extra, tp):
+        cfg = compose([*base, *extra, f"overlap.tp={tp}"])
+        return simulate(cfg, from_config(cfg))
+
+    on, off = run(["parallel.world_size=8"], "true"), run(["parallel.world_size=8"], "false")
+    assert on.exposed_s["tp"] < off.exposed_s["tp"] and on.step_s < off.step_s
+    # the forward's all-reduces (half the bytes) stay exposed
+    assert on.exposed_s["tp"] > 0.5 * off.exposed_s["tp"]
+    zb = ["parallel.world_size=16", "parallel.pp=2", "parallel.pp_schedule=zb1p"]
+    assert run(zb, "true").exposed_s["tp"] == pytest.approx(run(zb, "false").exposed_s["tp"])

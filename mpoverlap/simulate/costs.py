@@ -29,7 +29,7 @@ their elementwise bytes (memory.py) at hardware.hbm_bw (0 where the preset does 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate import latent
@@ -175,7 +175,7 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
             cost.compute["B"] += b_time
             passes = {"F": LayerPass(f_time), "B": LayerPass(b_time)}
             share = micro * max(1, n_layers)
-            _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate * speed, share, i in replayed)
+            _tp(cost, base, replay, lo, links["tp"], enabled["tp"], sp, fl, rate * speed, share, i in replayed, moe)
             _cp(cost, base, replay, lo, links["cp"], enabled["cp"], p.cp_comm, fl, rate, share)
             if moe:
                 wire = _ep(cost, base, replay, lo, links["ep"], enabled["ep"], ep_chunks(cfg),
@@ -199,9 +199,11 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
 
 
 def _tp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, sp: bool, fl, rate: float, share: int,
-        replayed: bool) -> None:
+        replayed: bool, moe_layer: bool = False) -> None:
     """TP per layer: SP's 4 forward and 6 backward gathers/scatters (collective matmul under the
-    GEMMs when on), or without SP 2 + 2 all-reduces, each waited at once."""
+    GEMMs when on), or without SP 2 + 2 all-reduces: the forward's waited at once, the backward's
+    (each column-parallel linear's input gradient) under that linear's wgrad GEMM when on, except
+    where a zero-bubble schedule defers the W (then only a bias sum is under it: exposed)."""
     if lo.tp <= 1:
         return
     kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
@@ -226,7 +228,30 @@ def _tp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, sp: boo
     for kind, nbytes, calls, under in (("F", fwd_bytes, fwd_calls, gemm), ("B", bwd_bytes, bwd_calls, 2 * gemm)):
         t = time_of(nbytes, calls)
         exposed = ring_exposed(t, under, calls * (lo.tp - 1), calls * lo.tp) if ring else t
+        if kind == "B" and on and not sp and not _w_deferred(lo):
+            # one all-reduce under the column linears' wgrad GEMMs of attention, one under the MLP's
+            exposed = sum(max(0.0, t / 2 - w) for w in _column_wgrad_seconds(lo.cfg.model, fl, rate, moe_layer))
         cost.add(kind, "tp", t, exposed)
+
+
+def _w_deferred(lo: Layout) -> bool:
+    """A zero-bubble schedule (zb1p, zbv at pp > 1) runs the weight gradients in later W actions."""
+    return lo.pp > 1 and str(lo.cfg.parallel.pp_schedule) in ("zb1p", "zbv")
+
+
+def _column_wgrad_seconds(m: Any, fl, rate: float, moe_layer: bool) -> Tuple[float, float]:
+    """Seconds of the column-parallel linears' wgrad GEMMs (each as long as its forward): the q/k/v
+    projection of attention (its rows' share of the attention GEMMs; the up-projections' under
+    MLA, taken as half), and a dense MLP's fc1 (swiglu's gate_up: 2 of its 3 products, gelu's up:
+    1 of 2); an MoE layer's experts are no column-parallel linear (nothing under that one)."""
+    if is_latent(m):
+        attn = 0.5
+    else:
+        q, kv, _ = qkv_rows(m)
+        attn = (q + 2 * kv) / (2 * q + 2 * kv)
+    mult = mlp_mult(m)
+    mlp = 0.0 if moe_layer else fl["mlp"] * (mult - 1) / mult
+    return fl["attn_gemm"] * attn / rate, mlp / rate
 
 
 def _cp(cost: ChunkCost, base, replay, lo: Layout, link: Link, on: bool, cp_comm: str, fl, rate: float,
