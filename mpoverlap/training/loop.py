@@ -245,6 +245,7 @@ class Trainer(Resumable, RunLoop):
                 logits = self.ddp(tokens, position_ids=positions, fp32_logits=False)
             loss = self.model.loss(logits, targets) / len(micro)
             del logits  # the loss keeps what its backward needs (under TP its softmax, not these logits)
+            self.ddp.mark_unused(loss)  # parameters this microbatch did not use: their buckets need not wait
             loss.backward()
             loss_sum += loss.detach()
         return loss_sum
