@@ -44,6 +44,8 @@ the communication is nearly free on the wire and costs CPU instead (docs/benchma
         --micro-batch 2 --global-batch 4
     python -m bench.dp_overlap --delay --curve-steps 200 --layers 8 --hidden 256 --heads 8 --ffn 1024 \
         --seq 128 --micro-batch 2 --global-batch 4
+    python -m bench.dp_overlap --buckets --bucket-rates 300mbit,3gbit ...   (bench/dp_buckets.py: bucket
+        sizes 1, 4, 16, 64 MiB and overlap.dp_bucket_mb=auto at two link rates, auto against the best)
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from typing import Any, Dict, List
 from bench.common import add_block_args, block_clocks, block_figures, gathered_foreign_cores, \
     close_trainers, init_bench_worker, json_cli, log_round, rounds_done, spawn_ranks, stats
 from bench.ddp_peer import TORCH_SIDES, DDPLoop, bucket_ordered  # noqa: F401 - bucket_ordered: the bench's API
+from bench.dp_buckets import bucket_variants, prepare_inner, run_rates
 
 VARIANTS = {
     "mpo_overlap": ["overlap.dp=true", "train.distributed_optimizer=false"],
@@ -134,6 +137,8 @@ def _worker(rank: int, port: int, args, tmp: str) -> None:
     from mpoverlap.training.setup import init_distributed
 
     trainers: Dict[str, Any] = {}
+    if getattr(args, "buckets", False):
+        VARIANTS.update(bucket_variants(args.auto_mb))  # this process imported the module afresh
     try:
         base = _base_overrides(args)
         recorders: Dict[str, SpanRecorder] = {}
@@ -344,6 +349,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the wire-format variants: " + ",".join(FORMAT_VARIANTS) + " (instead of --variants)")
     p.add_argument("--delay", action="store_true",
                    help="overlap.dp_delay 0 vs 1: " + ",".join(DELAY_VARIANTS) + " (instead of --variants)")
+    p.add_argument("--buckets", action="store_true",
+                   help="overlap.dp_bucket_mb 1, 4, 16, 64 and auto (instead of --variants; bench/dp_buckets.py)")
+    p.add_argument("--bucket-rates", default="300mbit,3gbit",
+                   help="with --buckets: the tc rates, one inner run each inside bench/netns.sh ('': this run only)")
     p.add_argument("--curve-steps", type=int, default=200,
                    help="with --delay: steps of each side's fresh loss curve after the timing (0: none)")
     for name in ("hidden", "heads", "ffn", "seq"):
@@ -361,6 +370,10 @@ def planned(argv: List[str]):
 
 
 def run(args) -> Dict[str, Any]:
+    if getattr(args, "buckets", False) and args.bucket_rates:
+        return run_rates(args)  # the outer run: one inner run per rate
+    if getattr(args, "buckets", False):
+        args.variants = prepare_inner(args, _base_overrides(args), VARIANTS)
     if getattr(args, "formats", False):
         args.variants = ",".join(FORMAT_VARIANTS)
     if getattr(args, "delay", False):
@@ -373,6 +386,8 @@ def run(args) -> Dict[str, Any]:
     res["benchmark"] = "dp_overlap"
     res["link"] = args.link
     res["wall_s"] = time.perf_counter() - t0
+    if getattr(args, "buckets", False):
+        res["auto_mb"], res["auto_reason"] = args.auto_mb, args.auto_reason
     res["setup"] = {"ranks": 2, "threads_per_rank": 1, "base_overrides": _base_overrides(args),
                     "block": args.block, "repeats": res["rounds"], "warmup": args.warmup,
                     "block_warmup": args.block_warmup, "ddp_bucket_cap_mb": args.bucket_mb}

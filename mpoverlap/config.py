@@ -146,9 +146,10 @@ class OverlapConfig:
     pp: Any = "auto"
     cp: Any = "auto"
     ep: Any = "auto"
-    # DP details: bucket size of the contiguous gradient buffer, and whether the distributed
-    # optimizer's parameter all-gather is overlapped with the next forward.
-    dp_bucket_mb: float = 4.0
+    # DP details: bucket size of the contiguous gradient buffer (MiB, or auto: the size the
+    # simulator predicts fastest for this model, layout and hardware.*, simulate/bucket_size.py),
+    # and whether the distributed optimizer's parameter all-gather is overlapped with the next forward.
+    dp_bucket_mb: Any = "auto"
     dp_param_gather: Any = "auto"
     # ZeRO-3 (train.dp_sharding=optim_grads_params): how many units ahead are gathered while
     # the current one computes, in forward and in backward (under overlap.dp; 0 = none).

@@ -430,6 +430,30 @@ def test_dp_overlap_delay_plan_valid_variants():
             assert validate(compose(base + extra), 2) == [], name
 
 
+def test_dp_overlap_buckets_variants_validate_and_compare():
+    """bench.dp_overlap --buckets (bench/dp_buckets.py): the fixed sizes and auto's chosen size
+    validate at 2 ranks, and auto is judged against the fastest fixed size of the same run."""
+    from bench import dp_buckets, dp_overlap
+
+    base = dp_overlap.planned(["--layers", "8", "--hidden", "384", "--heads", "6", "--ffn", "1536"])[0]
+    variants = dp_buckets.bucket_variants(12.0)
+    assert list(variants) == ["mpo_b1", "mpo_b4", "mpo_b16", "mpo_b64", "mpo_auto"]
+    assert "overlap.dp_bucket_mb=12" in variants["mpo_auto"]
+    for name, extra in variants.items():
+        assert validate(compose(base + extra), 2) == [], name
+
+    def row(median):
+        return {"step": {"median_s": median}}
+
+    res = {"variants": {f"mpo_b{mb}": row(s) for mb, s in ((1, 1.3), (4, 1.1), (16, 1.0), (64, 1.2))},
+           "variants_quiet": {"mpo_auto": row(1.04)}, "auto_mb": 12.0, "auto_reason": "r"}
+    res["variants"]["mpo_auto"] = row(2.0)  # all blocks; the quiet ones are what is compared
+    verdict = dp_buckets.compare(res)
+    assert verdict["best_mb"] == 16 and abs(verdict["auto_over_best"] - 1.04) < 1e-12 and verdict["within_5pct"]
+    res["variants_quiet"]["mpo_auto"] = row(1.06)
+    assert not dp_buckets.compare(res)["within_5pct"]
+
+
 def _powersgd_worker(rank, port, args, tmp):
     """bench.dp_overlap's worker shape (init_bench_worker, spawned by spawn_ranks): DDP +
     powerSGD_hook (rank 2, error feedback, compressing from iteration 2) on six layers, one

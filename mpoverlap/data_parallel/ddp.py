@@ -28,7 +28,8 @@ hide under) or at the latest in `finish_grad_sync()`; error feedback keeps each 
 Averaging: every bucket is divided by the dp x cp size right before the SUM collective
 (gloo has no AVG). Buckets are issued strictly in bucket order, so the sequence of
 collectives is identical on every rank even if a bucket is held back by a parameter that got
-no gradient (it is then issued, with everything after it, by `finish_grad_sync()`).
+no gradient: `mark_unused(loss)` after each forward marks such parameters ready (unused.py);
+without it that bucket, with everything after it, is issued by `finish_grad_sync()`.
 
 Deferred weight gradients (zero-bubble pipelines, mpoverlap/wgrad): `weight_grads` is the
 model's WeightGradDeferral. A deferred weight's gradient reaches these hooks from the W action
@@ -66,10 +67,11 @@ from mpoverlap.data_parallel.grad_wire import GradWire, QuantizedBuckets
 from mpoverlap.data_parallel.levels import resolve_level, shards_grads, shards_params
 from mpoverlap.data_parallel.reduce_groups import ReduceGroup, expert_key, reduce_group
 from mpoverlap.data_parallel.sharded_grads import ShardedGrads
+from mpoverlap.data_parallel.unused import UnusedParams
 from mpoverlap.parallel.state import ParallelState
 
 
-class DataParallel(ShardedGrads, QuantizedBuckets, DelayedGrads):
+class DataParallel(ShardedGrads, QuantizedBuckets, DelayedGrads, UnusedParams):
     """Wrap `module` for data-parallel training over `state.group(group_kind)` (expert
     weights over `state.group(expert_group_kind)`).
 
@@ -145,6 +147,7 @@ class DataParallel(ShardedGrads, QuantizedBuckets, DelayedGrads):
         self._grad_views = {p: self.buffer.grad_view(p) for p in self.buffer.params}
         self._init_shards()
         self._init_delayed(delay)  # overlap.dp_delay=1: delayed.py
+        self._init_unused()  # parameters a microbatch does not use: unused.py
         self._is_last = True
         self._ready: List[Set[nn.Parameter]] = [set() for _ in range(nb)]
         self._issued = [False] * nb
@@ -231,6 +234,7 @@ class DataParallel(ShardedGrads, QuantizedBuckets, DelayedGrads):
             ready.clear()
         self._issued = [False] * len(self._issued)
         self._next = 0
+        self._sharded_next = None
         self._handles.clear()
         self._first_hop.clear()
         self._synced = False
@@ -319,16 +323,9 @@ class DataParallel(ShardedGrads, QuantizedBuckets, DelayedGrads):
     def _mark_ready(self, param: nn.Parameter) -> None:
         b = self.buffer.index[param][2]
         if self.shard_grads:
-            if self._communicates[b]:
-                self._ready[b].add(param)
-                if len(self._ready[b]) == len(self.buffer.buckets[b].params):
-                    self._issue_sharded(b)
-            return
+            return self._mark_ready_sharded(param, b)
         if self._issued[b]:
-            raise RuntimeError(
-                f"gradient of {self.buffer.name_of[param]!r} arrived after its bucket {b} was "
-                "reduced; call start_step() at the start of every step and "
-                "set_last_microbatch(False) for every microbatch but the last")
+            raise self._arrived_after_reduce(param, b)
         if not self._is_last:
             return
         self._ready[b].add(param)

@@ -164,6 +164,29 @@ class ShardedGrads:
         if not self.overlap:
             self._complete(b)
 
+    def _mark_ready_sharded(self, param, b: int) -> None:
+        """Bucket `b` is issued once every parameter of it is ready: as it fills, or, after
+        `mark_unused` (unused.py) marked this microbatch's unused parameters, in bucket order."""
+        if not self._communicates[b]:
+            return
+        self._ready[b].add(param)
+        if self._sharded_next is None:
+            if len(self._ready[b]) == len(self.buffer.buckets[b].params):
+                self._issue_sharded(b)
+            return
+        self._advance_sharded()
+
+    def _advance_sharded(self) -> None:
+        """Issue, in bucket order, every bucket from `_sharded_next` on that is ready."""
+        buckets = self.buffer.buckets
+        while self._sharded_next < len(buckets):
+            n = self._sharded_next
+            if self._communicates[n]:
+                if len(self._ready[n]) < len(buckets[n].params):
+                    return
+                self._issue_sharded(n)
+            self._sharded_next = n + 1
+
     def _finish_sharded(self) -> None:
         """Reduce what is left: buckets whose gradients are partly in (a parameter got none),
         in bucket order (the same on every rank); then wait everything. A bucket reduced over

@@ -26,7 +26,7 @@ class CommOverlapConfig:
     cp: ModeState
     ep: ModeState
     dp_param_gather: ModeState
-    dp_bucket_mb: float
+    dp_bucket_mb: Optional[float]  # None: auto (resolved where a machine is known: simulate/bucket_size.py)
     ep_pairing: ModeState = ModeState("false", False, "not resolved")
 
     def modes(self) -> Dict[str, ModeState]:
@@ -53,9 +53,19 @@ class CommOverlapConfig:
             ep=_resolve(lo, "ep", lo.ep > 1 and cfg.model.num_experts > 0, "token dispatch under experts",
                         f"parallel.ep={lo.ep}, model.num_experts={cfg.model.num_experts}: no expert dispatch"),
             dp_param_gather=_resolve_param_gather(lo),
-            dp_bucket_mb=float(cfg.overlap.dp_bucket_mb),
+            dp_bucket_mb=_bucket_mb(cfg),
             ep_pairing=_resolve_pairing(lo),
         )
+
+
+def _bucket_mb(cfg: Any) -> Optional[float]:
+    """overlap.dp_bucket_mb as a number, None for auto or a value the rule dp.bucket_size refuses."""
+    from mpoverlap.simulate.bucket_size import requested_bucket_mb
+
+    try:
+        return requested_bucket_mb(cfg)
+    except ValueError:
+        return None
 
 
 def _resolve(lo: Layout, mode: str, applies: bool, what: str, why_not: str,

@@ -49,10 +49,18 @@ def _needs_replicas(lo: Layout):
 
 @rule("dp.bucket_size", "dp", ("overlap.dp_bucket_mb",), "gradient buckets have a positive size")
 def _bucket(lo: Layout):
-    mb = lo.cfg.overlap.dp_bucket_mb
-    if not mb > 0:
-        yield Problem("dp.bucket_size", {"overlap.dp_bucket_mb": mb},
-                      "a bucket of zero megabytes holds no gradient", ["overlap.dp_bucket_mb=4"])
+    from mpoverlap.simulate.bucket_size import requested_bucket_mb
+
+    value = lo.cfg.overlap.dp_bucket_mb
+    try:
+        mb = requested_bucket_mb(lo.cfg)
+    except ValueError:
+        yield Problem("dp.bucket_size", {"overlap.dp_bucket_mb": value},
+                      "a bucket size is a number of MiB or auto", ["overlap.dp_bucket_mb=auto"])
+        return
+    if mb is not None and not mb > 0:
+        yield Problem("dp.bucket_size", {"overlap.dp_bucket_mb": value},
+                      "a bucket of zero megabytes holds no gradient", ["overlap.dp_bucket_mb=auto"])
 
 
 @rule("dp.param_gather_needs_distributed_optimizer", "dp",

@@ -40,11 +40,23 @@ def _schedule(cfg: Any, lo) -> str:
     return f", pp schedule {resolve_schedule(choice, lo.vpp)}"
 
 
+def _bucket_line(cfg: Any, world_size: Optional[int], bucket) -> str:
+    """overlap.dp_bucket_mb: the size the buckets close at and why (auto: the simulator's
+    prediction for each candidate size, simulate/bucket_size.py)."""
+    if bucket is None:
+        from mpoverlap.simulate.bucket_size import resolve_bucket_mb
+
+        bucket = resolve_bucket_mb(cfg, world_size=world_size)
+    return f"    overlap.{'dp_bucket_mb':<16} {bucket.requested:>5} -> {bucket.mb:g} MiB  {bucket.reason}"
+
+
 def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional[int] = None,
-                device: Optional[str] = None, conventions=None, hosts: Optional[List[str]] = None) -> str:
+                device: Optional[str] = None, conventions=None, hosts: Optional[List[str]] = None,
+                bucket=None) -> str:
     """`conventions`: how activations are counted (`estimate.Conventions`; default: as this
     code saves them, in the compute dtype). `hosts`: each rank's hostname (index = global rank),
-    gathered at start-up; the plan then says where each rank runs and which groups cross hosts."""
+    gathered at start-up; the plan then says where each rank runs and which groups cross hosts.
+    `bucket`: the run's overlap.dp_bucket_mb (a BucketChoice); default: resolved here."""
     lo = build_layout(cfg, world_size)
     ov = CommOverlapConfig.from_config(cfg, world_size)
     t, m = cfg.train, cfg.model
@@ -78,7 +90,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         flag = "ON " if state.enabled else "off"
         lines.append(f"    overlap.{name:<16} {state.requested:>5} -> {flag}  {state.reason}")
     if ov.dp.enabled or ov.dp.requested == "false":
-        lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
+        lines.append(_bucket_line(cfg, world_size, bucket))
     lines.append(priority_line(cfg, world_size, device_type))
     if cfg.model.num_experts > 0:
         n, asked = ep_chunks(cfg), str(cfg.overlap.ep_chunks)

@@ -81,8 +81,10 @@ class SimResult:
 def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
     """The step of `cfg`'s layout on `hw`; where its ranks share fewer CPU cores than there are
     ranks (`hw.cores`), with compute stretched as sharing.py says."""
+    from mpoverlap.simulate.bucket_size import with_resolved_bucket
     from mpoverlap.simulate.sharing import with_shared_cores
 
+    cfg = with_resolved_bucket(cfg, hw, world_size)  # overlap.dp_bucket_mb=auto: bucket_size.py
     lo = build_layout(plain(cfg), world_size)
     if not hw.cores or lo.world <= hw.cores:
         return _simulate(cfg, hw, world_size)

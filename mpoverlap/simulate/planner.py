@@ -15,7 +15,9 @@ Each candidate goes through, in order:
   3. with TP overlap on, a tp > 1 layout without sequence parallelism is dominated by the same
      one with it (its all-reduces are exposed, its activations larger),
   4. the simulator, with the overlap settings given (default auto: every mode on where it
-     applies). overlap=none is never faster in the model (exposed <= in flight), so it is not
+     applies); overlap.dp_bucket_mb=auto (the default) is simulated at bucket_size.PROVISIONAL_MB
+     here, then for the `BUCKETS_FOR_TOP` fastest layouts at every candidate size
+     (bucket_size.choose_bucket_mb), and those are ranked again at their best size. overlap=none is never faster in the model (exposed <= in flight), so it is not
      enumerated; the output gives the best layout's step with overlap=none beside it, and,
      pipelined, its step under each other schedule that was simulated.
 A schedule the simulator cannot cost (it raises) is dropped under "simulator: ...".
@@ -31,13 +33,16 @@ from typing import Any, Dict, List, Tuple
 
 from mpoverlap.overlap.estimate.core import estimate
 from mpoverlap.overlap.rules import validate
+from mpoverlap.simulate.bucket_size import PROVISIONAL_MB, choose_bucket_mb, requested_bucket_mb
 from mpoverlap.simulate.core import SimResult, simulate
 from mpoverlap.simulate.hardware import Hardware
 from mpoverlap.simulate.plain import plain, with_values
 
 HBM_USABLE = 0.9  # the CUDA context, NCCL buffers and fragmentation take the rest
 SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "train.micro_batch_size",
-            "parallel.sequence_parallel", "train.distributed_optimizer", "parallel.pp_schedule", "model.recompute")
+            "parallel.sequence_parallel", "train.distributed_optimizer", "parallel.pp_schedule", "model.recompute",
+            "overlap.dp_bucket_mb")
+BUCKETS_FOR_TOP = 10  # layouts whose bucket size is searched (it moves the DP tail, not what fits)
 
 
 @dataclass
@@ -114,6 +119,9 @@ def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchRe
     t0 = time.perf_counter()
     base = plain(cfg)
     fixed = fixed_keys(overrides)
+    auto_bucket = requested_bucket_mb(base) is None
+    if auto_bucket:
+        base = with_values(base, {"overlap.dp_bucket_mb": PROVISIONAL_MB})
     dropped: Counter = Counter()
     ranked: List[Candidate] = []
     cands = candidates(base, world, hw, fixed)
@@ -158,7 +166,22 @@ def search(cfg: Any, hw: Hardware, overrides: List[str], world: int) -> SearchRe
             continue
         ranked.append(Candidate(chosen, result, (state + est.activations_by_recompute[fits[0]]) / 1e9))
     ranked.sort(key=lambda cand: -cand.result.tokens_per_s)
+    if auto_bucket:
+        ranked = _with_best_buckets(ranked, base, hw, world)
     return SearchResult(ranked, dropped, len(cands), time.perf_counter() - t0)
+
+
+def _with_best_buckets(ranked: List[Candidate], base: Any, hw: Hardware, world: int) -> List[Candidate]:
+    """The `BUCKETS_FOR_TOP` first of `ranked`, each at the bucket size the simulator predicts
+    fastest for it, ranked again; the rest keep the provisional size."""
+    out = []
+    for cand in ranked[:BUCKETS_FOR_TOP]:
+        c = with_values(base, {**cand.values, "parallel.world_size": world})
+        mb = choose_bucket_mb(c, hw).mb
+        values = {**cand.values, "overlap.dp_bucket_mb": mb}
+        out.append(Candidate(values, simulate(with_values(c, {"overlap.dp_bucket_mb": mb}), hw), cand.memory_gb))
+    out.sort(key=lambda cand: -cand.result.tokens_per_s)
+    return out + ranked[BUCKETS_FOR_TOP:]
 
 
 def _layout(v: Dict[str, Any]) -> str:
@@ -166,7 +189,8 @@ def _layout(v: Dict[str, Any]) -> str:
             f"ep{v['parallel.ep']} dp{v['parallel.dp']} mbs{v['train.micro_batch_size']}"
             f"{' ' + v['parallel.pp_schedule'] if v.get('parallel.pp_schedule', 'auto') != 'auto' else ''}"
             f"{' sp' if v['parallel.sequence_parallel'] else ''}{' zero1' if v['train.distributed_optimizer'] else ''}"
-            f" rc={v['model.recompute']}")
+            f" rc={v['model.recompute']}"
+            + (f" bucket={v['overlap.dp_bucket_mb']:g}MiB" if "overlap.dp_bucket_mb" in v else ""))
 
 
 def render_search(cfg: Any, hw: Hardware, res: SearchResult, world: int, top: int = 10) -> str:

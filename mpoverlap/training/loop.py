@@ -40,7 +40,7 @@ from mpoverlap.training.prefetch import BatchPrefetcher
 from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks, schedule_layout, tie_spans_stages
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.run_loop import RunLoop
-from mpoverlap.training.setup import init_distributed, shared_run_dir, shutdown_distributed
+from mpoverlap.training.setup import agreed_bucket, init_distributed, shared_run_dir, shutdown_distributed
 from mpoverlap.training.stop_agreement import StopAgreement
 
 
@@ -108,9 +108,10 @@ class Trainer(Resumable, RunLoop):
         if tie_spans_stages(cfg.model, self.pp, layout) and state.group("embedding") is not None:
             self.tied_embedding = self.params_by_name.get("embedding.weight")
         self.sharding = resolve_level(t.dp_sharding, t.distributed_optimizer)
+        self.bucket = agreed_bucket(cfg, state)  # overlap.dp_bucket_mb, auto resolved (the plan prints why)
         self.ddp = DataParallel(
             self.model, state, group_kind="dp_cp", expert_group_kind=expert_kind, overlap=self.overlap.dp.enabled,
-            bucket_mb=self.overlap.dp_bucket_mb, sharding=self.sharding,
+            bucket_mb=self.bucket.mb, sharding=self.sharding,
             ledger=self.ledger, reduce_dtype=None if is_wire(t.grad_reduce_dtype) else DTYPES[t.grad_reduce_dtype],
             grad_wire=str(t.grad_reduce_dtype) if is_wire(t.grad_reduce_dtype) else None,
             error_feedback=error_feedback_on(t.grad_error_feedback, t.grad_reduce_dtype),
@@ -265,6 +266,7 @@ class Trainer(Resumable, RunLoop):
                 logits = self.ddp(tokens, position_ids=positions, fp32_logits=False, **mtp)
             loss = self.model.loss(logits, targets) / len(micro)
             del logits  # the loss keeps what its backward needs (under TP its softmax, not these logits)
+            self.ddp.mark_unused(loss)  # parameters this microbatch did not use: their buckets need not wait
             loss.backward()
             if self.mtp_depths:  # the LM loss reported, the MTP loss apart
                 main, extra = self.model.last_loss_parts

@@ -34,7 +34,8 @@ class RunLoop:
                                            coords=self.state.coords)
         if self.is_rank0:
             print(render_plan(cfg, self.state.world, num_parameters(self.model),
-                              f"{self.state.device.type}/{self.state.backend}", hosts=list(self.state.hosts)),
+                              f"{self.state.device.type}/{self.state.backend}", hosts=list(self.state.hosts),
+                              bucket=self.bucket),
                   flush=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
             (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # a previous run's stop

@@ -86,3 +86,26 @@ def shared_run_dir(cfg: Any) -> Path:
     if not dist.is_initialized() or dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def agreed_bucket(cfg: Any, state: ParallelState):
+    """overlap.dp_bucket_mb for this run (simulate/bucket_size.py: a number as given, auto as the
+    simulator chooses for hardware.*). Every rank must build the same buckets (data-parallel
+    peers reduce them together; tensor-parallel peers sum sequence-parallel gradient shards of
+    the same layout). A preset's choice is a function of the config, the same everywhere; a
+    measured machine (hardware.measure) times itself on each rank, so there the largest choice
+    is taken over dp x cp, tp and pp (together every rank)."""
+    from mpoverlap.simulate.bucket_size import BucketChoice, resolve_bucket_mb
+
+    choice = resolve_bucket_mb(cfg, world_size=state.world)
+    if choice.requested != "auto" or not bool(cfg.hardware.measure):
+        return choice
+    value = torch.tensor([choice.mb], dtype=torch.float64, device=state.device)
+    for kind in ("dp_cp", "tp", "pp"):
+        if state.size(kind) > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=state.group(kind))
+    mb = float(value.item())  # once, at start-up
+    if mb == choice.mb:
+        return choice
+    return BucketChoice(mb, "auto", f"{choice.reason}; the largest of the ranks' measured choices: {mb:g} MiB",
+                        choice.predicted)

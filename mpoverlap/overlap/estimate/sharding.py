@@ -145,8 +145,10 @@ def delayed_grad_memory(cfg: Any, lo: Layout, n: int) -> int:
         return 0
     reduced = lo.dp * lo.cp > 1
     per = 2 if reduced and str(cfg.train.grad_reduce_dtype) == "bf16" else BYTES
-    bucket = max(int(float(cfg.overlap.dp_bucket_mb) * 1024 * 1024) // BYTES, embedding_params(cfg, lo))
-    scratch = BYTES * min(n, bucket)
+    from mpoverlap.simulate.bucket_size import bucket_mb_or_provisional
+
+    bucket = max(int(bucket_mb_or_provisional(cfg) * 1024 * 1024) // BYTES, embedding_params(cfg, lo))
+    scratch = BYTES * min(n, bucket)  # an unresolved auto counts the provisional size (bucket_size.py)
     return per * n + scratch
 
 
