@@ -134,5 +134,5 @@ def describe(fmt: str) -> str:
         return "fp32"
     if fmt == "fp8":
         return ("fp8 (e4m3, one scale per weight from one amax all-reduce a step: the FP8 GEMMs' weights, handed "
-                "to the GEMMs uncast; the head's weights in bf16; norms, biases and embeddings in fp32)")
+                "to the GEMMs uncast; an untied head's weight in bf16; norms, biases and embeddings in fp32)")
     return f"{fmt} (the weights the GEMMs cast; norms, biases, embeddings and the router in fp32)"

@@ -101,14 +101,16 @@ def _param_gather(lo: Layout):
     if precision != "fp8":
         yield Problem("fp8.param_gather", {"train.param_gather_dtype": asked, "train.precision": precision},
                       "FP8 gathers carry the weights of the FP8 GEMMs cast as those GEMMs cast them, and "
-                      f"under train.precision={precision} no GEMM runs in FP8",
-                      ["train.precision=fp8", "train.param_gather_dtype=bf16"])
+                      f"under train.precision={precision} no GEMM runs in FP8 (or gather in the compute "
+                      "dtype: train.param_gather_dtype=auto)",
+                      ["train.precision=fp8"])
     elif recipe != "tensorwise":
         yield Problem("fp8.param_gather", {"train.param_gather_dtype": asked, "train.fp8_recipe": recipe},
                       f"the {recipe} recipe scales each row of a GEMM operand on its own, and a row's scale "
                       "cannot be shared before the gather (a rank holds a flat shard, not whole rows of the "
-                      "operand the GEMM scales): FP8 gathers need one scale per weight, the tensorwise recipe",
-                      ["train.fp8_recipe=tensorwise", "train.param_gather_dtype=bf16"])
+                      "operand the GEMM scales): FP8 gathers need one scale per weight, the tensorwise recipe "
+                      "(or keep rowwise and gather bf16: train.param_gather_dtype=bf16)",
+                      ["train.fp8_recipe=tensorwise"])
 
 
 @rule("fp8.moe", "general", ("train.precision", "model.num_experts"),
