@@ -8,7 +8,8 @@ Under train.precision=bf16 the bf16 format then changes no value the model compu
 GEMM casts its weight to bf16 anyway (the cast of a bf16 value is itself), and the parameters
 it reads as they are arrive exactly. int8 sends those weights blockwise (comm/wire.py, one fp32
 scale per GATHER_BLOCK elements; the exact elements zeroed first, so no norm weight sets a
-block's scale).
+block's scale). fp8 (train.precision=fp8) sends the FP8 GEMMs' weights in e4m3 with one scale per
+weight, everything else of their buckets in fp32, the other buckets as bf16 (fp8_gather.py).
 
 Each rank's shard of a bucket is a contiguous run of it, and its exact elements form a run of
 the bucket's exact elements in the same order, so each rank sends one buffer:
