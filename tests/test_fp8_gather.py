@@ -15,6 +15,7 @@ pytest.importorskip("torchao")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from inproc_train import train_layouts  # noqa: E402
 from test_fp8_paths import BF16_OUT, FP32_OUT, close  # noqa: E402
+from test_fp8_train import bounds  # noqa: E402
 
 from mpoverlap.config import compose  # noqa: E402
 from mpoverlap.overlap.estimate import estimate  # noqa: E402
@@ -32,6 +33,11 @@ ZERO3 = ["parallel.dp=2", "train.dp_sharding=optim_grads_params", "train.precisi
 STEPS = 3
 SPECS = {"ref_fp8": (1, [*SMALL, "train.precision=fp8"], STEPS),
          "zero3_fp8_gather": (2, [*SMALL, *ZERO3, "train.param_gather_dtype=fp8"], STEPS)}
+# tp 2 with SP, collective matmul off: the column-parallel GEMMs' forward all-gathers in FP8
+SP = ["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp=false"]
+SPECS["ref_bf16"] = (1, [*SMALL, "train.precision=bf16"], STEPS)
+for _p in ("bf16", "fp8"):
+    SPECS[f"tp2sp_{_p}"] = (2, [*SMALL, *SP, f"train.precision={_p}"], STEPS)
 for _dtype in ("fp32", "fp8"):
     for _resh in ("true", "false"):
         SPECS[f"bytes_{_dtype}_{_resh}"] = (2, [*WIDE, *ZERO3, f"train.param_gather_dtype={_dtype}",
@@ -153,3 +159,63 @@ def test_fp8_gather_bytes_are_a_quarter_of_fp32s(runs):
         est = estimate(compose(list(overrides)), world).comm_bytes_per_step["dp"]
         got = runs[name][0]["comm"]["dp"]["bytes"]
         assert est <= got <= est * 1.01, (name, got, est)  # measured: +0.17% at most
+
+
+def _sp_worker(rank, world):
+    """tp 2: the column-parallel FP8 linear with SP (its all-gather in FP8) and without SP (x
+    whole on each rank, cast by the GEMM): forward outputs, and the tp bytes of the forward."""
+    from mpoverlap.comm.ledger import CommLedger
+    from mpoverlap.config import ModelConfig
+    from mpoverlap.parallel import ParallelState, RankGrid
+    from mpoverlap.precision import autocast_context
+    from mpoverlap.tensor_parallel import ColumnParallelLinear, tp_kwargs
+
+    state = ParallelState.create(RankGrid(tp=2), torch.device("cpu"))
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, seq_length=32,
+                      vocab_size=64, make_vocab_size_divisible_by=16)
+    x = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(3)) * 3
+    out = {}
+    for sp, emulate in ((True, False), (False, False), (True, True)):
+        ledger = CommLedger()
+        col = ColumnParallelLinear(32, 64, name="layers.0.mlp.gate_up", cfg=cfg, seed=5,
+                                   **tp_kwargs(state, sequence_parallel=sp, overlap=False, ledger=ledger))
+        col.fp8_recipe, col.fp8_emulate = "tensorwise", emulate
+        xi = x[:, rank * 16:(rank + 1) * 16] if sp else x
+        with autocast_context("fp8", torch.device("cpu")):
+            y = col(xi.clone())
+        out[(sp, emulate)] = (y.detach(), ledger.reset().get("tp", {}).get("bytes", 0))
+    (y_sp, bytes_sp), (y_full, _), (y_emu, _) = out[(True, False)], out[(False, False)], out[(True, True)]
+    return dict(equal=torch.equal(y_sp, y_full), emu_excess=float(((y_sp.float() - y_emu.float()).abs() / (
+        y_emu.float().abs() * BF16_OUT + BF16_OUT * y_emu.float().abs().max())).max()), tp_bytes=bytes_sp)
+
+
+def test_sp_all_gather_in_fp8_is_the_single_cast():
+    """The SP all-gather before the column-parallel FP8 GEMM carries e4m3 (one scale from the
+    tp-reduced amax): its output is bit for bit the GEMM's own cast of the whole sequence (the
+    layout without SP), within one bf16 rounding of its emulation, and the forward's tp bytes
+    are the gathered 1 byte an element plus the 4-byte amax."""
+    from dist_harness import run_distributed
+
+    for rep in run_distributed(_sp_worker, 2, timeout_s=300):
+        assert rep["equal"], rep
+        assert rep["emu_excess"] <= 1, rep
+        assert rep["tp_bytes"] == 2 * 32 * 32 + 4, rep
+
+
+def test_tp2_sp_with_fp8_gathers_reproduces_the_single_process_curve(runs):
+    """tp 2 with SP (the blocks' forward all-gathers in FP8) against the single-process fp8
+    curve within test_fp8_train's layout bound (the same layout in bf16 against bf16, plus
+    twice the single process's own fp8 effect, margin 2); its tp bytes against the estimate's,
+    which counts those gathers at 1 byte an element."""
+    ref16, ref8 = ([r["loss"] for r in runs[n]] for n in ("ref_bf16", "ref_fp8"))
+    got = [r["loss"] for r in runs["tp2sp_fp8"]]
+    limit = bounds(ref16, ref8, [r["loss"] for r in runs["tp2sp_bf16"]])
+    gaps = [abs(a - b) / b for a, b in zip(got, ref8)]
+    print(f"tp2 sp fp8 gathers: gaps {['%.1e' % g for g in gaps]}, bounds {['%.1e' % b for b in limit]}")
+    assert all(g <= b for g, b in zip(gaps, limit)), (gaps, limit)
+    for name in ("tp2sp_bf16", "tp2sp_fp8"):
+        world, overrides, _ = SPECS[name]
+        est = estimate(compose(list(overrides)), world).comm_bytes_per_step["tp"]
+        got_bytes = runs[name][-1]["comm"]["tp"]["bytes"]
+        print(name, "tp bytes", got_bytes, "estimate", est)
+        assert abs(got_bytes - est) <= 0.03 * est, (name, got_bytes, est)

@@ -31,7 +31,7 @@ try:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8.config import Float8LinearConfig, ScalingGranularity
-        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_scale, to_fp8_saturated
 finally:
     for _log, _level in zip(_QUIET, _LEVELS):
         _log.setLevel(_level)
@@ -58,9 +58,10 @@ def fp8_gemm(a: torch.Tensor, b, dtype_a: torch.dtype, dtype_b: torch.dtype, rec
     """a (M, K) @ b (K, N) with both cast to fp8 (scaled along K under rowwise); `out_dtype`
     out (default bf16), or fp32 from the dequantized operands under `emulate` (cast to
     `out_dtype` when one is given, so both round their fp32 sum to the same dtype). `b` may
-    come already quantized: a pair (fp8 values (K, N), scale), used as it is (no second cast)."""
+    come already quantized: a pair (fp8 values (K, N), scale), used as it is (no second cast);
+    so may `a` ((M, K) and its scale)."""
     rowwise = recipe == "rowwise"
-    qa, sa = _quantize(a, dtype_a, -1, rowwise)
+    qa, sa = a if isinstance(a, tuple) else _quantize(a, dtype_a, -1, rowwise)
     qb, sb = b if isinstance(b, tuple) else _quantize(b, dtype_b, 0, rowwise)
     if emulate:
         out = (qa.float() / sa) @ (qb.float() / sb)
@@ -153,6 +154,26 @@ class Fp8Gemms:
         y = fp8_gemm(x.reshape(-1, x.shape[-1]), self._weight(weight, True), E4M3, E4M3, self.recipe, self.emulate,
                      x.dtype)
         y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def gathers_input(self) -> bool:
+        """Whether a sequence-parallel all-gather of x may carry FP8 (one scale for the gathered
+        tensor: the tensorwise recipe; rowwise keeps its gather in the compute dtype)."""
+        return self.recipe == "tensorwise"
+
+    @staticmethod
+    def quantize_input(x: torch.Tensor, amax: torch.Tensor):
+        """x in e4m3 and its scale from `amax` (the gathered tensor's, reduced over the ranks):
+        the cast the forward GEMM makes of any tensor whose amax that is (tensor_to_scale)."""
+        scale = amax_to_scale(amax, E4M3)
+        return to_fp8_saturated(x.float() * scale, E4M3), scale
+
+    def forward_quantized(self, qx: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias=None,
+                          out_dtype=torch.bfloat16) -> torch.Tensor:
+        """forward with x already in e4m3 (`qx` (..., K), `scale`: quantize_input's), not cast again."""
+        y = fp8_gemm((qx.reshape(-1, qx.shape[-1]), scale), self._weight(weight, True), E4M3, E4M3, self.recipe,
+                     self.emulate, out_dtype)
+        y = y.reshape(*qx.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
 
     def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -51,10 +51,10 @@ class RankEstimate:
 
 
 def compute_bytes(cfg: Any) -> int:
-    """Bytes of the compute dtype: 2 when `train.precision` is bf16, else fp32's 4 (the key is
-    read only where the schema has it)."""
+    """Bytes of the compute dtype: 2 when `train.precision` is bf16 (or fp8, whose activations
+    and non-FP8 GEMMs are bf16), else fp32's 4 (the key is read only where the schema has it)."""
     precision = getattr(cfg.train, "precision", "fp32")
-    return 2 if str(precision) in ("bf16", "fp16") else 4
+    return 2 if str(precision) in ("bf16", "fp16", "fp8") else 4
 
 
 def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optional[int] = None,
