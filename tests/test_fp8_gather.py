@@ -1,8 +1,10 @@
-"""FP8 ZeRO-3 gathers (train.param_gather_dtype=fp8, data_parallel/fp8_gather.py): the FP8 GEMM
-on a pre-quantized weight against its emulation, the ZeRO-3 run against the single-process fp8
-run (one scale per whole weight: the same casts, so the same losses), the GEMMs taking the
+"""FP8 gathers. ZeRO-3 (train.param_gather_dtype=fp8, data_parallel/fp8_gather.py): the FP8
+GEMM on a pre-quantized weight against its emulation, the ZeRO-3 run against the single-process
+fp8 run (one scale per whole weight: the same casts, so the same losses), the GEMMs taking the
 gathered weights uncast, and the dp gather bytes of metrics against fp32 gathers' and the
-estimate's."""
+estimate's. Sequence parallelism (tensor_parallel/linear_functions.py): the column-parallel
+forward's all-gather in FP8 against the GEMM's own cast and its emulation, its bytes, and a
+tp2 SP run against the single-process fp8 curve."""
 from __future__ import annotations
 
 import os
