@@ -221,3 +221,18 @@ def test_tp2_sp_with_fp8_gathers_reproduces_the_single_process_curve(runs):
         got_bytes = runs[name][-1]["comm"]["tp"]["bytes"]
         print(name, "tp bytes", got_bytes, "estimate", est)
         assert abs(got_bytes - est) <= 0.03 * est, (name, got_bytes, est)
+
+
+def test_estimate_holds_the_gathered_fp8_copies():
+    """FP8 gathers keep each gathered bucket's e4m3 copy beside the fp32 one: the estimate's
+    gathered working set is 5/4 of the fp32 gathers' (1 byte more an element)."""
+    from mpoverlap.overlap.estimate.params import stage_params
+    from mpoverlap.overlap.estimate.sharding import state_memory
+    from mpoverlap.overlap.layout import build_layout
+
+    held = {}
+    for d in ("fp32", "fp8"):
+        cfg = compose([*WIDE, *ZERO3, f"train.param_gather_dtype={d}"])
+        lo = build_layout(cfg, 2)
+        held[d] = state_memory(cfg, lo, 0, stage_params(cfg, lo, 0), 0)["gathered"]
+    assert held["fp8"] * 4 == held["fp32"] * 5 > 0, held

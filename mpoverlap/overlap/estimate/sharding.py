@@ -83,15 +83,18 @@ def expert_group_size(cfg: Any, lo: Layout) -> int:
 
 
 def gathered_working_set(cfg: Any, lo: Layout, stage: int, n: int) -> int:
-    """U in bytes (see the module doc)."""
+    """U in bytes (see the module doc). FP8 gathers (train.param_gather_dtype=fp8) hold each
+    gathered bucket's e4m3 copy beside it for the GEMMs: 1 byte more an element (counted for
+    every gathered element, an upper bound: the norms and the embedding have none)."""
+    per = BYTES + (1 if unit_gather_format(cfg, level_of(cfg, lo)) == "fp8" else 0)
     if not bool(cfg.train.reshard_after_forward):
-        return BYTES * n
+        return per * n
     ahead = int(cfg.overlap.dp_prefetch) if lo.mode("dp") != "false" else 0
     units = unit_params(cfg, lo, stage)
     held = (1 + ahead) * max(units)
     if stage == 0 and (tied_on_one_chunk(cfg, lo) or defers_weight_grads_of(cfg, lo)):
         held += embedding_params(cfg, lo)
-    return BYTES * min(held, n)
+    return per * min(held, n)
 
 
 def defers_weight_grads_of(cfg: Any, lo: Layout) -> bool:
