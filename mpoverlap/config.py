@@ -221,9 +221,11 @@ class TrainConfig:
     # auto | true | false: each rank adds what its quantized gradient send lost to the next send
     # (fp32 residuals, 4 bytes a parameter, checkpointed); auto = on for fp8/int8.
     grad_error_feedback: Any = "auto"
-    # auto | fp32 | bf16 | int8: what ZeRO-3's unit gathers (transient compute copies of the
-    # weights) carry; auto = the compute dtype (bf16 under train.precision=bf16). int8: blockwise,
-    # one fp32 scale per block. Other sharding levels gather the weights themselves: fp32.
+    # auto | fp32 | bf16 | int8 | fp8: what ZeRO-3's unit gathers (transient compute copies of the
+    # weights) carry; auto = the compute dtype (bf16 under train.precision=bf16 and fp8). int8:
+    # blockwise, one fp32 scale per block. fp8 (train.precision=fp8, tensorwise recipe): the FP8
+    # GEMMs' weights in e4m3, one scale per weight, used by the GEMMs uncast
+    # (data_parallel/fp8_gather.py). Other sharding levels gather the weights themselves: fp32.
     param_gather_dtype: str = "auto"
     # auto | bf16 | fp8: what the MoE dispatch's forward all-to-all (or all-gather) carries;
     # auto = the activation dtype. fp8: each token's hidden vector in blocks of 128, e4m3 values

@@ -89,16 +89,9 @@ class UnitGatherer:
         self.sharded = [ddp.bucket_group(b.index).group is not None for b in buf.buckets]
         # Each sharded bucket's gather in gather_dtype (None: fp32 into the bucket itself).
         self._formats = [None] * len(buf.buckets)
+        self.fp8_scales = None  # fp8: the step's per-weight scales (data_parallel/fp8_gather.py)
         if gather_dtype != "fp32":
-            from mpoverlap.precision import compute_cast_weights
-
-            cast = compute_cast_weights(ddp.module)
-            for b in buf.buckets:
-                if self.sharded[b.index] and b.param_data.dtype == torch.float32:
-                    group = ddp.bucket_group(b.index)
-                    plan = BucketGather(gather_dtype, b.numel, exact_ranges(b, buf.index, cast), size=group.size,
-                                        rank=group.rank, device=b.param_data.device)
-                    self._formats[b.index] = plan if plan.fmt != "fp32" else None
+            self._plan_formats(gather_dtype)
         self.buckets_of: List[List[int]] = []
         for u in self.units:
             ids = sorted({buf.index[p][2] for p in list(u.owned) + list(u.shared) if p in buf.index})
@@ -127,6 +120,41 @@ class UnitGatherer:
         self.reshard_all()  # the full buckets build_buffer filled: from now on only shards persist
         self.held_bytes = self.peak_held_bytes = 0
 
+    def _plan_formats(self, gather_dtype: str) -> None:
+        """Each sharded fp32 bucket's BucketGather. fp8: the buckets holding FP8 GEMM weights
+        carry them in e4m3 (the rest of such a bucket in fp32), the other buckets bf16."""
+        from mpoverlap.data_parallel.fp8_gather import Fp8Scales, Fp8Shards, attach, fp8_weights
+        from mpoverlap.precision import compute_cast_weights
+
+        ddp, buf = self.ddp, self.ddp.buffer
+        cast = compute_cast_weights(ddp.module)
+        fp8 = fp8_weights(ddp.module) if gather_dtype == "fp8" else {}
+        if gather_dtype == "fp8" and not fp8:
+            raise ValueError("train.param_gather_dtype=fp8 gathers the weights of FP8 GEMMs, and this model has "
+                             "none: set train.precision=fp8 (train.fp8_recipe=tensorwise), or "
+                             "train.param_gather_dtype=bf16")
+        for b in buf.buckets:
+            if not (self.sharded[b.index] and b.param_data.dtype == torch.float32):
+                continue
+            group = ddp.bucket_group(b.index)
+            mine = sorted((p for p, (_, _, i) in buf.index.items() if i == b.index and p in fp8),
+                          key=lambda p: buf.index[p][0])
+            kw = dict(size=group.size, rank=group.rank, device=b.param_data.device)
+            if mine:
+                if self.fp8_scales is None:
+                    self.fp8_scales = Fp8Scales(group.group, ddp.ledger)
+                elif self.fp8_scales.group is not group.group:
+                    raise ValueError("train.param_gather_dtype=fp8: the FP8 weights' buckets are sharded over "
+                                     "different groups, and their amaxes are reduced over one")
+                spans = [(buf.index[p][0] - b.offset, buf.index[p][1] - b.offset, p.shape) for p in mine]
+                part = Fp8Shards(b.numel, spans, scales=self.fp8_scales, bucket=b.index, **kw)
+                attach(part, mine)
+                plan = BucketGather("fp8", b.numel, exact_ranges(b, buf.index, set(mine)), fp8=part, **kw)
+            else:
+                plan = BucketGather("bf16" if gather_dtype == "fp8" else gather_dtype, b.numel,
+                                    exact_ranges(b, buf.index, cast), **kw)
+            self._formats[b.index] = plan if plan.fmt != "fp32" else None
+
     # ---- per bucket ----------------------------------------------------------------------
     def _gather(self, b: int, exact: bool = False) -> None:
         if b in self._pending:
@@ -141,6 +169,8 @@ class UnitGatherer:
         if plan is None:
             self._pending[b] = all_gather(full, shard, group, mode="dp", ledger=self.ddp.ledger)
         else:
+            if plan.fp8 is not None:
+                self.fp8_scales.ensure(self.ddp.param_shard)
             self._pending[b] = plan.issue(full, shard, group, mode="dp", ledger=self.ddp.ledger)
 
     def _wait(self, b: int) -> None:
@@ -155,6 +185,9 @@ class UnitGatherer:
             self._free_later.add(b)
             return
         self._wait(b)  # a gather in flight writes the storage
+        plan = self._formats[b]
+        if plan is not None and plan.fp8 is not None:
+            plan.fp8.release()
         data = self.ddp.buffer.buckets[b].param_data
         self.held_bytes -= data.untyped_storage().nbytes()
         free_storage(data)
@@ -243,10 +276,13 @@ class UnitGatherer:
 
     # ---- whole model ---------------------------------------------------------------------
     def reshard_all(self) -> None:
-        """Free every gathered bucket (after the optimizer step: their content is stale)."""
+        """Free every gathered bucket (after the optimizer step: their content is stale, and so
+        are the FP8 gathers' scales)."""
         for b, sharded in enumerate(self.sharded):
             if sharded:
                 self.free(b)
+        if self.fp8_scales is not None:
+            self.fp8_scales.invalidate()
 
     def reset_peak(self) -> None:
         self.peak_held_bytes = self.held_bytes

@@ -42,7 +42,7 @@ def shards_params(level: str) -> bool:
     return level == "optim_grads_params"
 
 
-GATHER_DTYPES = ("auto", "fp32", "bf16", "int8")
+GATHER_DTYPES = ("auto", "fp32", "bf16", "int8", "fp8")
 
 
 def param_gather_dtype(requested: str, precision: str, level: str) -> str:
@@ -51,7 +51,10 @@ def param_gather_dtype(requested: str, precision: str, level: str) -> str:
     train.precision=bf16: the values the forward's own cast makes of the GEMM weights); the
     owner's fp32 shard, the master weight, is never rounded. Every other level's gather (of the
     updated shards after the step) writes the weights themselves and stays fp32: `auto` resolves
-    to fp32 there, and the rule dp.param_gather_dtype refuses bf16/int8."""
+    to fp32 there, and the rule dp.param_gather_dtype refuses bf16/int8/fp8. Under
+    train.precision=fp8 `auto` is bf16 too (compute_precision maps fp8 to bf16): FP8 gathers
+    (data_parallel/fp8_gather.py) are opt-in, `fp8`, as the peers' (Megatron's
+    --fp8-param-gather, torchao's enable_fsdp_float8_all_gather)."""
     if requested == "auto":
         return precision if shards_params(level) and precision == "bf16" else "fp32"
     return requested

@@ -8,7 +8,8 @@ Under train.precision=bf16 the bf16 format then changes no value the model compu
 GEMM casts its weight to bf16 anyway (the cast of a bf16 value is itself), and the parameters
 it reads as they are arrive exactly. int8 sends those weights blockwise (comm/wire.py, one fp32
 scale per GATHER_BLOCK elements; the exact elements zeroed first, so no norm weight sets a
-block's scale).
+block's scale). fp8 (train.precision=fp8) sends the FP8 GEMMs' weights in e4m3 with one scale per
+weight, everything else of their buckets in fp32, the other buckets as bf16 (fp8_gather.py).
 
 Each rank's shard of a bucket is a contiguous run of it, and its exact elements form a run of
 the bucket's exact elements in the same order, so each rank sends one buffer:
@@ -35,17 +36,21 @@ from mpoverlap.comm.wire import dequantize, packed_bytes, quantize, wire_format
 
 # Elements per int8 scale (qwZ-like blocks: 4 bytes of scale per 2,048 bytes of values).
 GATHER_BLOCK = 2048
-FORMATS = ("fp32", "bf16", "int8")
+FORMATS = ("fp32", "bf16", "int8", "fp8")
 
 
 class BucketGather:
     """The gather of one sharded bucket of `numel` elements over `size` ranks (this one `rank`);
-    `exact`: [lo, hi) element ranges of the bucket that travel in fp32."""
+    `exact`: [lo, hi) element ranges of the bucket that travel in fp32; `fp8` (format fp8): the
+    FP8 part's casts (data_parallel/fp8_gather.py Fp8Shards), `exact` then everything else."""
 
     def __init__(self, fmt: str, numel: int, exact: Sequence[Tuple[int, int]], *, size: int, rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fp8=None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"a unit gather's format is one of {FORMATS}, got {fmt!r}")
+        if (fmt == "fp8") != (fp8 is not None):
+            raise ValueError("an fp8 unit gather needs its FP8 part (fp8_gather.Fp8Shards), no other format one")
+        self.fp8 = fp8
         self.shard = numel // size
         self.size = size
         # Built once on the host at start-up, the index tensors moved to the bucket's device below.
@@ -69,6 +74,8 @@ class BucketGather:
         self.dst = positions.to(device)
 
     def lossy_bytes(self) -> int:
+        if self.fp8 is not None:
+            return self.shard
         return packed_bytes(self.shard, self.wire, GATHER_BLOCK) if self.wire is not None else 2 * self.shard
 
     def issue(self, full: torch.Tensor, shard: torch.Tensor, group, *, mode: str, ledger) -> CommHandle:
@@ -78,7 +85,9 @@ class BucketGather:
         parts = []
         if self.side:
             parts.append(shard.index_select(0, self.take).view(torch.uint8))
-        if self.wire is not None:
+        if self.fp8 is not None:
+            parts.append(self.fp8.pack(shard))
+        elif self.wire is not None:
             values = shard.index_fill(0, self.fill, 0.0) if len(self.fill) else shard
             parts.append(quantize(values.view(1, -1), self.wire, GATHER_BLOCK).view(-1))
         else:
@@ -91,7 +100,9 @@ class BucketGather:
         recv = recv.view(self.size, -1)
         at = 4 * self.side
         lossy = recv[:, at:]
-        if self.wire is not None:
+        if self.fp8 is not None:
+            self.fp8.unpack(full, lossy)
+        elif self.wire is not None:
             full.view(self.size, self.shard).copy_(dequantize(lossy, self.shard, self.wire, GATHER_BLOCK))
         else:
             full.view(self.size, self.shard).copy_(lossy.view(torch.bfloat16))
@@ -115,11 +126,14 @@ def gather_bytes(fmt: str, cast_numel: int, exact_numel: int) -> float:
     padding left out (the estimate's figure)."""
     if fmt == "fp32":
         return 4.0 * (cast_numel + exact_numel)
-    per = 2.0 if fmt == "bf16" else 1.0 + 4.0 / GATHER_BLOCK
+    per = {"bf16": 2.0, "fp8": 1.0}.get(fmt, 1.0 + 4.0 / GATHER_BLOCK)
     return per * cast_numel + 4.0 * exact_numel
 
 
 def describe(fmt: str) -> str:
     if fmt == "fp32":
         return "fp32"
+    if fmt == "fp8":
+        return ("fp8 (e4m3, one scale per weight from one amax all-reduce a step: the FP8 GEMMs' weights, handed "
+                "to the GEMMs uncast; an untied head's weight in bf16; norms, biases and embeddings in fp32)")
     return f"{fmt} (the weights the GEMMs cast; norms, biases, embeddings and the router in fp32)"

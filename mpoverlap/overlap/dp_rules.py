@@ -107,11 +107,11 @@ def _gather_needs_replicas(lo: Layout):
 
 
 @rule("dp.param_gather_dtype", "dp", ("train.param_gather_dtype", "train.dp_sharding", "parallel.dp", "parallel.cp"),
-      "train.param_gather_dtype=bf16|int8 rounds only ZeRO-3's transient unit gathers, and needs data-parallel "
+      "train.param_gather_dtype=bf16|int8|fp8 rounds only ZeRO-3's transient unit gathers, and needs data-parallel "
       "ranks to gather from")
 def _gather_dtype(lo: Layout):
     asked = str(lo.cfg.train.param_gather_dtype)
-    if asked not in ("bf16", "int8"):
+    if asked not in ("bf16", "int8", "fp8"):
         return
     level = sharding_level(lo.cfg)
     keys = {"train.param_gather_dtype": asked, "train.dp_sharding": level}

@@ -1,5 +1,5 @@
 """train.precision=fp8 rules: torchao present, every FP8 GEMM's dimensions divisible by 16, a
-device with FP8 GEMMs, the ZeRO-3 gathers' dtype, and the layouts not built in FP8 yet.
+device with FP8 GEMMs, what FP8 ZeRO-3 gathers need, and the layouts not built in FP8 yet.
 
 What runs in FP8 (precision/fp8_select.py): the transformer blocks' q/k/v and attention output
 projections and the MLP linears, on every path (plain, tensor-parallel with sequence
@@ -113,17 +113,26 @@ def _device(lo: Layout):
                       [TO_BF16])
 
 
-@rule("fp8.param_gather", "general", ("train.precision", "train.param_gather_dtype"),
-      "under fp8 the ZeRO-3 gathers carry bf16 (FP8 gathers are not built)")
+@rule("fp8.param_gather", "general", ("train.precision", "train.fp8_recipe", "train.param_gather_dtype"),
+      "train.param_gather_dtype=fp8 needs train.precision=fp8 with the tensorwise recipe")
 def _param_gather(lo: Layout):
     asked = str(lo.cfg.train.param_gather_dtype)
-    if _fp8(lo) and asked == "fp8":
-        yield Problem("fp8.param_gather", {"train.param_gather_dtype": asked,
-                                           "train.fp8_recipe": str(lo.cfg.train.fp8_recipe)},
-                      "FP8 parameter gathers are not built (and the rowwise recipe's per-row scales cannot "
-                      "travel with a gathered shard): under train.precision=fp8 the gathers carry bf16 "
-                      "and each GEMM casts its weight to fp8",
-                      ["train.param_gather_dtype=auto"])
+    if asked != "fp8":
+        return
+    precision, recipe = str(lo.cfg.train.precision), str(lo.cfg.train.fp8_recipe)
+    if precision != "fp8":
+        yield Problem("fp8.param_gather", {"train.param_gather_dtype": asked, "train.precision": precision},
+                      "FP8 gathers carry the weights of the FP8 GEMMs cast as those GEMMs cast them, and "
+                      f"under train.precision={precision} no GEMM runs in FP8 (or gather in the compute "
+                      "dtype: train.param_gather_dtype=auto)",
+                      ["train.precision=fp8"])
+    elif recipe != "tensorwise":
+        yield Problem("fp8.param_gather", {"train.param_gather_dtype": asked, "train.fp8_recipe": recipe},
+                      f"the {recipe} recipe scales each row of a GEMM operand on its own, and a row's scale "
+                      "cannot be shared before the gather (a rank holds a flat shard, not whole rows of the "
+                      "operand the GEMM scales): FP8 gathers need one scale per weight, the tensorwise recipe "
+                      "(or keep rowwise and gather bf16: train.param_gather_dtype=bf16)",
+                      ["train.fp8_recipe=tensorwise"])
 
 
 @rule("fp8.moe", "general", ("train.precision", "model.num_experts", "model.moe_grouped_gemm",

@@ -116,7 +116,7 @@ _CHOICES = {
     "train.fp8_recipe": ("tensorwise", "rowwise"),  # = precision.fp8.RECIPES
     "train.compile_backend": ("inductor", "aot_eager", "eager"),  # = models/fused.py BACKENDS
     "train.grad_reduce_dtype": ("fp32", "bf16", "fp8", "int8"),
-    "train.param_gather_dtype": ("auto", "fp32", "bf16", "int8"),  # = data_parallel.levels.GATHER_DTYPES
+    "train.param_gather_dtype": ("auto", "fp32", "bf16", "int8", "fp8"),  # = data_parallel.levels.GATHER_DTYPES
     "train.ep_dispatch_dtype": ("auto", "bf16", "fp8"),  # = moe.dispatch_wire.DISPATCH_DTYPES
     "train.dp_sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
     "overlap.comm_priority": ("auto", "high", "normal"),  # = overlap.priority.PRIORITY_CHOICES

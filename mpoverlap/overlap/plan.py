@@ -69,7 +69,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         _attention_shape_line(m),
         _param_line(cfg),
         f"  batch: global {t.global_batch_size} = {lo.num_microbatches} microbatch(es) x "
-        f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; dp sharding {_sharding(cfg)}",
+        f"{t.micro_batch_size} x dp {lo.dp}; {t.steps} steps; dp sharding {_sharding(cfg, lo)}",
         f"  precision {t.precision} (master weights, gradients and optimizer state fp32); "
         f"dp gradients reduced in {_grad_wire(cfg)}",
     ]
@@ -330,7 +330,20 @@ def _grad_wire(cfg: Any) -> str:
             f"{hops}, summed in fp32; error feedback {feedback})")
 
 
-def _sharding(cfg: Any) -> str:
+def _gather_pass(cfg: Any, lo: Any) -> str:
+    """What one gather of a stage-0 rank's dense parameters carries, against fp32."""
+    from mpoverlap.overlap.estimate.params import read_as_is_params, stage_params
+    from mpoverlap.overlap.estimate.sharding import level_of, unit_gather_pass_bytes
+
+    if level_of(cfg, lo) != "optim_grads_params":
+        return ""  # a single replica: nothing is sharded, nothing gathered
+    count = stage_params(cfg, lo, 0) - stage_params(cfg, lo, 0, expert_only=True)
+    exact = min(count, read_as_is_params(cfg, lo, 0))
+    got = unit_gather_pass_bytes(cfg, lo, 0, count, exact)
+    return f"; one pass over stage 0's units gathers {got / 2 ** 20:.2f} MiB a rank ({got / (4 * count):.2f} of fp32)"
+
+
+def _sharding(cfg: Any, lo: Any) -> str:
     from mpoverlap.overlap.dp_rules import sharding_level
 
     level = sharding_level(cfg)
@@ -345,7 +358,7 @@ def _sharding(cfg: Any) -> str:
         why = ", auto: the compute dtype" if asked == "auto" else ""
         extra = (f", reshard_after_forward={str(bool(cfg.train.reshard_after_forward)).lower()}, "
                  f"prefetch {cfg.overlap.dp_prefetch} unit(s); unit gathers in {describe(kind)}{why}; the fp32 "
-                 "master shards are never rounded")
+                 "master shards are never rounded" + _gather_pass(cfg, lo))
     elif level in ("optim", "optim_grads"):
         extra = "; the parameter gather after the step fp32 (its result is the weights themselves)"
     return f"{level} ({zero}{extra})"

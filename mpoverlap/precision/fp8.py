@@ -31,7 +31,7 @@ try:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8.config import Float8LinearConfig, ScalingGranularity
-        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_scale, to_fp8_saturated
 finally:
     for _log, _level in zip(_QUIET, _LEVELS):
         _log.setLevel(_level)
@@ -53,14 +53,16 @@ def _quantize(t: torch.Tensor, dtype: torch.dtype, dim, rowwise: bool):
     return to_fp8_saturated(t.float() * scale, dtype), scale
 
 
-def fp8_gemm(a: torch.Tensor, b: torch.Tensor, dtype_a: torch.dtype, dtype_b: torch.dtype, recipe: str,
+def fp8_gemm(a: torch.Tensor, b, dtype_a: torch.dtype, dtype_b: torch.dtype, recipe: str,
              emulate: bool = False, out_dtype=None) -> torch.Tensor:
     """a (M, K) @ b (K, N) with both cast to fp8 (scaled along K under rowwise); `out_dtype`
     out (default bf16), or fp32 from the dequantized operands under `emulate` (cast to
-    `out_dtype` when one is given, so both round their fp32 sum to the same dtype)."""
+    `out_dtype` when one is given, so both round their fp32 sum to the same dtype). `b` may
+    come already quantized: a pair (fp8 values (K, N), scale), used as it is (no second cast);
+    so may `a` ((M, K) and its scale)."""
     rowwise = recipe == "rowwise"
-    qa, sa = _quantize(a, dtype_a, -1, rowwise)
-    qb, sb = _quantize(b, dtype_b, 0, rowwise)
+    qa, sa = a if isinstance(a, tuple) else _quantize(a, dtype_a, -1, rowwise)
+    qb, sb = b if isinstance(b, tuple) else _quantize(b, dtype_b, 0, rowwise)
     if emulate:
         out = (qa.float() / sa) @ (qb.float() / sb)
         return out if out_dtype is None else out.to(out_dtype)
@@ -116,26 +118,68 @@ class Fp8Gemms:
     emulation (`emulate=True`: the same casts and scales, dequantized, fp32 matmul) follows
     the same split. x and the output gradient arrive in the compute dtype (bf16 under
     train.precision=fp8), W as the step's bf16 cast of the fp32 parameter; forward and dgrad
-    return that dtype, wgrad fp32 (the master gradient's dtype: _scaled_mm writes it directly)."""
+    return that dtype, wgrad fp32 (the master gradient's dtype: _scaled_mm writes it directly).
 
-    __slots__ = ("recipe", "emulate")
+    `gathered` (tensorwise only): the weight's FP8 ZeRO-3 gather (data_parallel/fp8_gather.py),
+    whose `quantized()` is the gathered e4m3 weight and its scale while the weight's unit is
+    gathered in FP8: forward and dgrad then use those as they are instead of casting `weight`
+    (the same values: the scale is the whole weight's, from the gathered amax). None, or
+    `quantized()` None (a unit gathered exactly, for a checkpoint): the weight is cast here."""
 
-    def __init__(self, recipe: str, emulate: bool = False) -> None:
+    __slots__ = ("recipe", "emulate", "gathered")
+
+    def __init__(self, recipe: str, emulate: bool = False, gathered=None) -> None:
         if recipe not in RECIPES:
             raise ValueError(f"train.fp8_recipe={recipe}: not a recipe; use one of {', '.join(RECIPES)}, "
                              "e.g. train.fp8_recipe=tensorwise")
-        self.recipe, self.emulate = recipe, emulate
+        if gathered is not None and recipe != "tensorwise":
+            raise ValueError(f"train.fp8_recipe={recipe} with train.param_gather_dtype=fp8: a gathered FP8 weight "
+                             "has one scale for the whole weight, the rowwise recipe one per row; use "
+                             "train.fp8_recipe=tensorwise or train.param_gather_dtype=bf16")
+        self.recipe, self.emulate, self.gathered = recipe, emulate, gathered
+
+    def _weight(self, weight: torch.Tensor, transpose: bool):
+        """W (N, K) for the GEMM (W^T when `transpose`): the gathered FP8 pair when there is one."""
+        pre = self.gathered.quantized() if self.gathered is not None else None
+        if pre is None:
+            return weight.t() if transpose else weight
+        q, scale = pre
+        if q.shape != weight.shape:
+            raise ValueError(f"the gathered FP8 weight has shape {tuple(q.shape)}, the GEMM's weight "
+                             f"{tuple(weight.shape)}")
+        return (q.t() if transpose else q), scale
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
         """x (..., K) W (N, K)^T (+ bias) -> (..., N) in x's dtype; x and W in e4m3."""
-        y = fp8_gemm(x.reshape(-1, x.shape[-1]), weight.t(), E4M3, E4M3, self.recipe, self.emulate, x.dtype)
+        y = fp8_gemm(x.reshape(-1, x.shape[-1]), self._weight(weight, True), E4M3, E4M3, self.recipe, self.emulate,
+                     x.dtype)
         y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def gathers_input(self) -> bool:
+        """Whether a sequence-parallel all-gather of x may carry FP8 (one scale for the gathered
+        tensor: the tensorwise recipe; rowwise keeps its gather in the compute dtype)."""
+        return self.recipe == "tensorwise"
+
+    @staticmethod
+    def quantize_input(x: torch.Tensor, amax: torch.Tensor):
+        """x in e4m3 and its scale from `amax` (the gathered tensor's, reduced over the ranks):
+        the cast the forward GEMM makes of any tensor whose amax that is (tensor_to_scale)."""
+        scale = amax_to_scale(amax, E4M3)
+        return to_fp8_saturated(x.float() * scale, E4M3), scale
+
+    def forward_quantized(self, qx: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias=None,
+                          out_dtype=torch.bfloat16) -> torch.Tensor:
+        """forward with x already in e4m3 (`qx` (..., K), `scale`: quantize_input's), not cast again."""
+        y = fp8_gemm((qx.reshape(-1, qx.shape[-1]), scale), self._weight(weight, True), E4M3, E4M3, self.recipe,
+                     self.emulate, out_dtype)
+        y = y.reshape(*qx.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
 
     def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """grad (..., N) W (N, K) -> (..., K) in grad's dtype; the gradient in grad_dtype(recipe)."""
-        out = fp8_gemm(grad.reshape(-1, grad.shape[-1]), weight, grad_dtype(self.recipe), E4M3, self.recipe,
-                       self.emulate, grad.dtype)
+        out = fp8_gemm(grad.reshape(-1, grad.shape[-1]), self._weight(weight, False), grad_dtype(self.recipe), E4M3,
+                       self.recipe, self.emulate, grad.dtype)
         return out.reshape(*grad.shape[:-1], weight.shape[1])
 
     def wgrad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

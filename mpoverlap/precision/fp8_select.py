@@ -51,13 +51,14 @@ def mark_fp8_gemms(model: nn.Module, recipe: str, emulate: bool = False) -> List
 
 
 def fp8_gemms(module: nn.Module):
-    """The module's FP8 GEMMs (precision.fp8.Fp8Gemms) when it is marked, else None (bf16)."""
+    """The module's FP8 GEMMs (precision.fp8.Fp8Gemms) when it is marked, else None (bf16); with
+    its weight's FP8 ZeRO-3 gather (`fp8_gathered`, set by data_parallel/fp8_gather.py) if any."""
     recipe = getattr(module, "fp8_recipe", None)
     if recipe is None:
         return None
     from mpoverlap.precision.fp8 import Fp8Gemms
 
-    return Fp8Gemms(recipe, getattr(module, "fp8_emulate", False))
+    return Fp8Gemms(recipe, getattr(module, "fp8_emulate", False), getattr(module.weight, "fp8_gathered", None))
 
 
 def linear_or_fp8(fp8, x, weight, bias=None):

@@ -32,13 +32,17 @@ casts it to the fp32 parameter's dtype and accumulates it in fp32 (the master gr
 
 FP8 (`fp8`, precision.fp8.Fp8Gemms): the same Functions with their three GEMMs through it; the
 column GEMMs quantize the gathered x (SP: one scale over the whole sequence, as the single
-process's), the weight being this rank's shard with its own scale.
+process's), the weight being this rank's shard with its own scale. Under SP and the tensorwise
+recipe the forward's all-gather carries x in FP8 (`_fp8_gathered_forward`: one all-reduce MAX
+of the chunks' amax, each chunk cast with the shared scale, 1 byte an element gathered, the
+GEMM on it uncast); the backward's re-gather for the weight gradient stays in the compute dtype.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_cast
@@ -60,6 +64,9 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         # SP: the local chunk only, re-gathered in backward; W's cast is the step's (step_cast)
         # or made again there (not saved per microbatch: one more weight-sized tensor in flight).
         ctx.save_for_backward(x, weight_oH)
+        if comm.sequence_parallel and comm.size > 1 and fp8 is not None and fp8.gathers_input():
+            with no_autocast(x):
+                return _fp8_gathered_forward(x, weight_oH, bias_o, comm, fp8, dtype)
         total_x_BSH = seq_all_gather_async(x, comm).wait() if comm.sequence_parallel else x
         with no_autocast(x):
             return linear_or_fp8(fp8, total_x_BSH, step_cast(weight_oH, dtype), cast(bias_o, dtype))
@@ -115,6 +122,19 @@ class ColumnParallelLinearFn(torch.autograd.Function):
 
 
 _BWD = "column.bwd"
+
+
+def _fp8_gathered_forward(x_BsH, weight_oH, bias_o, comm: TPComm, fp8, dtype):
+    """SP forward with the all-gather in FP8 (tensorwise): the amax of the local chunk reduced
+    (MAX) over tp is the gathered sequence's, each rank casts its chunk with that one scale, the
+    gather carries 1 byte an element, and the GEMM takes the gathered e4m3 x as it is: the same
+    cast as a bf16 gather followed by the GEMM's own (the single process's cast of x). Backward
+    re-gathers x in the compute dtype for the weight gradient, as before."""
+    amax = x_BsH.abs().amax().float().reshape(1)
+    all_reduce_async(amax, comm, op=dist.ReduceOp.MAX).wait()
+    q_BsH, scale = fp8.quantize_input(x_BsH, amax[0])
+    q_BSH = seq_all_gather_async(q_BsH.view(torch.uint8), comm).wait().view(q_BsH.dtype)
+    return fp8.forward_quantized(q_BSH, scale, step_cast(weight_oH, dtype), cast(bias_o, dtype), dtype)
 
 
 def _wait(pending, comm: TPComm, step: int) -> None:

@@ -50,6 +50,20 @@ def grad_wire_bytes(reduce_dtype: str) -> float:
     return 2 if reduce_dtype == "bf16" else PARAM_BYTES
 
 
+def fp8_sp_gathers(cfg: Any, lo: Layout) -> bool:
+    """Whether the blocks' column-parallel forward all-gathers carry FP8 (1 byte an element,
+    tensor_parallel/linear_functions.py): train.precision=fp8 with the tensorwise recipe and SP
+    at tp > 1 without collective matmul (whose ring chunks travel in the compute dtype)."""
+    from mpoverlap.overlap.config import CommOverlapConfig
+
+    t = cfg.train
+    if str(t.precision) != "fp8" or str(t.fp8_recipe) != "tensorwise":
+        return False
+    if not (cfg.parallel.sequence_parallel and lo.tp > 1):
+        return False
+    return not CommOverlapConfig.from_config(cfg, lo.world).tp.enabled
+
+
 def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int, c: int,
              f: int = 4) -> List[Op]:
     """Every mode's operations per step on a rank of stage `busiest`; `c` bytes of the compute
@@ -95,6 +109,11 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         per_width = tokens / H * c * layers_here
         if p.sequence_parallel:
             gather = tokens * (c * (5 * tp_layers + 2 / lo.pp) + f / lo.pp)
+            if fp8_sp_gathers(cfg, lo):
+                # the blocks' two forward gathers a layer in FP8 (1 byte), after an all-reduce of
+                # one fp32 amax each
+                gather -= tokens * (c - 1) * 2 * tp_layers
+                ops.append(("tp", "all_reduce", 4 * 2 * tp_layers * micro, lo.tp))
             scatter = tokens * (c * (5 * tp_layers + 1 / lo.pp) + f / lo.pp)
             if is_latent(m):
                 gather += per_width * (latent_in + latent_regather - 2 * H)
@@ -228,7 +247,10 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
             fused = CommOverlapConfig.from_config(cfg, lo.world).tp.enabled
             gathers = len(full_ids) + n_dense
             scatters = len(full_ids) + (n_dense if fused else 0)
-            ops += [("tp", "all_gather", full * gathers, lo.tp), ("tp", "reduce_scatter", full * scatters, lo.tp)]
+            per = 1 if fp8_sp_gathers(cfg, lo) else c  # the replayed forward gathers (FP8: 1 byte)
+            if per != c:
+                ops.append(("tp", "all_reduce", 4 * gathers * micro, lo.tp))
+            ops += [("tp", "all_gather", full // c * per * gathers, lo.tp), ("tp", "reduce_scatter", full * scatters, lo.tp)]
         else:
             ops.append(("tp", "all_reduce", full * len(full_ids), lo.tp))  # the attention's row all-reduce
     if lo.cp > 1 and core_ids:

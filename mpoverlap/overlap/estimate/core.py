@@ -51,16 +51,18 @@ class RankEstimate:
 
 
 def activation_precision(cfg: Any) -> str:
-    """train.precision as the activations, saved tensors and gathers see it: fp8 is bf16 there
-    (the FP8 GEMMs take and return bf16 and save their bf16 inputs for backward; no FP8 gather
-    is built), any other value itself (the key is read only where the schema has it)."""
-    precision = str(getattr(cfg.train, "precision", "fp32"))
-    return "bf16" if precision == "fp8" else precision
+    """train.precision as the activations, saved tensors and the dispatch see it: fp8 is bf16
+    there (the FP8 GEMMs take and return bf16 and save their bf16 inputs for backward; FP8
+    weight gathers are train.param_gather_dtype=fp8's, sharding.unit_gather_pass_bytes), any
+    other value itself (the key is read only where the schema has it)."""
+    from mpoverlap.precision.autocast import compute_precision
+
+    return compute_precision(str(getattr(cfg.train, "precision", "fp32")))
 
 
 def compute_bytes(cfg: Any) -> int:
     """Bytes of the compute dtype: 2 when `train.precision` is bf16 (or fp8, whose activations
-    are bf16), else fp32's 4."""
+    and non-FP8 GEMMs are bf16), else fp32's 4 (the key is read only where the schema has it)."""
     return 2 if activation_precision(cfg) in ("bf16", "fp16") else 4
 
 

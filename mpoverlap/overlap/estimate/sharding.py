@@ -83,15 +83,18 @@ def expert_group_size(cfg: Any, lo: Layout) -> int:
 
 
 def gathered_working_set(cfg: Any, lo: Layout, stage: int, n: int) -> int:
-    """U in bytes (see the module doc)."""
+    """U in bytes (see the module doc). FP8 gathers (train.param_gather_dtype=fp8) hold each
+    gathered bucket's e4m3 copy beside it for the GEMMs: 1 byte more an element (counted for
+    every gathered element, an upper bound: the norms and the embedding have none)."""
+    per = BYTES + (1 if unit_gather_format(cfg, level_of(cfg, lo)) == "fp8" else 0)
     if not bool(cfg.train.reshard_after_forward):
-        return BYTES * n
+        return per * n
     ahead = int(cfg.overlap.dp_prefetch) if lo.mode("dp") != "false" else 0
     units = unit_params(cfg, lo, stage)
     held = (1 + ahead) * max(units)
     if stage == 0 and (tied_on_one_chunk(cfg, lo) or defers_weight_grads_of(cfg, lo)):
         held += embedding_params(cfg, lo)
-    return BYTES * min(held, n)
+    return per * min(held, n)
 
 
 def defers_weight_grads_of(cfg: Any, lo: Layout) -> bool:
@@ -153,11 +156,25 @@ def delayed_grad_memory(cfg: Any, lo: Layout, n: int) -> int:
 
 
 def unit_gather_format(cfg: Any, level: str) -> str:
-    """train.param_gather_dtype as the trainer resolves it (data_parallel/levels.py)."""
+    """train.param_gather_dtype as the trainer resolves it (data_parallel/levels.py, from the
+    compute precision: bf16 under train.precision=fp8 too)."""
     from mpoverlap.data_parallel.levels import param_gather_dtype
-    from mpoverlap.overlap.estimate.core import activation_precision
+    from mpoverlap.precision.autocast import compute_precision
 
-    return param_gather_dtype(str(cfg.train.param_gather_dtype), activation_precision(cfg), level)
+    return param_gather_dtype(str(cfg.train.param_gather_dtype), compute_precision(str(cfg.train.precision)), level)
+
+
+def unit_gather_pass_bytes(cfg: Any, lo: Layout, stage: int, count: int, exact: int) -> float:
+    """Bytes one gather of a rank's `count` dense parameters carries, `exact` of them read as
+    they are (fp32): the GEMM weights in the unit gathers' format; under fp8 the blocks' GEMM
+    weights at 1 byte and an untied head's weight, no FP8 GEMM, in bf16 (data_parallel/fp8_gather.py)."""
+    from mpoverlap.data_parallel.unit_gather import gather_bytes
+
+    fmt = unit_gather_format(cfg, level_of(cfg, lo))
+    if fmt != "fp8":
+        return gather_bytes(fmt, count - exact, exact)
+    head = embedding_params(cfg, lo) if stage == head_stage(cfg, lo) and not cfg.model.tie_embeddings else 0
+    return gather_bytes("fp8", count - exact - head, 0) + gather_bytes("bf16", head, exact)
 
 
 def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: float, stage: int = 0) -> list:
@@ -197,7 +214,7 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: fl
         resharded = bool(cfg.train.reshard_after_forward)
         exact = min(count, read_as_is_params(cfg, lo, stage)) if dense else 0
         fmt = unit_gather_format(cfg, level)
-        per_pass = gather_bytes(fmt, count - exact, exact)
+        per_pass = unit_gather_pass_bytes(cfg, lo, stage, count, exact) if dense else gather_bytes(fmt, count, 0)
         gathered = micro * (2 if resharded else 1) * per_pass
         if resharded and dense and tied_on_one_chunk(cfg, lo) and stage == 0:
             gathered += micro * gather_bytes(fmt, 0, embedding_params(cfg, lo))
