@@ -236,3 +236,19 @@ def test_estimate_holds_the_gathered_fp8_copies():
         lo = build_layout(cfg, 2)
         held[d] = state_memory(cfg, lo, 0, stage_params(cfg, lo, 0), 0)["gathered"]
     assert held["fp8"] * 4 == held["fp32"] * 5 > 0, held
+
+
+def test_fp8_gather_leaves_the_grouped_experts_to_their_own_cast():
+    """An MoE model's FP8 gathers take the blocks' linears only: the grouped experts (rowwise
+    grouped recipe, per-row scales) gather their w_in / w_out unquantized and cast them themselves."""
+    from mpoverlap.config import compose
+    from mpoverlap.data_parallel.fp8_gather import fp8_weights
+    from mpoverlap.models.gpt import GPT
+    from mpoverlap.precision.fp8_select import mark_fp8_gemms
+
+    model = GPT(compose(["model=moe_tiny", "model.num_layers=2"]).model)
+    marked = mark_fp8_gemms(model, "tensorwise")
+    assert any(n.endswith("experts") for n in marked), marked
+    weights = fp8_weights(model)
+    experts = {id(p) for n, p in model.named_parameters() if ".experts." in n or n.endswith(("w_in", "w_out"))}
+    assert weights and not experts & {id(w) for w in weights}

@@ -32,8 +32,12 @@ Span = Tuple[int, int, torch.Size]
 
 
 def fp8_weights(module: torch.nn.Module) -> dict:
-    """{weight: its module} for the modules whose GEMMs run in FP8 (fp8_recipe set)."""
-    return {sub.weight: sub for sub in module.modules() if getattr(sub, "fp8_recipe", None) is not None}
+    """{weight: its module} for the linears whose GEMMs run in FP8 (fp8_recipe set) with the
+    tensorwise cast a gathered weight carries. The grouped experts (w_in / w_out, no `weight`)
+    quantize per row for torchao's rowwise grouped recipe, which a shared per-weight scale
+    cannot serve: their weights travel in the bucket's exact part and the experts cast them."""
+    return {sub.weight: sub for sub in module.modules()
+            if getattr(sub, "fp8_recipe", None) is not None and isinstance(getattr(sub, "weight", None), torch.Tensor)}
 
 
 def _segments(numel: int, spans: Sequence[Span], first: int) -> Tuple[List[int], List[int]]:
