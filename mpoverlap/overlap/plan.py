@@ -87,6 +87,10 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
                "(the split sizes)" if lo.ep > 1 else
                "ep 1: no token exchange to hide, one chunk" if n == 1 else
                f"ep 1: {n} chunks hide nothing here and repeat the MoE layer's operators {n}x")
+        if asked.strip().lower() == "auto" and lo.ep > 1:
+            from mpoverlap.overlap.config import ep_chunks_choice
+
+            why += f"; {ep_chunks_choice(cfg, world_size).chunks_reason}"
         lines.append(f"    overlap.{'ep_chunks':<16} {asked:>5} -> {n:<3}  {why}")
     lines.extend(f"  note: {n}" for n in layout_notes(cfg, lo))
     grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=etp_size(cfg))

@@ -78,8 +78,10 @@ class SimResult:
 def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
     """The step of `cfg`'s layout on `hw`; where its ranks share fewer CPU cores than there are
     ranks (`hw.cores`), with compute stretched as sharing.py says."""
+    from mpoverlap.simulate.ep_choice import pin_auto
     from mpoverlap.simulate.sharing import with_shared_cores
 
+    cfg = pin_auto(cfg, hw, world_size)  # overlap.ep / ep_chunks = auto decided on `hw` itself
     lo = build_layout(plain(cfg), world_size)
     if not hw.cores or lo.world <= hw.cores:
         return _simulate(cfg, hw, world_size)
