@@ -114,9 +114,6 @@ def _resolve_pairing(lo: Layout, ep: Optional[ModeState] = None) -> ModeState:
     obstacles = pairing_obstacles(lo)
     if requested == "false":
         return ModeState(requested, False, "off as requested: each microbatch's forward and backward run alone")
-    if requested == "auto" and ep is not None and ep.requested == "auto" and not ep.enabled and not obstacles:
-        return ModeState(requested, False, "overlap.ep=auto resolved off (pairing keeps the exchanges in flight, "
-                                           f"which needs EP overlap): {ep.reason}")
     schedule = str(getattr(lo.cfg.parallel, "pp_schedule", "auto"))
     zbv = lo.pp not in (None, 1) and schedule == "zbv"
     zb1p = lo.pp not in (None, 1) and schedule == "zb1p" and lo.vpp not in (None, 1)
@@ -132,6 +129,9 @@ def _resolve_pairing(lo: Layout, ep: Optional[ModeState] = None) -> ModeState:
         _, values, why, _ = obstacles[0]
         keys = ", ".join(f"{k}={v}" for k, v in values.items())
         return ModeState(requested, False, f"{keys}: {why}")
+    if requested == "auto" and ep is not None and ep.requested == "auto" and not ep.enabled:
+        return ModeState(requested, False, "overlap.ep=auto resolved off (pairing keeps the exchanges in flight, "
+                                           f"which needs EP overlap): {ep.reason}")
     if zbv:
         return ModeState(requested, True, "the paired V: each steady-state forward of one chunk paired with a "
                                           "backward of the stage's other chunk into an overlapped FB action, its "

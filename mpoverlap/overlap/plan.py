@@ -78,7 +78,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         lines.append(f"    overlap.dp_bucket_mb     {ov.dp_bucket_mb:g}")
     lines.append(priority_line(cfg, world_size, device_type))
     if cfg.model.num_experts > 0:
-        n, asked = ep_chunks(cfg), str(cfg.overlap.ep_chunks)
+        n, asked = ep_chunks(cfg, world_size), str(cfg.overlap.ep_chunks)
         padded = padded_queue_rows(cfg, lo, _routed_tokens(cfg, lo)) if lo.ep > 1 else 0
         why = (f"a capacity: every expert's queue padded to {padded // cfg.model.num_experts} rows, sent in "
                f"{min(n, padded // cfg.model.num_experts)} chunk(s) of its positions; no host read to size them"
@@ -177,11 +177,11 @@ def _expert_calls(cfg: Any, lo) -> tuple:
     tokens = _routed_tokens(cfg, lo)
     padded = padded_queue_rows(cfg, lo, tokens) if lo.ep > 1 else 0
     if padded:  # the chunks split the queue positions: E c rows received per chunk
-        calls = min(ep_chunks(cfg), padded // m.num_experts)
+        calls = min(ep_chunks(cfg, lo.world), padded // m.num_experts)
         return padded // calls, calls, False
     if etp_size(cfg) > 1 and sp:  # the experts run on the tp group's tokens
         tokens *= lo.tp
-    calls = max(1, min(ep_chunks(cfg), tokens))
+    calls = max(1, min(ep_chunks(cfg, lo.world), tokens))
     return -(-tokens // calls) * m.moe_top_k, calls, lo.ep > 1
 
 
