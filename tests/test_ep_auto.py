@@ -96,6 +96,8 @@ def test_simulate_runs_what_auto_resolves_on_the_hardware_it_is_given():
     best_on = min((k for on, k in steps if on), key=lambda k: (steps[(True, k)], k))
     assert s.enabled == (steps[(True, best_on)] < steps[(False, 1)])
     assert s.chunks == (best_on if s.enabled else 1)
+    assert (s.enabled, s.chunks) != (c.enabled, c.chunks)  # the slow link changes the decision
+    assert simulate(cfg, slow, world).step_s == pytest.approx(steps[(s.enabled, s.chunks)])
 
 
 def test_measured_without_rates_decides_on_the_stated_figures_and_says_so():
