@@ -61,7 +61,7 @@ LAYOUTS = {
     "ep2_shared": (2, ["parallel.dp=2", "parallel.ep=2", "model.shared_expert=true", *PAIR], "shared_ref"),
     "ep2_capacity": (2, ["parallel.dp=2", "parallel.ep=2", *CAPACITY, *PAIR], "capacity_ref"),
     # unpaired, beside it: the all-to-all pads every expert's queue to the capacity (no host read)
-    "ep2_capacity_padded": (2, ["parallel.dp=2", "parallel.ep=2", *CAPACITY, "overlap.ep=true"], "capacity_ref"),
+    "ep2_capacity_padded": (2, ["parallel.dp=2", "parallel.ep=2", *CAPACITY, "overlap.ep=true", "overlap.ep_chunks=4"], "capacity_ref"),
     "ep2_zero3": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim_grads_params", *PAIR], "ref"),
     "ep2_zero1": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim", "overlap.dp_param_gather=true",
                       *PAIR], "ref"),
