@@ -84,7 +84,7 @@ LAYOUTS = {
     "moe_dp4": [*MOE, "parallel.dp=4"],
     "moe_dp4_ep2_on": [*MOE, "parallel.dp=4", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"],
     "moe_dp4_ep4_on": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=true", "overlap.ep_chunks=4"],
-    "moe_dp4_ep4_off": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=false"],
+    "moe_dp4_ep4_off": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=false", "overlap.ep_chunks=4"],
     "moe_dp4_ep2_zero": [*MOE, "parallel.dp=4", "parallel.ep=2", "train.distributed_optimizer=true",
                          "overlap.dp_param_gather=true"],
     "moe_shared_dp1": [*MOE, "model.shared_expert=true"],
