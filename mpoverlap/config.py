@@ -145,7 +145,7 @@ class OverlapConfig:
     tp: Any = "auto"
     pp: Any = "auto"
     cp: Any = "auto"
-    ep: Any = "auto"
+    ep: Any = "auto"  # auto: on only where the simulator predicts a faster step (simulate/ep_choice.py)
     # DP details: bucket size of the contiguous gradient buffer (MiB, or auto: the size the
     # simulator predicts fastest for this model, layout and hardware.*, simulate/bucket_size.py),
     # and whether the distributed optimizer's parameter all-gather is overlapped with the next forward.
@@ -160,8 +160,9 @@ class OverlapConfig:
     dp_delay: int = 0
     # EP detail: each microbatch's tokens are dispatched in this many chunks, so one chunk's
     # exchange is in flight while the experts compute another (on and off use the same chunks).
-    # auto: 4 where tokens are exchanged (parallel.ep > 1), 1 at ep 1, where there is nothing to
-    # hide and each chunk would only repeat the layer's operators (kernel launches on a GPU).
+    # auto: where tokens are exchanged (parallel.ep > 1), the count of 1, 2, 4, 8 the simulator
+    # predicts the fastest step with (1 where EP overlap is off; simulate/ep_choice.py); 1 at ep 1,
+    # where there is nothing to hide and each chunk would only repeat the layer's operators.
     ep_chunks: Any = "auto"
     # auto | true | false: forward/backward pairing at pp 1 (mpoverlap/pairing): the forward of
     # microbatch i+1 runs with the backward of microbatch i, each one's expert all-to-alls in

@@ -500,3 +500,38 @@ def test_powersgd_beside_gloo_runs_in_bucket_order():
 
     res, _ = spawn_ranks(_powersgd_worker, argparse.Namespace(ordered=True, steps=6), prefix="mpo-test-psgd-")
     assert res == {"same": True, "n": 6 * (64 * 64 + 64)}
+
+
+def test_ep_auto_bench_picks_what_the_simulator_predicts_on_the_benchmarks_hardware():
+    """bench.ep_auto: from a saved bench.ep_pairing result (its rates and link probe), auto's pick
+    is on exactly where the simulator, on the hardware the benchmark's prediction builds,
+    predicts a faster step with chunked EP overlap than without, and its reason gives both."""
+    from types import SimpleNamespace
+
+    from bench import ep_auto, ep_pairing
+    from bench.predict import _compose
+    from bench.rate_probe import machine_of
+    from mpoverlap.simulate.core import simulate
+    from mpoverlap.simulate.ep_choice import CANDIDATE_CHUNKS, pinned
+
+    base, run, _ = ep_pairing.planned(SimpleNamespace(**ep_pairing.DEFAULTS))
+    rates = {"peak_flops": 9e10, "model_flops": 4e10, "update_s_per_param": 1.5e-9, "expert_flops": 6e10,
+             "comm_cpu_s_per_byte": 1.2e-9, "cores": 2, "link_bytes_s": 0.0, "link_latency": 0.0,
+             "link_efficiency": {}}
+    res = {"base_overrides": base, "variant_overrides": {n: run[n] for n in ("none", "chunks")},
+           "machine_rates": {machine_of(_compose(base, run["none"], [])): [rates]},
+           "link_probe": {"bytes_s": 2.27e8, "latency": 1.2e-4, "efficiency": {
+               "all_reduce": 1.0, "all_gather": 0.93, "reduce_scatter": 0.46, "all_to_all": 0.89, "send_recv": 1.0}},
+           "model_rate_probe": {"none": {"model_flops": 4e10, "expert_flops": 6e10},
+                                "chunks": {"model_flops": 4e10, "expert_flops": 5e10}}}
+    got = ep_auto.picks(res, "2gbit")
+    for name in ("none", "chunks"):
+        hw, more = ep_auto._hardware(res, name, "2gbit")
+        cfg = _compose(base, ep_auto.AUTO, more)
+        off = simulate(pinned(cfg, False, 1), hw, 2).step_s
+        on = {k: simulate(pinned(cfg, True, k), hw, 2).step_s for k in CANDIDATE_CHUNKS}
+        best = min(on, key=lambda k: (on[k], k))
+        assert got[name]["enabled"] == (on[best] < off)
+        assert got[name]["chunks"] == (best if on[best] < off else 1)
+        assert f"{off * 1e3:,.1f} ms" in got[name]["reason"] and f"{on[best] * 1e3:,.1f} ms" in got[name]["reason"]
+        assert got[name]["at_bench_chunks"]["chunks"] == ep_pairing.DEFAULTS["chunks"]

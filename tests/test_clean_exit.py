@@ -35,7 +35,7 @@ MOE = ["model=moe_tiny", "model.moe_ffn_hidden_size=16"]
 # Two ranks each: the pools and groups these touch (ZeRO-3 gathers and reduce-scatters, whose gloo
 # works the ledger waits on its thread pool; MoE all-to-alls; SP with the tp_edp group).
 LAYOUTS = {
-    "moe_ep2_zero3": [*MOE, "parallel.dp=2", "parallel.ep=2", "overlap.ep=true",
+    "moe_ep2_zero3": [*MOE, "parallel.dp=2", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4",
                       "train.dp_sharding=optim_grads_params"],
     "moe_tp2_sp": [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true"],
 }
@@ -91,7 +91,7 @@ def test_no_native_thread_survives_the_worker(tmp_path):
 # ---- back to back, as users and bench.run start them (separate target: `make test-exits`) ------
 TRAIN_RUNS = {
     "gpt_dp2": ["parallel.dp=2"],
-    "moe_ep2": [*MOE, "parallel.dp=2", "parallel.ep=2", "overlap.ep=true"],
+    "moe_ep2": [*MOE, "parallel.dp=2", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"],
     "zero3_dp2": ["parallel.dp=2", "train.dp_sharding=optim_grads_params"],
 }
 SMALL_BENCH = ["--repeats", "1", "--max-repeats", "1", "--min-quiet", "0", "--block", "2", "--warmup", "0",

@@ -44,10 +44,11 @@ def test_the_groups_of_the_modes_that_are_on(overrides, world, kinds):
 
 
 def test_moe_groups():
-    cfg = compose(["model=moe_tiny", "parallel.dp=4", "parallel.ep=2"])
+    # overlap.ep=true: the ep group's priority follows EP overlap (auto may resolve it off)
+    cfg = compose(["model=moe_tiny", "parallel.dp=4", "parallel.ep=2", "overlap.ep=true"])
     assert high_priority_kinds(cfg, 4) == ("dp_cp", "ep", "edp")
     cfg = compose(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
-                   "parallel.sequence_parallel=true"])
+                   "parallel.sequence_parallel=true", "overlap.ep=true"])
     assert set(high_priority_kinds(cfg, 4)) >= {"tp", "ep", "dp_cp", "tp_edp"}
 
 

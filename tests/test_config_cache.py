@@ -8,7 +8,7 @@ from mpoverlap import config as C
 
 SETS = [
     [],
-    ["model=moe_tiny", "model.num_layers=2", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true"],
+    ["model=moe_tiny", "model.num_layers=2", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"],
     ["model.hidden_size=128", "model.num_attention_heads=4", "train.precision=bf16", "train.grad_reduce_dtype=bf16"],
     ["overlap=none", "parallel.tp=2", "parallel.sequence_parallel=true"],
     ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "parallel.pp_schedule=zbv", "overlap=all"],

@@ -54,12 +54,12 @@ HOT_STEP_BUDGETS = {
     "cp2-a2a": (["parallel.cp=2", "parallel.cp_comm=a2a", "overlap.cp=true"], 1),
     "cp2-ring-gqa": (["model.num_query_groups=2", "parallel.cp=2", "overlap.cp=true"], 1),
     "moe-ep2": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
-                 "overlap.ep=true"], 1 + 2 * 2),
+                 "overlap.ep=true", "overlap.ep_chunks=4"], 1 + 2 * 2),
     # Sigmoid router with the aux-loss-free bias (its update: no host read), and the
     # experts split over tp (etp). moe_fine_tiny at 2 layers has 1 MoE layer (the first is dense).
     "moe-fine-ep2-bias": (["model=moe_fine_tiny", "model.moe_router_score=sigmoid", "model.moe_router_norm_topk=true",
                            "model.moe_router_bias_update_rate=0.01", "parallel.dp=2", "parallel.ep=2",
-                           "overlap.ep=true"], 1 + 1 * 2),
+                           "overlap.ep=true", "overlap.ep_chunks=4"], 1 + 1 * 2),
     # At ep 1 the grouped experts read nothing (rows per expert stay on the device),
     # with a capacity factor too (dropped slots ride as zero rows): the norm's read alone.
     "moe-fine-etp2-sp": (["model=moe_fine_tiny", "model.moe_router_bias_update_rate=0.01", "parallel.tp=2",
@@ -68,7 +68,7 @@ HOT_STEP_BUDGETS = {
                           "model.moe_capacity_factor=1.0"], 1),
     # ... and at ep 2: the all-to-all pads every expert's queue to the capacity (fixed sizes)
     "moe-ep2-capacity": (["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
-                          "overlap.ep=true", "model.moe_capacity_factor=1.0"], 1),
+                          "overlap.ep=true", "overlap.ep_chunks=4", "model.moe_capacity_factor=1.0"], 1),
 }
 
 

@@ -37,7 +37,7 @@ from mpoverlap.overlap.estimate import estimate  # noqa: E402
 
 BASE = ["model=moe_tiny", "model.num_layers=2", "model.seq_length=32", "train.micro_batch_size=2",
         "train.global_batch_size=8", "train.log_interval=1", "data.max_bytes=200000", "train.progress=false",
-        "overlap.dp_bucket_mb=0.05", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true"]
+        "overlap.dp_bucket_mb=0.05", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"]
 BF16, FP32, FP8 = ["train.precision=bf16"], ["train.precision=fp32"], ["train.ep_dispatch_dtype=fp8"]
 STEPS = 8
 E4M3_OVER_BF16 = 2 ** -4 / 2 ** -8  # unit roundoffs: 3 against 7 stored mantissa bits

@@ -40,11 +40,11 @@ LAYOUTS = {  # name: (world, overrides, model family)
     "cp4_a2a": (4, ["parallel.cp=4", "parallel.cp_comm=a2a"], "dense"),
     "tp2_cp2_sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true", "overlap.cp=true"],
                    "dense"),
-    "ep2": (2, ["parallel.dp=2", "parallel.ep=2", "overlap.ep=true"], "moe"),
-    "ep4": (4, ["parallel.dp=4", "parallel.ep=4", "overlap.ep=true"], "moe"),
+    "ep2": (2, ["parallel.dp=2", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"], "moe"),
+    "ep4": (4, ["parallel.dp=4", "parallel.ep=4", "overlap.ep=true", "overlap.ep_chunks=4"], "moe"),
     "dp2_tp2_pp2_ep2": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.ep=2",
                             "parallel.sequence_parallel=true", "overlap.dp=true", "overlap.tp=true",
-                            "overlap.pp=true", "overlap.ep=true"], "moe"),
+                            "overlap.pp=true", "overlap.ep=true", "overlap.ep_chunks=4"], "moe"),
 }
 # The ring's bytes with 8 K/V groups out of 32 heads (head dim 4) against multi-head attention.
 RING32 = ["model.hidden_size=128", "model.num_attention_heads=32", "parallel.cp=2", "parallel.cp_comm=p2p"]

@@ -33,7 +33,7 @@ from mpoverlap.config import compose  # noqa: E402
 RUN = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.log_interval=1", "data.max_bytes=300000",
        "overlap.dp_bucket_mb=0.05", "train.progress=false", "train.eval_iters=1", "train.device=cpu"]
 DENSE_LAYOUT = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.sequence_parallel=true"]
-MOE_LAYOUT = [*DENSE_LAYOUT, "parallel.ep=2", "overlap.ep=true"]
+MOE_LAYOUT = [*DENSE_LAYOUT, "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"]
 LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           # 16 (not 8192): at head width 16 and base 500000 the wavelengths 6.3, 33, 168, ...
           # fall in all three bands (kept, interpolated, divided by factor)

@@ -88,14 +88,14 @@ def _layouts():
     # are compared with mpoverlap-check's estimate, with and without the replay).
     for rc in ("none", "full"):
         out[f"moe_allgather_ep2_{rc}"] = (2, [*MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_dispatcher=allgather",
-                                              "overlap.ep=true", f"model.recompute={rc}"])
+                                              "overlap.ep=true", "overlap.ep_chunks=4", f"model.recompute={rc}"])
         # A capacity pads the all-to-all's queues (fixed sizes): the estimate is exact
         out[f"moe_capacity_ep2_{rc}"] = (2, [*MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0",
-                                             "overlap.ep=true", f"model.recompute={rc}"])
+                                             "overlap.ep=true", "overlap.ep_chunks=4", f"model.recompute={rc}"])
     # fp8 dispatch (train.ep_dispatch_dtype) at ep 2 with tp 2 and SP, replayed under full
     # recomputation: its packed rows waited like the others, its ep bytes the estimate's
     out["moe_fp8_tp2_sp_ep2_full"] = (4, [*MOE, "model.hidden_size=128", "parallel.dp=2", "parallel.tp=2",
-                                          "parallel.sequence_parallel=true", "parallel.ep=2", "overlap.ep=true",
+                                          "parallel.sequence_parallel=true", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4",
                                           "train.precision=bf16", "train.ep_dispatch_dtype=fp8",
                                           "model.recompute=full"])
     return out

@@ -37,7 +37,7 @@ MODES = {
     "tp": (["parallel.tp=2", "parallel.sequence_parallel=true"], "overlap.tp"),
     "pp": (["parallel.pp=2"], "overlap.pp"),
     "cp": (["parallel.cp=2"], "overlap.cp"),
-    "ep": ([*MOE, "parallel.dp=2", "parallel.ep=2"], "overlap.ep"),
+    "ep": ([*MOE, "parallel.dp=2", "parallel.ep=2", "overlap.ep_chunks=4"], "overlap.ep"),
 }
 # The shares measured (issue, compute and wait order, not time): dp 6/7, tp 72/72, pp 3/6 (the
 # pipeline's computes counted: by other handles' issues alone it would read 2/6 and, on a loaded

@@ -30,7 +30,8 @@ from dist_harness import run_distributed  # noqa: E402
 
 BASE = ["model=moe_tiny", "train.global_batch_size=8", "train.micro_batch_size=2", "train.log_interval=1",
         "data.max_bytes=300000", "overlap.dp_bucket_mb=0.05", "train.progress=false", "train.eval_iters=1"]
-PAIR = ["overlap.ep_pairing=true"]
+# 4 chunks: pairing composed with chunked dispatch (overlap.ep_chunks=auto is the simulator's pick)
+PAIR = ["overlap.ep_pairing=true", "overlap.ep_chunks=4"]
 SP_ETP = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2"]
 FINE = ["model=moe_fine_tiny", "model.moe_router_bias_update_rate=0.01"]
 CAPACITY = ["model.moe_capacity_factor=1.0"]
@@ -56,12 +57,12 @@ LAYOUTS = {
     "fine_ref16": (1, [*FINE, "parallel.dp=1", "train.global_batch_size=16"], None),
     "ep2": (2, ["parallel.dp=2", "parallel.ep=2", *PAIR], "ref"),
     "ep2_chunks1_selective": (2, ["parallel.dp=2", "parallel.ep=2", "overlap.ep_chunks=1",
-                                  "model.recompute=selective", *PAIR], "ref"),
+                                  "model.recompute=selective", "overlap.ep_pairing=true"], "ref"),
     "ep2_full": (2, ["parallel.dp=2", "parallel.ep=2", "model.recompute=full", *PAIR], "ref"),
     "ep2_shared": (2, ["parallel.dp=2", "parallel.ep=2", "model.shared_expert=true", *PAIR], "shared_ref"),
     "ep2_capacity": (2, ["parallel.dp=2", "parallel.ep=2", *CAPACITY, *PAIR], "capacity_ref"),
     # unpaired, beside it: the all-to-all pads every expert's queue to the capacity (no host read)
-    "ep2_capacity_padded": (2, ["parallel.dp=2", "parallel.ep=2", *CAPACITY, "overlap.ep=true"], "capacity_ref"),
+    "ep2_capacity_padded": (2, ["parallel.dp=2", "parallel.ep=2", *CAPACITY, "overlap.ep=true", "overlap.ep_chunks=4"], "capacity_ref"),
     "ep2_zero3": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim_grads_params", *PAIR], "ref"),
     "ep2_zero1": (2, ["parallel.dp=2", "parallel.ep=2", "train.dp_sharding=optim", "overlap.dp_param_gather=true",
                       *PAIR], "ref"),

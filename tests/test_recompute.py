@@ -102,7 +102,7 @@ LAYOUTS = {
     # recomputation hooks see them)
     "cp2_a2a": (2, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
     "moe_ep2": (2, ["model=moe_tiny", "model.moe_ffn_hidden_size=64", "parallel.dp=2", "parallel.ep=2",
-                    "overlap.ep=true"]),
+                    "overlap.ep=true", "overlap.ep_chunks=4"]),
 }
 MODES_E2E = ("none", "selective", "full")
 STEPS = 4  # as tests/test_pairing.py STEPS: a wrong gradient shows at the first step already

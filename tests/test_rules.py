@@ -515,8 +515,10 @@ def test_plan_states_when_capacity_drops_depend_on_the_layout(overrides, noted):
 
 
 def test_ep_pairing_auto_resolves_off_with_the_reason_and_on_where_it_applies():
-    """overlap.ep_pairing=auto never refuses: where pairing cannot run the plan says why."""
-    moe = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep_pairing=auto"]
+    """overlap.ep_pairing=auto never refuses: where pairing cannot run the plan says why.
+    overlap.ep=true: pairing needs EP overlap, which auto turns on only where the simulator
+    predicts a gain (tests/test_ep_auto.py)."""
+    moe = ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "overlap.ep_pairing=auto", "overlap.ep=true"]
     on = CommOverlapConfig.from_config(compose(moe)).ep_pairing
     assert on.enabled and "paired" in on.reason
     for extra, why in ((["parallel.pp=2"], "parallel.vpp=1"), (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv"],

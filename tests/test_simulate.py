@@ -98,7 +98,7 @@ def test_ep_exchanges_hide_under_the_experts_at_their_own_rate():
     from mpoverlap.simulate.costs import chunk_costs
 
     cfg = compose(["model=moe_tiny", "parallel.world_size=2", "parallel.ep=2", "parallel.dp=2", "overlap.ep=true",
-                   "hardware=h100_sxm", "train.micro_batch_size=2", "train.global_batch_size=4",
+                   "overlap.ep_chunks=4", "hardware=h100_sxm", "train.micro_batch_size=2", "train.global_batch_size=4",
                    "model.shared_expert=false"])
     lo, m = build_layout(cfg), cfg.model
     base = from_config(cfg)

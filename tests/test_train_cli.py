@@ -82,17 +82,17 @@ LAYOUTS = {
     # Mixture of experts: each layout against the single-process reference.
     "moe_dp1": [*MOE],
     "moe_dp4": [*MOE, "parallel.dp=4"],
-    "moe_dp4_ep2_on": [*MOE, "parallel.dp=4", "parallel.ep=2", "overlap.ep=true"],
-    "moe_dp4_ep4_on": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=true"],
-    "moe_dp4_ep4_off": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=false"],
+    "moe_dp4_ep2_on": [*MOE, "parallel.dp=4", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"],
+    "moe_dp4_ep4_on": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=true", "overlap.ep_chunks=4"],
+    "moe_dp4_ep4_off": [*MOE, "parallel.dp=4", "parallel.ep=4", "overlap.ep=false", "overlap.ep_chunks=4"],
     "moe_dp4_ep2_zero": [*MOE, "parallel.dp=4", "parallel.ep=2", "train.distributed_optimizer=true",
                          "overlap.dp_param_gather=true"],
     "moe_shared_dp1": [*MOE, "model.shared_expert=true"],
     "moe_shared_dp2_ep2_allgather": [*MOE, "model.shared_expert=true", "parallel.dp=2", "parallel.ep=2",
-                                     "model.moe_dispatcher=allgather", "overlap.ep=true"],
+                                     "model.moe_dispatcher=allgather", "overlap.ep=true", "overlap.ep_chunks=4"],
     "moe_dp2_ep2_tp2_pp2_all": [*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2",
                                 "parallel.sequence_parallel=true", "overlap.dp=true", "overlap.tp=true",
-                                "overlap.pp=true", "overlap.ep=true"],
+                                "overlap.pp=true", "overlap.ep=true", "overlap.ep_chunks=4"],
 }
 
 
@@ -261,11 +261,11 @@ MOE_SEQ_LAYOUTS = {
     "ep2_tp2_sp_allgather": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                              "model.moe_dispatcher=allgather"],
     "ep2_tp2_pp2_sp_all": ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
-                           "overlap.dp=true", "overlap.tp=true", "overlap.pp=true", "overlap.ep=true"],
+                           "overlap.dp=true", "overlap.tp=true", "overlap.pp=true", "overlap.ep=true", "overlap.ep_chunks=4"],
     # the paired zb1p table with tp 2 + SP and the experts split over tp (etp 2)
     "ep2_tp2_sp_etp2_pp2_vpp2_zb1p_paired": ["parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "parallel.pp=2",
                                              "parallel.vpp=2", "parallel.sequence_parallel=true",
-                                             "parallel.pp_schedule=zb1p", "overlap.tp=true", "overlap.ep=true",
+                                             "parallel.pp_schedule=zb1p", "overlap.tp=true", "overlap.ep=true", "overlap.ep_chunks=4",
                                              "overlap.ep_pairing=true"],
 }
 
@@ -476,7 +476,7 @@ BF16_LAYOUTS = {
                 "overlap.pp=true"],
     # MoE: the single-process bf16 run is the reference of the expert-parallel one.
     "moe_bf16": [*MOE, "train.precision=bf16"],
-    "moe_dp2_ep2_bf16": [*MOE, "train.precision=bf16", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true"],
+    "moe_dp2_ep2_bf16": [*MOE, "train.precision=bf16", "parallel.dp=2", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"],
     # The noise floors: each single-process reference at micro-batch 2 (the same math, another order).
     "bf16_mb2": ["train.precision=bf16", "train.micro_batch_size=2"],
     "moe_bf16_mb2": [*MOE, "train.precision=bf16", "train.micro_batch_size=2"],

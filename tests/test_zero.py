@@ -35,7 +35,7 @@ COMPOSED = {
     "pp2_vpp2": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "overlap.pp=true"], "ref"),
     "pp2_tied": (4, ["parallel.dp=2", "parallel.pp=2"], "ref"),
     "cp2": (4, ["parallel.dp=2", "parallel.cp=2", "overlap.cp=true"], "ref"),
-    "moe_ep2": (4, [*MOE, "parallel.dp=4", "parallel.ep=2", "overlap.ep=true"], "ref_moe"),
+    "moe_ep2": (4, [*MOE, "parallel.dp=4", "parallel.ep=2", "overlap.ep=true", "overlap.ep_chunks=4"], "ref_moe"),
 }
 
 

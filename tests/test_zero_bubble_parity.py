@@ -45,13 +45,13 @@ LAYOUTS = {
     "zb_tp2_sp_pp2": [*ZB, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                       "overlap.tp=false"],
     "zb_moe_dp2_ep2_pp2": [*ZB, *MOE, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
-                           "overlap.ep=true"],
+                           "overlap.ep=true", "overlap.ep_chunks=4"],
     "zb_cp2_pp2_selective": [*ZB, "parallel.cp=2", "parallel.pp=2", "overlap.cp=true",
                              "model.recompute=selective"],
 }
 ZBV = ["parallel.pp_schedule=zbv", "parallel.vpp=2"]
 L8 = ["model.num_layers=8"]
-FINE_PAIRED = ["model=moe_fine_tiny", *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true",
+FINE_PAIRED = ["model=moe_fine_tiny", *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true", "overlap.ep_chunks=4",
                "overlap.ep_pairing=true"]
 LAYOUTS.update({
     "ref_8layers": L8,
@@ -70,7 +70,7 @@ LAYOUTS.update({
     "zbv_tp2_sp_pp2": [*ZBV, *L4, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                        "overlap.tp=true"],
     "moe_ref_4layers": [*MOE, *L4],
-    "zbv_moe_dp2_ep2_pp2": [*ZBV, *MOE, *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true"],
+    "zbv_moe_dp2_ep2_pp2": [*ZBV, *MOE, *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true", "overlap.ep_chunks=4"],
     # the paired V (pipeline/zbv_paired.py): F of one chunk paired with B of the other, each B's W
     # deferred out of the pair (moe_fine_tiny: a dense first layer, shared experts)
     "moe_fine_ref": ["model=moe_fine_tiny", *L4],

@@ -42,6 +42,7 @@ class CommOverlapConfig:
         # an `auto` mode off (a `true` one is refused by the rule cuda.max_connections).
         conflict = max_connections_conflict(cfg, lo.world) if lo.degrees_ok else None
         blocked = max_connections_reason(conflict) if conflict is not None else None
+        ep_state = _resolve_ep(cfg, lo, world_size)
         return cls(
             dp=_resolve(lo, "dp", lo.dp_cp > 1 or expert_grad_ranks(lo) > 1, _dp_what(lo),
                         f"dp x cp = {lo.dp_cp}: a single replica has no gradient reduction"),
@@ -50,11 +51,10 @@ class CommOverlapConfig:
             pp=_resolve(lo, "pp", lo.pp > 1, "pipeline send/receive posted ahead",
                         f"parallel.pp={lo.pp}: no pipeline communication"),
             cp=_resolve_cp(lo, blocked),
-            ep=_resolve(lo, "ep", lo.ep > 1 and cfg.model.num_experts > 0, "token dispatch under experts",
-                        f"parallel.ep={lo.ep}, model.num_experts={cfg.model.num_experts}: no expert dispatch"),
+            ep=ep_state,
             dp_param_gather=_resolve_param_gather(lo),
             dp_bucket_mb=_bucket_mb(cfg),
-            ep_pairing=_resolve_pairing(lo),
+            ep_pairing=_resolve_pairing(lo, ep_state),
         )
 
 
@@ -120,7 +120,20 @@ def _resolve_cp(lo: Layout, blocked: Optional[str] = None) -> ModeState:
                     f"parallel.cp={lo.cp}: no context-parallel communication", blocked)
 
 
-def _resolve_pairing(lo: Layout) -> ModeState:
+def _resolve_ep(cfg: Any, lo: Layout, world_size: Optional[int]) -> ModeState:
+    """overlap.ep: `auto` on only where the simulator predicts a faster step with it (ep_choice.py)."""
+    applies = lo.ep is not None and lo.ep > 1 and cfg.model.num_experts > 0
+    state = _resolve(lo, "ep", applies, "token dispatch under experts",
+                     f"parallel.ep={lo.ep}, model.num_experts={cfg.model.num_experts}: no expert dispatch")
+    if not applies or state.requested != "auto" or not lo.degrees_ok:
+        return state
+    from mpoverlap.simulate.ep_choice import choose
+
+    choice = choose(cfg, world_size)
+    return ModeState(state.requested, choice.enabled, choice.reason)
+
+
+def _resolve_pairing(lo: Layout, ep: Optional[ModeState] = None) -> ModeState:
     from mpoverlap.overlap.ep_rules import pairing_obstacles
 
     requested = lo.mode("ep_pairing")
@@ -142,6 +155,9 @@ def _resolve_pairing(lo: Layout) -> ModeState:
         _, values, why, _ = obstacles[0]
         keys = ", ".join(f"{k}={v}" for k, v in values.items())
         return ModeState(requested, False, f"{keys}: {why}")
+    if requested == "auto" and ep is not None and ep.requested == "auto" and not ep.enabled:
+        return ModeState(requested, False, "overlap.ep=auto resolved off (pairing keeps the exchanges in flight, "
+                                           f"which needs EP overlap): {ep.reason}")
     if zbv:
         return ModeState(requested, True, "the paired V: each steady-state forward of one chunk paired with a "
                                           "backward of the stage's other chunk into an overlapped FB action, its "
@@ -182,18 +198,26 @@ def _resolve_param_gather(lo: Layout) -> ModeState:
                                       "each waited by the first forward that needs it")
 
 
-EP_CHUNKS_AUTO = 4
-
-
-def ep_chunks(cfg: Any) -> int:
-    """overlap.ep_chunks resolved: an integer as given; `auto` = EP_CHUNKS_AUTO where the experts'
-    tokens are exchanged (parallel.ep > 1), else 1 (at ep 1 the exchanges are the identity: more
-    chunks would hide nothing and only repeat the MoE layer's operators, a GPU's kernel launches).
-    Only called on a config the rule engine accepted (moe.values checks the value)."""
+def ep_chunks(cfg: Any, world_size: Optional[int] = None) -> int:
+    """overlap.ep_chunks resolved: an integer as given; `auto`, where the experts' tokens are
+    exchanged (parallel.ep > 1, an MoE model), the count the simulator predicts the fastest step
+    with (simulate/ep_choice.py, 1 where EP overlap resolves off), else 1 (at ep 1 the exchanges
+    are the identity: more chunks would hide nothing and only repeat the MoE layer's operators, a
+    GPU's kernel launches). Only called on a config the rule engine accepted (moe.values checks
+    the value)."""
     value = cfg.overlap.ep_chunks
     if isinstance(value, str) and value.strip().lower() == "auto":
-        return EP_CHUNKS_AUTO if int(cfg.parallel.ep) > 1 else 1
+        if int(cfg.parallel.ep) <= 1 or cfg.model.num_experts == 0:
+            return 1
+        return ep_chunks_choice(cfg, world_size).chunks
     return int(value)
+
+
+def ep_chunks_choice(cfg: Any, world_size: Optional[int] = None):
+    """The simulator's EpChoice for `cfg` (simulate/ep_choice.py): chunks and why."""
+    from mpoverlap.simulate.ep_choice import choose
+
+    return choose(cfg, world_size)
 
 
 def expert_grad_ranks(lo: Layout) -> int:

@@ -93,7 +93,7 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
         lines.append(_bucket_line(cfg, world_size, bucket))
     lines.append(priority_line(cfg, world_size, device_type))
     if cfg.model.num_experts > 0:
-        n, asked = ep_chunks(cfg), str(cfg.overlap.ep_chunks)
+        n, asked = ep_chunks(cfg, world_size), str(cfg.overlap.ep_chunks)
         padded = padded_queue_rows(cfg, lo, _routed_tokens(cfg, lo)) if lo.ep > 1 else 0
         why = (f"a capacity: every expert's queue padded to {padded // cfg.model.num_experts} rows, sent in "
                f"{min(n, padded // cfg.model.num_experts)} chunk(s) of its positions; no host read to size them"
@@ -102,6 +102,10 @@ def render_plan(cfg: Any, world_size: Optional[int] = None, num_params: Optional
                "(the split sizes)" if lo.ep > 1 else
                "ep 1: no token exchange to hide, one chunk" if n == 1 else
                f"ep 1: {n} chunks hide nothing here and repeat the MoE layer's operators {n}x")
+        if asked.strip().lower() == "auto" and lo.ep > 1:
+            from mpoverlap.overlap.config import ep_chunks_choice
+
+            why += f"; {ep_chunks_choice(cfg, world_size).chunks_reason}"
         lines.append(f"    overlap.{'ep_chunks':<16} {asked:>5} -> {n:<3}  {why}")
     lines.extend(f"  note: {n}" for n in layout_notes(cfg, lo))
     grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=etp_size(cfg))
@@ -210,11 +214,11 @@ def _expert_calls(cfg: Any, lo) -> tuple:
     tokens = _routed_tokens(cfg, lo)
     padded = padded_queue_rows(cfg, lo, tokens) if lo.ep > 1 else 0
     if padded:  # the chunks split the queue positions: E c rows received per chunk
-        calls = min(ep_chunks(cfg), padded // m.num_experts)
+        calls = min(ep_chunks(cfg, lo.world), padded // m.num_experts)
         return padded // calls, calls, False
     if etp_size(cfg) > 1 and sp:  # the experts run on the tp group's tokens
         tokens *= lo.tp
-    calls = max(1, min(ep_chunks(cfg), tokens))
+    calls = max(1, min(ep_chunks(cfg, lo.world), tokens))
     return -(-tokens // calls) * m.moe_top_k, calls, lo.ep > 1
 
 

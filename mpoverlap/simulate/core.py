@@ -82,8 +82,10 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
     """The step of `cfg`'s layout on `hw`; where its ranks share fewer CPU cores than there are
     ranks (`hw.cores`), with compute stretched as sharing.py says."""
     from mpoverlap.simulate.bucket_size import with_resolved_bucket
+    from mpoverlap.simulate.ep_choice import pin_auto
     from mpoverlap.simulate.sharing import with_shared_cores
 
+    cfg = pin_auto(cfg, hw, world_size)  # overlap.ep / ep_chunks = auto decided on `hw` itself
     cfg = with_resolved_bucket(cfg, hw, world_size)  # overlap.dp_bucket_mb=auto: bucket_size.py
     lo = build_layout(plain(cfg), world_size)
     if not hw.cores or lo.world <= hw.cores:

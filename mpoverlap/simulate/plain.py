@@ -12,6 +12,9 @@ class Plain(SimpleNamespace):
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)
 
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
 
 def plain(cfg: Any) -> Plain:
     """`cfg` (a DictConfig or a Plain) as nested Plain objects, resolved; Plain passes through."""

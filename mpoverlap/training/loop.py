@@ -74,7 +74,8 @@ class Trainer(Resumable, RunLoop):
         self.pp = state.grid.pp
         moe = None
         if cfg.model.num_experts > 0:
-            moe = moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=ep_chunks(cfg), ledger=self.ledger,
+            moe = moe_kwargs(state, overlap=self.overlap.ep.enabled, num_chunks=ep_chunks(cfg, state.world),
+                             ledger=self.ledger,
                              sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
                              etp=state.grid.etp, capacity_padding=not self.overlap.ep_pairing.enabled,
                              dispatch_wire=resolve_dispatch_wire(t.ep_dispatch_dtype, compute_precision(t.precision)))

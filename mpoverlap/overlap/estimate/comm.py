@@ -194,7 +194,7 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # the gathered size for both (an all-gather's output, a reduce-scatter's input).
             # Plus one all_gather of every chunk's per-expert counts (int64), before the tokens.
             gathered = (lo.ep * tokens * (d + H * c + m.moe_top_k * 4 + m.moe_top_k * 8)
-                        + lo.ep * min(ep_chunks(cfg), tokens) * m.num_experts * 8) * moe_here * micro
+                        + lo.ep * min(ep_chunks(cfg, lo.world), tokens) * m.num_experts * 8) * moe_here * micro
             scattered = lo.ep * tokens * (2 * H * c + m.moe_top_k * 4) * moe_here * micro
             ops += [("ep", "all_gather", gathered, lo.ep), ("ep", "reduce_scatter", scattered, lo.ep)]
         elif padded_queue_rows(cfg, lo, tokens):
@@ -207,7 +207,7 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
             # expert) slot once forward and once backward (the ledger counts the sent buffer;
             # received sizes vary with routing but average the same), plus one all_to_all of
             # every chunk's per-expert counts (int64).
-            per_layer = tokens * m.moe_top_k * (d + 3 * H * c) + min(ep_chunks(cfg), tokens) * m.num_experts * 8
+            per_layer = tokens * m.moe_top_k * (d + 3 * H * c) + min(ep_chunks(cfg, lo.world), tokens) * m.num_experts * 8
             ops.append(("ep", "all_to_all", per_layer * moe_here * micro, lo.ep))
     return ops + replayed_ops(cfg, lo, busiest, c)
 
@@ -264,13 +264,13 @@ def replayed_ops(cfg: Any, lo: Layout, busiest: int, c: int) -> List[Op]:
                     (lo.tp if sp else 1) * lo.cp))
     if lo.ep > 1 and n_moe:
         tokens = b * (s_cp // lo.tp if sp else s_cp)
-        counts = min(ep_chunks(cfg), tokens) * m.num_experts * 8
+        counts = min(ep_chunks(cfg, lo.world), tokens) * m.num_experts * 8
         d = dispatch_row_bytes(cfg, c)  # the replayed dispatch's rows; its combine's H * c
         if m.moe_dispatcher == "allgather":
             k = m.moe_top_k
             ops.append(("ep", "all_gather", (lo.ep * tokens * (d + 12 * k) + lo.ep * counts) * n_moe * micro,
                         lo.ep))
-            n = min(ep_chunks(cfg), tokens)  # the layer's chunks: bounds i * T // n
+            n = min(ep_chunks(cfg, lo.world), tokens)  # the layer's chunks: bounds i * T // n
             before_last = (n - 1) * tokens // n
             if before_last:
                 ops.append(("ep", "reduce_scatter", lo.ep * before_last * H * c * n_moe * micro, lo.ep))
@@ -314,7 +314,7 @@ def padded_queue_rows(cfg: Any, lo: Layout, tokens: int) -> int:
             or not getattr(m, "moe_grouped_gemm", True) or CommOverlapConfig.from_config(cfg, lo.world).ep_pairing.enabled):
         return 0
     C = math.ceil(float(m.moe_capacity_factor) * tokens * m.moe_top_k / m.num_experts)
-    n = max(1, min(ep_chunks(cfg), C))
+    n = max(1, min(ep_chunks(cfg, lo.world), C))
     return m.num_experts * n * -(-C // n)
 
 
