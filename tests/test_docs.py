@@ -1,7 +1,7 @@
 """The documentation stays true: README.md and docs/*.md against the code they describe.
 
 - docs/rules.md is the rule registry's own text (`mpoverlap-check --rules --markdown`);
-- every config key (the schema in mpoverlap/config.py and every YAML file in conf/) and every
+- every config key (the schema in mpoverlap/schema.py and every YAML file in conf/) and every
   preset name appears in backticks on some page;
 - every concrete `mpoverlap-check` command in a code block (no <placeholder>) runs in-process
   and exits as documented: 0, or 2 where its line says `# exit 2` (a slow one may say
