@@ -131,11 +131,14 @@ class Resumable:
 
         t0 = time.perf_counter()
         # This rank's shards only: its stage's and experts' parameters, its TP slice of each.
-        # Stacked expert weights as their experts' tensors, under the per-expert names.
-        shards, self.init_bytes_read = read_state(directory, self.cfg.model, per_expert_tensors(self.params_by_name),
+        # Stacked expert weights as their experts' tensors, under the per-expert names; the
+        # routers' aux-loss-free biases (buffers, DeepSeek-V3's e_score_correction_bias) too.
+        biases = expert_biases(self.chunks)
+        shards, self.init_bytes_read = read_state(directory, self.cfg.model,
+                                                  {**per_expert_tensors(self.params_by_name), **biases},
                                                   self.state.coords.tp, self.state.grid.tp)
         with self.ddp.full_params(write_back=True):
-            params = per_expert_tensors(self.params_by_name)  # views of the storage held now
+            params = {**per_expert_tensors(self.params_by_name), **biases}  # views of the storage held now
             for name, value in shards.items():
                 if value.shape != params[name].shape:
                     raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape "

@@ -1,0 +1,197 @@
+"""DeepSeek-V3 from and to Hugging Face: a transformers-made random DeepseekV3ForCausalLM (tiny:
+4 layers, the first dense, 8 routed experts in 4 groups of which 2 are kept, a shared expert,
+routed weights scaled 2.5, nonzero e_score_correction_bias) imported with checkpoint.init_from
+at tp 2 x pp 2 with sequence parallelism and saved; the single-process model with the saved
+weights gives transformers' logits (1e-4 relative), and so does transformers on the exported
+directory. Two directories: query latent with interleaved RoPE rows (DeepSeek's layout, which
+the import permutes) and no query latent (q_proj) with rope_interleave=false (no permutation).
+
+MTP: a model with one multi-token prediction depth, saved at tp 2 x pp 2, exported (DeepSeek's
+model.layers.<num_hidden_layers>. layout, which transformers loads and skips) and read back:
+every MTP tensor equals the checkpoint's.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from mpoverlap.config import compose  # noqa: E402
+
+RUN = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.log_interval=1", "data.max_bytes=300000",
+       "train.progress=false", "train.eval_iters=1", "train.device=cpu", "train.steps=1"]
+LAYOUT = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+OURS = ["model=deepseek_v3_tiny"]
+HF_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+               routed_scaling_factor=2.5, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+               n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+               max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6)
+CASES = {"latent_interleaved": (dict(q_lora_rank=32, rope_interleave=True), []),
+         "q_proj_halves": (dict(q_lora_rank=None, rope_interleave=False), ["model.q_lora_rank=0"])}
+TOL = 1e-4
+
+
+def _save_hf(extra, out):
+    """A random DeepseekV3ForCausalLM, saved; norms, routers and the routers' score biases moved
+    off their initial ones/zeros so that a dropped or swapped tensor changes the logits."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_TINY, **extra)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("gate.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(str(out))
+    return model
+
+
+def _worker(rank, world, specs, root):
+    """Per spec: a Trainer at tp 2 x pp 2 (importing when checkpoint.init_from is set), saved."""
+    from omegaconf import OmegaConf
+
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
+    for name, overrides in specs.items():
+        run_dir = Path(root) / name
+        cfg = compose([*overrides, f"run.dir={run_dir}"])
+        if rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        t = Trainer(cfg, init_distributed(cfg), run_dir)
+        t.maybe_resume()
+        t.save()
+        t.checkpointer.wait()
+    return True
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """{case: (original HF model, hf dir, run dir)} and the MTP run dir, after one spawn of 4."""
+    from dist_harness import run_distributed
+
+    root = tmp_path_factory.mktemp("deepseek_v3")
+    made, specs = {}, {}
+    for name, (extra, ours) in CASES.items():
+        made[name] = (_save_hf(extra, root / f"hf_{name}"), root / f"hf_{name}", root / name)
+        specs[name] = [*OURS, *ours, *LAYOUT, *RUN, f"checkpoint.init_from={root / f'hf_{name}'}"]
+    specs["mtp"] = [*OURS, "model.mtp_num_layers=1", *LAYOUT, *RUN]
+    run_distributed(_worker, 4, specs, str(root), timeout_s=600)
+    return made, root / "mtp"
+
+
+def _tokens():
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+
+
+def _ours(run):
+    """The single-process model with the checkpoint's weights (its config.yaml's model)."""
+    from omegaconf import OmegaConf
+
+    from mpoverlap.interop.checkpoint_reader import read_checkpoint, resolve_step_dir
+    from mpoverlap.models.gpt import GPT
+
+    weights, _ = read_checkpoint(resolve_step_dir(run))
+    model = GPT(OmegaConf.load(run / "config.yaml").model).eval()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all(k.endswith("router.expert_bias") and k.startswith("mtp.") for k in missing), \
+        (missing, unexpected)
+    return model, weights
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / a.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_import_at_tp2_pp2_and_export_give_transformers_logits(imported, name, tmp_path):
+    from mpoverlap.interop.export import main as export_main
+
+    original, _, run = imported[0][name]
+    tokens = _tokens()
+    model, weights = _ours(run)
+    with torch.no_grad():
+        theirs = original(tokens).logits
+        rel = _rel(theirs, model(tokens)[..., :theirs.shape[-1]])
+    print(f"{name}: imported logits rel diff {rel:.2e}")
+    assert rel <= TOL
+    # the score biases were imported (and saved: the checkpoint holds them beside the model)
+    assert any(w.abs().sum() > 0 for k, w in weights.items() if k.endswith("router.expert_bias"))
+
+    assert export_main([str(run), "--out", str(tmp_path / "hf")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert type(again) is type(original)
+    with torch.no_grad():
+        rel = _rel(theirs, again(tokens).logits)
+    print(f"{name}: exported logits rel diff {rel:.2e}")
+    assert rel <= TOL
+
+
+def test_mtp_weights_survive_save_load_export_reimport(imported, tmp_path):
+    from mpoverlap.interop.export import main as export_main
+    from mpoverlap.interop.hf_import import read_state
+
+    run = imported[1]
+    model, weights = _ours(run)
+    mtp = {k: w for k, w in weights.items() if k.startswith("mtp.")}
+    assert any(k.startswith("mtp.0.block.mlp.experts.") for k in mtp) and "mtp.0.eh_proj.weight" in mtp
+    assert export_main([str(run), "--out", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        L = config["num_hidden_layers"]
+        for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "embed_tokens", "shared_head.head"):
+            assert f"model.layers.{L}.{n}.weight" in names, n
+        torch.testing.assert_close(f.get_tensor(f"model.layers.{L}.shared_head.head.weight"), weights["output.weight"])
+        # DeepSeek's eh_proj reads [embedding ; hidden]
+        H = weights["mtp.0.eh_proj.weight"].shape[0]
+        torch.testing.assert_close(f.get_tensor(f"model.layers.{L}.eh_proj.weight")[:, :H],
+                                   weights["mtp.0.eh_proj.weight"][:, H:])
+    back, _ = read_state(str(tmp_path / "hf"), _run_model(run))
+    for k, w in mtp.items():
+        torch.testing.assert_close(back[k], w, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    # transformers loads the directory (skipping the MTP layer) and gives our main logits
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        theirs = again(tokens).logits
+        assert _rel(theirs, model(tokens)[..., :theirs.shape[-1]]) <= TOL
+
+
+def _run_model(run):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(run / "config.yaml").model
+
+
+def test_check_names_every_difference_and_its_fix(imported):
+    from mpoverlap.interop.hf_dir import read_hf_config
+    from mpoverlap.interop.hf_mapping import ConversionError, describe_mismatches, fix_overrides, mismatches
+
+    hf_dir = imported[0]["latent_interleaved"][1]
+    model = compose([*OURS, "model.q_lora_rank=0", "model.moe_router_num_groups=1", "model.kv_lora_rank=8",
+                     "model.moe_router_scaling_factor=1.0", "model.shared_expert=false"]).model
+    found = mismatches(read_hf_config(hf_dir), model)
+    text, fix = describe_mismatches(str(hf_dir), found, model), fix_overrides(found)
+    for key, theirs, ours in [("q_lora_rank", 32, 0), ("kv_lora_rank", 16, 8), ("moe_router_num_groups", 4, 1),
+                              ("moe_router_scaling_factor", 2.5, 1.0), ("shared_expert", "true", "false")]:
+        assert f"model.{key}: HF {theirs}, ours {ours}" in text, (key, text)
+        assert f"model.{key}={theirs}" in fix, (key, fix)
+    assert not mismatches(read_hf_config(hf_dir), compose(OURS).model)
+    yarn = dict(read_hf_config(hf_dir), rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4})
+    with pytest.raises(ConversionError, match="rope_parameters.rope_type='yarn'"):
+        mismatches(yarn, compose(OURS).model)
