@@ -194,6 +194,17 @@ def test_check_names_every_difference_and_its_fix(imported):
         assert f"model.{key}: HF {theirs}, ours {ours}" in text, (key, text)
         assert f"model.{key}={theirs}" in fix, (key, fix)
     assert not mismatches(read_hf_config(hf_dir), compose(OURS).model)
+    # nulls compare as the values they stand for: the shared width (the expert width), the kept
+    # groups (all of them)
+    nulls = compose([*OURS, "model.moe_shared_expert_ffn_hidden_size=null", "model.moe_router_group_topk=null"]).model
+    assert mismatches(read_hf_config(hf_dir), nulls) == [("moe_router_group_topk", 2, 4)]
+    # mpoverlap-check's rule says the same before any worker starts
+    from mpoverlap.overlap import validate
+
+    found = [p for p in validate(compose([*OURS, "model.kv_lora_rank=8", f"checkpoint.init_from={hf_dir}"]))
+             if p.rule == "checkpoint.init_from"]
+    assert len(found) == 1 and "model.kv_lora_rank: HF 16, ours 8" in found[0].reason, found
+    assert found[0].fix == ["model.kv_lora_rank=16"], found[0].fix
     yarn = dict(read_hf_config(hf_dir), rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4})
     with pytest.raises(ConversionError, match="rope_parameters.rope_type='yarn'"):
         mismatches(yarn, compose(OURS).model)
