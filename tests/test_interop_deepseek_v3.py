@@ -8,7 +8,8 @@ the import permutes) and no query latent (q_proj) with rope_interleave=false (no
 
 MTP: a model with one multi-token prediction depth, saved at tp 2 x pp 2, exported (DeepSeek's
 model.layers.<num_hidden_layers>. layout, which transformers loads and skips) and read back:
-every MTP tensor equals the checkpoint's.
+every MTP tensor equals the checkpoint's. And a DeepSeek-layout directory holding an MTP layer
+imported at tp 2 x pp 2: the saved checkpoint equals the source model tensor for tensor.
 """
 import json
 import os
@@ -71,7 +72,7 @@ def _worker(rank, world, specs, root):
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         t = Trainer(cfg, init_distributed(cfg), run_dir)
         t.maybe_resume()
-        for chunk in t.chunks:  # MTP routers' score biases off zero (the same on every rank)
+        for chunk in (t.chunks if not cfg.checkpoint.init_from else []):  # MTP routers' biases off zero
             for d, depth in (chunk.mtp.named_children() if chunk.mtp is not None else []):
                 depth.block.mlp.router.expert_bias.copy_(0.01 * torch.arange(8.0) + int(d))
         t.save()
@@ -90,8 +91,30 @@ def imported(tmp_path_factory):
         made[name] = (_save_hf(extra, root / f"hf_{name}"), root / f"hf_{name}", root / name)
         specs[name] = [*OURS, *ours, *LAYOUT, *RUN, f"checkpoint.init_from={root / f'hf_{name}'}"]
     specs["mtp"] = [*OURS, "model.mtp_num_layers=1", *LAYOUT, *RUN]
+    specs["mtp_import"] = [*OURS, "model.mtp_num_layers=1", *LAYOUT, *RUN, f"checkpoint.init_from={root / 'hf_mtp'}"]
+    source = _write_deepseek_dir_with_mtp(root / "hf_mtp")
     run_distributed(_worker, 4, specs, str(root), timeout_s=600)
-    return made, root / "mtp"
+    return made, root / "mtp", (source, root / "mtp_import")
+
+
+def _write_deepseek_dir_with_mtp(out):
+    """A DeepSeek-layout directory with one MTP layer (transformers writes none): a random
+    single-process model with its norms and router biases off their initial values, exported."""
+    from mpoverlap.interop.hf_dir import write_hf_dir
+    from mpoverlap.interop.hf_mapping import hf_config
+    from mpoverlap.interop.hf_tensors import to_hf
+    from mpoverlap.models.gpt import GPT
+
+    model = compose([*OURS, "model.mtp_num_layers=1"]).model
+    torch.manual_seed(1)
+    gpt = GPT(model)
+    with torch.no_grad():
+        for name, t in [*gpt.named_parameters(), *gpt.named_buffers()]:
+            if "norm" in name or name.endswith("expert_bias"):
+                t.add_(0.05 * torch.randn_like(t))
+    keys = {k: model[k] for k in model}
+    write_hf_dir(out, hf_config(keys), to_hf(gpt.state_dict(), keys), 10**9)
+    return {k: v.detach().clone() for k, v in gpt.state_dict().items()}
 
 
 def _tokens():
@@ -208,3 +231,14 @@ def test_check_names_every_difference_and_its_fix(imported):
     yarn = dict(read_hf_config(hf_dir), rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4})
     with pytest.raises(ConversionError, match="rope_parameters.rope_type='yarn'"):
         mismatches(yarn, compose(OURS).model)
+
+
+def test_mtp_layers_import_at_tp2_pp2(imported):
+    """A DeepSeek-layout directory with an MTP layer imported at tp 2 x pp 2 with SP: every
+    tensor of the saved checkpoint (MTP depth and router biases included) equals the source
+    model's, bit for bit (the rope rows and eh_proj halves undone on each rank's shard)."""
+    source, run = imported[2]
+    _, weights = _ours(run)
+    assert set(weights) == set(source)
+    for k, w in source.items():
+        torch.testing.assert_close(weights[k], w, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
