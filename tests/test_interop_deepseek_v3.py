@@ -242,3 +242,28 @@ def test_mtp_layers_import_at_tp2_pp2(imported):
     assert set(weights) == set(source)
     for k, w in source.items():
         torch.testing.assert_close(weights[k], w, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("rms_norm_eps", 1e-5, "rms_norm_eps=1e-05"),
+    ("topk_method", "greedy", "topk_method='greedy'"),
+    ("scoring_func", "softmax", "scoring_func='softmax'"),
+    ("num_key_value_heads", 2, "num_key_value_heads=2"),
+    ("n_shared_experts", 0, "n_shared_experts=0"),
+])
+def test_directories_it_cannot_reproduce_are_refused_by_key(imported, key, value, named):
+    from mpoverlap.interop.hf_dir import read_hf_config
+    from mpoverlap.interop.hf_mapping import ConversionError, mismatches
+
+    hf = dict(read_hf_config(imported[0]["latent_interleaved"][1]), **{key: value})
+    with pytest.raises(ConversionError, match=named.replace("(", r"\(").replace(".", r"\.")):
+        mismatches(hf, compose(OURS).model)
+
+
+def test_mtp_requested_from_a_directory_without_it_names_the_fix(imported):
+    """transformers' save_pretrained writes no MTP layer: asking for one names model.mtp_num_layers=0."""
+    from mpoverlap.interop.hf_import import read_state
+    from mpoverlap.training.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="model.mtp_num_layers=0"):
+        read_state(str(imported[0]["latent_interleaved"][1]), compose([*OURS, "model.mtp_num_layers=1"]).model)
