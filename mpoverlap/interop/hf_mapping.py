@@ -15,7 +15,8 @@ model.norm=rmsnorm, model.activation=swiglu:
                                                           -> Qwen3MoeForCausalLM
   model.attention=mla (latent attention), MoE             -> DeepseekV3ForCausalLM (hf_deepseek_v3)
 
-Why no permutation is needed anywhere:
+Why no permutation is needed anywhere (DeepSeek-V3's interleaved RoPE rows do need one: see
+hf_deepseek_v3):
   RoPE: ours is rotate-half (pairs i, i + D/2) with inv_freq_i = 1 / base^(2i/D), exactly HF's
         default rope (rope_theta = model.rope_base); model.rope_scaling llama3 is HF's llama3
         rope type, computed the same way (models/rope.py): q/k rows map unchanged.
@@ -105,8 +106,8 @@ def architecture(m: Dict[str, Any]) -> str:
         bad.append("model.qkv_bias=true with model.qk_norm=true (Qwen3's attention_bias also adds an o_proj "
                    "bias; Qwen2 has no q/k norm)")
     if int(m.get("mtp_num_layers") or 0) > 0:
-        bad.append(f"model.mtp_num_layers={m['mtp_num_layers']} (the exported architectures have no multi-token "
-                   "prediction depths)")
+        bad.append(f"model.mtp_num_layers={m['mtp_num_layers']} (of the exported architectures only DeepSeek-V3, "
+                   "with model.attention=mla, has multi-token prediction depths)")
     moe = int(m.get("num_experts") or 0) > 0
     if moe:
         arch = ARCH_QWEN3_MOE if qk_norm else ARCH_MIXTRAL

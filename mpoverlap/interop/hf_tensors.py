@@ -1,5 +1,6 @@
 """Tensor names and fused layouts between mpoverlap and transformers' Llama, Qwen2, Qwen3,
-Mixtral and Qwen3-MoE classes.
+Mixtral and Qwen3-MoE classes, and DeepSeek-V3's (names and row orders in hf_deepseek_v3; its
+routed experts are laid out as Qwen3-MoE's).
 
 Each of our (layout-free) parameters is a list of HF tensors concatenated along dim 0, the
 `parts` (one part for most; [q | k | v] for attn.qkv, [gate | up] for mlp.gate_up). The parts
