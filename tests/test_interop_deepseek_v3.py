@@ -77,7 +77,29 @@ def _worker(rank, world, specs, root):
                 depth.block.mlp.router.expert_bias.copy_(0.01 * torch.arange(8.0) + int(d))
         t.save()
         t.checkpointer.wait()
-    return True
+    out = {}
+    # The MTP routers' biases come back on resume; a checkpoint without them (as written when
+    # only the main layers' were saved) still resumes, the MTP ones from zero.
+    import mpoverlap.training.resume as resume
+
+    def resumed(run_dir):
+        cfg = compose([*specs["mtp"], f"run.dir={run_dir}"])
+        t = Trainer(cfg, init_distributed(cfg), Path(run_dir))
+        t.maybe_resume()
+        return {k: b.tolist() for k, b in resume.expert_biases(t.chunks).items() if k.startswith("mtp.")}
+
+    out["mtp_resumed"] = resumed(Path(root) / "mtp")
+    keep = resume.expert_biases
+    resume.expert_biases = lambda chunks: {k: b for k, b in keep(chunks).items() if not k.startswith("mtp.")}
+    try:
+        cfg = compose([*specs["mtp"], f"run.dir={Path(root) / 'mtp_old'}"])
+        t = Trainer(cfg, init_distributed(cfg), Path(root) / "mtp_old")
+        t.save()
+        t.checkpointer.wait()
+    finally:
+        resume.expert_biases = keep
+    out["mtp_old_resumed"] = resumed(Path(root) / "mtp_old")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +115,8 @@ def imported(tmp_path_factory):
     specs["mtp"] = [*OURS, "model.mtp_num_layers=1", *LAYOUT, *RUN]
     specs["mtp_import"] = [*OURS, "model.mtp_num_layers=1", *LAYOUT, *RUN, f"checkpoint.init_from={root / 'hf_mtp'}"]
     source = _write_deepseek_dir_with_mtp(root / "hf_mtp")
-    run_distributed(_worker, 4, specs, str(root), timeout_s=600)
-    return made, root / "mtp", (source, root / "mtp_import")
+    per_rank = run_distributed(_worker, 4, specs, str(root), timeout_s=600)
+    return made, root / "mtp", (source, root / "mtp_import"), per_rank
 
 
 def _write_deepseek_dir_with_mtp(out):
@@ -267,3 +289,12 @@ def test_mtp_requested_from_a_directory_without_it_names_the_fix(imported):
 
     with pytest.raises(CheckpointError, match="model.mtp_num_layers=0"):
         read_state(str(imported[0]["latent_interleaved"][1]), compose([*OURS, "model.mtp_num_layers=1"]).model)
+
+
+def test_mtp_router_biases_resume(imported):
+    per_rank = imported[3]
+    for res in per_rank:
+        for name, bias in res["mtp_resumed"].items():  # the values the worker set before saving
+            torch.testing.assert_close(torch.tensor(bias), 0.01 * torch.arange(8.0) + int(name.split(".")[1]))
+        assert all(b == [0.0] * 8 for b in res["mtp_old_resumed"].values())
+    assert any(res["mtp_resumed"] for res in per_rank)  # the last stage holds the depth
