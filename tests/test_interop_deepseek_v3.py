@@ -298,3 +298,14 @@ def test_mtp_router_biases_resume(imported):
             torch.testing.assert_close(torch.tensor(bias), 0.01 * torch.arange(8.0) + int(name.split(".")[1]))
         assert all(b == [0.0] * 8 for b in res["mtp_old_resumed"].values())
     assert any(res["mtp_resumed"] for res in per_rank)  # the last stage holds the depth
+
+
+def test_a_router_bias_the_model_cannot_hold_is_refused(imported):
+    """The directory's e_score_correction_bias is nonzero; a model without router biases
+    (model.moe_router_bias_update_rate=0) would drop it and choose other experts."""
+    from mpoverlap.interop.hf_import import read_state
+    from mpoverlap.training.checkpoint import CheckpointError
+
+    no_bias = compose([*OURS, "model.moe_router_bias_update_rate=0"]).model
+    with pytest.raises(CheckpointError, match="model.moe_router_bias_update_rate=1e-3"):
+        read_state(str(imported[0]["latent_interleaved"][1]), no_bias, params={})

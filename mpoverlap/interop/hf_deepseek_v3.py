@@ -241,6 +241,23 @@ def missing_hint(name: str, m: Dict[str, Any]) -> str:
     return ""
 
 
+def check_biases_kept(reader, m: Dict[str, Any], table: Dict[str, list]) -> None:
+    """Refuses a directory whose routers' e_score_correction_bias is nonzero when the model has
+    no bias to take it (model.moe_router_bias_update_rate=0: the routers hold none), since
+    dropping it would change which experts are chosen."""
+    if float(m.get("moe_router_bias_update_rate") or 0.0) > 0:
+        return
+    parts = [parts[0] for name, parts in table.items() if name.endswith(".router.expert_bias")]
+    before = reader.bytes_read
+    used = [p.name for p in parts if reader.has(p.name) and bool(reader.read(p).abs().sum() > 0)]
+    reader.bytes_read = before  # the counter is of the tensors handed to the model; these are not
+    if used:
+        raise ConversionError(f"the directory's routers select experts with a bias ({used[0]} and {len(used) - 1} "
+                              "more are nonzero) but model.moe_router_bias_update_rate=0 gives the routers none: "
+                              "set model.moe_router_bias_update_rate=1e-3 (DeepSeek-V3's rate; 0 < rate keeps "
+                              "the bias)")
+
+
 def _rope_rows(t: torch.Tensor, width: int, offset: int, p: int, to_ours: bool) -> torch.Tensor:
     """Rows [offset, offset + p) of every `width`-row group of `t`: interleaved pairs -> halves
     (to_ours) or back."""

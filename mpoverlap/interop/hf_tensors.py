@@ -143,6 +143,8 @@ def from_hf(reader, m: Dict[str, Any], params: Optional[Dict[str, Any]] = None, 
     without: every tensor, full. `hf`: the directory's config.json (DeepSeek-V3's rope_interleave)."""
     table = parts_of(m, reader.has)
     arch = architecture(m)
+    if arch == ARCH_DEEPSEEK_V3:
+        ds.check_biases_kept(reader, m, table)
     names = list(table) if params is None else [n for n in params if n in table]
     missing = [n for n in (params or {}) if n not in table]
     if missing:
