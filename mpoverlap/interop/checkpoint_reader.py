@@ -10,7 +10,8 @@ dtype, and `torch.distributed.checkpoint.load(template, no_dist=True)` fills a t
 from it. Both are public, documented APIs (kept stable across torch releases), whereas
 `_load_state_dict_from_keys` and `_EmptyStateDictLoadPlanner` are private; `dcp_to_torch_save`
 is public but would load the optimizer moments too (3x the model) and round-trip a file. Only
-`model.*` and `meta.*` are read.
+`model.*`, `expert_bias.*` (the routers' bias buffers, under their layout-free names) and
+`meta.*` are read.
 """
 from __future__ import annotations
 
@@ -58,10 +59,12 @@ def read_checkpoint(step_dir: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, 
         md = FileSystemReader(str(step_dir)).read_metadata()
     except Exception as err:
         raise ConversionError(f"{step_dir}/.metadata could not be read ({type(err).__name__}: {err})") from None
-    template: Dict[str, Any] = {"model": {}, "meta": {}}
+    template: Dict[str, Any] = {"model": {}, "meta": {}, "expert_bias": {}}
     for key, item in md.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
-            template["model"][key[len("model."):]] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        # the routers' aux-loss-free biases are buffers, saved beside the parameters
+        group = key.split(".", 1)[0]
+        if group in ("model", "expert_bias") and isinstance(item, TensorStorageMetadata):
+            template[group][key[len(group) + 1:]] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
         elif key.startswith("meta."):
             # meta is a nested dict of plain values; DCP flattened it with dots.
             node = template["meta"]
@@ -75,7 +78,7 @@ def read_checkpoint(step_dir: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(template, checkpoint_id=str(step_dir), no_dist=True)
-    return template["model"], template["meta"]
+    return {**template["model"], **template["expert_bias"]}, template["meta"]
 
 
 def find_run_config(step_dir: Path):

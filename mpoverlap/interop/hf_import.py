@@ -1,4 +1,4 @@
-"""`checkpoint.init_from=<hf dir>`: a Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE directory's
+"""`checkpoint.init_from=<hf dir>`: a Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE/DeepSeek-V3 directory's
 tensors under our layout-free names, each rank's own shards.
 
 The shapes come from the directory's config.json and must equal `model.*` (the validator
@@ -36,7 +36,7 @@ def read_state(directory: str, model: Any, params: Optional[Dict[str, Any]] = No
             raise ConversionError(describe_mismatches(directory, found, model) + "; set "
                                   + " ".join(fix_overrides(found)) + " or point checkpoint.init_from elsewhere")
         reader = SliceReader(directory)
-        state = from_hf(reader, _model_dict(model), params, tp_rank, tp_size)
+        state = from_hf(reader, _model_dict(model), params, tp_rank, tp_size, hf)
     except ConversionError as err:
         raise CheckpointError(str(err)) from None
     except ImportError as err:

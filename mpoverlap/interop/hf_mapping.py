@@ -13,8 +13,10 @@ model.norm=rmsnorm, model.activation=swiglu:
   MoE, model.qk_norm=true, moe_layer_freq=1 (leading dense layers allowed: mlp_only_layers),
   no shared expert, dropless, softmax router (top-k renormalised or not: norm_topk_prob)
                                                           -> Qwen3MoeForCausalLM
+  model.attention=mla (latent attention), MoE             -> DeepseekV3ForCausalLM (hf_deepseek_v3)
 
-Why no permutation is needed anywhere:
+Why no permutation is needed anywhere (DeepSeek-V3's interleaved RoPE rows do need one: see
+hf_deepseek_v3):
   RoPE: ours is rotate-half (pairs i, i + D/2) with inv_freq_i = 1 / base^(2i/D), exactly HF's
         default rope (rope_theta = model.rope_base); model.rope_scaling llama3 is HF's llama3
         rope type, computed the same way (models/rope.py): q/k rows map unchanged.
@@ -34,6 +36,8 @@ from typing import Any, Dict, List, Tuple
 ARCH_LLAMA, ARCH_MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
 ARCH_QWEN2, ARCH_QWEN3, ARCH_QWEN3_MOE = "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 ARCHS = (ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_MIXTRAL, ARCH_QWEN3_MOE)
+# model.attention=mla: its config and tensor mapping are in hf_deepseek_v3
+ARCH_DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 MODEL_TYPES = {ARCH_LLAMA: "llama", ARCH_QWEN2: "qwen2", ARCH_QWEN3: "qwen3", ARCH_MIXTRAL: "mixtral",
                ARCH_QWEN3_MOE: "qwen3_moe"}
 RMS_ONLY = "transformers' Llama/Qwen/Mixtral classes normalise with RMSNorm and use SwiGLU MLPs"
@@ -81,6 +85,14 @@ def rope_scaling(m: Dict[str, Any]) -> Dict[str, Any] | None:
 def architecture(m: Dict[str, Any]) -> str:
     """The transformers class for the model keys `m`; ConversionError naming EVERY key that
     makes the model one no transformers class reproduces exactly."""
+    if m.get("attention", "mha") == "mla":
+        from mpoverlap.interop import hf_deepseek_v3 as ds
+
+        bad = ds.problems(m)
+        if bad:
+            raise ConversionError("no transformers class reproduces this model exactly, so nothing was written: "
+                                  + "; ".join(bad) + f". Latent attention maps to {ds.ARCH_DEEPSEEK_V3}")
+        return ds.ARCH_DEEPSEEK_V3
     bad: List[str] = []
     if m["norm"] != "rmsnorm":
         bad.append(f"model.norm={m['norm']} ({RMS_ONLY})")
@@ -89,16 +101,13 @@ def architecture(m: Dict[str, Any]) -> str:
     rs = rope_scaling(m)
     if rs is not None and rs["rope_type"] != "llama3":
         bad.append(f"model.rope_scaling.rope_type={rs['rope_type']} (only llama3 scaling is exported)")
-    if m.get("attention", "mha") == "mla":
-        bad.append("model.attention=mla (latent attention maps to DeepseekV3ForCausalLM, which is not "
-                   "exported)")
     qkv_bias, qk_norm = bool(m.get("qkv_bias")), bool(m.get("qk_norm"))
     if qkv_bias and qk_norm:
         bad.append("model.qkv_bias=true with model.qk_norm=true (Qwen3's attention_bias also adds an o_proj "
                    "bias; Qwen2 has no q/k norm)")
     if int(m.get("mtp_num_layers") or 0) > 0:
-        bad.append(f"model.mtp_num_layers={m['mtp_num_layers']} (the exported architectures have no multi-token "
-                   "prediction depths)")
+        bad.append(f"model.mtp_num_layers={m['mtp_num_layers']} (of the exported architectures only DeepSeek-V3, "
+                   "with model.attention=mla, has multi-token prediction depths)")
     moe = int(m.get("num_experts") or 0) > 0
     if moe:
         arch = ARCH_QWEN3_MOE if qk_norm else ARCH_MIXTRAL
@@ -158,6 +167,10 @@ def _rope_config(m: Dict[str, Any]) -> Dict[str, Any]:
 def hf_config(m: Dict[str, Any]) -> Dict[str, Any]:
     """config.json for the model keys `m` (architecture() must pass)."""
     arch = architecture(m)
+    if arch == ARCH_DEEPSEEK_V3:
+        from mpoverlap.interop import hf_deepseek_v3 as ds
+
+        return ds.hf_config(m)
     H, N, L = int(m["hidden_size"]), int(m["num_attention_heads"]), int(m["num_layers"])
     cfg = {
         "architectures": [arch], "model_type": MODEL_TYPES[arch],
@@ -223,8 +236,13 @@ def model_keys_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     """HF config.json -> the model.* values it implies (without vocab_size: the HF vocab is
     the PADDED size, compared by `mismatches`; model.rope_scaling's fields as dotted keys)."""
     arch = (hf.get("architectures") or [None])[0]
+    if arch == ARCH_DEEPSEEK_V3:
+        from mpoverlap.interop import hf_deepseek_v3 as ds
+
+        return ds.model_keys_from_hf(hf)
     if arch not in ARCHS:
-        raise _refuse_hf("architectures", hf.get("architectures"), f"not one of {', '.join(ARCHS)}")
+        raise _refuse_hf("architectures", hf.get("architectures"),
+                         f"not one of {', '.join(ARCHS + (ARCH_DEEPSEEK_V3,))}")
     H, N = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     checks = [("hidden_act", hf.get("hidden_act", "silu"), "silu"),
               ("mlp_bias", bool(hf.get("mlp_bias", False)), False)]
@@ -275,6 +293,10 @@ def mismatches(hf: Dict[str, Any], model: Any) -> List[Tuple[str, Any, Any]]:
     ours = dict(m, moe_ffn_hidden_size=moe_ffn(m) if want.get("num_experts") else m.get("moe_ffn_hidden_size"),
                 num_query_groups=num_kv_heads(m), head_dim=head_dim(m),  # null (= the default) compares as it
                 **{f"rope_scaling.{k}": rs.get(k) for k in ("rope_type",) + LLAMA3_KEYS})
+    if want.get("attention") == "mla":
+        from mpoverlap.interop import hf_deepseek_v3 as ds
+
+        ours.update(ds.comparable(m))
     out = [(k, v, ours.get(k)) for k, v in want.items() if _differs(v, ours.get(k))]
     if int(hf["vocab_size"]) != padded_vocab(m):
         out.append(("vocab_size", int(hf["vocab_size"]), m["vocab_size"]))

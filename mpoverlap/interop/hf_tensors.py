@@ -1,5 +1,6 @@
 """Tensor names and fused layouts between mpoverlap and transformers' Llama, Qwen2, Qwen3,
-Mixtral and Qwen3-MoE classes.
+Mixtral and Qwen3-MoE classes, and DeepSeek-V3's (names and row orders in hf_deepseek_v3; its
+routed experts are laid out as Qwen3-MoE's).
 
 Each of our (layout-free) parameters is a list of HF tensors concatenated along dim 0, the
 `parts` (one part for most; [q | k | v] for attn.qkv, [gate | up] for mlp.gate_up). The parts
@@ -30,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from mpoverlap.interop.hf_mapping import ARCH_MIXTRAL, ConversionError, _qkv_rows, architecture
+from mpoverlap.interop import hf_deepseek_v3 as ds
+from mpoverlap.interop.hf_mapping import ARCH_DEEPSEEK_V3, ARCH_MIXTRAL, ConversionError, _qkv_rows, architecture
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,15 @@ def parts_of(m: Dict[str, Any], has: Callable[[str], bool] = lambda _n: False) -
     `has(name)` says whether the directory holds a tensor (import: picks the fused expert
     layout when the per-expert one is absent)."""
     arch = architecture(m)
+    if arch == ARCH_DEEPSEEK_V3:
+        out = ds.parts_of(m, Part, _is_moe_layer)
+        L = int(m["num_layers"])
+        blocks = [(f"layers.{i}", f"model.layers.{i}", i) for i in range(L)]
+        blocks += [(f"mtp.{d}.block", f"model.layers.{L + d}", L + d) for d in range(int(m.get("mtp_num_layers") or 0))]
+        for ours, hf, i in blocks:
+            if _is_moe_layer(m, i):
+                out.update(_expert_parts(m, ours, f"{hf}.mlp", has(f"{hf}.mlp.experts.gate_up_proj"), False))
+        return out
     out = {"embedding.weight": [Part("model.embed_tokens.weight")], "final_norm.weight": [Part("model.norm.weight")]}
     if not m["tie_embeddings"]:
         out["output.weight"] = [Part("lm_head.weight")]
@@ -74,17 +85,24 @@ def parts_of(m: Dict[str, Any], has: Callable[[str], bool] = lambda _n: False) -
         mixtral = arch == ARCH_MIXTRAL
         moe = f"{hf}.block_sparse_moe" if mixtral and not fused else f"{hf}.mlp"
         out[f"{ours}.mlp.router.weight"] = [Part(f"{moe}.gate.weight")]
-        for e in range(int(m["num_experts"])):
-            ex, mine = f"{moe}.experts.{e}", f"{ours}.mlp.experts.{e}"
-            if fused:
-                out[f"{mine}.gate_up.weight"] = [Part(f"{moe}.experts.gate_up_proj", e)]
-                out[f"{mine}.down.weight"] = [Part(f"{moe}.experts.down_proj", e)]
-            elif mixtral:
-                out[f"{mine}.gate_up.weight"] = [Part(f"{ex}.w1.weight"), Part(f"{ex}.w3.weight")]
-                out[f"{mine}.down.weight"] = [Part(f"{ex}.w2.weight")]
-            else:
-                out[f"{mine}.gate_up.weight"] = [Part(f"{ex}.gate_proj.weight"), Part(f"{ex}.up_proj.weight")]
-                out[f"{mine}.down.weight"] = [Part(f"{ex}.down_proj.weight")]
+        out.update(_expert_parts(m, ours, moe, fused, mixtral))
+    return out
+
+
+def _expert_parts(m: Dict[str, Any], ours: str, moe: str, fused: bool, mixtral: bool) -> Dict[str, List[Part]]:
+    """The routed experts of block `ours` whose HF MoE module is `moe`."""
+    out = {}
+    for e in range(int(m["num_experts"])):
+        ex, mine = f"{moe}.experts.{e}", f"{ours}.mlp.experts.{e}"
+        if fused:
+            out[f"{mine}.gate_up.weight"] = [Part(f"{moe}.experts.gate_up_proj", e)]
+            out[f"{mine}.down.weight"] = [Part(f"{moe}.experts.down_proj", e)]
+        elif mixtral:
+            out[f"{mine}.gate_up.weight"] = [Part(f"{ex}.w1.weight"), Part(f"{ex}.w3.weight")]
+            out[f"{mine}.down.weight"] = [Part(f"{ex}.w2.weight")]
+        else:
+            out[f"{mine}.gate_up.weight"] = [Part(f"{ex}.gate_proj.weight"), Part(f"{ex}.up_proj.weight")]
+            out[f"{mine}.down.weight"] = [Part(f"{ex}.down_proj.weight")]
     return out
 
 
@@ -101,22 +119,32 @@ def to_hf(state: Dict[str, torch.Tensor], m: Dict[str, Any]) -> Dict[str, torch.
     """Our full tensors (layout-free names) -> HF names; every tensor contiguous and unshared."""
     out = {}
     ids = {int(n.split(".")[1]) for n in state if n.startswith("layers.")}
+    deepseek = architecture(m) == ARCH_DEEPSEEK_V3
     for name, parts in parts_of(m).items():
         if name.startswith("layers.") and int(name.split(".")[1]) not in ids:
             continue
-        t = state[name]
+        t = state.get(name)
+        if t is None and name.endswith(".router.expert_bias"):  # a router trained without the bias
+            t = torch.zeros(int(m["num_experts"]))
+        if deepseek:
+            t = ds.convert(name, t, m, to_ours=False)
         for part, piece in zip(parts, t.split(_part_rows(m, name, len(parts), t.shape[0]), dim=0)):
             out[part.name] = piece
+    if deepseek:
+        out.update(ds.mtp_copies(state, m))
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
 
 
 def from_hf(reader, m: Dict[str, Any], params: Optional[Dict[str, Any]] = None, tp_rank: int = 0,
-            tp_size: int = 1) -> Dict[str, torch.Tensor]:
+            tp_size: int = 1, hf: Optional[Dict[str, Any]] = None) -> Dict[str, torch.Tensor]:
     """Our tensors from an HF directory, read through `reader` (`hf_dir.SliceReader`). With
     `params` ({name: this rank's parameter}): only those names, each as this rank's
     tensor-parallel shard (the parameter's partition_dim / partition_blocks), read as slices;
-    without: every tensor, full."""
+    without: every tensor, full. `hf`: the directory's config.json (DeepSeek-V3's rope_interleave)."""
     table = parts_of(m, reader.has)
+    arch = architecture(m)
+    if arch == ARCH_DEEPSEEK_V3:
+        ds.check_biases_kept(reader, m, table)
     names = list(table) if params is None else [n for n in params if n in table]
     missing = [n for n in (params or {}) if n not in table]
     if missing:
@@ -126,11 +154,13 @@ def from_hf(reader, m: Dict[str, Any], params: Optional[Dict[str, Any]] = None, 
         for part in table[name]:
             if not reader.has(part.name):
                 raise ConversionError(f"the Hugging Face directory has no tensor {part.name!r}, which "
-                                      f"{architecture(m)} needs")
+                                      f"{architecture(m)} needs" + ds.missing_hint(part.name, m))
         p = params.get(name) if params is not None else None
         dim = getattr(p, "partition_dim", None) if (p is not None and tp_size > 1
                                                     and getattr(p, "tensor_model_parallel", False)) else None
         out[name] = _read_shard(reader, table[name], dim, getattr(p, "partition_blocks", 1), tp_rank, tp_size)
+        if arch == ARCH_DEEPSEEK_V3:  # whole heads on every rank: the per-head row order applies
+            out[name] = ds.convert(name, out[name], m, to_ours=True, interleaved=ds.interleaved(hf))
     return out
 
 

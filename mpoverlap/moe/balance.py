@@ -40,7 +40,10 @@ def update_expert_biases(moe_layers: List, state, ledger, *, apply: bool) -> Non
 
 
 def expert_biases(chunks: List) -> Dict[str, torch.Tensor]:
-    """{layout-free name: bias buffer} of the biased MoE layers of these model chunks."""
-    return {f"layers.{i}.mlp.router.expert_bias": block.mlp.router.expert_bias
-            for chunk in chunks for i, block in chunk.layers.named_children()
+    """{layout-free name: bias buffer} of the biased MoE layers of these model chunks, the
+    multi-token prediction depths' blocks (`mtp.<d>.block`, trained like the others) included."""
+    blocks = [(f"layers.{i}", block) for chunk in chunks for i, block in chunk.layers.named_children()]
+    blocks += [(f"mtp.{d}.block", depth.block) for chunk in chunks if getattr(chunk, "mtp", None) is not None
+               for d, depth in chunk.mtp.named_children()]
+    return {f"{name}.mlp.router.expert_bias": block.mlp.router.expert_bias for name, block in blocks
             if getattr(getattr(block.mlp, "router", None), "expert_bias", None) is not None}

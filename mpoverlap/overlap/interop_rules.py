@@ -12,7 +12,8 @@ from mpoverlap.overlap.rules import Problem, rule
 
 
 @rule("checkpoint.init_from", "general", ("checkpoint.init_from", "model.*"),
-      "checkpoint.init_from is a Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE directory whose config.json matches model.*")
+      "checkpoint.init_from is a Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE/DeepSeek-V3 directory whose config.json "
+      "matches model.*")
 def _init_from(lo: Layout):
     directory = lo.cfg.checkpoint.init_from
     if not directory:

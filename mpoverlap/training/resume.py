@@ -115,7 +115,14 @@ class Resumable:
 
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         chunks = self._state_chunks()
-        state = {**chunks.for_load(step, saved), **self._small_state(), "meta": self._meta_template(path)}
+        small = self._small_state()
+        # A checkpoint may lack the MTP depths' router biases (checkpoints kept the main layers'
+        # only): those keep their initial zeros, as every resume from such a checkpoint had them.
+        absent = [k for k in small["expert_bias"] if k.startswith("mtp.") and f"expert_bias.{k}" not in saved]
+        if absent:
+            self.log(f"checkpoint {path} holds no {', '.join(absent)}: they start from zero")
+            small["expert_bias"] = {k: b for k, b in small["expert_bias"].items() if k not in absent}
+        state = {**chunks.for_load(step, saved), **small, "meta": self._meta_template(path)}
         self.checkpointer.load(path, state, planner=ShardedLoadPlanner())
         chunks.after_load()  # error-feedback residuals saved at another layout: their sums
         # The parameters and moments were filled in place; ZeRO-3 gathers from the new shards.
@@ -131,11 +138,14 @@ class Resumable:
 
         t0 = time.perf_counter()
         # This rank's shards only: its stage's and experts' parameters, its TP slice of each.
-        # Stacked expert weights as their experts' tensors, under the per-expert names.
-        shards, self.init_bytes_read = read_state(directory, self.cfg.model, per_expert_tensors(self.params_by_name),
+        # Stacked expert weights as their experts' tensors, under the per-expert names; the
+        # routers' aux-loss-free biases (buffers, DeepSeek-V3's e_score_correction_bias) too.
+        biases = expert_biases(self.chunks)
+        shards, self.init_bytes_read = read_state(directory, self.cfg.model,
+                                                  {**per_expert_tensors(self.params_by_name), **biases},
                                                   self.state.coords.tp, self.state.grid.tp)
         with self.ddp.full_params(write_back=True):
-            params = per_expert_tensors(self.params_by_name)  # views of the storage held now
+            params = {**per_expert_tensors(self.params_by_name), **biases}  # views of the storage held now
             for name, value in shards.items():
                 if value.shape != params[name].shape:
                     raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape "
