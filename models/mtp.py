@@ -59,10 +59,22 @@ def masked_token_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, tp
     return (per * valid.reshape(-1).to(per.dtype)).sum()
 
 
+class HeadCall(nn.Module):
+    """The model's output head applied to a depth's normed hidden state, as a module call of
+    the depth (no parameters of its own): a depth's use ends with it, so a ZeRO-3 unit
+    (data_parallel/fsdp.py, `gpt_units`) holds the depth and the head weights it reads from the
+    depth's forward to its logits, and its output's gradient hook gathers them again before
+    the head's backward."""
+
+    def forward(self, x_BSH: torch.Tensor, project) -> torch.Tensor:
+        return project(x_BSH)
+
+
 class MTPDepth(nn.Module):
     """One depth: the two norms, the 2H -> H projection, one Block and the depth's final norm.
     `block` is the model's Block class built with the main layers' arguments (its layer index
-    cfg.num_layers + d - 1 decides dense or MoE as for a main layer)."""
+    cfg.num_layers + d - 1 decides dense or MoE as for a main layer). `logits(h, project)`
+    gives the depth's logits through the model's head `project`."""
 
     def __init__(self, cfg, make_norm, block: nn.Module) -> None:
         super().__init__()
@@ -71,6 +83,10 @@ class MTPDepth(nn.Module):
         self.eh_proj = Linear(2 * H, H, bias=False)
         self.block = block
         self.final_norm = make_norm(cfg)
+        self.head_call = HeadCall()
+
+    def logits(self, h_BSH, project):
+        return self.head_call(self.final_norm(h_BSH), project)
 
     def forward(self, h_BSH, e_BSH, cos_SD, sin_SD):
         x_BSH = self.eh_proj(torch.cat([self.hidden_norm(h_BSH), self.embed_norm(e_BSH).to(h_BSH.dtype)], dim=-1))
@@ -86,7 +102,7 @@ def mtp_loss(depths: nn.ModuleDict, h_BSH: torch.Tensor, targets_BSJ: torch.Tens
     total = None
     for j, depth in enumerate(depths.values(), start=1):  # one entry per depth (model.mtp_num_layers)
         h_BSH = depth(h_BSH, embed(targets_BSJ[..., j - 1].clamp_min(0)), cos_SD, sin_SD)
-        loss_sum = masked_token_loss_sum(project(depth.final_norm(h_BSH)), targets_BSJ[..., j], tp)
+        loss_sum = masked_token_loss_sum(depth.logits(h_BSH, project), targets_BSJ[..., j], tp)
         loss_d = loss_sum * (seq_length / ((seq_length - j) * B * S_local))
         total = loss_d if total is None else total + loss_d
     return total / len(depths)

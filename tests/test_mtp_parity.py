@@ -3,7 +3,7 @@ layouts: each reproduces its SINGLE-PROCESS curve within 1e-5 relative over STEP
 LM loss, the MTP loss (reported apart) and the gradient norm. pp 2 in a loop layout holds the
 depths on the last stage, with a copy of the embedding there (tied head or not) summed over the
 embedding group; pp 2 in zbv's V (parallel.mtp_stage=0) holds them on the first stage, beside the
-embedding they share.
+embedding they share. ZeRO-3 at dp 2 gathers each depth as a unit of its own.
 tp 2 (with and without SP) and cp 2 (ring and a2a) check the shift across shard boundaries:
 the shifted ids are cut from the whole window before the cp split, and under SP every tp rank
 embeds the whole (cp-local) sequence. All layouts of a world size train inside one spawn (tests/inproc_train.py)."""
@@ -39,7 +39,17 @@ LAYOUTS = {
     "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_comm=p2p", "parallel.dp=1"]),
     "untied_cp2_a2a": (2, [*UNTIED, "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.dp=1"]),
 }
-REFS = {"pp2_first": "l4_ref", "untied_pp2_first": "untied_l4_ref", "pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
+# ZeRO-3: every depth (its block, norms and eh_proj) is a unit gathered around its use, its
+# gradients reduce-scattered like a main layer's; deepseek_v3_tiny (latent attention, MoE with
+# group-limited routing, untied head) with one depth, and gpt_tiny (tied head) with two.
+ZERO3 = ["parallel.dp=2", "train.dp_sharding=optim_grads_params"]
+V3 = ["model=deepseek_v3_tiny", "model.num_layers=2", "model.mtp_num_layers=1", *BASE[4:]]
+FULL_LAYOUTS = {  # complete overrides, BASE not added
+    "v3_ref": (1, [*V3, "parallel.dp=1"]),
+    "v3_zero3": (2, [*V3, *ZERO3]),
+}
+LAYOUTS["zero3"] = (2, ZERO3)
+REFS = {"v3_zero3": "v3_ref", "zero3": "ref", "pp2_first": "l4_ref", "untied_pp2_first": "untied_l4_ref", "pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
         "cp2_ring": "ref", "untied_cp2_a2a": "untied_ref"}
 
 
@@ -48,6 +58,7 @@ def runs(tmp_path_factory):
     from inproc_train import train_layouts
 
     specs = {name: (world, [*BASE, *ov], STEPS) for name, (world, ov) in LAYOUTS.items()}
+    specs.update({name: (world, ov, STEPS) for name, (world, ov) in FULL_LAYOUTS.items()})
     return train_layouts(specs, tmp_path_factory.mktemp("mtp"), timeout_s=900)
 
 
@@ -55,6 +66,16 @@ def assert_close(got, ref, rel=1e-5):
     assert len(got) == len(ref)
     for i, (a, b) in enumerate(zip(got, ref)):
         assert abs(a - b) <= rel * abs(b), f"step {i + 1}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
+
+
+def test_zero3_layouts_pass_the_rules():
+    from mpoverlap.config import compose
+    from mpoverlap.overlap import validate
+
+    for name in ("zero3", "v3_zero3"):
+        world, ov = LAYOUTS[name] if name in LAYOUTS else FULL_LAYOUTS[name]
+        overrides = [*BASE, *ov] if name in LAYOUTS else ov
+        assert [p.render() for p in validate(compose(overrides), world_size=world)] == []
 
 
 @pytest.mark.parametrize("name", list(REFS))

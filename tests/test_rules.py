@@ -72,7 +72,6 @@ FAILING = {
                    (["model.mtp_num_layers=1", "model.mtp_loss_scale=-0.1"], None)],
     "mtp.unsupported_with": [(["model=moe_tiny", "model.mtp_num_layers=1", "overlap.ep_pairing=true", "parallel.dp=2",
                                "parallel.ep=2"], None),
-                             (["model.mtp_num_layers=1", "parallel.dp=2", "train.dp_sharding=optim_grads_params"], None),
                              (["model.mtp_num_layers=1", "parallel.pp=2", "parallel.dp=2",
                                "train.distributed_optimizer=true"], None)],
     "mtp.stage": [(["parallel.mtp_stage=0"], None),

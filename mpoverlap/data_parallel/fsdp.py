@@ -283,7 +283,7 @@ class UnitGatherer:
 
 def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
     """The units of GPT chunks (`models/gpt.py`): embedding (on the chunk that embeds), each
-    block, and the head = final norm + output layer (+ the tied embedding weight), which starts
+    block, the MTP depths (`mtp_units`), and the head = final norm + output layer (+ the tied embedding weight), which starts
     at the final norm and ends with the chunk's forward."""
     units: List[UnitSpec] = []
     for c, chunk in enumerate(chunks):
@@ -292,6 +292,8 @@ def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
                                   list(chunk.embedding.parameters()), chunk=c))
         for name, block in chunk.layers.items():
             units.append(UnitSpec(f"layers.{name}", block, block, list(block.parameters()), chunk=c))
+        if getattr(chunk, "mtp", None) is not None:
+            units += mtp_units(chunk, units, c)
         if chunk.post_process:
             owned = list(chunk.final_norm.parameters())
             shared = []
@@ -306,6 +308,23 @@ def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
                     owned += list(chunk.embedding.parameters())
             units.append(UnitSpec("head", chunk.final_norm, chunk, owned, shared, chunk=c))
     return units
+
+
+def mtp_units(chunk: nn.Module, units: Sequence[UnitSpec], c: int) -> List[UnitSpec]:
+    """The units of a chunk's MTP depths (models/mtp.py), in the order they run (after the last
+    block, before the head): each depth's norms, eh_proj, block and final norm from the depth's
+    forward to its logits (`MTPDepth.logits`), sharing the head weights its logits read (the
+    output layer, or the tied embedding). The depths embed their input tokens with the chunk's
+    embedding module: a copy of it on a chunk without pre_process becomes a unit of its own,
+    unless another chunk of this stage already made one of that module (zbv's V)."""
+    out: List[UnitSpec] = []
+    emb = chunk.embedding
+    if not any(u.start is emb for u in units):
+        out.append(UnitSpec("embedding", emb, emb, list(emb.parameters()), chunk=c))
+    head = list(chunk.output.parameters()) if chunk.output is not None else list(emb.parameters())
+    for name, depth in chunk.mtp.items():
+        out.append(UnitSpec(f"mtp.{name}", depth, depth.head_call, list(depth.parameters()), head, chunk=c))
+    return out
 
 
 def unit_index(units: Sequence[UnitSpec]):

@@ -32,7 +32,7 @@ def _values(lo: Layout):
       ("model.mtp_num_layers", "overlap.ep_pairing", "train.dp_sharding", "train.distributed_optimizer",
        "parallel.pp"),
       "MTP runs with the plain step and the pipelines that keep the embedding copy's gradient whole "
-      "(not forward/backward pairing, ZeRO-3 or ZeRO-1 across stages)")
+      "(not forward/backward pairing or ZeRO-1 across stages)")
 def _unsupported(lo: Layout):
     from mpoverlap.overlap.dp_rules import sharding_level
 
@@ -46,10 +46,6 @@ def _unsupported(lo: Layout):
                       "the paired sub-steps run the main chunks only; the MTP depths and their loss would be "
                       "left out", ["overlap.ep_pairing=false"])
     level = sharding_level(c)
-    if level == "optim_grads_params":
-        yield Problem("mtp.unsupported_with", {**key, "train.dp_sharding": level},
-                      "ZeRO-3 gathers each unit's parameters before it runs; the MTP depths are in no unit "
-                      "and would run on released shards", ["train.dp_sharding=optim_grads"])
     pp = lo.pp or 1
     if pp > 1 and level == "optim":
         k = "train.distributed_optimizer" if c.train.distributed_optimizer else "train.dp_sharding"
