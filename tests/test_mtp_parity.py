@@ -78,6 +78,20 @@ def test_zero3_layouts_pass_the_rules():
         assert [p.render() for p in validate(compose(overrides), world_size=world)] == []
 
 
+@pytest.mark.parametrize("name", ["zero3", "v3_zero3"])
+def test_zero3_traffic_is_the_estimate(runs, name):
+    """Each depth's forward gathers the embedding (and an untied output layer) once more per
+    microbatch: the ledger's dp bytes per step are what mpoverlap-check estimates (the unit
+    buckets' padding aside)."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
+    world, ov = LAYOUTS[name] if name in LAYOUTS else FULL_LAYOUTS[name]
+    est = estimate(compose([*BASE, *ov] if name in LAYOUTS else ov), world).comm_bytes_per_step["dp"]
+    for row in runs[name]:
+        assert abs(row["comm"]["dp"]["bytes"] - est) <= 1e-4 * est, (row["comm"]["dp"]["bytes"], est)
+
+
 @pytest.mark.parametrize("name", list(REFS))
 def test_layout_reproduces_the_single_process_curve(runs, name):
     ref, got = runs[REFS[name]], runs[name]

@@ -312,18 +312,20 @@ def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
 
 def mtp_units(chunk: nn.Module, units: Sequence[UnitSpec], c: int) -> List[UnitSpec]:
     """The units of a chunk's MTP depths (models/mtp.py), in the order they run (after the last
-    block, before the head): each depth's norms, eh_proj, block and final norm from the depth's
-    forward to its logits (`MTPDepth.logits`), sharing the head weights its logits read (the
-    output layer, or the tied embedding). The depths embed their input tokens with the chunk's
-    embedding module: a copy of it on a chunk without pre_process becomes a unit of its own,
-    unless another chunk of this stage already made one of that module (zbv's V)."""
+    block, before the head): each depth's norms, eh_proj, block and final norm, from the depth's
+    forward to its logits (`MTPDepth.logits`), with the embedding its input tokens are looked up
+    in and the head weights its logits read (the output layer, or the tied embedding). The
+    embedding's unit (this stage's) or the tied head owns the embedding; an untied copy of it on
+    a later stage is owned by the first depth."""
+    emb = list(chunk.embedding.parameters())
+    owns_copy = (chunk.output is not None and not chunk.pre_process
+                 and not any(u.start is chunk.embedding for u in units))
+    head = list(chunk.output.parameters()) if chunk.output is not None else []
     out: List[UnitSpec] = []
-    emb = chunk.embedding
-    if not any(u.start is emb for u in units):
-        out.append(UnitSpec("embedding", emb, emb, list(emb.parameters()), chunk=c))
-    head = list(chunk.output.parameters()) if chunk.output is not None else list(emb.parameters())
-    for name, depth in chunk.mtp.items():
-        out.append(UnitSpec(f"mtp.{name}", depth, depth.head_call, list(depth.parameters()), head, chunk=c))
+    for k, (name, depth) in enumerate(chunk.mtp.items()):
+        owned = list(depth.parameters()) + (emb if owns_copy and k == 0 else [])
+        shared = head + ([] if owns_copy and k == 0 else emb)
+        out.append(UnitSpec(f"mtp.{name}", depth, depth.head_call, owned, shared, chunk=c))
     return out
 
 
