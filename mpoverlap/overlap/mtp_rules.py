@@ -28,14 +28,9 @@ def _values(lo: Layout):
                       ["model.mtp_loss_scale=0.1"])
 
 
-@rule("mtp.unsupported_with", "general",
-      ("model.mtp_num_layers", "overlap.ep_pairing", "train.dp_sharding", "train.distributed_optimizer",
-       "parallel.pp"),
-      "MTP runs with the plain step and the pipelines that keep the embedding copy's gradient whole "
-      "(not forward/backward pairing or ZeRO-1 across stages)")
+@rule("mtp.unsupported_with", "general", ("model.mtp_num_layers", "overlap.ep_pairing"),
+      "MTP runs with the plain step, not with forward/backward pairing")
 def _unsupported(lo: Layout):
-    from mpoverlap.overlap.dp_rules import sharding_level
-
     c = lo.cfg
     D = c.model.mtp_num_layers
     if D <= 0:
@@ -45,15 +40,6 @@ def _unsupported(lo: Layout):
         yield Problem("mtp.unsupported_with", {**key, "overlap.ep_pairing": True},
                       "the paired sub-steps run the main chunks only; the MTP depths and their loss would be "
                       "left out", ["overlap.ep_pairing=false"])
-    level = sharding_level(c)
-    pp = lo.pp or 1
-    if pp > 1 and level == "optim":
-        k = "train.distributed_optimizer" if c.train.distributed_optimizer else "train.dp_sharding"
-        yield Problem("mtp.unsupported_with", {**key, "parallel.pp": pp, k: True if k == "train.distributed_optimizer"
-                                               else "optim"},
-                      "the MTP depths' stage holds a copy of the embedding whose gradient is summed with the first "
-                      "stage's; under ZeRO-1 each stage keeps a different slice of it",
-                      ["train.distributed_optimizer=false", "train.dp_sharding=optim_grads"])
 
 
 def head_stage(pp: int, pp_schedule: str) -> int:

@@ -107,7 +107,8 @@ class Trainer(Resumable, RunLoop):
             units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,
             prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward),
             param_gather_dtype=param_gather_dtype(t.param_gather_dtype, t.precision, self.sharding),
-            delay=int(cfg.overlap.dp_delay))
+            delay=int(cfg.overlap.dp_delay),
+            own_buckets=[self.tied_embedding] if self.tied_embedding is not None else [])
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
@@ -208,8 +209,8 @@ class Trainer(Resumable, RunLoop):
         self.ddp.finish_grad_sync()
         if self.tied_embedding is not None:
             # Both copies of the tied embedding get the sum of their gradients: full gradients,
-            # or under ZeRO-2/3 the same shard on both stages (the embedding is a bucket of its
-            # own there, split alike); the rule engine keeps ZeRO-1 off here.
+            # or under ZeRO-1/2/3 the same shard on both stages (the embedding is a bucket of its
+            # own, split alike; under ZeRO-1 the rest of .grad is unreduced and never read).
             grad, = self.ddp.reduced_grads([self.tied_embedding])
             all_reduce(grad, self.state.group("embedding"), mode="pp", ledger=self.ledger).wait()
         if self.sequence_parallel_params:
