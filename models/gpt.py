@@ -271,12 +271,16 @@ class GPT(nn.Module):
         if not self.post_process:
             return x_BSH
         if self.mtp is not None and mtp_targets is not None:
-            # The lookup without the embedding module's hooks: the depths declare the read
-            # (foreign_reads), and a ZeRO-3 depth unit holds the embedding around it.
-            self._pending_mtp_loss = mtp_loss(self.mtp, x_BSH, mtp_targets, cos_SD, sin_SD,
-                                              embed=self.embedding.forward, project=self.project, tp=self.tp,
-                                              seq_length=self.cfg.seq_length)
+            self.run_mtp(x_BSH, mtp_targets, cos_SD, sin_SD)
         return self.head(x_BSH, fp32_logits)
+
+    def run_mtp(self, x_BSH: torch.Tensor, mtp_targets: torch.Tensor, cos_SD, sin_SD) -> None:
+        """The MTP depths on the last block's output: their loss, added by the next `loss`."""
+        # The lookup without the embedding module's hooks: the depths declare the read
+        # (foreign_reads), and a ZeRO-3 depth unit holds the embedding around it.
+        self._pending_mtp_loss = mtp_loss(self.mtp, x_BSH, mtp_targets, cos_SD, sin_SD,
+                                          embed=self.embedding.forward, project=self.project, tp=self.tp,
+                                          seq_length=self.cfg.seq_length)
 
     def embed(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
         """The forward up to the first block: (x_BSH, cos_SD, sin_SD). Tokens are embedded on

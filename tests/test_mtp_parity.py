@@ -4,7 +4,8 @@ LM loss, the MTP loss (reported apart) and the gradient norm. pp 2 in a loop lay
 depths on the last stage, with a copy of the embedding there (tied head or not) summed over the
 embedding group; pp 2 in zbv's V (parallel.mtp_stage=0) holds them on the first stage, beside the
 embedding they share. ZeRO-3 at dp 2 gathers each depth as a unit of its own; ZeRO-1 at
-pp 2 x dp 2 sums the embedding copies' reduced slices over the embedding group.
+pp 2 x dp 2 sums the embedding copies' reduced slices over the embedding group; forward/backward
+pairing (ep 2) runs the depths in the head's sub-step.
 tp 2 (with and without SP) and cp 2 (ring and a2a) check the shift across shard boundaries:
 the shifted ids are cut from the whole window before the cp split, and under SP every tp rank
 embeds the whole (cp-local) sequence. All layouts of a world size train inside one spawn (tests/inproc_train.py)."""
@@ -49,14 +50,18 @@ V3 = ["model=deepseek_v3_tiny", "model.num_layers=2", "model.mtp_num_layers=1", 
 # embedding in a bucket of its own on both stages; these bucket sizes put it at different
 # offsets of a shared bucket otherwise (deepseek_v3_tiny untied, gpt_tiny tied).
 ZERO1_PP2 = ["parallel.pp=2", "parallel.dp=2", "train.distributed_optimizer=true"]
+# Forward/backward pairing at pp 1: the depths run in the head's sub-step (ZeRO-3: by their units).
+PAIRED = ["parallel.dp=2", "parallel.ep=2", "overlap.ep_pairing=true"]
 FULL_LAYOUTS = {  # complete overrides, BASE not added
     "v3_ref": (1, [*V3, "parallel.dp=1"]),
     "v3_zero3": (2, [*V3, *ZERO3]),
     "v3_pp2_zero1": (4, [*V3, *ZERO1_PP2]),
+    "v3_ep2_paired": (2, [*V3, *PAIRED]),
+    "v3_ep2_paired_zero3": (2, [*V3, *PAIRED, "train.dp_sharding=optim_grads_params"]),
 }
 LAYOUTS["zero3"] = (2, ZERO3)
 LAYOUTS["l4_pp2_zero1"] = (4, [*L4, *ZERO1_PP2, "overlap.dp_bucket_mb=1"])
-REFS = {"v3_zero3": "v3_ref", "zero3": "ref", "v3_pp2_zero1": "v3_ref", "l4_pp2_zero1": "l4_ref", "pp2_first": "l4_ref", "untied_pp2_first": "untied_l4_ref", "pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
+REFS = {"v3_zero3": "v3_ref", "v3_ep2_paired": "v3_ref", "v3_ep2_paired_zero3": "v3_ref", "zero3": "ref", "v3_pp2_zero1": "v3_ref", "l4_pp2_zero1": "l4_ref", "pp2_first": "l4_ref", "untied_pp2_first": "untied_l4_ref", "pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
         "cp2_ring": "ref", "untied_cp2_a2a": "untied_ref"}
 
 
@@ -79,7 +84,7 @@ def test_sharded_layouts_pass_the_rules():
     from mpoverlap.config import compose
     from mpoverlap.overlap import validate
 
-    for name in ("zero3", "v3_zero3", "v3_pp2_zero1", "l4_pp2_zero1"):
+    for name in ("zero3", "v3_zero3", "v3_pp2_zero1", "l4_pp2_zero1", "v3_ep2_paired", "v3_ep2_paired_zero3"):
         world, ov = LAYOUTS[name] if name in LAYOUTS else FULL_LAYOUTS[name]
         overrides = [*BASE, *ov] if name in LAYOUTS else ov
         assert [p.render() for p in validate(compose(overrides), world_size=world)] == []

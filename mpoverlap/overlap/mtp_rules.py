@@ -28,18 +28,19 @@ def _values(lo: Layout):
                       ["model.mtp_loss_scale=0.1"])
 
 
-@rule("mtp.unsupported_with", "general", ("model.mtp_num_layers", "overlap.ep_pairing"),
-      "MTP runs with the plain step, not with forward/backward pairing")
+@rule("mtp.unsupported_with", "general", ("model.mtp_num_layers", "overlap.ep_pairing", "parallel.pp"),
+      "MTP runs with forward/backward pairing at pp 1 only (the depths in the head's sub-step)")
 def _unsupported(lo: Layout):
     c = lo.cfg
     D = c.model.mtp_num_layers
-    if D <= 0:
+    pp = lo.pp or 1
+    if D <= 0 or pp <= 1:
         return
-    key = {"model.mtp_num_layers": D}
     if lo.mode("ep_pairing") == "true":
-        yield Problem("mtp.unsupported_with", {**key, "overlap.ep_pairing": True},
-                      "the paired sub-steps run the main chunks only; the MTP depths and their loss would be "
-                      "left out", ["overlap.ep_pairing=false"])
+        yield Problem("mtp.unsupported_with", {"model.mtp_num_layers": D, "overlap.ep_pairing": True, "parallel.pp": pp},
+                      "the paired pipeline tables do not collect the MTP loss of the head chunk's sub-step "
+                      "programs for the step's metrics (at pp 1 the depths run in the head's sub-step)",
+                      ["overlap.ep_pairing=false", "parallel.pp=1"])
 
 
 def head_stage(pp: int, pp_schedule: str) -> int:

@@ -246,7 +246,7 @@ class Trainer(Resumable, RunLoop):
     def _train_microbatches(self, micro) -> torch.Tensor:
         if self.overlap.ep_pairing.enabled:  # pp 1 (pp > 1: the pipeline's paired table)
             return train_paired(self.model, micro, self._split, self.ddp, autocast=self.autocast,
-                                trace=self.pairing_trace)
+                                trace=self.pairing_trace, mtp_sum=self.mtp_loss_sum)
         loss_sum = torch.zeros((), device=self.state.device)
         for i, mb in enumerate(micro):
             tokens, targets, positions = self._split(mb)
