@@ -60,9 +60,18 @@ FULL_LAYOUTS = {  # complete overrides, BASE not added
     "v3_ep2_paired_zero3": (2, [*V3, *PAIRED, "train.dp_sharding=optim_grads_params"]),
 }
 LAYOUTS["zero3"] = (2, ZERO3)
+# pp 2 x dp 2: the untied embedding copy on the last stage is the first depth's own; in zbv's V
+# the depths share stage 0's embedding unit (the weight gradients deferred to W).
+LAYOUTS["untied_pp2_zero3"] = (4, [*L4, *UNTIED, "parallel.pp=2", *ZERO3])
+LAYOUTS["untied_pp2_first_zero3"] = (4, [*L4, *UNTIED, *ZBV, "parallel.mtp_stage=0", "parallel.pp=2", *ZERO3])
 LAYOUTS["l4_pp2_zero1"] = (4, [*L4, *ZERO1_PP2, "overlap.dp_bucket_mb=1"])
-REFS = {"v3_zero3": "v3_ref", "v3_ep2_paired": "v3_ref", "v3_ep2_paired_zero3": "v3_ref", "zero3": "ref", "v3_pp2_zero1": "v3_ref", "l4_pp2_zero1": "l4_ref", "pp2_first": "l4_ref", "untied_pp2_first": "untied_l4_ref", "pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
+REFS = {"pp2_first": "l4_ref", "untied_pp2_first": "untied_l4_ref", "pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
         "cp2_ring": "ref", "untied_cp2_a2a": "untied_ref"}
+# ZeRO-3, ZeRO-1 across stages, pairing: each against its single-process reference
+SHARDED_REFS = {"zero3": "ref", "v3_zero3": "v3_ref", "untied_pp2_zero3": "untied_l4_ref",
+                "untied_pp2_first_zero3": "untied_l4_ref", "v3_pp2_zero1": "v3_ref", "l4_pp2_zero1": "l4_ref",
+                "v3_ep2_paired": "v3_ref", "v3_ep2_paired_zero3": "v3_ref"}
+REFS.update(SHARDED_REFS)
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +93,13 @@ def test_sharded_layouts_pass_the_rules():
     from mpoverlap.config import compose
     from mpoverlap.overlap import validate
 
-    for name in ("zero3", "v3_zero3", "v3_pp2_zero1", "l4_pp2_zero1", "v3_ep2_paired", "v3_ep2_paired_zero3"):
+    for name in SHARDED_REFS:
         world, ov = LAYOUTS[name] if name in LAYOUTS else FULL_LAYOUTS[name]
         overrides = [*BASE, *ov] if name in LAYOUTS else ov
         assert [p.render() for p in validate(compose(overrides), world_size=world)] == []
 
 
-@pytest.mark.parametrize("name", ["zero3", "v3_zero3"])
+@pytest.mark.parametrize("name", ["zero3", "v3_zero3", "untied_pp2_zero3", "untied_pp2_first_zero3"])
 def test_zero3_traffic_is_the_estimate(runs, name):
     """Each depth's forward gathers the embedding (and an untied output layer) once more per
     microbatch: the ledger's dp bytes per step are what mpoverlap-check estimates (the unit
