@@ -271,9 +271,16 @@ class GPT(nn.Module):
         if not self.post_process:
             return x_BSH
         if self.mtp is not None and mtp_targets is not None:
-            self._pending_mtp_loss = mtp_loss(self.mtp, x_BSH, mtp_targets, cos_SD, sin_SD, embed=self.embedding,
-                                              project=self.project, tp=self.tp, seq_length=self.cfg.seq_length)
+            self.run_mtp(x_BSH, mtp_targets, cos_SD, sin_SD)
         return self.head(x_BSH, fp32_logits)
+
+    def run_mtp(self, x_BSH: torch.Tensor, mtp_targets: torch.Tensor, cos_SD, sin_SD) -> None:
+        """The MTP depths on the last block's output: their loss, added by the next `loss`."""
+        # The lookup without the embedding module's hooks: the depths declare the read
+        # (foreign_reads), and a ZeRO-3 depth unit holds the embedding around it.
+        self._pending_mtp_loss = mtp_loss(self.mtp, x_BSH, mtp_targets, cos_SD, sin_SD,
+                                          embed=self.embedding.forward, project=self.project, tp=self.tp,
+                                          seq_length=self.cfg.seq_length)
 
     def embed(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
         """The forward up to the first block: (x_BSH, cos_SD, sin_SD). Tokens are embedded on
@@ -324,10 +331,14 @@ class GPT(nn.Module):
         """[(module, parameters)]: the parameters a module's forward reads although another
         module owns them. The tied head (from the final norm on) reads `embedding.weight`
         without calling the embedding: whatever waits a parameter's gather before its module
-        runs (ZeRO's param all-gather, FSDP units) must also wait it before the head."""
+        runs (ZeRO's param all-gather, FSDP units) must also wait it before the head. So does
+        each MTP depth, which looks its input tokens up in the embedding."""
+        out = []
         if self.post_process and self.output is None and self.embedding is not None:
-            return [(self.final_norm, list(self.embedding.parameters()))]
-        return []
+            out.append((self.final_norm, list(self.embedding.parameters())))
+        if self.mtp is not None:
+            out += [(depth, list(self.embedding.parameters())) for depth in self.mtp.values()]
+        return out
 
     def moe_layers(self) -> list:
         """This model's (or chunk's) MoE layers, in layer order."""

@@ -3,7 +3,9 @@ layouts: each reproduces its SINGLE-PROCESS curve within 1e-5 relative over STEP
 LM loss, the MTP loss (reported apart) and the gradient norm. pp 2 in a loop layout holds the
 depths on the last stage, with a copy of the embedding there (tied head or not) summed over the
 embedding group; pp 2 in zbv's V (parallel.mtp_stage=0) holds them on the first stage, beside the
-embedding they share.
+embedding they share. ZeRO-3 at dp 2 gathers each depth as a unit of its own; ZeRO-1 at
+pp 2 x dp 2 sums the embedding copies' reduced slices over the embedding group; forward/backward
+pairing (ep 2) runs the depths in the head's sub-step.
 tp 2 (with and without SP) and cp 2 (ring and a2a) check the shift across shard boundaries:
 the shifted ids are cut from the whole window before the cp split, and under SP every tp rank
 embeds the whole (cp-local) sequence. All layouts of a world size train inside one spawn (tests/inproc_train.py)."""
@@ -39,8 +41,37 @@ LAYOUTS = {
     "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_comm=p2p", "parallel.dp=1"]),
     "untied_cp2_a2a": (2, [*UNTIED, "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.dp=1"]),
 }
+# ZeRO-3: every depth (its block, norms and eh_proj) is a unit gathered around its use, its
+# gradients reduce-scattered like a main layer's; deepseek_v3_tiny (latent attention, MoE with
+# group-limited routing, untied head) with one depth, and gpt_tiny (tied head) with two.
+ZERO3 = ["parallel.dp=2", "train.dp_sharding=optim_grads_params"]
+V3 = ["model=deepseek_v3_tiny", "model.num_layers=2", "model.mtp_num_layers=1", *BASE[4:]]
+# ZeRO-1 across stages: the embedding copies sum their reduced slices, alike only with the
+# embedding in a bucket of its own on both stages; these bucket sizes put it at different
+# offsets of a shared bucket otherwise (deepseek_v3_tiny untied, gpt_tiny tied).
+ZERO1_PP2 = ["parallel.pp=2", "parallel.dp=2", "train.distributed_optimizer=true"]
+# Forward/backward pairing at pp 1: the depths run in the head's sub-step (ZeRO-3: by their units).
+PAIRED = ["parallel.dp=2", "parallel.ep=2", "overlap.ep_pairing=true"]
+FULL_LAYOUTS = {  # complete overrides, BASE not added
+    "v3_ref": (1, [*V3, "parallel.dp=1"]),
+    "v3_zero3": (2, [*V3, *ZERO3]),
+    "v3_pp2_zero1": (4, [*V3, *ZERO1_PP2]),
+    "v3_ep2_paired": (2, [*V3, *PAIRED]),
+    "v3_ep2_paired_zero3": (2, [*V3, *PAIRED, "train.dp_sharding=optim_grads_params"]),
+}
+LAYOUTS["zero3"] = (2, ZERO3)
+# pp 2 x dp 2: the untied embedding copy on the last stage is the first depth's own; in zbv's V
+# the depths share stage 0's embedding unit (the weight gradients deferred to W).
+LAYOUTS["untied_pp2_zero3"] = (4, [*L4, *UNTIED, "parallel.pp=2", *ZERO3])
+LAYOUTS["untied_pp2_first_zero3"] = (4, [*L4, *UNTIED, *ZBV, "parallel.mtp_stage=0", "parallel.pp=2", *ZERO3])
+LAYOUTS["l4_pp2_zero1"] = (4, [*L4, *ZERO1_PP2, "overlap.dp_bucket_mb=1"])
 REFS = {"pp2_first": "l4_ref", "untied_pp2_first": "untied_l4_ref", "pp2_last": "ref", "untied_pp2_last": "untied_ref", "tp2_sp": "ref", "untied_tp2": "untied_ref",
         "cp2_ring": "ref", "untied_cp2_a2a": "untied_ref"}
+# ZeRO-3, ZeRO-1 across stages, pairing: each against its single-process reference
+SHARDED_REFS = {"zero3": "ref", "v3_zero3": "v3_ref", "untied_pp2_zero3": "untied_l4_ref",
+                "untied_pp2_first_zero3": "untied_l4_ref", "v3_pp2_zero1": "v3_ref", "l4_pp2_zero1": "l4_ref",
+                "v3_ep2_paired": "v3_ref", "v3_ep2_paired_zero3": "v3_ref"}
+REFS.update(SHARDED_REFS)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +79,7 @@ def runs(tmp_path_factory):
     from inproc_train import train_layouts
 
     specs = {name: (world, [*BASE, *ov], STEPS) for name, (world, ov) in LAYOUTS.items()}
+    specs.update({name: (world, ov, STEPS) for name, (world, ov) in FULL_LAYOUTS.items()})
     return train_layouts(specs, tmp_path_factory.mktemp("mtp"), timeout_s=900)
 
 
@@ -55,6 +87,30 @@ def assert_close(got, ref, rel=1e-5):
     assert len(got) == len(ref)
     for i, (a, b) in enumerate(zip(got, ref)):
         assert abs(a - b) <= rel * abs(b), f"step {i + 1}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
+
+
+def test_sharded_layouts_pass_the_rules():
+    from mpoverlap.config import compose
+    from mpoverlap.overlap import validate
+
+    for name in SHARDED_REFS:
+        world, ov = LAYOUTS[name] if name in LAYOUTS else FULL_LAYOUTS[name]
+        overrides = [*BASE, *ov] if name in LAYOUTS else ov
+        assert [p.render() for p in validate(compose(overrides), world_size=world)] == []
+
+
+@pytest.mark.parametrize("name", ["zero3", "v3_zero3", "untied_pp2_zero3", "untied_pp2_first_zero3"])
+def test_zero3_traffic_is_the_estimate(runs, name):
+    """Each depth's forward gathers the embedding (and an untied output layer) once more per
+    microbatch: the ledger's dp bytes per step are what mpoverlap-check estimates (the unit
+    buckets' padding aside)."""
+    from mpoverlap.config import compose
+    from mpoverlap.overlap.estimate import estimate
+
+    world, ov = LAYOUTS[name] if name in LAYOUTS else FULL_LAYOUTS[name]
+    est = estimate(compose([*BASE, *ov] if name in LAYOUTS else ov), world).comm_bytes_per_step["dp"]
+    for row in runs[name]:
+        assert abs(row["comm"]["dp"]["bytes"] - est) <= 1e-4 * est, (row["comm"]["dp"]["bytes"], est)
 
 
 @pytest.mark.parametrize("name", list(REFS))

@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from functools import partial
-from typing import Dict, Iterator, List, Optional, Set
+from typing import Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
 import torch.nn as nn
@@ -85,7 +85,7 @@ class DataParallel(ShardedGrads, QuantizedBuckets, DelayedGrads, UnusedParams):
                  reduce_dtype: Optional[torch.dtype] = None, sharding: Optional[str] = None,
                  units: Optional[list] = None, prefetch: int = 1, reshard_after_forward: bool = True,
                  param_gather_dtype: str = "fp32", grad_wire: Optional[str] = None,
-                 error_feedback: bool = False, delay: int = 0) -> None:
+                 error_feedback: bool = False, delay: int = 0, own_buckets: Sequence[nn.Parameter] = ()) -> None:
         self.reduce_groups = {"dense": reduce_group(state, group_kind),
                               "expert": reduce_group(state, expert_group_kind)}
         self.module = module
@@ -115,6 +115,11 @@ class DataParallel(ShardedGrads, QuantizedBuckets, DelayedGrads, UnusedParams):
             from mpoverlap.data_parallel.fsdp import unit_index
 
             unit_of = unit_index(units)
+        elif own_buckets:
+            # `own_buckets`: parameters whose gradient is summed with a copy's on another stage
+            # (the pipelined embedding): alone in a bucket, ZeRO-1 shards it alike on both.
+            own = {p: k for k, p in enumerate(own_buckets)}
+            unit_of = own.get
         self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(), bucket_mb=bucket_mb,
                                                        pad_to=pad_to, key_of=expert_key, unit_of=unit_of,
                                                        separate=self.shard_grads)

@@ -319,7 +319,7 @@ class UnitGatherer:
 
 def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
     """The units of GPT chunks (`models/gpt.py`): embedding (on the chunk that embeds), each
-    block, and the head = final norm + output layer (+ the tied embedding weight), which starts
+    block, the MTP depths (`mtp_units`), and the head = final norm + output layer (+ the tied embedding weight), which starts
     at the final norm and ends with the chunk's forward."""
     units: List[UnitSpec] = []
     for c, chunk in enumerate(chunks):
@@ -328,6 +328,8 @@ def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
                                   list(chunk.embedding.parameters()), chunk=c))
         for name, block in chunk.layers.items():
             units.append(UnitSpec(f"layers.{name}", block, block, list(block.parameters()), chunk=c))
+        if getattr(chunk, "mtp", None) is not None:
+            units += mtp_units(chunk, units, c)
         if chunk.post_process:
             owned = list(chunk.final_norm.parameters())
             shared = []
@@ -342,6 +344,25 @@ def gpt_units(chunks: Sequence[nn.Module]) -> List[UnitSpec]:
                     owned += list(chunk.embedding.parameters())
             units.append(UnitSpec("head", chunk.final_norm, chunk, owned, shared, chunk=c))
     return units
+
+
+def mtp_units(chunk: nn.Module, units: Sequence[UnitSpec], c: int) -> List[UnitSpec]:
+    """The units of a chunk's MTP depths (models/mtp.py), in the order they run (after the last
+    block, before the head): each depth's norms, eh_proj, block and final norm, from the depth's
+    forward to its logits (`MTPDepth.logits`), with the embedding its input tokens are looked up
+    in and the head weights its logits read (the output layer, or the tied embedding). The
+    embedding's unit (this stage's) or the tied head owns the embedding; an untied copy of it on
+    a later stage is owned by the first depth."""
+    emb = list(chunk.embedding.parameters())
+    owns_copy = (chunk.output is not None and not chunk.pre_process
+                 and not any(u.start is chunk.embedding for u in units))
+    head = list(chunk.output.parameters()) if chunk.output is not None else []
+    out: List[UnitSpec] = []
+    for k, (name, depth) in enumerate(chunk.mtp.items()):
+        owned = list(depth.parameters()) + (emb if owns_copy and k == 0 else [])
+        shared = head + ([] if owns_copy and k == 0 else emb)
+        out.append(UnitSpec(f"mtp.{name}", depth, depth.head_call, owned, shared, chunk=c))
+    return out
 
 
 def unit_index(units: Sequence[UnitSpec]):

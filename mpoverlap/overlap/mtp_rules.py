@@ -28,36 +28,19 @@ def _values(lo: Layout):
                       ["model.mtp_loss_scale=0.1"])
 
 
-@rule("mtp.unsupported_with", "general",
-      ("model.mtp_num_layers", "overlap.ep_pairing", "train.dp_sharding", "train.distributed_optimizer",
-       "parallel.pp"),
-      "MTP runs with the plain step and the pipelines that keep the embedding copy's gradient whole "
-      "(not forward/backward pairing, ZeRO-3 or ZeRO-1 across stages)")
+@rule("mtp.unsupported_with", "general", ("model.mtp_num_layers", "overlap.ep_pairing", "parallel.pp"),
+      "MTP runs with forward/backward pairing at pp 1 only (the depths in the head's sub-step)")
 def _unsupported(lo: Layout):
-    from mpoverlap.overlap.dp_rules import sharding_level
-
     c = lo.cfg
     D = c.model.mtp_num_layers
-    if D <= 0:
-        return
-    key = {"model.mtp_num_layers": D}
-    if lo.mode("ep_pairing") == "true":
-        yield Problem("mtp.unsupported_with", {**key, "overlap.ep_pairing": True},
-                      "the paired sub-steps run the main chunks only; the MTP depths and their loss would be "
-                      "left out", ["overlap.ep_pairing=false"])
-    level = sharding_level(c)
-    if level == "optim_grads_params":
-        yield Problem("mtp.unsupported_with", {**key, "train.dp_sharding": level},
-                      "ZeRO-3 gathers each unit's parameters before it runs; the MTP depths are in no unit "
-                      "and would run on released shards", ["train.dp_sharding=optim_grads"])
     pp = lo.pp or 1
-    if pp > 1 and level == "optim":
-        k = "train.distributed_optimizer" if c.train.distributed_optimizer else "train.dp_sharding"
-        yield Problem("mtp.unsupported_with", {**key, "parallel.pp": pp, k: True if k == "train.distributed_optimizer"
-                                               else "optim"},
-                      "the MTP depths' stage holds a copy of the embedding whose gradient is summed with the first "
-                      "stage's; under ZeRO-1 each stage keeps a different slice of it",
-                      ["train.distributed_optimizer=false", "train.dp_sharding=optim_grads"])
+    if D <= 0 or pp <= 1:
+        return
+    if lo.mode("ep_pairing") == "true":
+        yield Problem("mtp.unsupported_with", {"model.mtp_num_layers": D, "overlap.ep_pairing": True, "parallel.pp": pp},
+                      "the paired pipeline tables do not collect the MTP loss of the head chunk's sub-step "
+                      "programs for the step's metrics (at pp 1 the depths run in the head's sub-step)",
+                      ["overlap.ep_pairing=false", "parallel.pp=1"])
 
 
 def head_stage(pp: int, pp_schedule: str) -> int:

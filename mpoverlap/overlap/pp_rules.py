@@ -93,24 +93,3 @@ def _zbv_microbatches(lo: Layout):
                   {"parallel.pp_schedule": "zbv", "train.global_batch_size": t.global_batch_size,
                    "train.micro_batch_size": t.micro_batch_size, "parallel.dp": lo.dp, "parallel.pp": lo.pp},
                   message, [f"train.global_batch_size={per * 2 * (lo.pp - 1)}"])
-
-
-@rule("pp.tied_embeddings_with_distributed_optimizer", "pp",
-      ("parallel.pp", "model.tie_embeddings", "train.distributed_optimizer", "train.dp_sharding"),
-      "tied embeddings across pipeline stages need matching gradient slices on both stages")
-def _tied(lo: Layout):
-    from mpoverlap.overlap.dp_rules import sharding_level
-
-    c = lo.cfg
-    if c.parallel.pp_schedule == "zbv":
-        return  # the V holds the embedding and the tied head on stage 0: one parameter, no copy
-    if lo.pp is not None and lo.pp > 1 and c.model.tie_embeddings and sharding_level(c) == "optim":
-        key = "train.distributed_optimizer" if c.train.distributed_optimizer else "train.dp_sharding"
-        yield Problem("pp.tied_embeddings_with_distributed_optimizer",
-                      {"parallel.pp": lo.pp, "model.tie_embeddings": True,
-                       key: True if key == "train.distributed_optimizer" else "optim"},
-                      "the first and last stage each hold a copy of the tied embedding and sum their gradients "
-                      "over the embedding group; under ZeRO-1 each stage keeps a different slice of the "
-                      "reduced gradient (ZeRO-2/3 give the embedding a bucket of its own, split alike on both "
-                      "stages)",
-                      ["train.distributed_optimizer=false", "train.dp_sharding=optim_grads"])

@@ -95,8 +95,9 @@ def run_pair(forward, backward, forward_context=nullcontext) -> None:
 
 
 def train_paired(model, microbatches: Sequence, split: Callable, ddp, *, autocast=None,
-                 trace: Optional[List] = None) -> torch.Tensor:
-    """Forward and backward of every microbatch, paired; returns the summed scaled loss.
+                 trace: Optional[List] = None, mtp_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Forward and backward of every microbatch, paired; returns the summed scaled loss (the LM
+    loss alone with MTP targets, their MTP loss added into `mtp_sum`).
     `split(mb) -> (tokens, targets, positions)`; `ddp`: the DataParallel wrapper of `model`
     (gradient readiness, ZeRO-3 gathers); `trace` receives (microbatch, "F"|"B",
     "compute"|"issue"|"wait", name) events in program order."""
@@ -104,12 +105,12 @@ def train_paired(model, microbatches: Sequence, split: Callable, ddp, *, autocas
     # The tied embedding's weight gets gradient from the head and the embedding segments.
     ddp.hold_ready([p for _, params in model.foreign_reads() for p in params])
     try:
-        return _paired_steps(model, microbatches, split, ddp, pins, autocast, trace)
+        return _paired_steps(model, microbatches, split, ddp, pins, autocast, trace, mtp_sum)
     finally:
         ddp.hold_ready([])
 
 
-def _paired_steps(model, microbatches, split, ddp, pins, autocast, trace) -> torch.Tensor:
+def _paired_steps(model, microbatches, split, ddp, pins, autocast, trace, mtp_sum) -> torch.Tensor:
     m = len(microbatches)
     ctx = (lambda: autocast) if autocast is not None else nullcontext
     loss_sum = None
@@ -125,6 +126,8 @@ def _paired_steps(model, microbatches, split, ddp, pins, autocast, trace) -> tor
         run_pair(forward, backward, ctx)
         if i < m:
             loss_sum = result["loss"] if loss_sum is None else loss_sum + result["loss"]
+            if mtp_sum is not None and "mtp_loss" in result:
+                mtp_sum += result["mtp_loss"]
         previous = tape
     return loss_sum
 

@@ -20,7 +20,7 @@ The backward mirrors it (tape.py): post-combine backward, reverse combines issue
 reverse combines waited, experts backward (all chunks in one autograd call), reverse dispatches
 issued, shared expert backward, YIELD,
 reverse dispatches waited, pre-dispatch backward. Dense blocks, the embedding and the head
-(with the loss) are one segment each: compute only, no YIELD.
+(with the loss, and the MTP depths before it) are one segment each: compute only, no YIELD.
 
 model.recompute=full (the chunk's first model.recompute_num_layers blocks): a dense block's
 segment runs it under torch's checkpoint (mpoverlap/recompute). A MoE block's forward runs the
@@ -88,9 +88,16 @@ def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: t
         if result is not None:
             result["output"] = x
         return
+    # With MTP targets [B, S, 1 + D] the depths (models/mtp.py) run in the head's segment, after
+    # the last block as in the unpaired forward: compute only, their exchanges (a MoE depth's)
+    # not paired. Under ZeRO-3 their units' own hooks gather and free them as unpaired: only
+    # this segment uses them, and nothing of the other program runs inside it.
+    with_mtp = model.mtp is not None and targets_BS.dim() == 3
     UnitUse.mark(tape, pins, "head", True)
     seg = tape.segment("head", [x])
     x_in, = seg.leaves
+    if with_mtp:
+        model.run_mtp(x_in, targets_BS, cos, sin)
     logits = model.head(x_in, fp32_logits=False)
     with torch.autocast(logits.device.type, enabled=False):  # as the unpaired loop: the loss outside autocast
         loss = model.loss(logits, targets_BS) / num_microbatches
@@ -99,6 +106,9 @@ def microbatch_forward(tape: Tape, model, tokens_BS: torch.Tensor, targets_BS: t
     tape.add_grad(loss, torch.ones_like(loss))
     if result is not None:
         result["loss"] = loss.detach()
+        if with_mtp:  # the LM loss reported, the MTP loss apart
+            main, extra = model.last_loss_parts
+            result["loss"], result["mtp_loss"] = main / num_microbatches, extra / num_microbatches
 
 
 class _InputGrad:

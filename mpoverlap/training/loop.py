@@ -119,7 +119,8 @@ class Trainer(Resumable, RunLoop):
             units=gpt_units(self.chunks) if shards_grads(self.sharding) else None,
             prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward),
             param_gather_dtype=param_gather_dtype(t.param_gather_dtype, compute_precision(t.precision), self.sharding),
-            delay=int(cfg.overlap.dp_delay))
+            delay=int(cfg.overlap.dp_delay),
+            own_buckets=[self.tied_embedding] if self.tied_embedding is not None else [])
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
@@ -220,8 +221,8 @@ class Trainer(Resumable, RunLoop):
         self.ddp.finish_grad_sync()
         if self.tied_embedding is not None:
             # Both copies of the tied embedding get the sum of their gradients: full gradients,
-            # or under ZeRO-2/3 the same shard on both stages (the embedding is a bucket of its
-            # own there, split alike); the rule engine keeps ZeRO-1 off here.
+            # or under ZeRO-1/2/3 the same shard on both stages (the embedding is a bucket of its
+            # own, split alike; under ZeRO-1 the rest of .grad is unreduced and never read).
             grad, = self.ddp.reduced_grads([self.tied_embedding])
             all_reduce(grad, self.state.group("embedding"), mode="pp", ledger=self.ledger).wait()
         if self.sequence_parallel_params:
@@ -257,7 +258,7 @@ class Trainer(Resumable, RunLoop):
     def _train_microbatches(self, micro) -> torch.Tensor:
         if self.overlap.ep_pairing.enabled:  # pp 1 (pp > 1: the pipeline's paired table)
             return train_paired(self.model, micro, self._split, self.ddp, autocast=self.autocast,
-                                trace=self.pairing_trace)
+                                trace=self.pairing_trace, mtp_sum=self.mtp_loss_sum)
         loss_sum = torch.zeros((), device=self.state.device)
         for i, mb in enumerate(micro):
             tokens, targets, positions = self._split(mb)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from mpoverlap.models.init import padded_vocab_size
-from mpoverlap.overlap.estimate.params import (chunk_layout_of, etp_size, head_stage, layer_params,
+from mpoverlap.overlap.estimate.params import (chunk_layout_of, etp_size, head_stage, layer_params, mtp_depth_extra,
                                                norm_params, read_as_is_params, stage_layers)
 from mpoverlap.overlap.layout import Layout
 
@@ -61,13 +61,23 @@ def tied_on_one_chunk(cfg: Any, lo: Layout) -> bool:
     return (lo.pp == 1 and lo.vpp == 1) or chunk_layout_of(cfg, lo) == "v"
 
 
+def mtp_depths_on(cfg: Any, lo: Layout, stage: int) -> int:
+    """The MTP depths (models/mtp.py) on `stage`: all of them on the head's stage, else 0."""
+    return getattr(cfg.model, "mtp_num_layers", 0) if stage == head_stage(cfg, lo) else 0
+
+
 def unit_params(cfg: Any, lo: Layout, stage: int) -> List[int]:
-    """Parameters of each ZeRO-3 unit of the stage: embedding, blocks, head (fsdp.gpt_units)."""
+    """Parameters gathered with each ZeRO-3 unit of the stage: embedding, blocks, MTP depths
+    (each with the embedding and the head weights it reads), head (fsdp.gpt_units)."""
     m = cfg.model
     units = [sum(layer_params(cfg, lo, i)) for i in stage_layers(cfg, lo, stage)]
     emb = embedding_params(cfg, lo)
     if stage == 0:
         units.append(emb)
+    # an MTP depth's unit gathers the embedding with it, and an untied output layer
+    head = emb if not m.tie_embeddings else 0
+    units += [sum(layer_params(cfg, lo, m.num_layers + d)) + mtp_depth_extra(m) + emb + head
+              for d in range(mtp_depths_on(cfg, lo, stage))]
     if stage == head_stage(cfg, lo):
         units.append(norm_params(m) + (emb if not tied_on_one_chunk(cfg, lo) else 0))
     return units
@@ -218,5 +228,15 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: fl
         gathered = micro * (2 if resharded else 1) * per_pass
         if resharded and dense and tied_on_one_chunk(cfg, lo) and stage == 0:
             gathered += micro * gather_bytes(fmt, 0, embedding_params(cfg, lo))
+        D = mtp_depths_on(cfg, lo, stage)
+        if resharded and dense and D:
+            # Each depth's forward gathers the embedding again (the tied head's weight too) and an
+            # untied output layer's GEMM weight; their backward finds them held (the head's or a
+            # later depth's backward gathered them). An untied copy of the embedding on a later
+            # stage is the first depth's own: its gathers are counted with the stage's.
+            emb = embedding_params(cfg, lo)
+            untied = not cfg.model.tie_embeddings
+            gathered += micro * ((D - (untied and stage != 0)) * gather_bytes(fmt, 0, emb)
+                                 + (D * gather_bytes(fmt, emb, 0) if untied else 0))
         ops.append(("dp", "all_gather", int(gathered), n))
     return ops
