@@ -303,7 +303,7 @@ def test_default_budget_holds_every_part_within_a_ten_minute_call():
 
     a = gc.options([])
     shapes = a.shapes.split(",")
-    assert set(shapes) == set(gc.SHAPE_S) and gc.SETUP_S >= 5 * len(shapes)
+    assert shapes == list(gc.SHAPES) and set(shapes) <= set(gc.SHAPE_S) and gc.SETUP_S >= 5 * len(shapes)
     assert a.budget_s >= a.tests_s + sum(gc.SHAPE_S[s] for s in shapes) + gc.SETUP_S, a
     assert a.budget_s <= 570, a  # a 600 s call, with room for the machine's own start of the command
     doc = (REPO / "docs" / "gpu-check.md").read_text()
@@ -384,3 +384,18 @@ def test_report_names_the_fp8_kernels_and_the_acceptance_line():
         assert text in md, text
     assert "fp8 1.20x bf16's tokens/s, target >= 1.25x: missed" in render(results(0.5))
     assert "FP8 GEMMs" not in render({"env": {}, "throughput": {"gpt_125m": {"sides": {"mpoverlap": dict(side, step_s=1.0)}}}})
+
+
+def test_default_check_measures_fp8_beside_bf16_in_its_one_call(tmp_path, monkeypatch):
+    """`make gpu-check` (the one call a GPU session makes) runs llama3_1b's compiled bf16 and fp8
+    sides first (the 1.25x target), its eager Trainer beside the plain loop and its eager fp8
+    side, and moe_350m's eager Trainer (its host profile), plain loop, compiled and fp8 sides."""
+    import bench.gpu_check as gc
+
+    assert gc.DEFAULT_SIDES["llama3_1b"].split(",")[:2] == ["compiled", "fp8_compiled"]
+    assert {"mpoverlap", "plain", "fp8"} <= set(gc.DEFAULT_SIDES["llama3_1b"].split(","))
+    assert gc.DEFAULT_SIDES["moe_350m"].split(",")[0] == "mpoverlap" and "fp8" in gc.DEFAULT_SIDES["moe_350m"]
+    calls = []
+    monkeypatch.setattr(gc.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or type("R", (), {"returncode": 0})())
+    gc.run_shape("llama3_1b", tmp_path, {}, 10.0, gc.DEFAULT_SIDES["llama3_1b"])
+    assert f"'--sides', '{gc.DEFAULT_SIDES['llama3_1b']}'" in calls[0][-1]
