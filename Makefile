@@ -52,8 +52,8 @@ test-exits: setup
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 
-# The CUDA path on one GPU in one call, at most 9 minutes (docs/gpu-check.md): the CUDA tier
-# (pytest -m cuda), throughput beside plain loops and the simulator, gpu-report.md + .json under
+# The CUDA path on one GPU in one call, within 10 minutes (docs/gpu-check.md): the CUDA tier
+# (pytest -m cuda), throughput (bf16 and fp8) beside plain loops and the simulator, gpu-report.md + .json under
 # $(OUT) (else runs/gpu-check). No GPU: one line, exit 0. Needs no setup: on a bare GPU machine
 # it installs the wheels `make gpu-wheels` put in .gpu/whl (no network).
 GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
