@@ -257,7 +257,7 @@ def measure(shape: str, out: Path, device_name: str = "cuda", warmup: int = 2, s
     """Every side of one shape; the result is (re)written to `out` after each side. A side that
     fails records its error and the next one runs."""
     from mpoverlap.config import compose
-    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.models.flops import flops_per_token
     from mpoverlap.training.data import build_datasets
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.metrics import bf16_peak_tflops

@@ -149,7 +149,7 @@ def test_tp_scenario_peers_compute_the_same_first_loss(tmp_path):
     # layout (with SP, without: bench/rate_probe.py machine_of), none for the peer; the rate
     # counts the model's FLOPs per microbatch.
     from mpoverlap.config import compose
-    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.models.flops import flops_per_token
 
     probe = result["model_rate_probe"]
     assert set(probe) == set(mpo) and probe["mpo_tp_overlap"] == probe["mpo_tp_off"]

@@ -379,7 +379,7 @@ def test_cp_a2a_moves_a_fifth_of_the_ring_at_cp4():
 
 
 def test_flops_and_bubble():
-    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.models.flops import flops_per_token
 
     cfg = compose(["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=16", "train.micro_batch_size=2"])
     est = estimate(cfg, 2)

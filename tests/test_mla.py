@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mpoverlap.config import ModelConfig, compose
-from mpoverlap.models.gpt import GPT, flops_per_token, num_parameters
+from mpoverlap.models.flops import flops_per_token
+from mpoverlap.models.gpt import GPT, num_parameters
 from mpoverlap.models.mla import LatentAttention
 from mpoverlap.models.rope import rope_cos_sin
 from mpoverlap.overlap.estimate import estimate

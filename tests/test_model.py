@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from mpoverlap.config import ModelConfig
-from mpoverlap.models.gpt import GPT, flops_per_token, num_parameters, padded_vocab_size
+from mpoverlap.models.flops import flops_per_token
+from mpoverlap.models.gpt import GPT, num_parameters, padded_vocab_size
 
 
 def tiny(**kw):

@@ -140,7 +140,8 @@ def test_parameter_counts_include_the_depths_exactly(overrides):
     """The estimate's counts (overlap/estimate/params.py) against the built model and chunks:
     the whole model, and per stage of pp 2 (the depths and the untied model's embedding copy on
     the last stage)."""
-    from mpoverlap.models.gpt import GPT, flops_per_token, mtp_flops_per_token, num_parameters
+    from mpoverlap.models.flops import flops_per_token, mtp_flops_per_token
+    from mpoverlap.models.gpt import GPT, num_parameters
     from mpoverlap.overlap.estimate.params import model_params, stage_params
     from mpoverlap.overlap.layout import build_layout
     from mpoverlap.training.pipeline_glue import build_chunks

@@ -127,7 +127,7 @@ def test_loss_falls_and_metrics_contract(cli_dp2, runs):
     assert_close([x["loss"] for x in r], [x["loss"] for x in runs["dp2_on"]])
     assert_close([x["grad_norm"] for x in r], [x["grad_norm"] for x in runs["dp2_on"]])
     from mpoverlap.config import compose
-    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.models.flops import flops_per_token
     from mpoverlap.training.lr import LRSchedule
 
     cfg = compose([*RUNS, *LAYOUTS["dp2_on"], "train.steps=4"])

@@ -94,7 +94,7 @@ def simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRes
 
 
 def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimResult:
-    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.models.flops import flops_per_token
 
     cfg = plain(cfg)
     lo = build_layout(cfg, world_size)

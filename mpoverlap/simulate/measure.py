@@ -161,7 +161,8 @@ def model_work(cfg: Any, pp: int = 1, vpp: int = 1, cp: int = 1) -> Tuple[Callab
     from mpoverlap.context_parallel.ring_attention import RingAttentionFunction
     from mpoverlap.context_parallel.split import positions_for_cp, split_for_cp
     from mpoverlap.context_parallel.stats import NullStats
-    from mpoverlap.models.gpt import GPT, flops_per_token
+    from mpoverlap.models.flops import flops_per_token
+    from mpoverlap.models.gpt import GPT
     from mpoverlap.training.pipeline_glue import build_chunks
 
     m, t = cfg.model, cfg.train

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from mpoverlap.comm.ledger import mean_over_ranks
-from mpoverlap.models.gpt import flops_per_token, num_parameters
+from mpoverlap.models.flops import flops_per_token
+from mpoverlap.models.gpt import num_parameters
 from mpoverlap.overlap.plan import render_plan
 from mpoverlap.training.metrics import (MetricsWriter, Progress, bf16_peak_tflops, moe_summary, peak_memory_bytes,
                                         throughput)

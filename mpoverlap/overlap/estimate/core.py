@@ -71,7 +71,7 @@ def estimate(cfg: Any, world_size: Optional[int] = None, *, dtype_bytes: Optiona
     """The plan's figures for `cfg`. `dtype_bytes` overrides the compute dtype (2 = bf16);
     `conventions=Conventions.korthikanti()` counts activations as Korthikanti et al. 2022 do
     (16-bit, dropout, no flash) to compare with their Table 2."""
-    from mpoverlap.models.gpt import flops_per_token
+    from mpoverlap.models.flops import flops_per_token
     from mpoverlap.pipeline import bubble_fraction, resolve_schedule
 
     lo = build_layout(cfg, world_size)
