@@ -12,9 +12,11 @@ import pytest
 
 
 def _cfg(*extra):
+    """overlap.dp_bucket_mb pinned: `_simulate` below takes a resolved config, as simulate() hands
+    it one (bucket_size.py chooses `auto` on the hardware given, which the cores change)."""
     from mpoverlap.config import compose
 
-    return compose(["model=moe_tiny", "parallel.world_size=4", "parallel.pp=2", "parallel.vpp=2", "parallel.ep=2",
+    return compose(["model=moe_tiny", "overlap.dp_bucket_mb=4", "parallel.world_size=4", "parallel.pp=2", "parallel.vpp=2", "parallel.ep=2",
                     "overlap.ep=true", "overlap.pp=true", "model.tie_embeddings=false", "parallel.pp_schedule=zbv",
                     "hardware=h100_sxm", "hardware.peak_flops=1e11", "hardware.hbm_bw=0", "hardware.inter_bw=2.5e8",
                     "hardware.intra_bw=2.5e8", "train.micro_batch_size=2", "train.global_batch_size=32", *extra])
