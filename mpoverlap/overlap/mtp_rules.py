@@ -28,19 +28,29 @@ def _values(lo: Layout):
                       ["model.mtp_loss_scale=0.1"])
 
 
-@rule("mtp.unsupported_with", "general", ("model.mtp_num_layers", "overlap.ep_pairing", "parallel.pp"),
-      "MTP runs with forward/backward pairing at pp 1 only (the depths in the head's sub-step)")
+@rule("mtp.unsupported_with", "general",
+      ("model.mtp_num_layers", "overlap.ep_pairing", "parallel.pp", "parallel.pp_schedule"),
+      "MTP with forward/backward pairing runs at pp 1 and in the paired loop tables (interleaved, zb1p), "
+      "not in the paired V (zbv)")
 def _unsupported(lo: Layout):
     c = lo.cfg
     D = c.model.mtp_num_layers
     pp = lo.pp or 1
-    if D <= 0 or pp <= 1:
+    if D <= 0 or pp <= 1 or lo.mode("ep_pairing") != "true":
         return
-    if lo.mode("ep_pairing") == "true":
-        yield Problem("mtp.unsupported_with", {"model.mtp_num_layers": D, "overlap.ep_pairing": True, "parallel.pp": pp},
-                      "the paired pipeline tables do not collect the MTP loss of the head chunk's sub-step "
-                      "programs for the step's metrics (at pp 1 the depths run in the head's sub-step)",
-                      ["overlap.ep_pairing=false", "parallel.pp=1"])
+    # pp > 1: the head chunk's sub-step program runs the depths (pairing/steps.py) and reports
+    # their loss (pairing/pipeline.py). In the V that chunk is on stage 0 and its depths read the
+    # embedding chunk's weight: one weight two chunks of a paired stage use, which the paired
+    # V's executor refuses (its gradient readiness released at the end of a pair's B, before its W).
+    schedule = str(c.parallel.pp_schedule)
+    if schedule == "zbv":
+        yield Problem("mtp.unsupported_with", {"model.mtp_num_layers": D, "overlap.ep_pairing": True,
+                                               "parallel.pp_schedule": schedule},
+                      "in the paired V the MTP depths sit on stage 0 and read the embedding chunk's weight there; "
+                      "the paired V does not run a weight that both chunks of a stage use (its gradient readiness "
+                      "would be released at the end of the pair's B, before its W adds the gradient); the paired "
+                      "interleaved and zb1p tables run MTP (or overlap.ep_pairing=false)",
+                      ["parallel.pp_schedule=interleaved"])
 
 
 def head_stage(pp: int, pp_schedule: str) -> int:

@@ -16,11 +16,16 @@ expert-bias loads, gradient accumulation into the DP buffer); the executor's bac
 sets the DP wrapper's last-microbatch flag before each B, as for the unpaired table. ZeRO-3:
 the units of this stage's chunks (names unique over the chunks: the layers carry their model
 index) are pinned per use as at pp 1 (executor.UnitPins).
+
+MTP (model.mtp_num_layers): the head chunk's sub-step program runs the depths in its head
+segment and seeds the trained loss (LM + mtp_loss_scale x MTP, as unpaired); the LM loss and
+the MTP loss (each / m) go into `mtp_sums`, so the step's metrics report the two apart as the
+unpaired pipeline's forward step does (training/pipeline_glue.py).
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,13 +54,16 @@ class ChunkRun:
 class PairedChunks:
     """The pipeline executor's compute when the table is paired (PipelineExecutor `paired`).
     `inputs(mb) -> (tokens, targets, positions)`; `ddp`: the DP wrapper of this stage's chunks;
-    `trace` receives the sub-step events (microbatch, "F"|"B", kind, name) in program order."""
+    `trace` receives the sub-step events (microbatch, "F"|"B", kind, name) in program order;
+    `mtp_sums` (two scalars, the caller's per step) receive the head chunk's LM loss and MTP
+    loss, each / m, per forward with MTP targets."""
 
     def __init__(self, chunks: Sequence, ddp, inputs: Callable[[int], tuple], num_microbatches: int,
                  autocast=None, trace: Optional[List] = None) -> None:
         self.chunks, self.ddp, self.inputs = list(chunks), ddp, inputs
         self.num_microbatches = num_microbatches
         self.autocast, self.trace = autocast, trace
+        self.mtp_sums: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.pins = UnitPins(ddp.gatherer) if ddp.gatherer is not None else None
         # A parameter read by two segments of one backward (a tied head's embedding copy)
         # accumulates twice: its DP readiness waits for the end of that backward.
@@ -103,3 +111,9 @@ class PairedChunks:
         run_pair(forward.steps if forward is not None else None, backward, ctx)
         if pair:
             self.trace.append((None, "FB", "end", ""))
+        if forward is not None and "mtp_loss" in forward.result:
+            if self.mtp_sums is None:
+                raise RuntimeError("the head chunk ran MTP depths: set PairedChunks.mtp_sums to collect their losses")
+            main_sum, mtp_sum = self.mtp_sums
+            main_sum += forward.result["loss"]
+            mtp_sum += forward.result["mtp_loss"]

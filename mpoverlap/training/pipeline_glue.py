@@ -187,10 +187,10 @@ class PipelineRunner:
         global batch's mean on the last stage, 0 elsewhere). `trace`: the paired sub-steps'
         events (PairedChunks), when the table is paired."""
         self.inputs = [self.split(mb) for mb in micro]
-        if self.paired is not None:
-            self.paired.trace = trace
         self.main_loss_sum = torch.zeros((), device=self.state.device)
         self.mtp_loss_sum = torch.zeros((), device=self.state.device)
+        if self.paired is not None:  # the head chunk's sub-steps add both losses as _forward_step does
+            self.paired.trace, self.paired.mtp_sums = trace, (self.main_loss_sum, self.mtp_loss_sum)
         losses = self.executor.run(len(micro))
         self.bubble_since_log += self.executor.bubble_s
         if any(c.mtp is not None for c in self.chunks):
