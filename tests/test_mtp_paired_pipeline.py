@@ -8,7 +8,8 @@ reproduces the SINGLE-PROCESS run within 1e-5 relative: loss, mtp_loss and grad 
 and every weight of the final checkpoint (read layout-free, interop/checkpoint_reader.py).
 
 The paired V (zbv) is refused with MTP (rule mtp.unsupported_with): its depths would share stage
-0's embedding with the embedding chunk, a weight the paired V's executor does not run."""
+0's embedding with the embedding chunk, a parameter the pipeline executor does not run in a
+paired V."""
 import os
 import sys
 

@@ -40,16 +40,16 @@ def _unsupported(lo: Layout):
         return
     # pp > 1: the head chunk's sub-step program runs the depths (pairing/steps.py) and reports
     # their loss (pairing/pipeline.py). In the V that chunk is on stage 0 and its depths read the
-    # embedding chunk's weight: one weight two chunks of a paired stage use, which the paired
-    # V's executor refuses (its gradient readiness released at the end of a pair's B, before its W).
+    # embedding chunk's weight: a parameter two chunks of the stage share, which PipelineExecutor
+    # refuses in a paired V (as it does a tied head's, rule ep_pairing.v_untied).
     schedule = str(c.parallel.pp_schedule)
     if schedule == "zbv":
         yield Problem("mtp.unsupported_with", {"model.mtp_num_layers": D, "overlap.ep_pairing": True,
                                                "parallel.pp_schedule": schedule},
-                      "in the paired V the MTP depths sit on stage 0 and read the embedding chunk's weight there; "
-                      "the paired V does not run a weight that both chunks of a stage use (its gradient readiness "
-                      "would be released at the end of the pair's B, before its W adds the gradient); the paired "
-                      "interleaved and zb1p tables run MTP (or overlap.ep_pairing=false)",
+                      "in the paired V the MTP depths sit on stage 0 and read the embedding chunk's weight there, "
+                      "a parameter both chunks of the stage share, which the pipeline executor does not run in a "
+                      "paired V (as with a tied head); the paired interleaved and zb1p tables run MTP (or "
+                      "overlap.ep_pairing=false)",
                       ["parallel.pp_schedule=interleaved"])
 
 
