@@ -321,12 +321,18 @@ TRAIN_BASE = ["train.progress=false", "train.log_interval=1", "checkpoint.interv
               "data.max_bytes=2000000"]
 
 
+def netns_command(rate: str) -> List[str]:
+    """The command prefix that runs a command inside bench/netns.sh, its loopback capped at `rate`
+    (without probing whether the namespace can be made: netns_prefix probes)."""
+    return ["env", f"RATE={rate}", "bash", str(NETNS)]
+
+
 def netns_prefix(rate: str, no_netns: bool) -> Tuple[List[str], str]:
     """(command prefix, link description) for commands run inside bench/netns.sh at `rate`.
 
     Probes the namespace once. When it cannot be made (or with `no_netns`) the prefix is empty,
     the description says the commands run on the bare loopback, and a NOTE goes to stderr."""
-    prefix = ["env", f"RATE={rate}", "bash", str(NETNS)]
+    prefix = netns_command(rate)
     if no_netns:
         note = "--no-netns: ran on the bare loopback"
     else:
