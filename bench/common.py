@@ -1,5 +1,6 @@
 """Helpers shared by the benchmarks: statistics, free ports, AdamW groups, machine CPU clocks,
-the block options, the spawned 2-rank worker setup, the rounds of blocks, the command line, and
+the block options, the rounds of blocks and a Trainer as one of their sides, the spawned 2-rank
+worker setup, the command line, and
 whole `mpoverlap-train` runs (inside bench/netns.sh when it can be made) with their metrics."""
 from __future__ import annotations
 
@@ -196,6 +197,30 @@ def gathered_foreign_cores(block: Dict[str, Any]) -> float:
 def log_round(prefix: str, r: int, quiet: Dict[str, int]) -> None:
     print(f"{prefix}: round {r} done, quiet blocks " + " ".join(f"{k}={q}" for k, q in quiet.items()),
           file=sys.stderr, flush=True)
+
+
+class TrainerSide:
+    """A side of `rotating_blocks` that is an mpoverlap Trainer (`.t`): a step is its
+    `train_step()`; settling finishes the parameter all-gather still in flight and empties the
+    ledger, and takes `probe`'s figures when there is one (an object with `take()`), so a block
+    starts from zero; each step's extras are the ledger's figures by mode (`comm`), to which a
+    subclass's `collect` adds its own."""
+
+    def __init__(self, trainer, probe=None) -> None:
+        self.t = trainer
+        self.probe = probe
+
+    def train_step(self):
+        return self.t.train_step()
+
+    def settle(self) -> None:
+        self.t.optimizer.finish_param_sync()
+        self.t.ledger.reset()
+        if self.probe:
+            self.probe.take()
+
+    def collect(self, keep: bool) -> Dict[str, Any]:
+        return {"comm": self.t.ledger.reset()}
 
 
 # ---- the spawned 2-rank worker ------------------------------------------------------------------
