@@ -20,7 +20,7 @@ exchanges (docs/benchmarks.md, "EP at 1:1"):
     exchange takes from compute.
 
   none     overlap.ep=false overlap.ep_chunks=1    every exchange waited where it is issued
-  chunks   overlap.ep=true overlap.ep_chunks=2     today's overlap: a chunk's exchange under another's experts
+  chunks   overlap.ep=true overlap.ep_chunks=2     the chunked overlap: a chunk's exchange under another's experts
   pairing  overlap.ep=true overlap.ep_chunks=1 overlap.ep_pairing=true
   both     overlap.ep=true overlap.ep_chunks=2 overlap.ep_pairing=true
 

@@ -124,7 +124,7 @@ def test_async_ckpt_bench_configuration_validates_and_renders():
 def test_tp_scenario_peers_compute_the_same_first_loss(tmp_path):
     """bench.modes' tp scenario, tiny and without the rate-limited namespace: the DTensor
     peer (which re-splits the fused qkv by heads and K/V groups itself) starts from the loss
-    mpoverlap's tp layouts compute. It crashed once when the model gained K/V groups."""
+    mpoverlap's tp layouts compute."""
     import json
     import os
     import subprocess
