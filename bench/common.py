@@ -17,7 +17,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -156,6 +156,19 @@ def rotating_blocks(sides: Dict[str, object], args, log_prefix: str = "bench") -
         if dist.get_rank() == 0:
             log_round(log_prefix, r, quiet)
     return blocks
+
+
+# ---- which blocks the tables use -----------------------------------------------------------------
+MIN_QUIET_BLOCKS = 3
+
+
+def quiet_or_all(all_rows: Dict[str, Any], quiet_rows: Optional[Dict[str, Any]], names: List[str],
+                 count: Callable[[Dict[str, Any]], int] = lambda r: r["blocks"]) -> Tuple[Dict[str, Any], bool]:
+    """(the rows a table uses, whether they are the quiet ones): the quiet blocks' rows when every
+    side of `names` has at least MIN_QUIET_BLOCKS of them (`count(row)`), else all blocks'."""
+    if quiet_rows and all(n in quiet_rows and count(quiet_rows[n]) >= MIN_QUIET_BLOCKS for n in names):
+        return quiet_rows, True
+    return all_rows, False
 
 
 # ---- rounds of blocks (rotating_blocks and bench.dp_overlap) ------------------------------------

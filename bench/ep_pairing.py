@@ -50,7 +50,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from bench.common import add_block_args, close_trainers, init_bench_worker, json_cli, rotating_blocks, spawn_ranks
+from bench.common import add_block_args, close_trainers, init_bench_worker, json_cli, quiet_or_all, rotating_blocks, \
+    spawn_ranks
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
           "data.max_bytes=2000000", "overlap.dp=false", "model=moe_tiny", "parallel.ep=2",
@@ -303,12 +304,9 @@ def measured_ratio(res: Dict[str, Any]) -> Optional[float]:
 
 
 def _rows(res: Dict[str, Any]) -> Dict[str, Any]:
-    """Quiet blocks when every variant has at least 3, else all (as bench.run's tables)."""
-    quiet = res.get("variants_quiet") or {}
-    names = list(res.get("variants") or {})
-    if names and all(n in quiet and quiet[n]["blocks"] >= 3 for n in names):
-        return quiet
-    return res.get("variants") or {}
+    """Quiet blocks when every variant has enough of them, else all (bench.run's tables' rule)."""
+    variants = res.get("variants") or {}
+    return quiet_or_all(variants, res.get("variants_quiet"), list(variants))[0]
 
 
 def render(results: Dict[str, Any]) -> str:

@@ -69,7 +69,8 @@ from typing import Any, Dict, List, Optional
 from bench import async_ckpt, data_ahead, dp_overlap, ep_auto, long_context, memory, modes, moe_step, overhead, predict
 from bench import scaling, timelines, zero, zero_bubble
 from bench import zero_bubble_report
-from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
+from bench.common import MIN_QUIET_BLOCKS, NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s, \
+    quiet_or_all
 
 
 def machine_info() -> Dict[str, Any]:
@@ -229,22 +230,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-MIN_QUIET_BLOCKS = 3
-
-
-def _pick(all_rows: Dict[str, Any], quiet_rows: Optional[Dict[str, Any]], names: List[str], count) -> tuple:
-    """Quiet blocks when every side has at least MIN_QUIET_BLOCKS of them, else all blocks."""
-    if quiet_rows and all(n in quiet_rows and count(quiet_rows[n]) >= MIN_QUIET_BLOCKS for n in names):
-        return quiet_rows, True
-    return all_rows, False
-
-
 def _render_overhead(ov: Dict[str, Any], title: str, goal: Optional[float]) -> List[str]:
     """The lines of one bench.overhead result: the two sides' medians and their ratio (against
     `goal` when one is set; the launch-bound line states its measured figure instead)."""
     s = ov["setup"]
-    res, quiet = _pick({k: ov["all"][k] for k in ("framework", "plain")}, ov.get("quiet"),
-                       ["framework", "plain"], lambda r: r["blocks"])
+    res, quiet = quiet_or_all({k: ov["all"][k] for k in ("framework", "plain")}, ov.get("quiet"),
+                              ["framework", "plain"])
     ratio = (ov["quiet"] if quiet else ov["all"])["ratio"]
     ratio_inner = (ov["quiet"] if quiet else ov["all"])["ratio_inner"]
     ov_ratio_cpu = (ov["quiet"] if quiet else ov["all"]).get("ratio_cpu")  # older results.json lack it
@@ -291,7 +282,7 @@ def render(results: Dict[str, Any]) -> str:
     if dp:
         s = dp["setup"]
         names = list(dp["variants"])
-        v, quiet = _pick(dp["variants"], dp.get("variants_quiet"), names, lambda r: r["blocks"])
+        v, quiet = quiet_or_all(dp["variants"], dp.get("variants_quiet"), names)
         ddp = v.get("torch_ddp", {}).get("step", {}).get("median_s")
         lines += ["## DP overlap, 2 ranks", "",
                   f"Link: {dp['link']}.",
@@ -384,7 +375,7 @@ def render_modes(results: Dict[str, Any]) -> str:
     for scenario, res in results.get("modes", {}).items():
         s = res["setup"]
         names = list(res["variants"])
-        v, quiet = _pick(res["variants"], res.get("variants_quiet"), names, lambda r: r["blocks"])
+        v, quiet = quiet_or_all(res["variants"], res.get("variants_quiet"), names)
         lines += [f"## {MODE_TITLE.get(scenario, scenario)}", "", f"Link: {res['link']}.",
                   f"Overrides: `{' '.join(res['base_overrides'])}`; model hidden {s['hidden']}, ffn {s['ffn']}, "
                   f"seq {s['seq']}, {s['layers']} layers, {s['heads']} heads, micro batch {s['micro_batch']}; "
