@@ -9,7 +9,7 @@ enough that a step is short. In one spawn, after warmup steps:
   no_save   `--steps` steps without any save, half before the saves and half after the async
             cycles: the reference step time
   sync      `--saves` synchronous saves (Trainer.save() with a checkpoint.async_save=false
-            Checkpointer): what a save costs the loop today
+            Checkpointer): what a synchronous save costs the loop
   async     `--saves` cycles of Trainer.save() (asynchronous: staging at the step boundary) then
             K steps, K = twice the sync save's time in step times + 2 (agreed by the ranks); each step
             is labelled by whether a write was in flight (on any rank) at its start, and

@@ -1,5 +1,6 @@
 """Helpers shared by the benchmarks: statistics, free ports, AdamW groups, machine CPU clocks,
-the block options, the spawned 2-rank worker setup, the rounds of blocks, the command line, and
+the block options, the rounds of blocks and a Trainer as one of their sides, the spawned 2-rank
+worker setup, the command line, and
 whole `mpoverlap-train` runs (inside bench/netns.sh when it can be made) with their metrics."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -157,6 +158,19 @@ def rotating_blocks(sides: Dict[str, object], args, log_prefix: str = "bench") -
     return blocks
 
 
+# ---- which blocks the tables use -----------------------------------------------------------------
+MIN_QUIET_BLOCKS = 3
+
+
+def quiet_or_all(all_rows: Dict[str, Any], quiet_rows: Optional[Dict[str, Any]], names: List[str],
+                 count: Callable[[Dict[str, Any]], int] = lambda r: r["blocks"]) -> Tuple[Dict[str, Any], bool]:
+    """(the rows a table uses, whether they are the quiet ones): the quiet blocks' rows when every
+    side of `names` has at least MIN_QUIET_BLOCKS of them (`count(row)`), else all blocks'."""
+    if quiet_rows and all(n in quiet_rows and count(quiet_rows[n]) >= MIN_QUIET_BLOCKS for n in names):
+        return quiet_rows, True
+    return all_rows, False
+
+
 # ---- rounds of blocks (rotating_blocks and bench.dp_overlap) ------------------------------------
 def rounds_done(args, r: int, quiet: Dict[str, int], start: float) -> bool:
     """Whether to stop adding rounds after `r` of them: at least `args.repeats`, then as soon as
@@ -196,6 +210,30 @@ def gathered_foreign_cores(block: Dict[str, Any]) -> float:
 def log_round(prefix: str, r: int, quiet: Dict[str, int]) -> None:
     print(f"{prefix}: round {r} done, quiet blocks " + " ".join(f"{k}={q}" for k, q in quiet.items()),
           file=sys.stderr, flush=True)
+
+
+class TrainerSide:
+    """A side of `rotating_blocks` that is an mpoverlap Trainer (`.t`): a step is its
+    `train_step()`; settling finishes the parameter all-gather still in flight and empties the
+    ledger, and takes `probe`'s figures when there is one (an object with `take()`), so a block
+    starts from zero; each step's extras are the ledger's figures by mode (`comm`), to which a
+    subclass's `collect` adds its own."""
+
+    def __init__(self, trainer, probe=None) -> None:
+        self.t = trainer
+        self.probe = probe
+
+    def train_step(self):
+        return self.t.train_step()
+
+    def settle(self) -> None:
+        self.t.optimizer.finish_param_sync()
+        self.t.ledger.reset()
+        if self.probe:
+            self.probe.take()
+
+    def collect(self, keep: bool) -> Dict[str, Any]:
+        return {"comm": self.t.ledger.reset()}
 
 
 # ---- the spawned 2-rank worker ------------------------------------------------------------------
@@ -321,12 +359,18 @@ TRAIN_BASE = ["train.progress=false", "train.log_interval=1", "checkpoint.interv
               "data.max_bytes=2000000"]
 
 
+def netns_command(rate: str) -> List[str]:
+    """The command prefix that runs a command inside bench/netns.sh, its loopback capped at `rate`
+    (without probing whether the namespace can be made: netns_prefix probes)."""
+    return ["env", f"RATE={rate}", "bash", str(NETNS)]
+
+
 def netns_prefix(rate: str, no_netns: bool) -> Tuple[List[str], str]:
     """(command prefix, link description) for commands run inside bench/netns.sh at `rate`.
 
     Probes the namespace once. When it cannot be made (or with `no_netns`) the prefix is empty,
     the description says the commands run on the bare loopback, and a NOTE goes to stderr."""
-    prefix = ["env", f"RATE={rate}", "bash", str(NETNS)]
+    prefix = netns_command(rate)
     if no_netns:
         note = "--no-netns: ran on the bare loopback"
     else:

@@ -10,18 +10,19 @@ its batch alone (`batch_wait_ms`: the host time building takes on the critical p
 first step of each `ahead` block waits for a whole build); `build_ms` is one batch built alone.
 
     python -m bench.data_ahead [--global-batch 256] [--micro-batch 2] [--layers 1] [--hidden 64]
-                               [--seq 64] [--steps 10] [--blocks 3]
+                               [--seq 64] [--steps 10] [--blocks 3] [--json F]
+
+In `make bench` (bench/run.py) at its defaults; `--skip-data-ahead` leaves it out.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
-from bench.common import stats
+from bench.common import json_cli, stats
 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
@@ -85,8 +86,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--layers", type=int, default=1)
@@ -94,9 +94,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--blocks", type=int, default=3)
-    print(json.dumps(measure(p.parse_args(argv)), indent=1))
-    return 0
+
+
+def render(results: Dict[str, Any]) -> str:
+    """results.md's section of `measure`'s result ("" when the run has none)."""
+    res = results.get("data_ahead")
+    if not res:
+        return ""
+    lines = ["## Batch built ahead (training/prefetch.py), world 1", "",
+             f"Overrides: `{' '.join(o for o in res['overrides'] if not o.startswith('run.dir='))}`; "
+             f"one batch built alone: {res['build_ms']:.1f} ms.", "",
+             "| side | median step (ms) | IQR (ms) | steps | batch wait, median (ms) | batch wait IQR (ms) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for side in ("inline", "ahead"):
+        r, w = res[side], res[side]["batch_wait_ms"]
+        lines.append(f"| {side} | {r['median_ms']:.1f} | {r['q1_ms']:.1f}-{r['q3_ms']:.1f} | {r['n']} | "
+                     f"{w['median_ms']:.2f} | {w['q1_ms']:.2f}-{w['q3_ms']:.2f} |")
+    lines += ["", f"inline - ahead: {res['saved_ms_per_step']:.1f} ms a step, {res['batch_wait_saved_ms']:.2f} ms "
+              "of batch wait.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    json_cli(__doc__, add_args, measure)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

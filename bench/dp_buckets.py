@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from bench.common import NETNS, ROOT
+from bench.common import ROOT, netns_command
 
 SIZES_MB = (1, 4, 16, 64)
 _PLAIN = ["overlap.dp=true", "train.distributed_optimizer=false"]
@@ -83,8 +83,8 @@ def run_rates(args) -> Dict[str, Any]:
     for rate in [r.strip() for r in args.bucket_rates.split(",") if r.strip()]:
         with tempfile.TemporaryDirectory(prefix="mpo-bench-buckets-") as tmp:
             path = Path(tmp) / "inner.json"
-            cmd = ["env", f"RATE={rate}", "bash", str(NETNS), sys.executable, "-m", "bench.dp_overlap", *inner,
-                   "--bucket-rates", "", "--json", str(path)]
+            cmd = netns_command(rate) + [sys.executable, "-m", "bench.dp_overlap", *inner, "--bucket-rates", "",
+                                         "--json", str(path)]
             proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
             if proc.returncode != 0:
                 raise SystemExit(f"the inner run at RATE={rate} failed with exit status {proc.returncode}: "

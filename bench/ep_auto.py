@@ -12,61 +12,37 @@ keeps the link probe and the machine's load average before and after, and adds p
 rates ("none": the experts' rate at one chunk, "chunks": at the benchmark's chunk count; the
 simulator has one expert rate) auto's pick: on or off, the chunk count, the reasons with the
 predicted steps, and the pick at the benchmark's own chunk count (on against off at that count).
+
+In `make bench` (bench/run.py, `--skip-ep-auto` leaves it out) the picks are made on the run's
+own bench.ep_pairing measurement (its defaults, the link probed beside it), measured here only
+when the run skips that one (`--skip-ep-pairing`).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from bench import ep_pairing
 
 AUTO = ["overlap.ep=auto", "overlap.ep_chunks=auto", "overlap.ep_pairing=false"]
 
 
-def measure(flags: List[str], json_path: Path, rate: str, budget: float) -> Dict[str, Any]:
-    """bench.ep_pairing with `flags` inside bench/netns.sh, as run_in_bench runs it, with the
-    link probe and the load average kept."""
-    from bench import predict
-    from bench.common import ROOT, netns_prefix
-    from bench.predict import shaped_link
-
-    p = argparse.ArgumentParser()
-    ep_pairing.add_args(p)
-    base, variants, _ = ep_pairing.planned(p.parse_args(flags))
-    prefix, link = netns_prefix(rate, False)
-    before = predict.time_machine(base, variants)
-    cmd = prefix + [sys.executable, "-m", "bench.ep_pairing", "--json", str(json_path), "--link", link,
-                    "--time-budget", str(budget)] + flags
-    load = [Path("/proc/loadavg").read_text().strip()]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench.ep_pairing failed with exit status {proc.returncode}")
-    load.append(Path("/proc/loadavg").read_text().strip())
-    res = json.loads(json_path.read_text())
-    res.update(machine_rates={k: [v] for k, v in before.items()}, link_probe=shaped_link(rate) if prefix else None,
-               loadavg_before_after=load, cmd=" ".join(cmd), measure_wall_s=time.time() - t0)
-    res["predicted"] = ep_pairing.predict_variants(res, rate, probe=bool(prefix))
-    return res
+def measure(flags: List[str], json_path: Path, rate: str, budget: float, no_netns: bool = False) -> Dict[str, Any]:
+    """bench.ep_pairing with `flags` inside bench/netns.sh, as bench/run.py runs it
+    (ep_pairing.run_in_bench), with the link probe and the load average kept."""
+    return ep_pairing.run_in_bench(rate, json_path.parent, budget, no_netns, flags=flags, path=json_path,
+                                   probe_link=True)
 
 
 def _hardware(res: Dict[str, Any], name: str, rate: str):
     """The Hardware predict_variants simulates variant `name` on, from the saved probe."""
-    from bench.predict import _compose
+    from bench.predict import _compose, link_overrides
     from bench.rate_probe import machine_of
-    from mpoverlap.simulate.hardware import from_config, parse_rate
+    from mpoverlap.simulate.hardware import from_config
 
-    probed = res.get("link_probe")
-    link = probed["bytes_s"] if probed else parse_rate(f"rate {rate}")
-    more = [f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"]
-    if probed:
-        more += [f"hardware.inter_latency={probed['latency']}", f"hardware.intra_latency={probed['latency']}"] + \
-            [f"hardware.collective_efficiency.{op}={x}" for op, x in probed["efficiency"].items()]
+    more = link_overrides(res.get("link_probe"), rate)
     cfg = _compose(res["base_overrides"], res["variant_overrides"][name], more)
     in_rounds = dict((res.get("model_rate_probe") or {}).get(name, {}))
     if res.get("comm_cpu_probe"):
@@ -106,6 +82,34 @@ def render(res: Dict[str, Any]) -> str:
                      f"chunks: {p['chunks_reason']}; at {p['at_bench_chunks']['chunks']} chunks: "
                      f"{p['at_bench_chunks']['reason']}")
     return "\n".join(lines)
+
+
+# ---- in make bench: auto's picks on the run's EP 1:1 measurement --------------------------------
+def run_in_bench(measured: Optional[Dict[str, Any]], rate: str, out: Path, budget: float,
+                 no_netns: bool = False) -> Dict[str, Any]:
+    """For bench/run.py: auto's picks on the run's bench.ep_pairing result (`measured`, at its
+    defaults, with its `link_probe`: the none and chunks variants this benchmark compares), kept
+    as {"measured_in": "ep_pairing", "auto": ...}; when the run skipped bench.ep_pairing
+    (`measured` None), `measure` at its defaults first, into `out`/ep_auto.json, and the whole
+    result with its picks."""
+    if measured is not None:
+        return {"measured_in": "ep_pairing", "auto": picks(measured, rate)}
+    res = measure([], out / "ep_auto.json", rate, budget, no_netns)
+    res["auto"] = picks(res, rate)
+    return res
+
+
+def render_in_bench(results: Dict[str, Any]) -> str:
+    """results.md's section of `run_in_bench`'s result ("" when the run has none)."""
+    res = results.get("ep_auto")
+    if not res:
+        return ""
+    if res.get("measured_in") == "ep_pairing":
+        res = {**results["ep_pairing"], **res}
+    return "\n".join(["## EP auto against measured on and off", "",
+                      "bench.ep_pairing's none (overlap.ep=false) and chunks (overlap.ep=true) measured, and what "
+                      "`overlap.ep=auto overlap.ep_chunks=auto` resolves to on the hardware its prediction uses.", "",
+                      render(res), ""])
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ exchanges (docs/benchmarks.md, "EP at 1:1"):
     exchange takes from compute.
 
   none     overlap.ep=false overlap.ep_chunks=1    every exchange waited where it is issued
-  chunks   overlap.ep=true overlap.ep_chunks=2     today's overlap: a chunk's exchange under another's experts
+  chunks   overlap.ep=true overlap.ep_chunks=2     the chunked overlap: a chunk's exchange under another's experts
   pairing  overlap.ep=true overlap.ep_chunks=1 overlap.ep_pairing=true
   both     overlap.ep=true overlap.ep_chunks=2 overlap.ep_pairing=true
 
@@ -48,9 +48,10 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from bench.common import add_block_args, close_trainers, init_bench_worker, json_cli, rotating_blocks, spawn_ranks
+from bench.common import add_block_args, close_trainers, init_bench_worker, json_cli, quiet_or_all, rotating_blocks, \
+    spawn_ranks
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
           "data.max_bytes=2000000", "overlap.dp=false", "model=moe_tiny", "parallel.ep=2",
@@ -195,30 +196,43 @@ def run(args) -> Dict[str, Any]:
 
 
 # ---- in make bench: the measurement, the ratio and the simulator beside it ----------------------
-def run_in_bench(rate: str, out: Path, budget: float, no_netns: bool = False) -> Dict[str, Any]:
-    """For bench/run.py: this benchmark in a subprocess inside bench/netns.sh at `rate` (the bare
-    loopback if the namespace cannot be made, and the link line says so), this machine's
-    rates timed before it (the peak, the update, the CPU per byte sent; the model's and the
-    experts' rates come from the rounds), and the simulator's prediction of every variant."""
+def run_in_bench(rate: str, out: Path, budget: float, no_netns: bool = False, flags: Sequence[str] = (),
+                 path: Optional[Path] = None, probe_link: bool = False) -> Dict[str, Any]:
+    """For bench/run.py (and bench/ep_auto.py): this benchmark in a subprocess inside
+    bench/netns.sh at `rate` (the bare loopback if the namespace cannot be made, and the link
+    line says so), this machine's rates timed before it (the peak, the update, the CPU per byte
+    sent; the model's and the experts' rates come from the rounds), and the simulator's
+    prediction of every variant. `flags`: this benchmark's own options (its defaults without);
+    `path`: where its JSON goes (default `out`/ep_pairing.json). The result keeps the machine's
+    load average before and after, the command and its wall time; with `probe_link`, the link
+    probed in the namespace too (`link_probe`: bench.predict.shaped_link, None on the bare
+    loopback)."""
     import subprocess
     import sys
 
     from bench import predict
     from bench.common import ROOT, netns_prefix
 
-    path = out / "ep_pairing.json"
+    path = path or out / "ep_pairing.json"
     prefix, link = netns_prefix(rate, no_netns)
-    ns = argparse.Namespace(**DEFAULTS)
-    base, variants, _ = planned(ns)
+    p = argparse.ArgumentParser()
+    add_args(p)
+    base, variants, _ = planned(p.parse_args(list(flags)))
     before = predict.time_machine(base, variants)
     cmd = prefix + [sys.executable, "-m", "bench.ep_pairing", "--json", str(path), "--link", link,
-                    "--time-budget", str(budget)]
+                    "--time-budget", str(budget)] + list(flags)
     print("$ " + " ".join(cmd), flush=True)
+    load = [Path("/proc/loadavg").read_text().strip()]
+    t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise SystemExit(f"bench.ep_pairing failed with exit status {proc.returncode}")
+    load.append(Path("/proc/loadavg").read_text().strip())
     res = json.loads(path.read_text())
-    res["machine_rates"] = {k: [v] for k, v in before.items()}
+    res.update(machine_rates={k: [v] for k, v in before.items()}, loadavg_before_after=load, cmd=" ".join(cmd),
+               measure_wall_s=time.time() - t0)
+    if probe_link:
+        res["link_probe"] = predict.shaped_link(rate) if prefix else None
     res["predicted"] = predict_variants(res, rate, probe=bool(prefix))
     return res
 
@@ -227,7 +241,7 @@ def predict_variants(res: Dict[str, Any], rate: str, probe: bool = True) -> Dict
     """{variant: predicted step_s, ep in-flight and exposed seconds, exposed share, the pairing
     line, and the exchanges : experts ratio}, as bench.predict predicts the modes (its link
     probe, the machine rates timed beside the measurement, the rates timed in the rounds)."""
-    from bench.predict import _compose, shaped_link
+    from bench.predict import _compose, link_overrides, shaped_link
     from bench.rate_probe import machine_of
     from mpoverlap.overlap.layout import build_layout
     from dataclasses import replace
@@ -235,16 +249,11 @@ def predict_variants(res: Dict[str, Any], rate: str, probe: bool = True) -> Dict
     from mpoverlap.simulate.core import simulate
     from mpoverlap.simulate.costs import chunk_costs
     from mpoverlap.simulate.collectives import group_links
-    from mpoverlap.simulate.hardware import from_config, measured_rates, parse_rate
+    from mpoverlap.simulate.hardware import from_config, measured_rates
     from mpoverlap.overlap.estimate.core import compute_bytes
     from mpoverlap.overlap.config import CommOverlapConfig
 
-    probed = shaped_link(rate) if probe else None
-    link = probed["bytes_s"] if probed else parse_rate(f"rate {rate}")
-    more = [f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"]
-    if probed:
-        more += [f"hardware.inter_latency={probed['latency']}", f"hardware.intra_latency={probed['latency']}"] + \
-            [f"hardware.collective_efficiency.{op}={x}" for op, x in probed["efficiency"].items()]
+    more = link_overrides(shaped_link(rate) if probe else None, rate)
     out: Dict[str, Dict[str, float]] = {}
     for name, extra in res["variant_overrides"].items():
         cfg = _compose(res["base_overrides"], extra, more)
@@ -295,12 +304,9 @@ def measured_ratio(res: Dict[str, Any]) -> Optional[float]:
 
 
 def _rows(res: Dict[str, Any]) -> Dict[str, Any]:
-    """Quiet blocks when every variant has at least 3, else all (as bench.run's tables)."""
-    quiet = res.get("variants_quiet") or {}
-    names = list(res.get("variants") or {})
-    if names and all(n in quiet and quiet[n]["blocks"] >= 3 for n in names):
-        return quiet
-    return res.get("variants") or {}
+    """Quiet blocks when every variant has enough of them, else all (bench.run's tables' rule)."""
+    variants = res.get("variants") or {}
+    return quiet_or_all(variants, res.get("variants_quiet"), list(variants))[0]
 
 
 def render(results: Dict[str, Any]) -> str:

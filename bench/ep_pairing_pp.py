@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from bench.common import add_block_args, close_trainers, free_port, init_bench_worker, rotating_blocks, stats
+from bench.common import TrainerSide, add_block_args, close_trainers, free_port, init_bench_worker, rotating_blocks, \
+    stats
 from bench.ep_pairing import COMMON as EP_COMMON
 
 WORLD = 4
@@ -65,21 +66,11 @@ def variant_overrides() -> Dict[str, List[str]]:
             for name, (kind, pair) in VARIANTS.items()}
 
 
-class _Side:
+class _Side(TrainerSide):
     """A Trainer; per step the ledger's figures and the executor's blocked time."""
 
-    def __init__(self, trainer) -> None:
-        self.t = trainer
-
-    def train_step(self):
-        return self.t.train_step()
-
-    def settle(self) -> None:
-        self.t.optimizer.finish_param_sync()
-        self.t.ledger.reset()
-
     def collect(self, keep: bool) -> Dict[str, Any]:
-        return {"comm": self.t.ledger.reset(), "bubble_s": self.t.pipeline.executor.bubble_s}
+        return {**super().collect(keep), "bubble_s": self.t.pipeline.executor.bubble_s}
 
 
 def _worker(rank: int, port: int, args, tmp: str) -> None:

@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from bench.common import add_block_args, adamw_groups, close_trainers, init_bench_worker, json_cli, rotating_blocks, spawn_ranks, \
-    stats, plain_microbatches, step_with_lr
+from bench.common import TrainerSide, add_block_args, adamw_groups, close_trainers, init_bench_worker, json_cli, \
+    rotating_blocks, spawn_ranks, stats, plain_microbatches, step_with_lr
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
           "data.max_bytes=2000000", "overlap.dp=false"]
@@ -92,24 +92,14 @@ def scenario_overrides(args) -> Dict[str, Any]:
 
 
 # ---- sides -------------------------------------------------------------------------------------
-class MpoSide:
+class MpoSide(TrainerSide):
     """A Trainer; per step the ledger's figures and, when pipelined, the bubble probe's."""
 
     def __init__(self, trainer) -> None:
-        self.t = trainer
-        self.probe = BubbleProbe(trainer.pipeline.executor) if trainer.pipeline is not None else None
-
-    def train_step(self):
-        return self.t.train_step()
-
-    def settle(self) -> None:
-        self.t.optimizer.finish_param_sync()
-        self.t.ledger.reset()
-        if self.probe:
-            self.probe.take()
+        super().__init__(trainer, BubbleProbe(trainer.pipeline.executor) if trainer.pipeline is not None else None)
 
     def collect(self, keep: bool) -> Dict[str, Any]:
-        out = {"comm": self.t.ledger.reset()}
+        out = super().collect(keep)
         if self.probe:
             out["bubble"] = self.probe.take()
         return out

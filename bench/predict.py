@@ -104,6 +104,19 @@ def shaped_link(rate: str) -> Optional[Dict[str, Any]]:
         raise SystemExit(f"the loopback probe in bench/netns.sh failed: {e}")
 
 
+def link_overrides(probed: Optional[Dict[str, Any]], rate: str) -> List[str]:
+    """The hardware overrides of the link a benchmark ran on: the probed bandwidth, latency and
+    each collective's efficiency over it (`shaped_link`), else `rate`'s nominal bandwidth alone."""
+    from mpoverlap.simulate.hardware import parse_rate
+
+    link = probed["bytes_s"] if probed else parse_rate(f"rate {rate}")
+    more = [f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"]
+    if probed:
+        more += [f"hardware.inter_latency={probed['latency']}", f"hardware.intra_latency={probed['latency']}"] + \
+            [f"hardware.collective_efficiency.{op}={x}" for op, x in probed["efficiency"].items()]
+    return more
+
+
 def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict[str, Any]]:
     """Every scenario's prediction beside its measurement. The machine: the mean of the rates
     timed before and after the scenario's measurement where the results hold them
@@ -112,16 +125,14 @@ def predict(results: Dict[str, Any], rate: str, probe: bool = True) -> List[Dict
     (`model_rate_probe`, bench/rate_probe.py). The link: with `probe`, what 2 ranks achieve in bench/netns.sh at
     `rate` (`shaped_link`), else the nominal rate."""
     from mpoverlap.simulate.core import simulate
-    from mpoverlap.simulate.hardware import from_config, measured_rates, parse_rate
+    from mpoverlap.simulate.hardware import from_config, measured_rates
 
     probed = shaped_link(rate) if probe else None
-    link = probed["bytes_s"] if probed else parse_rate(f"rate {rate}")
-    lat = [f"hardware.inter_latency={probed['latency']}", f"hardware.intra_latency={probed['latency']}"] + \
-        [f"hardware.collective_efficiency.{op}={x}" for op, x in probed["efficiency"].items()] if probed else []
+    more = link_overrides(probed, rate)
     rows, machines = [], {}
     for scenario, mode, base, variants, timed, in_rounds in _scenarios(results):
         for name, (extra, measured) in variants.items():
-            cfg = _compose(base, extra, [f"hardware.inter_bw={link}", f"hardware.intra_bw={link}"] + lat)
+            cfg = _compose(base, extra, more)
             key = machine_of(cfg)
             if key not in machines:
                 # the rates timed beside this measurement (bench/run.py), else this machine now;

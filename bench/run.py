@@ -15,6 +15,8 @@ Writes bench/results/<timestamp>/results.json and results.md and prints the tabl
                         [--skip-timelines] [--timelines dp2,tp2,pp2,cp2,ep2] [--skip-zero]
                         [--skip-zero-bubble] [--zero-bubble schedules,tp_wgrad]
                         [--skip-async-ckpt] [--skip-long-context] [--long-context-seqs 16384,32768,65536]
+                        [--skip-data-ahead] [--data-ahead-steps 10] [--data-ahead-blocks 3]
+                        [--skip-ep-pairing] [--skip-ep-auto]
 
 --modes runs bench/modes.py (TP/CP/PP overlap against DTensor and torch.distributed.pipelining,
 and the pipeline bubble), one scenario per subprocess, each in bench/netns.sh.
@@ -32,6 +34,13 @@ bench/zero_bubble.py: pp 2 schedules (ours from SCHEDULE_KINDS, torch's 1F1B, ZB
 ZBV) side by side at m = 4 and 8 with the bubble against its formula and each schedule's
 activation memory; and the exposed tp of tp 2 + SP + collective matmul at pp 2 with and
 without W deferral (world 4). Inside bench/netns.sh (probed once, as scaling's).
+
+bench/data_ahead.py: on one process, the host time the batch built ahead (training/prefetch.py)
+takes off the step against the same batches built inline.
+
+bench/ep_auto.py: what `overlap.ep=auto overlap.ep_chunks=auto` picks on the hardware the EP 1:1
+benchmark's (bench/ep_pairing.py) prediction uses, beside that run's measured none (off) and
+chunks (on); measured on its own only when the run skips bench/ep_pairing.py.
 
 bench/async_ckpt.py (checkpoint.async_save: step time while a checkpoint is written in the
 background, against steps without saves and a synchronous save) runs on the bare loopback: it
@@ -57,9 +66,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench import async_ckpt, dp_overlap, long_context, memory, modes, moe_step, overhead, predict, scaling, timelines, zero, zero_bubble
+from bench import async_ckpt, data_ahead, dp_overlap, ep_auto, long_context, memory, modes, moe_step, overhead, predict
+from bench import scaling, timelines, zero, zero_bubble
 from bench import zero_bubble_report
-from bench.common import NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s
+from bench.common import MIN_QUIET_BLOCKS, NETNS_UNAVAILABLE, ROOT, machine_busy_s, netns_prefix, own_children_cpu_s, \
+    quiet_or_all
 
 
 def machine_info() -> Dict[str, Any]:
@@ -96,16 +107,22 @@ def _run(cmd: List[str], env: Optional[dict] = None) -> subprocess.CompletedProc
     return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
 
 
+def _json_of(cmd: List[str], path: Path, what: str) -> Dict[str, Any]:
+    """Runs a benchmark's command (`_run`) and reads the JSON it wrote to `path`; a failure
+    stops the run naming `what`."""
+    proc = _run(cmd)
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed with exit status {proc.returncode}")
+    return json.loads(path.read_text())
+
+
 def run_overhead(args, out: Path) -> Dict[str, Any]:
     path = out / "overhead.json"
     cmd = [sys.executable, "-m", "bench.overhead", "--json", str(path), "--block", str(args.block),
            "--repeats", str(args.overhead_repeats), "--warmup", str(args.warmup),
            "--time-budget", str(args.overhead_budget), "--min-quiet", str(args.min_quiet), "--threads", str(args.threads),
            "--quiet-cores", str(args.quiet_cores)]
-    proc = _run(cmd)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench.overhead failed with exit status {proc.returncode}")
-    return json.loads(path.read_text())
+    return _json_of(cmd, path, "bench.overhead")
 
 
 def run_overhead_launch(args, out: Path) -> Dict[str, Any]:
@@ -116,20 +133,23 @@ def run_overhead_launch(args, out: Path) -> Dict[str, Any]:
            "--repeats", str(args.overhead_repeats), "--warmup", str(args.warmup),
            "--time-budget", str(args.overhead_budget), "--min-quiet", str(args.min_quiet), "--threads", str(args.threads),
            "--quiet-cores", str(args.quiet_cores), *overhead.launch_bound_args()]
-    proc = _run(cmd)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench.overhead (launch-bound) failed with exit status {proc.returncode}")
-    return json.loads(path.read_text())
+    return _json_of(cmd, path, "bench.overhead (launch-bound)")
 
 
 def run_moe_step(args, out: Path) -> Dict[str, Any]:
     """bench.moe_step: an MoE model's step on one process, grouped experts against the
     per-expert loop (tokens/s, GEMM share)."""
     path = out / "moe_step.json"
-    proc = _run([sys.executable, "-m", "bench.moe_step", "--json", str(path), "--threads", str(args.threads)])
-    if proc.returncode != 0:
-        raise SystemExit(f"bench.moe_step failed with exit status {proc.returncode}")
-    return json.loads(path.read_text())
+    return _json_of([sys.executable, "-m", "bench.moe_step", "--json", str(path), "--threads", str(args.threads)],
+                    path, "bench.moe_step")
+
+
+def run_data_ahead(args, out: Path) -> Dict[str, Any]:
+    """bench.data_ahead: on one process, the host time the batch built ahead takes off the step
+    against the same batches built inline."""
+    path = out / "data_ahead.json"
+    return _json_of([sys.executable, "-m", "bench.data_ahead", "--json", str(path), "--steps", str(args.data_ahead_steps),
+                     "--blocks", str(args.data_ahead_blocks)], path, "bench.data_ahead")
 
 
 def _time_machine(planned) -> Dict[str, Any]:
@@ -210,22 +230,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-MIN_QUIET_BLOCKS = 3
-
-
-def _pick(all_rows: Dict[str, Any], quiet_rows: Optional[Dict[str, Any]], names: List[str], count) -> tuple:
-    """Quiet blocks when every side has at least MIN_QUIET_BLOCKS of them, else all blocks."""
-    if quiet_rows and all(n in quiet_rows and count(quiet_rows[n]) >= MIN_QUIET_BLOCKS for n in names):
-        return quiet_rows, True
-    return all_rows, False
-
-
 def _render_overhead(ov: Dict[str, Any], title: str, goal: Optional[float]) -> List[str]:
     """The lines of one bench.overhead result: the two sides' medians and their ratio (against
     `goal` when one is set; the launch-bound line states its measured figure instead)."""
     s = ov["setup"]
-    res, quiet = _pick({k: ov["all"][k] for k in ("framework", "plain")}, ov.get("quiet"),
-                       ["framework", "plain"], lambda r: r["blocks"])
+    res, quiet = quiet_or_all({k: ov["all"][k] for k in ("framework", "plain")}, ov.get("quiet"),
+                              ["framework", "plain"])
     ratio = (ov["quiet"] if quiet else ov["all"])["ratio"]
     ratio_inner = (ov["quiet"] if quiet else ov["all"])["ratio_inner"]
     ov_ratio_cpu = (ov["quiet"] if quiet else ov["all"]).get("ratio_cpu")  # older results.json lack it
@@ -272,7 +282,7 @@ def render(results: Dict[str, Any]) -> str:
     if dp:
         s = dp["setup"]
         names = list(dp["variants"])
-        v, quiet = _pick(dp["variants"], dp.get("variants_quiet"), names, lambda r: r["blocks"])
+        v, quiet = quiet_or_all(dp["variants"], dp.get("variants_quiet"), names)
         ddp = v.get("torch_ddp", {}).get("step", {}).get("median_s")
         lines += ["## DP overlap, 2 ranks", "",
                   f"Link: {dp['link']}.",
@@ -365,7 +375,7 @@ def render_modes(results: Dict[str, Any]) -> str:
     for scenario, res in results.get("modes", {}).items():
         s = res["setup"]
         names = list(res["variants"])
-        v, quiet = _pick(res["variants"], res.get("variants_quiet"), names, lambda r: r["blocks"])
+        v, quiet = quiet_or_all(res["variants"], res.get("variants_quiet"), names)
         lines += [f"## {MODE_TITLE.get(scenario, scenario)}", "", f"Link: {res['link']}.",
                   f"Overrides: `{' '.join(res['base_overrides'])}`; model hidden {s['hidden']}, ffn {s['ffn']}, "
                   f"seq {s['seq']}, {s['layers']} layers, {s['heads']} heads, micro batch {s['micro_batch']}; "
@@ -452,6 +462,10 @@ def main() -> None:
     p.add_argument("--skip-overhead-launch", action="store_true",
                    help="skip the launch-bound overhead line (32 thin layers against a plain loop with fused AdamW)")
     p.add_argument("--skip-dp", action="store_true")
+    p.add_argument("--skip-data-ahead", action="store_true",
+                   help="skip bench/data_ahead.py (world 1: the batch built ahead against built inline)")
+    p.add_argument("--data-ahead-steps", type=int, default=10, help="steps per bench.data_ahead block (default 10)")
+    p.add_argument("--data-ahead-blocks", type=int, default=3, help="bench.data_ahead blocks per side (default 3)")
     p.add_argument("--modes", default="tp,cp,pp,ep,bubble",
                    help="comma-separated bench.modes scenarios to run (default: tp,cp,pp,ep,bubble; "
                         "'none' runs none)")
@@ -460,6 +474,9 @@ def main() -> None:
     p.add_argument("--modes-budget", type=float, default=150.0, help="seconds of measuring per scenario (default 150)")
     p.add_argument("--skip-zero", action="store_true", help="skip bench/zero.py (ZeRO-3 prefetch vs torch FSDP2)")
     p.add_argument("--skip-ep-pairing", action="store_true", help="skip bench/ep_pairing.py (EP at 1:1)")
+    p.add_argument("--skip-ep-auto", action="store_true",
+                   help="skip bench/ep_auto.py (EP auto's pick on the EP 1:1 run's none and chunks; measured "
+                        "on its own under --skip-ep-pairing)")
     p.add_argument("--zero-budget", type=float, default=150.0, help="seconds of ZeRO-3 measuring at most (default 150)")
     p.add_argument("--skip-zero-bubble", action="store_true", help="skip bench/zero_bubble.py (zero-bubble schedules)")
     p.add_argument("--zero-bubble", default="schedules,tp_wgrad",
@@ -501,13 +518,19 @@ def main() -> None:
         results["overhead_launch"] = run_overhead_launch(args, out)
     if not args.skip_moe:
         results["moe_step"] = run_moe_step(args, out)
+    if not args.skip_data_ahead:
+        results["data_ahead"] = run_data_ahead(args, out)
     if not args.skip_dp:
         results["dp"] = run_dp(args, out)
     for scenario in [x.strip() for x in args.modes.split(",") if x.strip() and x.strip() != "none"]:
         results.setdefault("modes", {})[scenario] = run_modes(args, out, scenario)
     if not args.skip_ep_pairing:  # EP at 1:1, none / chunks / pairing / both, with the simulator
         from bench import ep_pairing
-        results["ep_pairing"] = ep_pairing.run_in_bench(args.rate, out, args.modes_budget, args.no_netns)
+        results["ep_pairing"] = ep_pairing.run_in_bench(args.rate, out, args.modes_budget, args.no_netns,
+                                                        probe_link=not args.skip_ep_auto)
+    if not args.skip_ep_auto:  # EP auto's pick against that run's none and chunks
+        results["ep_auto"] = ep_auto.run_in_bench(results.get("ep_pairing"), args.rate, out, args.modes_budget,
+                                                  args.no_netns)
     # One namespace probe for the scaling and timeline runs.
     prefix, link = (([], "") if args.skip_scaling and args.skip_timelines and args.skip_zero and args.skip_zero_bubble
                     else netns_prefix(args.rate, args.no_netns))
@@ -540,7 +563,8 @@ def main() -> None:
     if results.get("ep_pairing"):
         from bench import ep_pairing
         table += "\n" + ep_pairing.render(results)
-    for section in (moe_step.render(results), zero.render(results), zero_bubble_report.render(results), scaling.render(results), memory.render(results), timelines.render(results),
+    for section in (moe_step.render(results), data_ahead.render(results), ep_auto.render_in_bench(results),
+                    zero.render(results), zero_bubble_report.render(results), scaling.render(results), memory.render(results), timelines.render(results),
                     async_ckpt.render(results), long_context.render(results), predict.render(results.get("predicted") or [])):
         if section:
             table += "\n" + section

@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from bench.common import add_block_args, adamw_groups, close_trainers, free_port, init_bench_worker, json_cli, \
-    rotating_blocks
+from bench.common import TrainerSide, add_block_args, adamw_groups, close_trainers, free_port, init_bench_worker, \
+    json_cli, rotating_blocks
 from bench.modes import BubbleProbe, TorchInterleaved, with_positions
 
 COMMON = ["train.steps=100000", "train.progress=false", "checkpoint.interval=0", "checkpoint.resume=none",
@@ -162,21 +162,14 @@ def p2p_stamps(executor) -> Dict[str, Any]:
     return {"sent": sent, "recv": recv}
 
 
-class MpoSide:
+class MpoSide(TrainerSide):
+    """A Trainer; per step the ledger's figures and the action probe's."""
+
     def __init__(self, trainer) -> None:
-        self.t = trainer
-        self.probe = ActionProbe(trainer.pipeline.executor)
-
-    def train_step(self):
-        return self.t.train_step()
-
-    def settle(self) -> None:
-        self.t.optimizer.finish_param_sync()
-        self.t.ledger.reset()
-        self.probe.take()
+        super().__init__(trainer, ActionProbe(trainer.pipeline.executor))
 
     def collect(self, keep: bool) -> Dict[str, Any]:
-        return {"comm": self.t.ledger.reset(), "pipe": self.probe.take()}
+        return {**super().collect(keep), "pipe": self.probe.take()}
 
 
 # ---- torch.distributed.pipelining peers --------------------------------------------------------

@@ -124,7 +124,7 @@ def test_async_ckpt_bench_configuration_validates_and_renders():
 def test_tp_scenario_peers_compute_the_same_first_loss(tmp_path):
     """bench.modes' tp scenario, tiny and without the rate-limited namespace: the DTensor
     peer (which re-splits the fused qkv by heads and K/V groups itself) starts from the loss
-    mpoverlap's tp layouts compute. It crashed once when the model gained K/V groups."""
+    mpoverlap's tp layouts compute."""
     import json
     import os
     import subprocess
@@ -535,3 +535,53 @@ def test_ep_auto_bench_picks_what_the_simulator_predicts_on_the_benchmarks_hardw
         assert got[name]["chunks"] == (best if on[best] < off else 1)
         assert f"{off * 1e3:,.1f} ms" in got[name]["reason"] and f"{on[best] * 1e3:,.1f} ms" in got[name]["reason"]
         assert got[name]["at_bench_chunks"]["chunks"] == ep_pairing.DEFAULTS["chunks"]
+
+
+def test_ep_auto_in_make_bench_picks_on_the_ep_pairing_run_and_renders(tmp_path):
+    """bench/run.py's EP auto section: the picks are made on the run's own bench.ep_pairing
+    result (nothing measured again, the same picks as `bench.ep_auto --from` on it), and
+    results.md shows that run's none and chunks steps beside them."""
+    from types import SimpleNamespace
+
+    from bench import ep_auto, ep_pairing
+    from bench.predict import _compose
+    from bench.rate_probe import machine_of
+
+    base, run, _ = ep_pairing.planned(SimpleNamespace(**ep_pairing.DEFAULTS))
+    rates = {"peak_flops": 9e10, "model_flops": 4e10, "update_s_per_param": 1.5e-9, "expert_flops": 6e10,
+             "comm_cpu_s_per_byte": 1.2e-9, "cores": 2, "link_bytes_s": 0.0, "link_latency": 0.0,
+             "link_efficiency": {}}
+
+    def row(median):
+        return {"blocks": 4, "step": {"median_s": median, "q1_s": median - 0.01, "q3_s": median + 0.01}}
+
+    measured = {"base_overrides": base, "variant_overrides": {n: run[n] for n in ("none", "chunks")},
+                "machine_rates": {machine_of(_compose(base, run["none"], [])): [rates]}, "link_probe": None,
+                "variants": {"none": row(0.6), "chunks": row(0.5)}, "block_foreign_cores": [0.0, 0.05],
+                "loadavg_before_after": ["1.0", "1.1"]}
+    got = ep_auto.run_in_bench(measured, "2gbit", tmp_path, 1.0, no_netns=True)
+    assert got == {"measured_in": "ep_pairing", "auto": ep_auto.picks(measured, "2gbit")}
+    assert list(tmp_path.iterdir()) == []  # nothing measured
+    text = ep_auto.render_in_bench({"ep_pairing": measured, "ep_auto": got})
+    assert text.startswith("## EP auto against measured on and off")
+    assert "none: median 600.0 ms, IQR 590.0-610.0" in text and "chunks: median 500.0 ms" in text
+    assert f"auto on none's rates: ep {'on' if got['auto']['none']['enabled'] else 'off'}" in text
+    assert ep_auto.render_in_bench({}) == ""
+
+
+def test_data_ahead_renders_in_make_bench():
+    """bench/run.py's data-ahead section from the shape bench.data_ahead writes."""
+    from bench import data_ahead
+
+    def side(step, wait):
+        return {"n": 8, "median_ms": step, "min_ms": step - 1, "q1_ms": step - 0.5, "q3_ms": step + 0.5,
+                "batch_wait_ms": {"median_ms": wait, "min_ms": wait, "q1_ms": wait, "q3_ms": wait + 0.1}}
+
+    res = {"overrides": ["model=gpt_tiny", "run.dir=/somewhere"], "build_ms": 2.4, "inline": side(216.0, 13.2),
+           "ahead": side(209.0, 0.08), "saved_ms_per_step": 7.0, "batch_wait_saved_ms": 13.12}
+    text = data_ahead.render({"data_ahead": res})
+    assert "Overrides: `model=gpt_tiny`; one batch built alone: 2.4 ms." in text
+    assert "| inline | 216.0 | 215.5-216.5 | 8 | 13.20 | 13.20-13.30 |" in text
+    assert "| ahead | 209.0 | 208.5-209.5 | 8 | 0.08 | 0.08-0.18 |" in text
+    assert "inline - ahead: 7.0 ms a step, 13.12 ms of batch wait." in text
+    assert data_ahead.render({}) == ""

@@ -387,7 +387,7 @@ def test_report_names_the_fp8_kernels_and_the_acceptance_line():
 
 
 def test_default_check_measures_fp8_beside_bf16_in_its_one_call(tmp_path, monkeypatch):
-    """`make gpu-check` (the one call a GPU session makes) runs llama3_1b's compiled bf16 and fp8
+    """`make gpu-check` (one call on a GPU machine) runs llama3_1b's compiled bf16 and fp8
     sides first (the 1.25x target), its eager Trainer beside the plain loop and its eager fp8
     side, and moe_350m's eager Trainer (its host profile), plain loop, compiled and fp8 sides."""
     import bench.gpu_check as gc

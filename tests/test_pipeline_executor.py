@@ -252,7 +252,7 @@ def test_overlap_posts_receives_before_the_preceding_compute(reports, pp, vpp, m
     lazy = [rank_report[(pp, vpp, m, False)]["posted_ahead"] for rank_report in reports]
     receives = [rank_report[(pp, vpp, m, True)]["receives"] for rank_report in reports]
     print(f"\npp {pp} vpp {vpp} m {m}: posted ahead {ahead} of {receives} receives; lazy {lazy}")
-    # The posting order is a pure function of the table (no clock): today's counts per rank,
+    # The posting order is a pure function of the table (no clock): its counts per rank,
     # pinned. Off, a receive goes ahead only where the global message order forces it.
     assert ahead == RECEIVES_AHEAD[(pp, vpp, m)], (ahead, receives)
     assert all(a >= b for a, b in zip(ahead, lazy)) and sum(ahead) - sum(lazy) >= 0.25 * sum(receives)

@@ -223,7 +223,7 @@ def test_tc_rate_parsing():
 
 # ---- published figures --------------------------------------------------------------------------
 
-# Today's predictions (TFLOP/s per GPU) of Table 1's rows, by model size in billions: a change
+# The simulator's predictions (TFLOP/s per GPU) of Table 1's rows, by model size in billions: a change
 # of the simulator that moves any row by more than 1% must update these on purpose.
 NARAYANAN_PINNED = {1.7: 151.89, 3.6: 146.09, 7.5: 138.39, 18.4: 140.45, 39.1: 145.25, 76.1: 144.22,
                     145.6: 145.49, 310.1: 143.9, 529.6: 139.96, 1008.0: 139.12}

@@ -77,14 +77,14 @@ def test_lone_passes_as_the_executor_runs_them():
     # backward: reverse combine 0-1 waited, experts 1-3, reverse dispatch 3-4 waited.
     assert alone_exposed([FWD], [BWD], 1) == pytest.approx({"F": 2.0, "B": 2.0})
     # Two chunks: the forward's first dispatch chunk and last combine chunk (0.5 each) are
-    # exposed, as with today's chunked overlap; the backward waits all its reverse combines
+    # exposed, as with the chunked overlap alone; the backward waits all its reverse combines
     # before the experts' backward (one autograd call) and all its reverse dispatches after:
     # nothing hidden.
     assert alone_exposed([FWD], [BWD], 2) == pytest.approx({"F": 1.0, "B": 2.0})
 
 
 def test_chunks_alone_leave_the_first_dispatch_and_last_combine_exposed():
-    # Today's overlap, forward, 1:1 (dispatch 1, combine 1, experts 1), 2 chunks: D0 0-0.5
+    # The chunked overlap alone, forward, 1:1 (dispatch 1, combine 1, experts 1), 2 chunks: D0 0-0.5
     # waited at once (0.5 exposed), D1 0.5-1 under E0 0.5-1; C0 1-1.5 under E1 1-1.5; C1
     # 1.5-2 waited at 1.5 (0.5). 1 of 2 exposed.
     assert ep_chunks_exposed(1.0, 1.0, 1.0, 2) == pytest.approx(1.0)
@@ -100,7 +100,7 @@ def test_step_averages_the_unpaired_passes_and_the_pairs():
 
     cost = ChunkCost()
     cost.compute = {"F": 2.0, "B": 4.0}  # the layer's compute: nothing outside it
-    cost.exposed = {"F": {"ep": 9.0}, "B": {"ep": 9.0}}  # today's overlap: replaced
+    cost.exposed = {"F": {"ep": 9.0}, "B": {"ep": 9.0}}  # the chunked overlap's: replaced
     cost.layers = {"F": [FWD], "B": [BWD]}
     x = apply_pairing(cost, 4, 1)
     assert x == pytest.approx({"F": 0.0, "B": 0.0, "F_alone": 2.0, "B_alone": 2.0})

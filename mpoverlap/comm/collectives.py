@@ -83,54 +83,51 @@ def all_reduce(tensor: torch.Tensor, group, *, mode: str, ledger: Optional[CommL
                       backend=backend, link_bytes=link, **clock)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
-                   ledger: Optional[CommLedger], op=dist.ReduceOp.SUM) -> CommHandle:
-    """output[n/g] = shard `rank` of sum over the group of input[n]."""
+def _out_of_place(op: str, output: torch.Tensor, input: torch.Tensor, group, mode: str,
+                  ledger: Optional[CommLedger], launch, nbytes: int, link_bytes, on_done=None) -> CommHandle:
+    """The out-of-place collectives' issue: `launch()` (the async torch call) inside the op's
+    named range, or with a one-member group (None) `output` a copy of `input` and nothing sent.
+    `nbytes`: the buffer the ledger counts; `link_bytes()`: what this rank sends, asked only when
+    something is (it reads the group's size)."""
     clock = _clock(input, group, ledger)
     work, backend = None, ""
     if group is None:
         output.copy_(input)
     else:
         backend = _backend(group)
-        with named_range("comm", mode, "reduce_scatter", cuda=input.is_cuda):
-            work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
-    link = ring_link_bytes("reduce_scatter", _nbytes(input), dist.get_world_size(group)) if work is not None else 0
-    return CommHandle(mode, "reduce_scatter", _nbytes(input), [work], ledger, keepalive=(output, input),
-                      backend=backend, link_bytes=link, **clock)
+        with named_range("comm", mode, op, cuda=input.is_cuda):
+            work = launch()
+    link = link_bytes() if work is not None else 0
+    return CommHandle(mode, op, nbytes, [work], ledger, keepalive=(output, input), backend=backend, on_done=on_done,
+                      link_bytes=link, **clock)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
+                   ledger: Optional[CommLedger], op=dist.ReduceOp.SUM) -> CommHandle:
+    """output[n/g] = shard `rank` of sum over the group of input[n]."""
+    return _out_of_place("reduce_scatter", output, input, group, mode, ledger,
+                         lambda: _reduce_scatter_tensor(output, input, op=op, group=group, async_op=True),
+                         _nbytes(input),
+                         lambda: ring_link_bytes("reduce_scatter", _nbytes(input), dist.get_world_size(group)))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                ledger: Optional[CommLedger], on_done=None) -> CommHandle:
     """output[g*n] = concat over the group of input[n]; `on_done()` runs when the handle is waited."""
-    clock = _clock(input, group, ledger)
-    work, backend = None, ""
-    if group is None:
-        output.copy_(input)
-    else:
-        backend = _backend(group)
-        with named_range("comm", mode, "all_gather", cuda=input.is_cuda):
-            work = _all_gather_tensor(output, input, group=group, async_op=True)
-    link = ring_link_bytes("all_gather", _nbytes(output), dist.get_world_size(group)) if work is not None else 0
-    return CommHandle(mode, "all_gather", _nbytes(output), [work], ledger, keepalive=(output, input), backend=backend,
-                      on_done=on_done, link_bytes=link, **clock)
+    return _out_of_place("all_gather", output, input, group, mode, ledger,
+                         lambda: _all_gather_tensor(output, input, group=group, async_op=True), _nbytes(output),
+                         lambda: ring_link_bytes("all_gather", _nbytes(output), dist.get_world_size(group)),
+                         on_done=on_done)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group, *, mode: str,
                ledger: Optional[CommLedger], output_split_sizes: Optional[List[int]] = None,
                input_split_sizes: Optional[List[int]] = None, on_done=None) -> CommHandle:
     """all_to_all_single along dim 0, uneven splits allowed; `on_done()` runs when the handle is waited."""
-    clock = _clock(input, group, ledger)
-    work, backend = None, ""
-    if group is None:
-        output.copy_(input)
-    else:
-        backend = _backend(group)
-        with named_range("comm", mode, "all_to_all", cuda=input.is_cuda):
-            work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                          group=group, async_op=True)
-    link = _a2a_link_bytes(input, group, input_split_sizes) if work is not None else 0
-    return CommHandle(mode, "all_to_all", _nbytes(input), [work], ledger, keepalive=(output, input), backend=backend,
-                      on_done=on_done, link_bytes=link, **clock)
+    return _out_of_place("all_to_all", output, input, group, mode, ledger,
+                         lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                        group=group, async_op=True),
+                         _nbytes(input), lambda: _a2a_link_bytes(input, group, input_split_sizes), on_done=on_done)
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group, *, mode: str,

@@ -1,8 +1,9 @@
 """Quantized gradient reduction (`train.grad_reduce_dtype=int8|fp8`) and its error feedback.
 
 A bucket in a wire format is reduced through comm/quantized.py, issued from the same hooks at
-the same moment as an fp32 or bf16 bucket (ddp.py), after the same averaging (the bucket is
-divided by the dp x cp size first, so the math is the fp32 path's up to the quantization):
+the same moment as an fp32 or bf16 bucket (bucket_issue.py), after the same averaging (the
+bucket is divided by the dp x cp size first, so the math is the fp32 path's up to the
+quantization):
 
     ZeRO-1/2/3, expert buckets   quantized reduce-scatter (one all-to-all): one hop
     plain data parallel          quantized reduce-scatter, then a quantized all-gather of the

@@ -18,7 +18,7 @@
              twice.
 
 Recomputation reproduces the forward bitwise: the same ops on the same inputs, and torch's
-checkpoint restores the RNG state (the model has no random op today; dropout would be covered).
+checkpoint restores the RNG state (the model has no random op; dropout would be covered).
 """
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from mpoverlap.comm.handle import CommHandle
 from mpoverlap.precision import acc_dtype, cast, compute_dtype, no_autocast, step_cast
 from mpoverlap.precision.fp8_select import dgrad_or_fp8, linear_or_fp8
 from mpoverlap.tensor_parallel.comm_spec import TPComm
+from mpoverlap.tensor_parallel.linear_functions import linear_backward
 from mpoverlap.tensor_parallel.mappings import MODE, seq_chunk
 
 
@@ -137,10 +138,7 @@ class ColumnParallelRingFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y_BSo):
-        x_BsH, weight_oH = ctx.saved_tensors
-        with no_autocast(x_BsH):
-            return ColumnParallelRingFn._backward(ctx, x_BsH, step_cast(weight_oH, ctx.dtype),
-                                                  grad_y_BSo.to(ctx.dtype), ctx.param)
+        return linear_backward(ColumnParallelRingFn._backward, ctx, grad_y_BSo)
 
     @staticmethod
     def _backward(ctx, x_BsH, weight_oH, grad_y_BSo, param):
@@ -204,10 +202,7 @@ class RowParallelRingFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y_BsO):
-        x_BSi, weight_Oi = ctx.saved_tensors
-        with no_autocast(x_BSi):
-            return RowParallelRingFn._backward(ctx, x_BSi, step_cast(weight_Oi, ctx.dtype),
-                                               grad_y_BsO.to(ctx.dtype), ctx.param)
+        return linear_backward(RowParallelRingFn._backward, ctx, grad_y_BsO)
 
     @staticmethod
     def _backward(ctx, x_BSi, weight_Oi, grad_y_BsO, param):

@@ -54,6 +54,15 @@ from mpoverlap.tensor_parallel.mappings import (
     seq_all_gather_async, seq_reduce_scatter_async)
 
 
+def linear_backward(backward, ctx, grad_y):
+    """The backward of a TP linear Function that saved (input, weight) and set `ctx.dtype` and
+    `ctx.param`: `backward(ctx, x, weight, grad_y, param)` with autocast off, the weight cast as
+    the forward cast it (step_cast) and the incoming gradient in the forward's compute dtype."""
+    x, weight = ctx.saved_tensors
+    with no_autocast(x):
+        return backward(ctx, x, step_cast(weight, ctx.dtype), grad_y.to(ctx.dtype), ctx.param)
+
+
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_oH, bias_o, comm: TPComm, fp8=None):
@@ -73,10 +82,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y_BSo):
-        x, weight_oH = ctx.saved_tensors
-        with no_autocast(x):
-            return ColumnParallelLinearFn._backward(ctx, x, step_cast(weight_oH, ctx.dtype),
-                                                    grad_y_BSo.to(ctx.dtype), ctx.param)
+        return linear_backward(ColumnParallelLinearFn._backward, ctx, grad_y_BSo)
 
     @staticmethod
     def _backward(ctx, x, weight_oH, grad_y_BSo, param):
