@@ -1,15 +1,17 @@
 """Multi-token prediction with forward/backward pairing in the pipeline (overlap.ep_pairing=true
-at pp 2 x vpp 2 x dp 2 x ep 2, the paired interleaved and zb1p tables): deepseek_v3_tiny (one
-layer a chunk, the first dense; latent attention, aux-loss-free MoE, untied head) with one MoE
-depth on the last stage beside its embedding copy. The head chunk's sub-step program runs the
-depth in its head segment; the trained loss is LM + mtp_loss_scale x MTP, and metrics.jsonl
-reports the LM loss and the MTP loss apart. Each run (Trainer.run(), STEPS steps, fp32)
-reproduces the SINGLE-PROCESS run within 1e-5 relative: loss, mtp_loss and grad norm every step,
-and every weight of the final checkpoint (read layout-free, interop/checkpoint_reader.py).
+at pp 2 x vpp 2 x dp 2 x ep 2, the paired interleaved, zb1p and zbv tables): deepseek_v3_tiny
+(one layer a chunk, the first dense; latent attention, aux-loss-free MoE, untied head) with one
+MoE depth on the head's stage. The head chunk's sub-step program runs the depth in its head
+segment; the trained loss is LM + mtp_loss_scale x MTP, and metrics.jsonl reports the LM loss
+and the MTP loss apart. Each run (Trainer.run(), STEPS steps, fp32) reproduces the
+SINGLE-PROCESS run within 1e-5 relative: loss, mtp_loss and grad norm every step, and every
+weight of the final checkpoint (read layout-free, interop/checkpoint_reader.py).
 
-The paired V (zbv) is refused with MTP (rule mtp.unsupported_with): its depths would share stage
-0's embedding with the embedding chunk, a parameter the pipeline executor does not run in a
-paired V."""
+In the loop tables the depth reads an embedding copy on the last stage (summed with stage 0's
+over the embedding group). In the paired V (zbv) the head chunk sits on stage 0 beside the
+embedding chunk and its depth reads that chunk's embedding: one parameter both chunks' W
+actions feed (PipelineExecutor.shared_params), its gradient added in each microbatch's last W,
+here with the dp reduction overlapped (overlap.dp=true, the embedding a bucket of its own)."""
 import os
 import sys
 
@@ -29,6 +31,7 @@ LAYOUTS = {
     "ref": (1, ["parallel.dp=1"]),
     "interleaved": (4, [*PAIRED_PP2, "parallel.pp_schedule=interleaved"]),
     "zb1p": (4, [*PAIRED_PP2, "parallel.pp_schedule=zb1p"]),
+    "zbv": (4, [*PAIRED_PP2, "parallel.pp_schedule=zbv", "overlap.dp=true"]),
 }
 
 
@@ -62,7 +65,7 @@ def test_paired_layouts_pass_the_rules():
         assert [p.render() for p in validate(compose([*BASE, *ov]), world_size=world)] == [], name
 
 
-@pytest.mark.parametrize("name", ["interleaved", "zb1p"])
+@pytest.mark.parametrize("name", ["interleaved", "zb1p", "zbv"])
 def test_paired_pipeline_reproduces_the_single_process_losses_and_weights(runs, name):
     ref, got = _rows(runs / "ref"), _rows(runs / name)
     assert len(ref) == len(got) == STEPS

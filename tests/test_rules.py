@@ -70,9 +70,6 @@ FAILING = {
                                        (["model.moe_router_scaling_factor=2.5"], None)],
     "mtp.values": [(["model.mtp_num_layers=-1"], None), (["model.mtp_num_layers=128"], None),
                    (["model.mtp_num_layers=1", "model.mtp_loss_scale=-0.1"], None)],
-    "mtp.unsupported_with": [(["model=moe_tiny", "model.tie_embeddings=false", "model.mtp_num_layers=1",
-                               "overlap.ep_pairing=true", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv",
-                               "parallel.dp=2", "parallel.ep=2", "train.global_batch_size=16"], None)],
     "mtp.stage": [(["parallel.mtp_stage=0"], None),
                   (["model.mtp_num_layers=1", "model.num_layers=4", "parallel.pp=2", "parallel.mtp_stage=0"], None),
                   (["model.mtp_num_layers=1", "parallel.pp=2", "parallel.mtp_stage=2"], None)],
@@ -162,9 +159,7 @@ FAILING = {
                                          (["model=moe_tiny", "parallel.dp=2", "overlap.ep_pairing=true"], None)],
     "ep_pairing.pp_needs_vpp": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
                                   "overlap.ep_pairing=true"], None)],
-    "ep_pairing.v_untied": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
-                              "parallel.vpp=2", "parallel.pp_schedule=zbv", "overlap.ep_pairing=true"], None)],
-    "ep_pairing.v_microbatches": [(["model=moe_tiny", "model.tie_embeddings=false", "parallel.dp=2", "parallel.ep=2",
+    "ep_pairing.v_microbatches": [(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2",
                                     "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv",
                                     "train.global_batch_size=8", "train.micro_batch_size=2",
                                     "overlap.ep_pairing=true"], None)],
@@ -507,6 +502,21 @@ def test_plan_states_when_capacity_drops_depend_on_the_layout(overrides, noted):
     assert ("note: model.moe_capacity_factor=1.25" in plan) == noted, plan
     if noted:
         assert "depend on the layout" in plan and "model.moe_capacity_factor=null" in plan
+
+
+@pytest.mark.parametrize("extra", [[], ["model.mtp_num_layers=1"], ["model.mtp_num_layers=1", "model.tie_embeddings=false"]],
+                         ids=["tied", "tied_mtp", "untied_mtp"])
+def test_paired_v_runs_a_weight_both_chunks_of_stage_0_use(extra):
+    """The paired V (overlap.ep_pairing=true with zbv) with a tied head or MTP depths: stage 0's
+    embedding chunk and head chunk share the embedding, whose gradient the pipeline executor adds
+    in each microbatch's last W (tests/test_zero_bubble_parity.py, tests/test_mtp_paired_pipeline.py
+    train them against the single process): no rule refuses it, and the plan pairs."""
+    cfg = compose(["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.vpp=2",
+                   "parallel.pp_schedule=zbv", "overlap.ep_pairing=true", "overlap.ep=true", "overlap.dp=true",
+                   "train.global_batch_size=16", "train.micro_batch_size=2", *extra])
+    assert [p.render() for p in validate(cfg, 4)] == []
+    state = CommOverlapConfig.from_config(cfg).ep_pairing
+    assert state.enabled and "paired V" in state.reason, state.reason
 
 
 def test_ep_pairing_auto_resolves_off_with_the_reason_and_on_where_it_applies():

@@ -6,9 +6,12 @@ recompute. zbv (two chunks per stage in a V, the tied embedding and head both on
 pp 2 and pp 4, with dp 2 (none, ZeRO-2 for gpt and llama, ZeRO-3 tied), tp 2 + SP, MoE ep 2 and
 full recompute; the paired V (overlap.ep_pairing with zbv) and the paired zb1p table (pp 2 x vpp 2)
 on moe_fine_tiny at dp 2 x ep 2, each with selective recompute and with full recompute (the V's
-under ZeRO-2, zb1p's under ZeRO-1). Every layout against the single-process run of its model (bf16 zb1p / zbv:
-tests/test_train_cli.py's bf16 fixture, against its floors); the paired ones also for where their weight
-gradients land (in the W after each B, as tests/test_pipeline_executor.py checks the unpaired tables). One spawn
+under ZeRO-2, zb1p's under ZeRO-1), and the paired V on moe_tiny with its tied head (one weight
+both chunks of stage 0 use) at dp 2 x ep 2 with overlap.dp=true, sharding none and ZeRO-3. Every
+layout against the single-process run of its model (bf16 zb1p / zbv: tests/test_train_cli.py's
+bf16 fixture, against its floors); the paired ones also for where their weight gradients land (in
+the W after each B, the shared weight in its microbatch's last W, as tests/test_pipeline_executor.py
+checks the unpaired tables). One spawn
 per world size (tests/inproc_train.py)."""
 import json
 import os
@@ -51,8 +54,9 @@ LAYOUTS = {
 }
 ZBV = ["parallel.pp_schedule=zbv", "parallel.vpp=2"]
 L8 = ["model.num_layers=8"]
-FINE_PAIRED = ["model=moe_fine_tiny", *L4, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true", "overlap.ep_chunks=4",
-               "overlap.ep_pairing=true"]
+PAIRED_DP2_EP2_PP2 = ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "overlap.ep=true", "overlap.ep_chunks=4",
+                      "overlap.ep_pairing=true"]
+FINE_PAIRED = ["model=moe_fine_tiny", *L4, *PAIRED_DP2_EP2_PP2]
 LAYOUTS.update({
     "ref_8layers": L8,
     "zbv_pp2": [*ZBV, *L4, "parallel.pp=2", "overlap.pp=true"],
@@ -80,6 +84,14 @@ LAYOUTS.update({
     # composed with ZeRO-2 (one spawn's worth of layouts: the test budget)
     "zbv_paired_moe_fine_dp2_ep2_pp2_full_zero2": [*FINE_PAIRED, *ZBV, "model.recompute=full",
                                                    "train.dp_sharding=optim_grads"],
+    # the paired V with a tied head (moe_tiny): stage 0's embedding chunk and head chunk share one
+    # weight, its gradient summed over both chunks' W and added in the microbatch's last W; with
+    # the dp reduction overlapped (overlap.dp=true, the embedding a bucket of its own at
+    # dp_bucket_mb=0.05) a bucket issued before that W reduces a partial gradient, under
+    # ZeRO-3 a reduce-scatter per microbatch
+    "zbv_paired_moe_tied_dp2_ep2_pp2": [*MOE, *L4, *PAIRED_DP2_EP2_PP2, *ZBV, "overlap.dp=true"],
+    "zbv_paired_moe_tied_dp2_ep2_pp2_zero3": [*MOE, *L4, *PAIRED_DP2_EP2_PP2, *ZBV, "overlap.dp=true",
+                                              "train.dp_sharding=optim_grads_params"],
     # the paired zb1p table (vpp 2): the paired interleaved order, each B's W placed where the stage
     # idles; with selective recompute, and with full recompute and ZeRO-1
     "zb_paired_moe_fine_dp2_ep2_pp2_vpp2_selective": [*FINE_PAIRED, *ZB, "parallel.vpp=2", "model.recompute=selective"],
@@ -91,7 +103,8 @@ REFS = {"zb_pp4": "ref_4layers", "zb_pp2_vpp2": "ref_4layers", "zb_moe_dp2_ep2_p
         "zbv_pp2_recompute_full": "ref_4layers", "zbv_dp2_pp2": "ref_4layers", "zbv_dp2_pp2_zero3": "ref_4layers",
         "zbv_tp2_sp_pp2": "ref_4layers", "zbv_moe_dp2_ep2_pp2": "moe_ref_4layers", "zbv_dp2_pp2_zero2": "ref_4layers",
         "zbv_llama_dp2_pp2_zero2": "llama_ref",
-        **{name: "moe_fine_ref" for name in LAYOUTS if "_paired_moe_fine_" in name}}
+        **{name: "moe_fine_ref" for name in LAYOUTS if "_paired_moe_fine_" in name},
+        **{name: "moe_ref_4layers" for name in LAYOUTS if "_paired_moe_tied_" in name}}
 LAYOUTS["ref_untied"] = ["model.tie_embeddings=false"]
 
 
@@ -115,7 +128,9 @@ def paired_landings(trainer):
     """The probe of the runs above (tests/inproc_train.py) on a paired zero-bubble table: where
     each weight gradient of this stage's chunks lands in the first step (weight: (vchunk,
     parameter name)), and the weights the chunks defer (those of the layers attach_deferral
-    handed the deferral, their biases kept in B: the linears, embedding, grouped experts)."""
+    handed the deferral, their biases kept in B: the linears, embedding, grouped experts), and
+    the names of the weights both chunks of the stage hold (the V's tied embedding, under each
+    chunk's name: PipelineExecutor.shared_params)."""
     pipeline = trainer.pipeline
     if pipeline is None or pipeline.paired is None or pipeline.executor.weight_grads is None:
         return None
@@ -134,6 +149,7 @@ def paired_landings(trainer):
         for handle in handles:
             handle.remove()
         return {"stage": trainer.state.coords.pp, "landings": landings, "deferrable": deferrable,
+                "shared": sorted(w for w, p in named if id(p) in executor.shared),
                 "table": [(a.kind, a.microbatch, a.vchunk, a.chunk) for a in executor.actions]}
     return seen
 
@@ -148,16 +164,23 @@ def test_paired_zero_bubble_tables_land_weight_gradients_in_w(runs, name):
     every deferred weight's gradient lands in a W after its B, each W lands exactly its chunk's
     deferred weights (tests/weight_grad_landings.py), on every stage of the first step. The curve
     test above holds the same runs to the single-process reference: a W folded back into B
-    computes the same values, and only this test sees it."""
+    computes the same values, and only this test sees it. A weight both chunks of the stage hold
+    (the tied embedding) lands once per microbatch, under both its names, in that microbatch's
+    last W on the stage (after both chunks' B): landing in an earlier W would ready its bucket
+    for the dp reduction before the other chunk's share arrives."""
     from weight_grad_landings import assert_weight_grads_land_in_their_w
 
     for r in runs[name][0]["probe"]:
         table, deferrable = r["table"], {tuple(w) for w in r["deferrable"]}
+        shared = {tuple(w) for w in r["shared"]}
         assert deferrable, (name, r["stage"])
+        assert ("_tied_" in name and r["stage"] == 0) == bool(shared), (name, r["stage"], shared)
         landings = [(tuple(w), i) for w, i in r["landings"] if tuple(w) in deferrable]
+        last_w = {mb: i for i, (kind, mb, _, _) in enumerate(table) if kind == "W"}
 
         def expected(i):
-            return {w for w in deferrable if w[0] == table[i][2]}
+            own = {w for w in deferrable - shared if w[0] == table[i][2]}
+            return own | shared if last_w[table[i][1]] == i else own
         assert_weight_grads_land_in_their_w(table, landings, expected, (name, r["stage"]))
 
 

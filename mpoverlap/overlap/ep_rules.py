@@ -280,11 +280,6 @@ def pairing_obstacles(lo: Layout) -> list:
                         f"the paired V pairs the forwards of one half of the microbatches with the backwards of "
                         f"the other: it needs at least 2pp = {2 * lo.pp} microbatches per step, got {n}",
                         [f"train.global_batch_size={lo.cfg.train.global_batch_size * -(-2 * lo.pp // n)}"]))
-        if getattr(m, "tie_embeddings", False):
-            out.append(("ep_pairing.v_untied", {"model.tie_embeddings": True},
-                        "in the paired V stage 0 runs the embedding and the head: a tied weight's gradient "
-                        "readiness would be released at the end of the pair's B, before its W adds the "
-                        "gradient", ["model.tie_embeddings=false"]))
     if n is not None and n < 2:
         out.append(("ep_pairing.needs_two_microbatches",
                     {"train.global_batch_size": lo.cfg.train.global_batch_size,
@@ -307,8 +302,6 @@ _PAIRING_RULES = {
                                         "overlap.ep_pairing=true at parallel.pp > 1 runs the interleaved, zb1p or zbv schedule"),
     "ep_pairing.v_microbatches": (("overlap.ep_pairing", "parallel.pp_schedule", "train.global_batch_size"),
                                   "overlap.ep_pairing=true with zbv needs at least 2pp microbatches per step"),
-    "ep_pairing.v_untied": (("overlap.ep_pairing", "parallel.pp_schedule", "model.tie_embeddings"),
-                            "overlap.ep_pairing=true with zbv needs untied embeddings"),
     "ep_pairing.needs_two_microbatches": (("overlap.ep_pairing", "train.global_batch_size", "train.micro_batch_size"),
                                           "overlap.ep_pairing=true needs at least two microbatches per step"),
     "ep_pairing.needs_ep_overlap": (("overlap.ep_pairing", "overlap.ep"),

@@ -28,31 +28,6 @@ def _values(lo: Layout):
                       ["model.mtp_loss_scale=0.1"])
 
 
-@rule("mtp.unsupported_with", "general",
-      ("model.mtp_num_layers", "overlap.ep_pairing", "parallel.pp", "parallel.pp_schedule"),
-      "MTP with forward/backward pairing runs at pp 1 and in the paired loop tables (interleaved, zb1p), "
-      "not in the paired V (zbv)")
-def _unsupported(lo: Layout):
-    c = lo.cfg
-    D = c.model.mtp_num_layers
-    pp = lo.pp or 1
-    if D <= 0 or pp <= 1 or lo.mode("ep_pairing") != "true":
-        return
-    # pp > 1: the head chunk's sub-step program runs the depths (pairing/steps.py) and reports
-    # their loss (pairing/pipeline.py). In the V that chunk is on stage 0 and its depths read the
-    # embedding chunk's weight: a parameter two chunks of the stage share, which PipelineExecutor
-    # refuses in a paired V (as it does a tied head's, rule ep_pairing.v_untied).
-    schedule = str(c.parallel.pp_schedule)
-    if schedule == "zbv":
-        yield Problem("mtp.unsupported_with", {"model.mtp_num_layers": D, "overlap.ep_pairing": True,
-                                               "parallel.pp_schedule": schedule},
-                      "in the paired V the MTP depths sit on stage 0 and read the embedding chunk's weight there, "
-                      "a parameter both chunks of the stage share, which the pipeline executor does not run in a "
-                      "paired V (as with a tied head); the paired interleaved and zb1p tables run MTP (or "
-                      "overlap.ep_pairing=false)",
-                      ["parallel.pp_schedule=interleaved"])
-
-
 def head_stage(pp: int, pp_schedule: str) -> int:
     """The pipeline stage of the head's chunk: the last one, or 0 in zbv's V."""
     return 0 if pp > 1 and str(pp_schedule) == "zbv" else pp - 1

@@ -52,7 +52,10 @@ and one autograd call; an F marked `paired` and the B after it run as ONE action
 programs interleaved (the backward first), both inputs waited before it, both outputs posted
 after it (the table posts nothing between them). In the paired V (zbv with pairing) and the
 paired zb1p table a B that has a W runs its sub-steps in the deferral region of its queue, one
-step at a time, so its W (after the pair) computes its weight gradients.
+step at a time, so its W (after the pair) computes its weight gradients. A shared parameter of
+the paired V (the tied embedding, or the embedding the MTP depths read) is queued by both chunks'
+B like any deferred weight and summed as above; the readiness PairedChunks holds for it is
+released after the W that accumulates it (PairedChunks.weights_done), never at the end of a B.
 
 Profiling: each action (its receive wait, compute and posts) runs inside a `pp/<action>` range,
 e.g. `pp/F(mb0,v1)`, in a torch profiler trace while one records, and as NVTX on CUDA.
@@ -116,10 +119,6 @@ class PipelineExecutor:
                              "the WeightGradDeferral attached to the model chunks")
         self.weight_grads = weight_grads
         self.shared = {id(p) for p in shared_params}
-        if self.shared and self.deferred and paired is not None:
-            raise ValueError("a paired V (overlap.ep_pairing with zbv) with a weight both chunks of a stage use "
-                             "(a tied embedding and head) is not supported: its readiness would be released "
-                             "at the end of the pair's B, before its W; set model.tie_embeddings=false")
         self.last_weight_of_mb = {a.microbatch: i for i, a in enumerate(self.actions) if a.kind == WEIGHT}
         self.consumer = {a.recv: i for i, a in enumerate(self.actions) if a.recv is not None}
         self.producer = {a.send: i for i, a in enumerate(self.actions) if a.send is not None}
