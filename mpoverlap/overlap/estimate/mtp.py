@@ -32,16 +32,21 @@ def mtp_depths_in_chunk(cfg: Any, lo: Layout, chunk: int) -> int:
     stage's head chunk (the model builds them beside the head), else on its last chunk."""
     from mpoverlap.overlap.estimate.params import chunk_layout_of
     from mpoverlap.overlap.estimate.sharding import mtp_depths_on
-    from mpoverlap.pipeline.actions import chunk_index, stage_of
+    from mpoverlap.pipeline.actions import stage_of
+
+    stage = stage_of(chunk, lo.pp, chunk_layout_of(cfg, lo))
+    return mtp_depths_on(cfg, lo, stage) if chunk == mtp_chunk_of(cfg, lo, stage) else 0
+
+
+def mtp_chunk_of(cfg: Any, lo: Layout, stage: int) -> int:
+    """The model chunk of `stage` that holds its MTP depths (see `mtp_depths_in_chunk`)."""
+    from mpoverlap.overlap.estimate.params import chunk_layout_of
+    from mpoverlap.pipeline.actions import chunk_index
 
     layout = chunk_layout_of(cfg, lo)
-    stage = stage_of(chunk, lo.pp, layout)
-    depths = mtp_depths_on(cfg, lo, stage)
-    if not depths:
-        return 0
     mine = [chunk_index(stage, v, lo.pp, layout) for v in range(lo.vpp)]
     last = lo.pp * lo.vpp - 1
-    return depths if chunk == (last if last in mine else max(mine)) else 0
+    return last if last in mine else max(mine)
 
 
 def _tokens(cfg: Any, lo: Layout, micro_batch: int) -> Tuple[int, int]:
