@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_interop_deepseek_v3 import OURS, RUN, TOL, _ours, _rel, _save_hf, _tokens  # noqa: E402
+from test_interop_deepseek_v3 import OURS, RUN, TOL, _ours, _rel, _save_hf, _tokens, resumed_trainer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -20,19 +20,7 @@ LAYOUTS = {"single": (1, ["parallel.dp=1"]), "dp2_ep2": (2, ["parallel.dp=2", "p
 
 def _import_save_step(rank, world, overrides, root):
     """Import, save the imported weights (step 0), then train one step: (loss, grad norm)."""
-    from omegaconf import OmegaConf
-
-    from mpoverlap.config import compose
-    from mpoverlap.training.loop import Trainer
-    from mpoverlap.training.setup import init_distributed
-
-    run_dir = Path(root)
-    cfg = compose([*overrides, f"run.dir={run_dir}"])
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    t = Trainer(cfg, init_distributed(cfg), run_dir)
-    t.maybe_resume()
+    t = resumed_trainer(rank, overrides, Path(root))
     t.save()
     t.checkpointer.wait()
     res = t.train_step()
