@@ -9,6 +9,7 @@ Tolerance 10%, the one-block test's (tests/test_estimate.py, test_saved_bytes_on
 the chunk is its blocks plus the depths, each depth a block plus terms counted exactly in fp32;
 under bf16 a depth's block runs on the compute-dtype output of eh_proj and its norms take the
 unfused path, which the estimate (counting fp32 residuals as in a main block) leaves within 5%.
+And the stage peak the plan prints, against a real pp 2 run's peak RSS (1F1B, zbv).
 """
 import os
 import sys
@@ -107,3 +108,29 @@ def test_mtp_wgrad_kept_bytes(model):
            + embedding_wgrad_kept_bytes(cfg, lo, conv, B) + head_wgrad_kept_bytes(cfg, lo, conv, B)
            + sum(kept for _, kept, _ in mtp_wgrad_items(cfg, lo, 0, conv, B, "none")))
     assert abs(measured - est) <= 0.05 * measured, (measured, est, est / measured)
+
+
+@pytest.mark.slow
+def test_pp2_peak_activations_with_mtp_within_25pct(tmp_path, monkeypatch):
+    """The stage peak mpoverlap-check prints, with two depths, against a real pp 2 run measured
+    as bench/memory.py measures it (peak RSS over a near-empty baseline, the estimate's weights
+    and optimizer state taken out), within the 25% tests/test_estimate.py holds the pp 2 peaks
+    to: 1F1B with the depths on the last stage, and zbv's V with them on stage 0 (their W
+    closures kept until W). On the pp2_vpp2 layout's activation-heavy model."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/ is not installed
+    from bench import memory
+
+    base = [o for o in memory.LAYOUTS["pp2_vpp2"] if not o.startswith("parallel.vpp")] + ["model.mtp_num_layers=2"]
+    layouts = {"pp2_1f1b_mtp": (base, 1),
+               "pp2_zbv_mtp": (base + ["parallel.vpp=2", "parallel.pp_schedule=zbv", "parallel.mtp_stage=0"], 0)}
+    for name, (overrides, _) in layouts.items():
+        monkeypatch.setitem(memory.LAYOUTS, name, overrides)
+    res = memory.run(list(layouts), 2, tmp_path)
+    bad = []
+    for name, (_, depths_stage) in layouts.items():
+        row = memory.activation_rows(res["layouts"][name])[depths_stage]
+        print(f"\n  {name} stage {row['stage']} activations: measured {row['measured'] / 2**20:.1f} MiB, "
+              f"estimate {row['estimate'] / 2**20:.1f} MiB ({row['ratio']:.2f}x)")
+        if not (row["stage"] == depths_stage and 0.75 <= row["ratio"] <= 1.25):
+            bad.append((name, row))
+    assert not bad, bad
