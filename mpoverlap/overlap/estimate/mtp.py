@@ -34,6 +34,8 @@ def mtp_depths_in_chunk(cfg: Any, lo: Layout, chunk: int) -> int:
     from mpoverlap.overlap.estimate.sharding import mtp_depths_on
     from mpoverlap.pipeline.actions import stage_of
 
+    if not getattr(cfg.model, "mtp_num_layers", 0):  # the planner estimates thousands of layouts
+        return 0
     stage = stage_of(chunk, lo.pp, chunk_layout_of(cfg, lo))
     return mtp_depths_on(cfg, lo, stage) if chunk == mtp_chunk_of(cfg, lo, stage) else 0
 
