@@ -96,10 +96,15 @@ def _measure_kept(family, bf16, tp=None, sp=False, rank=0):
         y = block(x, cos, sin)
     with deferral.deferring(WeightGradQueue()) as queue:
         y.backward(torch.randn_like(y))  # the received gradient (a storage of its own)
+    return queued_bytes(queue, block.parameters())
+
+
+def queued_bytes(queue, parameters):
+    """Bytes of the distinct storages a W queue's closures reach, `parameters` left out."""
     tensors, seen = [], set()
     for _, compute in queue.entries:
         _closure_tensors(compute, tensors, seen)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in parameters}
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(n for ptr, n in storages.items() if ptr not in params)
 
@@ -146,12 +151,7 @@ def test_wgrad_kept_bytes_whole_model_with_embedding_and_head(tied, bf16):
         loss = model.loss(model(tokens), tokens)
     with deferral.deferring(WeightGradQueue()) as queue:
         loss.backward()
-    tensors, seen = [], set()
-    for _, compute in queue.entries:
-        _closure_tensors(compute, tensors, seen)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    measured = queued_bytes(queue, model.parameters())
     lo, conv = build_layout(cfg, 1), Conventions.for_dtype(2 if bf16 else 4)
     est = (sum(layer_wgrad_kept_bytes(cfg, lo, i, conv, B) for i in range(2))
            + embedding_wgrad_kept_bytes(cfg, lo, conv, B) + head_wgrad_kept_bytes(cfg, lo, conv, B))

@@ -57,22 +57,31 @@ def _save_hf(extra, out):
     return model
 
 
-def _worker(rank, world, specs, root):
-    """Per spec: a Trainer at tp 2 x pp 2 (importing when checkpoint.init_from is set), saved."""
+def resumed_trainer(rank, overrides, run_dir):
+    """A Trainer in `run_dir` (its config.yaml written by rank 0, for `_ours`), resumed or
+    imported (checkpoint.init_from)."""
     from omegaconf import OmegaConf
 
     from mpoverlap.training.loop import Trainer
     from mpoverlap.training.setup import init_distributed
 
+    cfg = compose([*overrides, f"run.dir={run_dir}"])
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    t = Trainer(cfg, init_distributed(cfg), run_dir)
+    t.maybe_resume()
+    return t
+
+
+def _worker(rank, world, specs, root):
+    """Per spec: a Trainer at tp 2 x pp 2 (importing when checkpoint.init_from is set), saved."""
+    from mpoverlap.training.loop import Trainer
+    from mpoverlap.training.setup import init_distributed
+
     for name, overrides in specs.items():
-        run_dir = Path(root) / name
-        cfg = compose([*overrides, f"run.dir={run_dir}"])
-        if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        t = Trainer(cfg, init_distributed(cfg), run_dir)
-        t.maybe_resume()
-        for chunk in (t.chunks if not cfg.checkpoint.init_from else []):  # MTP routers' biases off zero
+        t = resumed_trainer(rank, overrides, Path(root) / name)
+        for chunk in (t.chunks if not t.cfg.checkpoint.init_from else []):  # MTP routers' biases off zero
             for d, depth in (chunk.mtp.named_children() if chunk.mtp is not None else []):
                 depth.block.mlp.router.expert_bias.copy_(0.01 * torch.arange(8.0) + int(d))
         t.save()

@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate import latent
 from mpoverlap.overlap.estimate.latent import is_latent
+from mpoverlap.overlap.estimate.mtp import mtp_activation_bytes, mtp_wgrad_items
 from mpoverlap.overlap.estimate.params import chunk_layers, etp_size, expert_ffn, is_moe_layer, shared_expert_ffn
 from mpoverlap.overlap.layout import Layout
 
@@ -175,6 +176,7 @@ def chunk_activation_bytes(cfg: Any, lo: Layout, chunk: int, conv: Conventions, 
                 else layer_bytes(i) for i in chunk_layers(cfg, lo, chunk))
     if chunk == lo.pp * lo.vpp - 1:
         total += head_activation_bytes(cfg, lo, conv, micro_batch)
+    total += mtp_activation_bytes(cfg, lo, chunk, conv, micro_batch, mode)
     if chunk == 0:
         total += micro_batch * (cfg.model.seq_length // lo.cp) * 8  # int64 token ids
     return total
@@ -286,7 +288,8 @@ def zero_bubble_profile(cfg: Any, lo: Layout, chunk: int, conv: Conventions, mic
     ids = micro_batch * (cfg.model.seq_length // lo.cp) * 8
     rec = [i in replayed for i in chunk_layers(cfg, lo, chunk)]
     return chunk_wgrad_profile(cfg, lo, chunk, conv, micro_batch, saved, rec, ids,
-                               head_activation_bytes(cfg, lo, conv, micro_batch))
+                               head_activation_bytes(cfg, lo, conv, micro_batch),
+                               mtp_wgrad_items(cfg, lo, chunk, conv, micro_batch, mode))
 
 
 def pairing_on(cfg: Any, lo: Layout) -> bool:

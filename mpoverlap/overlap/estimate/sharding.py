@@ -16,7 +16,9 @@ U, the gathered units' working set under ZeRO-3: with reshard_after_forward the 
 plus the `overlap.dp_prefetch` units gathered ahead of it (prefetch only under overlap.dp),
 at the size of the stage's largest unit, plus (stage 0) the embedding when a tied head on the
 same chunk keeps it gathered through the backward, or when a zero-bubble schedule keeps it
-gathered from its B to its W; without resharding every unit of the stage stays
+gathered from its B to its W; with two or more MTP depths under a zero-bubble schedule at least
+a depth's unit, the next depth's own buckets (freed only once the depth's backward completes its
+input's gradient) and the units prefetched behind it (`mtp_backward_held`); without resharding every unit of the stage stays
 gathered from its forward to its backward (U = B n).
 
 Traffic per step (the ledger's buffer bytes; m microbatches of the rank): ZeRO-2/3
@@ -32,8 +34,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from mpoverlap.models.init import padded_vocab_size
-from mpoverlap.overlap.estimate.params import (chunk_layout_of, etp_size, head_stage, layer_params, mtp_depth_extra,
-                                               norm_params, read_as_is_params, stage_layers)
+from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, etp_size, head_stage, layer_params,
+                                               mtp_depth_extra, norm_params, read_as_is_params, stage_layers)
 from mpoverlap.overlap.layout import Layout
 
 BYTES = 4
@@ -104,7 +106,28 @@ def gathered_working_set(cfg: Any, lo: Layout, stage: int, n: int) -> int:
     held = (1 + ahead) * max(units)
     if stage == 0 and (tied_on_one_chunk(cfg, lo) or defers_weight_grads_of(cfg, lo)):
         held += embedding_params(cfg, lo)
-    return per * min(held, n)
+    return per * min(max(held, mtp_backward_held(cfg, lo, stage, ahead)), n)
+
+
+def mtp_backward_held(cfg: Any, lo: Layout, stage: int, ahead: int) -> int:
+    """Parameters gathered at once in a zero-bubble B through the MTP depths of `stage` (0 with
+    fewer than two, or weight gradients not deferred): depth d + 1's input is depth d's block
+    output, whose gradient is complete only inside depth d's backward, so depth d + 1's own
+    buckets are still gathered (fsdp.UnitGatherer frees a unit on its input's gradient) when
+    depth d's unit (with the embedding and head weights it reads) is gathered and the `ahead`
+    units before it in the chunk prefetched (the earlier depths' own buckets, then the chunk's
+    blocks from the last)."""
+    from mpoverlap.overlap.estimate.mtp import mtp_chunk_of
+
+    D = mtp_depths_on(cfg, lo, stage)
+    if D < 2 or not defers_weight_grads_of(cfg, lo):
+        return 0
+    m = cfg.model
+    emb = embedding_params(cfg, lo)
+    shared = emb + (emb if not m.tie_embeddings else 0)
+    own = [sum(layer_params(cfg, lo, m.num_layers + d)) + mtp_depth_extra(m) for d in range(D)]
+    blocks = [sum(layer_params(cfg, lo, i)) for i in chunk_layers(cfg, lo, mtp_chunk_of(cfg, lo, stage))]
+    return max(own[d] + shared + own[d + 1] + sum((own[:d][::-1] + blocks[::-1])[:ahead]) for d in range(D - 1))
 
 
 def defers_weight_grads_of(cfg: Any, lo: Layout) -> bool:

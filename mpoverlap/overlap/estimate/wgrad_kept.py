@@ -18,6 +18,7 @@ kept gathered: W runs no communication):
   weight gradient stays in B.
   first chunk: the embedding's output gradient (H in the residual dtype f) and its ids (8)
   last chunk: the output head, input H and output gradient V/tp (the logits' gradient)
+  MTP depths (on the head's chunk): estimate/mtp.py
 
 Against the activations (`layer_activation_bytes`) this is the linears' inputs, which the
 activations count too, plus the output gradients, which 1F1B frees inside the backward. With
@@ -27,7 +28,7 @@ bytes on the closures of one block and holds the stage peak against a real pp 2 
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate import latent
@@ -98,12 +99,15 @@ def head_wgrad_kept_bytes(cfg: Any, lo: Any, conv: Any, micro_batch: int) -> int
 
 
 def chunk_wgrad_profile(cfg: Any, lo: Any, chunk: int, conv: Any, micro_batch: int,
-                        saved: List[int], replayed: List[bool], extra_first: int, extra_last: int) -> Tuple[int, int]:
+                        saved: List[int], replayed: List[bool], extra_first: int, extra_last: int,
+                        mtp: Sequence[Tuple[int, int, int]] = ()) -> Tuple[int, int]:
     """(kept, B's peak) of one microbatch on model chunk `chunk`: what its closures keep from
     B to W, and the most bytes of this microbatch alive during B. `saved` = the chunk's
     layers' activation bytes (as the activations count them), `replayed` which of them full
     recomputation replays (their closures keep the recomputed inputs: nothing shared),
-    `extra_first` / `extra_last` the token ids / head activations of the first / last chunk.
+    `extra_first` / `extra_last` the token ids / head activations of the first / last chunk,
+    `mtp` the MTP depths' items on this chunk (estimate/mtp.py, `mtp_wgrad_items`; their
+    backward runs before the head's, which their first depth's input gradient reaches).
     B walks the chunk backwards: at item j, the activations of items 0..j are still saved,
     item j's new closure tensors (output gradients) and the closures of items after j are
     queued."""
@@ -121,6 +125,7 @@ def chunk_wgrad_profile(cfg: Any, lo: Any, chunk: int, conv: Any, micro_batch: i
     if chunk == lo.pp * lo.vpp - 1:
         k = head_wgrad_kept_bytes(cfg, lo, conv, micro_batch)
         items.append((extra_last, k, k - (0 if sp else tokens_tp * m.hidden_size * conv.compute_bytes)))
+    items += list(mtp)
     kept = sum(k for _, k, _ in items)
     peak = max((sum(a for a, _, _ in items[:j + 1]) + items[j][2] + sum(k for _, k, _ in items[j + 1:])
                 for j in range(len(items))), default=0)
