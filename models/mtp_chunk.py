@@ -40,6 +40,7 @@ class MTPChunk(nn.Module):
         self.embedding = layers.embedding(self.vocab_size, cfg.hidden_size, cfg, seed, self.tp)
         self.output = (None if cfg.tie_embeddings
                        else layers.column("output", cfg.hidden_size, self.vocab_size, cfg, seed, self.tp))
+        self.layers = nn.ModuleDict()  # none of the main model's (code walking chunks' blocks reads it)
         L = cfg.num_layers
         self.mtp = nn.ModuleDict({str(d): MTPDepth(cfg, make_norm, Block(
             cfg, f"mtp.{d}.block", seed, core_attention, self.tp, moe, L + d, compile_backend))

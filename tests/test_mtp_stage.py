@@ -5,8 +5,10 @@ with the MTP chunk validate and run in the timed simulation for every pp, vpp an
 count tried. Parity: pp 2 with the depths on stage 0 reproduces the SINGLE-PROCESS run within
 1e-5 relative (fp32) in the LM loss, the MTP loss and the gradient norm of every step and in the
 final weights, copies included (the MTP chunk's embedding and output-layer copies equal the
-originals): 1f1b tied and untied, interleaved vpp 2, zb1p vpp 2 (the MTP chunk's B a full
-backward beside the W-deferred chunks), dp 2 x pp 2 and ZeRO-1 at dp 2 x pp 2."""
+originals), and in the validation loss (forward only, the LM loss alone): 1f1b tied and untied,
+interleaved vpp 2, zb1p vpp 2 (the MTP chunk's B a full backward beside the W-deferred chunks),
+dp 2 x pp 2 and ZeRO-1 at dp 2 x pp 2. Checkpoints written with the depths on stage 0 resume at
+pp 1 and the other way round."""
 import os
 import sys
 from pathlib import Path
@@ -85,6 +87,7 @@ def _train(rank, world, specs, root):
             res = trainer.train_step()
             rows.append({"loss": trainer._mean_over_replicas(res["loss_local"]), "grad_norm": res["grad_norm"],
                          "mtp_loss": trainer._mean_over_replicas(res["mtp_loss_local"])})
+        rows[-1]["val_loss"] = trainer.evaluate()  # forward only: the LM loss alone, the MTP chunk idle
         weights = {}
         for n, p in trainer.model.named_parameters():
             weights.setdefault(trainer.dp_names[n], []).append(p.detach().clone().numpy())
@@ -113,6 +116,7 @@ def test_mtp_on_the_first_stage_reproduces_the_single_process_run(runs, name):
     import numpy as np
 
     ref, got = runs[REFS[name]], runs[name]
+    assert got["rows"][-1]["val_loss"] == pytest.approx(ref["rows"][-1]["val_loss"], rel=1e-5)
     for key in ("loss", "mtp_loss", "grad_norm"):
         for i, (a, b) in enumerate(zip([r[key] for r in got["rows"]], [r[key] for r in ref["rows"]])):
             assert abs(a - b) <= 1e-5 * abs(b), f"{key} step {i + 1}: {a} vs {b}"
@@ -196,3 +200,31 @@ def test_the_estimate_counts_the_depths_and_copies_on_stage_0(tied):
         chunks = build_chunks(cfg.model, 2, 1, stage, 1, layout=LOOP_MTP)
         assert stage_params(cfg, lo, stage) == sum(num_parameters(c) for c in chunks), stage
         assert mtp_depths_on(cfg, lo, stage) == (2 if stage == 0 else 0)
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_the_mtp_weights_once_and_resume_across_layouts(tmp_path):
+    """A checkpoint written with the depths on stage 0 (copies not written) resumes at pp 1, and
+    one written at pp 1 resumes with the depths on stage 0 (chunk 0's embedding and the MTP
+    chunk's copy both filled from the one saved tensor): each chain's LM losses are the
+    uninterrupted single-process run's, within 1e-5."""
+    import json
+
+    from inproc_train import run_chains
+
+    common = [*BASE, *UNTIED, "train.log_interval=1", "train.lr_decay_steps=4", "checkpoint.interval=2"]
+    single, first = [*common, "parallel.dp=1"], [*common, *FIRST, "parallel.dp=1"]
+    run_chains({"ref": [(1, single, 4)], "out": [(2, first, 2), (1, single, 4)],
+                "in": [(1, single, 2), (2, first, 4)]}, tmp_path)
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if "grad_norm" in r}
+
+    ref = rows("ref")
+    for name in ("out", "in"):
+        got = rows(name)
+        assert sorted(got) == [1, 2, 3, 4]
+        for step in (3, 4):
+            for key in ("loss", "mtp_loss"):
+                assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (name, step, key)
