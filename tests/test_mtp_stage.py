@@ -7,8 +7,9 @@ count tried. Parity: pp 2 with the depths on stage 0 reproduces the SINGLE-PROCE
 final weights, copies included (the MTP chunk's embedding and output-layer copies equal the
 originals), and in the validation loss (forward only, the LM loss alone): 1f1b tied and untied,
 interleaved vpp 2, zb1p vpp 2 (the MTP chunk's B a full backward beside the W-deferred chunks),
-dp 2 x pp 2 and ZeRO-1 at dp 2 x pp 2. Checkpoints written with the depths on stage 0 resume at
-pp 1 and the other way round."""
+dp 2 x pp 2, ZeRO-1 at dp 2 x pp 2, and deepseek_v3_tiny (MoE depth, untied head) in 1f1b.
+Checkpoints written with the depths on stage 0 resume at pp 1 and the other way round, and
+checkpoint.init_from fills the MTP chunk's copies."""
 import os
 import sys
 from pathlib import Path
@@ -68,7 +69,11 @@ LAYOUTS = {
     "first_dp2": (4, [*FIRST, "parallel.dp=2"]),
     "untied_first_zero1": (4, [*UNTIED, *FIRST, "parallel.dp=2", "train.dp_sharding=optim"]),
 }
+# deepseek_v3_tiny (latent attention, MoE depth, untied head) with one depth: overrides complete
+V3 = ["model=deepseek_v3_tiny", "model.num_layers=2", "model.mtp_num_layers=1", *BASE[4:]]
+FULL_LAYOUTS = {"v3_ref": (1, [*V3, "parallel.dp=1"]), "v3_first_1f1b": (2, [*V3, *FIRST, "parallel.dp=1"])}
 REFS = {name: ("untied_ref" if name.startswith("untied") else "ref") for name in LAYOUTS if "first" in name}
+REFS["v3_first_1f1b"] = "v3_ref"
 
 
 def _train(rank, world, specs, root):
@@ -102,8 +107,9 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("mtp_stage")
     results = {}
-    for world in sorted({w for w, _ in LAYOUTS.values()}):
-        specs = {n: (w, [*BASE, *ov], STEPS) for n, (w, ov) in LAYOUTS.items() if w == world}
+    every = {**{n: (w, [*BASE, *ov]) for n, (w, ov) in LAYOUTS.items()}, **FULL_LAYOUTS}
+    for world in sorted({w for w, _ in every.values()}):
+        specs = {n: (w, ov, STEPS) for n, (w, ov) in every.items() if w == world}
         per_rank = run_distributed(_train, world, specs, str(root), timeout_s=900)
         for name in specs:
             results[name] = {"rows": per_rank[0][name]["rows"], "weights": [r[name]["weights"] for r in per_rank]}
@@ -133,7 +139,7 @@ def test_mtp_on_the_first_stage_reproduces_the_single_process_run(runs, name):
     for n, copies in held.items():  # replicas and copies (the MTP chunk's too) stay exactly equal
         assert all(np.array_equal(w, copies[0]) for w in copies), n
     dp = len(got["weights"]) // 2
-    tied = not name.startswith("untied")
+    tied = not name.startswith(("untied", "v3"))
     assert len(held["embedding.weight"]) == (3 if tied else 2) * dp  # chunk 0's, the MTP chunk's (, the head's)
     assert tied or len(held["output.weight"]) == 2 * dp  # the head's, the MTP chunk's
 
@@ -228,3 +234,39 @@ def test_checkpoints_hold_the_mtp_weights_once_and_resume_across_layouts(tmp_pat
         for step in (3, 4):
             for key in ("loss", "mtp_loss"):
                 assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (name, step, key)
+
+
+@pytest.mark.slow
+def test_init_from_a_hugging_face_directory_fills_the_mtp_chunk_copies(tmp_path):
+    """checkpoint.init_from with the depths on stage 0 (deepseek_v3_tiny, untied): chunk 0's
+    embedding and the MTP chunk's copy both take the directory's embedding, the MTP chunk's
+    output copy the directory's head; the LM and MTP losses are the single process's (1e-5)."""
+    import json
+
+    import torch
+
+    from inproc_train import run_chains
+    from mpoverlap.config import compose
+    from mpoverlap.interop.hf_dir import write_hf_dir
+    from mpoverlap.interop.hf_mapping import hf_config
+    from mpoverlap.interop.hf_tensors import to_hf
+    from mpoverlap.models.gpt import GPT
+
+    model = compose(V3).model
+    torch.manual_seed(3)
+    gpt = GPT(model, seed=77)  # weights other than the runs' own initialisation
+    keys = {k: model[k] for k in model}
+    write_hf_dir(tmp_path / "hf", hf_config(keys), to_hf(gpt.state_dict(), keys), 10**9)
+    common = [*V3, "train.log_interval=1", f"checkpoint.init_from={tmp_path / 'hf'}"]
+    run_chains({"ref": [(1, [*common, "parallel.dp=1"], 2)], "first": [(2, [*common, *FIRST, "parallel.dp=1"], 2)]},
+               tmp_path)
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if "grad_norm" in r]
+
+    ref, got = rows("ref"), rows("first")
+    assert len(got) == len(ref) == 2
+    for a, b in zip(got, ref):
+        for key in ("loss", "mtp_loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key

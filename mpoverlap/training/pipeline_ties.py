@@ -41,6 +41,16 @@ class PipelineTies:
     def __bool__(self) -> bool:
         return bool(self.copies)
 
+    @torch.no_grad()
+    def fill_copies(self) -> None:
+        """The copies of a weight whose original this rank holds set to it (after a load that
+        fills weights by name: params_by_name keeps the originals)."""
+        for params in self.copies.values():
+            original = next((p for p in params if not getattr(p, "pipeline_duplicate", False)), None)
+            for p in params:
+                if original is not None and p is not original:
+                    p.copy_(original)
+
     def sum_grads(self, ddp: Any, group: Any, ledger: Any) -> None:
         """Each copy's reduced gradient (ddp.reduced_grads) becomes the sum over all copies."""
         for name, params in self.copies.items():
