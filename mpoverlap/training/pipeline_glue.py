@@ -176,8 +176,7 @@ class PipelineRunner:
 
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
                  ledger: Any, ddp: Any, split: Callable, autocast: Any, pairing: bool = False) -> None:
-        from mpoverlap.pipeline import (PipelineExecutor, build_schedule, chunk_layout,
-                                        defers_weight_grads, resolve_schedule)
+        from mpoverlap.pipeline import PipelineExecutor, build_schedule, defers_weight_grads, resolve_schedule
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
         # the main model's chunks (loop_mtp: stage 0's MTP chunk runs in training only)

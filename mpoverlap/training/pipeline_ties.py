@@ -8,8 +8,8 @@ the data-parallel reduction each copy's gradient becomes the sum over every copy
 first (two copies of one rank), then over the embedding group (ranks of the first and last
 stage) where the copies span both. Every copy is a bucket of its own (`own_buckets`), so under
 ZeRO-1 the reduced slices of the copies are alike and add up element by element; the optimizer
-then makes the same update to each, and they stay equal. Math only here; the all-reduce is the
-group's (comm/).
+then makes the same update to each, and they stay equal. The group sum is comm/'s all_reduce,
+as the ledger records it (mode "pp").
 """
 from __future__ import annotations
 
