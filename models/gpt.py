@@ -203,19 +203,22 @@ class GPT(nn.Module):
     (kept equal by summing the two copies' gradients over the embedding group).
     model.mtp_num_layers > 0: the chunk with post_process also holds the multi-token
     prediction depths (`mtp`, models/mtp.py), which read the embedding (a copy on a chunk
-    without pre_process, summed like the tied one's) and the output head.
+    without pre_process, summed like the tied one's) and the output head; `with_mtp=False`
+    leaves them to a chunk of their own (models/mtp_chunk.py, parallel.mtp_stage=0 in a loop
+    schedule), which the forward's `with_hidden` output feeds.
     """
 
     def __init__(self, cfg, seed: int = 1234, core_attention=causal_sdpa, tp: Optional[dict] = None,
                  layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True,
-                 post_process: bool = True, moe: Optional[dict] = None, compile_backend: Optional[str] = None):
+                 post_process: bool = True, moe: Optional[dict] = None, compile_backend: Optional[str] = None,
+                 with_mtp: bool = True):
         super().__init__()
         self.cfg = cfg
         self.tp = tp if layers.tp_size(tp) > 1 else None
         self.pre_process, self.post_process = pre_process, post_process
         self.vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
         ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        has_mtp = post_process and getattr(cfg, "mtp_num_layers", 0) > 0
+        has_mtp = with_mtp and post_process and getattr(cfg, "mtp_num_layers", 0) > 0
         needs_embedding = pre_process or (post_process and cfg.tie_embeddings) or has_mtp
         self.embedding = (layers.embedding(self.vocab_size, cfg.hidden_size, cfg, seed, self.tp)
                           if needs_embedding else None)
@@ -253,7 +256,8 @@ class GPT(nn.Module):
                 p.copy_(init_tensor(name, p.shape, self.cfg, seed))
 
     def forward(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                fp32_logits: bool = True, mtp_targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+                fp32_logits: bool = True, mtp_targets: Optional[torch.Tensor] = None,
+                with_hidden: bool = False):
         """tokens_BS (int64) -> logits_BSV (fp32; V/tp per rank under TP). position_ids [S]
         default 0..S-1 (context parallelism passes the global positions of its share).
         A chunk without pre_process takes hidden states x_BSH instead of tokens; one without
@@ -261,7 +265,8 @@ class GPT(nn.Module):
         made them (bf16 under bf16 autocast), for `loss`, which upcasts them itself (in one
         kernel with the log-softmax under train.compile). `mtp_targets` [B, S, 1 + D]
         (models/mtp.py) on the chunk holding the MTP depths: their loss is computed here and
-        added by the next `loss` call."""
+        added by the next `loss` call. `with_hidden` (post_process): (logits, the last block's
+        output), the input of MTP depths held elsewhere (models/mtp_chunk.py)."""
         x_BSH, cos_SD, sin_SD = self.embed(tokens_BS, position_ids)
         for j, layer in enumerate(self.layers.values()):
             if j < self.num_recomputed:
@@ -272,7 +277,8 @@ class GPT(nn.Module):
             return x_BSH
         if self.mtp is not None and mtp_targets is not None:
             self.run_mtp(x_BSH, mtp_targets, cos_SD, sin_SD)
-        return self.head(x_BSH, fp32_logits)
+        logits = self.head(x_BSH, fp32_logits)
+        return (logits, x_BSH) if with_hidden else logits
 
     def run_mtp(self, x_BSH: torch.Tensor, mtp_targets: torch.Tensor, cos_SD, sin_SD) -> None:
         """The MTP depths on the last block's output: their loss, added by the next `loss`."""

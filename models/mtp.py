@@ -11,6 +11,10 @@ with the model's own output head (tied or not). A position whose target lies pas
 every valid position. The MTP loss is the mean of the depths' losses (Megatron: the sum times
 mtp_loss_scaling_factor / mtp_num_layers); the trained loss is LM + mtp_loss_scale * MTP.
 
+Where the depths run: in the model (chunk) with the head, which hands them h_0 in its forward
+(GPT.run_mtp); with parallel.mtp_stage=0 in a loop pipeline schedule in a chunk of their own on
+stage 0 (models/mtp_chunk.py), h_0 sent there by the head's stage.
+
 Token ids come in with the targets: `mtp_targets` [B, S, 1 + D] holds, in column j, the token
 t + 1 + j of the window (-1 past its end), built from the whole window before any context-
 parallel split (Trainer._split, `mtp_targets`). Depth d's input tokens are column d - 1 and

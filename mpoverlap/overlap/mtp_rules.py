@@ -2,10 +2,13 @@
 
 The MTP depths run on the chunk with the head and read a copy of the embedding there, summed
 over the embedding group like a tied head's (training/pipeline_glue.py, `shares_embedding`); in
-zbv's V that chunk is on stage 0 beside the embedding, one module for both. What that machinery
-cannot carry is refused here rather than run wrong, among it MTP on a stage other than the
-head's (parallel.mtp_stage): the final hidden state would have to go there and its gradient
-come back inside the schedule.
+zbv's V that chunk is on stage 0 beside the embedding, one module for both. parallel.mtp_stage=0
+in a loop schedule (1f1b, interleaved, zb1p) makes the depths a model chunk of their own on
+stage 0 (the "loop_mtp" layout: pipeline/actions.py, models/mtp_chunk.py), fed the final hidden
+state by the head's stage, with copies of the embedding and of an untied output layer summed
+with the originals (training/pipeline_ties.py). What that machinery cannot carry is refused
+here rather than run wrong: a middle stage (the embedding group holds the first and the last
+stage only), and ZeRO-2/3 beside the MTP chunk (its copies would need units of their own).
 """
 from __future__ import annotations
 
@@ -33,10 +36,13 @@ def head_stage(pp: int, pp_schedule: str) -> int:
     return 0 if pp > 1 and str(pp_schedule) == "zbv" else pp - 1
 
 
-@rule("mtp.stage", "pp", ("parallel.mtp_stage", "model.mtp_num_layers", "parallel.pp", "parallel.pp_schedule"),
-      "parallel.mtp_stage is -1 or the stage of the head's chunk (the last; 0 in zbv's V), and is set "
-      "only with MTP depths")
+@rule("mtp.stage", "pp", ("parallel.mtp_stage", "model.mtp_num_layers", "parallel.pp", "parallel.pp_schedule",
+                         "train.dp_sharding"),
+      "parallel.mtp_stage is -1, the stage of the head's chunk (the last; 0 in zbv's V), or 0 in a loop "
+      "schedule (the depths a chunk of their own there, ZeRO-2/3 aside), and is set only with MTP depths")
 def _stage(lo: Layout):
+    from mpoverlap.overlap.dp_rules import sharding_level
+
     c = lo.cfg
     s, D = c.parallel.mtp_stage, c.model.mtp_num_layers
     if s == -1:
@@ -51,11 +57,20 @@ def _stage(lo: Layout):
                       f"the pipeline has stages 0 .. {pp - 1} (-1 = the head's stage)", ["parallel.mtp_stage=-1"])
         return
     head = head_stage(pp, c.parallel.pp_schedule)
-    if s != head:
-        fix = ["parallel.pp_schedule=zbv", "parallel.vpp=2"] if s == 0 else ["parallel.mtp_stage=-1"]
+    if s == head:
+        return
+    if s != 0:
         yield Problem("mtp.stage", {"parallel.mtp_stage": s, "parallel.pp": pp,
                                     "parallel.pp_schedule": c.parallel.pp_schedule},
-                      f"the depths read the final hidden state and the output head, which are on stage {head} in "
-                      f"this schedule; stage {s} would need the final hidden state sent there and its gradient sent "
-                      "back inside the schedule, which the pipeline does not do (zbv's V puts the head, and so "
-                      "the depths, on stage 0)", fix)
+                      f"the depths run on the head's stage ({head}) or, in a loop schedule, on stage 0 as a chunk "
+                      "of their own, their copies of the embedding and output head summed over the embedding "
+                      f"group (the first and the last stage); stage {s} is neither",
+                      ["parallel.mtp_stage=0", "parallel.mtp_stage=-1"])
+        return
+    level = sharding_level(c)
+    if level in ("optim_grads", "optim_grads_params"):
+        yield Problem("mtp.stage", {"parallel.mtp_stage": s, "train.dp_sharding": level, "parallel.pp": pp},
+                      "the depths' chunk on stage 0 holds copies of the embedding and output head whose "
+                      "gradients are summed with the originals' after the reduction; ZeRO-2/3 units for "
+                      "those copies are not built",
+                      ["train.dp_sharding=optim", "parallel.mtp_stage=-1"])

@@ -5,6 +5,10 @@ loss) and placed on stages by a layout:
 
 - "loop" (1F1B, interleaved, zb1p; Megatron's interleaved assignment): model chunk
   `c = vchunk * pp + stage`, so chunk c lives on stage `c % pp` as local vchunk `c // pp`.
+- "loop_mtp" (the loop layouts with parallel.mtp_stage=0 where the head is on stage pp-1): the
+  loop placement plus one terminal chunk N = pp*vpp holding the multi-token prediction depths,
+  which the formula puts on stage 0 as local vchunk vpp. The head's chunk N-1 sends its last
+  block's output there and receives its gradient back like any middle chunk.
 - "v" (zbv, exactly two chunks per stage): stage s holds chunk s (vchunk 0) and chunk
   2pp-1-s (vchunk 1), so stage 0 holds the first and the last chunk, and the hand-over from
   chunk pp-1 to chunk pp stays on stage pp-1 (a "local" message: no p2p).
@@ -31,8 +35,13 @@ class ScheduleError(ValueError):
     """A schedule table is inconsistent (the message lists every problem found)."""
 
 
-LOOP, V_SHAPE = "loop", "v"
-CHUNK_LAYOUTS = (LOOP, V_SHAPE)
+LOOP, LOOP_MTP, V_SHAPE = "loop", "loop_mtp", "v"
+CHUNK_LAYOUTS = (LOOP, LOOP_MTP, V_SHAPE)
+
+
+def num_model_chunks(pp: int, vpp: int, layout: str = LOOP) -> int:
+    """Model chunks of a layout with `vpp` main chunks per stage (loop_mtp: one more, the MTP chunk)."""
+    return pp * vpp + (1 if layout == LOOP_MTP else 0)
 
 
 def chunk_index(stage: int, vchunk: int, pp: int, layout: str = LOOP) -> int:
@@ -60,10 +69,21 @@ def is_local(message: "Message", pp: int, layout: str = LOOP) -> bool:
 
 
 def layout_of_tables(tables) -> str:
-    """The chunk layout a set of per-stage action tables was built for (from their chunks)."""
+    """The chunk layout a set of per-stage action tables was built for (from their chunks):
+    loop_mtp when stage 0 holds one vchunk more than the last stage (the MTP chunk)."""
     pp = len(tables)
     v_shaped = any(a.chunk != chunk_index(stage, a.vchunk, pp) for stage, t in enumerate(tables) for a in t)
-    return V_SHAPE if v_shaped else LOOP
+    if v_shaped:
+        return V_SHAPE
+    if pp > 1 and main_vpp(tables) < 1 + max((a.vchunk for a in tables[0]), default=-1):
+        return LOOP_MTP
+    return LOOP
+
+
+def main_vpp(tables) -> int:
+    """The main model chunks per stage of a set of tables (the last stage's vchunks: the MTP
+    chunk of loop_mtp is on stage 0 only)."""
+    return 1 + max((a.vchunk for a in tables[-1]), default=0)
 
 
 @dataclass(frozen=True)

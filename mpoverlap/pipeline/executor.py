@@ -4,7 +4,8 @@ Contract for the caller (the training loop):
 
 - `forward_step(vchunk, microbatch, input_tensor)` runs local virtual chunk `vchunk` on one
   microbatch and returns its output activation (shape `tensor_shape`, dtype `dtype`); on the
-  last model chunk (stage pp-1, vchunk vpp-1) it returns the scalar loss, already scaled by
+  last model chunk (stage pp-1, vchunk vpp-1; the MTP chunk on stage 0 in the loop_mtp
+  layout, pipeline/actions.py) it returns the scalar loss, already scaled by
   1/num_microbatches (backpropagated as is, grad None; returned per microbatch). On
   the first model chunk `input_tensor` is None and forward_step reads the data itself;
   elsewhere it is the received activation (a leaf with requires_grad).
@@ -107,9 +108,10 @@ class PipelineExecutor:
         verbose = verbose_from_env() if verbose is None else verbose
         self.p2p = StageP2P(stage, pp_ranks, group, ledger, verbose)
         self.num_microbatches = 1 + max((a.microbatch for a in self.actions), default=-1)
-        vpp = 1 + max((a.vchunk for a in self.actions), default=-1)
-        self.last_chunk = pp * vpp - 1
-        self.is_last_stage = any(a.chunk == self.last_chunk for a in self.actions)
+        # The last model chunk: the one whose forward sends nothing (the loss; in the loop_mtp
+        # layout the MTP chunk on stage 0, the head's chunk then sending on like a middle one).
+        self.last_chunk = next((a.chunk for a in self.actions if a.kind == FORWARD and a.send is None), None)
+        self.is_last_stage = self.last_chunk is not None
         # Index of the last backward (and W) of each vchunk, and of each message's consumer/producer.
         self.last_backward = {a.vchunk: i for i, a in enumerate(self.actions) if a.kind == BACKWARD}
         self.last_weight = {a.vchunk: i for i, a in enumerate(self.actions) if a.kind == WEIGHT}

@@ -19,6 +19,9 @@ Three steps, all pure:
    the same point with the same peer form one batch (at most one receive per batch, so a
    wait never holds a compute hostage to a later receive).
 
+`vpp` is the main chunks per stage; in the loop_mtp layout stage 0 also runs the MTP chunk
+pp*vpp (actions.py), its vchunk vpp.
+
 A local message (both ends on one stage: zbv's turn at stage pp-1) has no ops: the compute
 order already runs its producer before its consumer on that stage.
 
@@ -34,8 +37,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from mpoverlap.pipeline.actions import (ACTIVATION, BACKWARD, FORWARD, LOOP, RECV, SEND, WEIGHT,
                                         Batch, Message, P2POp, ScheduleError, chunk_index,
-                                        input_message, is_local, output_message, producer_of,
-                                        stage_of)
+                                        input_message, is_local, num_model_chunks, output_message,
+                                        producer_of, stage_of)
 
 ComputeOrder = List[Tuple[str, int, int]]  # per stage: (kind, microbatch, vchunk)
 FORWARD_COST, BACKWARD_COST = 1, 2
@@ -74,7 +77,7 @@ def simulate_compute(orders: Sequence[ComputeOrder], pp: int, vpp: int,
     stages of a real step do not enter the schedule together: the one with less work after its
     last action enters the next step first)."""
     costs = {FORWARD: forward_cost, BACKWARD: backward_cost, WEIGHT: weight_cost}
-    num_chunks = pp * vpp
+    num_chunks = num_model_chunks(pp, vpp, layout)
     end: Dict[Tuple[str, int, int], float] = {}
     times: List[List[Tuple[float, float]]] = [[] for _ in orders]
     free = [0.0] * len(orders) if start is None else [float(x) for x in start]
@@ -116,7 +119,7 @@ def _stage_ops(stage: int, order: ComputeOrder, keys: Dict[Message, tuple], pp: 
                layout: str = LOOP, paired: Set[int] = frozenset()):
     """This stage's p2p ops in key order: (key, op, fixed point of a send / consumer index).
     A pair (k in `paired`, k+1) consumes at k and produces at k+2."""
-    num_chunks = pp * vpp
+    num_chunks = num_model_chunks(pp, vpp, layout)
     ops = []
     for index, (kind, mb, vchunk) in enumerate(order):
         chunk = chunk_index(stage, vchunk, pp, layout)
@@ -173,7 +176,7 @@ def posting_programs(orders: Sequence[ComputeOrder], pp: int, vpp: int, layout: 
     # unit costs the tables are built for.
     times = (simulate_compute(orders, pp, vpp, 1, 1, 1, layout, paired) if has_weight_actions(orders)
              else simulate_compute(orders, pp, vpp, layout=layout, paired=paired))
-    num_chunks = pp * vpp
+    num_chunks = num_model_chunks(pp, vpp, layout)
     keys: Dict[Message, tuple] = {}
     for stage, order in enumerate(orders):
         for (kind, mb, vchunk), (_, finish) in zip(order, times[stage]):

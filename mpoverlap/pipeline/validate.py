@@ -4,7 +4,8 @@ Checked, for the whole table and for both posting programs (overlap off and on):
 
 1. Coverage: every stage runs exactly one F and one B per (microbatch, local vchunk), F first;
    a table with W actions (zero-bubble) has exactly one W per B, after it, on the same stage
-   (W sends and receives nothing).
+   (W sends and receives nothing); the MTP chunk of the loop_mtp layout (stage 0's vchunk
+   vpp, actions.py) has an F and a full B per microbatch and no W.
 2. Data flow: each compute's `recv` / `send` is the activation of the previous model chunk /
    the gradient of the next one for the same microbatch, with the chunks placed by the
    tables' layout (actions.py: "loop", chunk = vchunk * pp + stage; or the zbv "v": exactly
@@ -32,9 +33,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Dict, List, Tuple
 
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, V_SHAPE, WEIGHT, Action,
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP_MTP, RECV, SEND, V_SHAPE, WEIGHT, Action,
                                         Message, ScheduleError, chunk_index, input_message,
-                                        is_local, layout_of_tables, output_message, stage_of)
+                                        is_local, layout_of_tables, main_vpp, num_model_chunks,
+                                        output_message, stage_of)
 
 Step = Tuple[str, object]  # ("post", Batch) | ("compute", action_index)
 
@@ -50,9 +52,9 @@ def _program(actions: List[Action], prefetch: bool) -> List[Step]:
 
 def _check_structure(tables: List[List[Action]], layout: str, problems: List[str]) -> None:
     pp = len(tables)
-    vpp = 1 + max((a.vchunk for t in tables for a in t), default=0)
+    vpp = main_vpp(tables)
     mbs = 1 + max((a.microbatch for t in tables for a in t), default=-1)
-    num_chunks = pp * vpp
+    num_chunks = num_model_chunks(pp, vpp, layout)
     if layout == V_SHAPE and vpp != 2:
         problems.append(f"the V layout holds exactly two chunks per stage, the tables have vpp={vpp}")
     kinds = (FORWARD, BACKWARD, WEIGHT) if any(a.kind == WEIGHT for t in tables for a in t) \
@@ -61,12 +63,13 @@ def _check_structure(tables: List[List[Action]], layout: str, problems: List[str
         seen = Counter((a.kind, a.microbatch, a.vchunk) for a in actions)
         for kind in set(seen_kind for seen_kind, _, _ in seen) - set(kinds):
             problems.append(f"stage {stage}: unknown action kind {kind!r}")
+        expected = {(kind, v): 1 for v in range(vpp) for kind in kinds}
+        if layout == LOOP_MTP and stage == 0:  # the MTP chunk (vchunk vpp): an F and a full B, no W
+            expected.update({(kind, vpp): int(kind != WEIGHT) for kind in kinds})
         for mb in range(mbs):
-            for v in range(vpp):
-                for kind in kinds:
-                    if seen[(kind, mb, v)] != 1:
-                        count = seen[(kind, mb, v)]
-                        problems.append(f"stage {stage}: {kind}(mb{mb},v{v}) appears {count} times")
+            for (kind, v), count in expected.items():
+                if seen[(kind, mb, v)] != count:
+                    problems.append(f"stage {stage}: {kind}(mb{mb},v{v}) appears {seen[(kind, mb, v)]} times")
         done = set()
         for index, a in enumerate(actions):
             chunk = chunk_index(stage, a.vchunk, pp, layout)

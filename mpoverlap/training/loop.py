@@ -15,7 +15,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from mpoverlap.comm import CommLedger, all_reduce, wait_all
+from mpoverlap.comm import CommLedger, wait_all
 from mpoverlap.context_parallel import ContextParallelAttention, positions_for_cp, split_for_cp
 from mpoverlap.data_parallel import DataParallel, DataParallelAdamW
 from mpoverlap.data_parallel.fsdp import gpt_units
@@ -37,7 +37,8 @@ from mpoverlap.training.faults import FaultInjector
 from mpoverlap.training.lr import LRSchedule
 from mpoverlap.training.node_failure import lost_peer
 from mpoverlap.training.prefetch import BatchPrefetcher
-from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks, schedule_layout, tie_spans_stages
+from mpoverlap.training.pipeline_glue import PipelineRunner, build_chunks, pipeline_ties, schedule_layout
+from mpoverlap.training.pipeline_ties import PipelineTies
 from mpoverlap.training.resume import Resumable
 from mpoverlap.training.run_loop import RunLoop
 from mpoverlap.training.setup import agreed_bucket, init_distributed, shared_run_dir, shutdown_distributed
@@ -79,7 +80,7 @@ class Trainer(Resumable, RunLoop):
                              sequence_parallel=state.grid.tp > 1 and bool(cfg.parallel.sequence_parallel),
                              etp=state.grid.etp, capacity_padding=not self.overlap.ep_pairing.enabled,
                              dispatch_wire=resolve_dispatch_wire(t.ep_dispatch_dtype, compute_precision(t.precision)))
-        layout = schedule_layout(cfg.parallel, cfg.parallel.vpp)
+        layout = schedule_layout(cfg.parallel, cfg.parallel.vpp, cfg.model, self.pp)
         self.chunks = [c.to(state.device) for c in build_chunks(
             cfg.model, self.pp, cfg.parallel.vpp, state.coords.pp, t.seed, layout=layout, tp=self.tp, moe=moe,
             compile_backend=str(t.compile_backend) if t.compile else None, **attention)]
@@ -94,7 +95,10 @@ class Trainer(Resumable, RunLoop):
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         prefixed = len(self.chunks) > 1
         self.dp_names = {n: (n.split(".", 1)[1] if prefixed else n) for n, _ in self.model.named_parameters()}
-        self.params_by_name = {self.dp_names[n]: p for n, p in self.model.named_parameters()}
+        # a copy (pipeline_duplicate) never hides the original of its name on this rank
+        self.params_by_name = {}
+        for n, p in sorted(self.model.named_parameters(), key=lambda item: getattr(item[1], "pipeline_duplicate", False)):
+            self.params_by_name.setdefault(self.dp_names[n], p)
         # Expert weights replicated over tp under SP (etp = 1) get partial gradients over tp too:
         # their buckets reduce over tp x edp inside backward (RankGrid.expert_grad_kind), so they
         # leave the flat SP reduction, which keeps the small replicated rest (norms, routers).
@@ -103,11 +107,11 @@ class Trainer(Resumable, RunLoop):
             expert_kind = state.grid.expert_grad_kind(bool(cfg.parallel.sequence_parallel))
         self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()
                                          if not (expert_kind == "tp_edp" and getattr(p, "expert_parallel", False))]
-        # The tied embedding lives on the first and the last stage: their gradients add up
-        # (zbv's V holds both ends on stage 0: one parameter, nothing to add).
-        self.tied_embedding = None
-        if tie_spans_stages(cfg.model, self.pp, layout) and state.group("embedding") is not None:
-            self.tied_embedding = self.params_by_name.get("embedding.weight")
+        # Weights held twice in the pipeline (training/pipeline_ties.py): the tied embedding on
+        # the first and the last stage, the MTP chunk's copies of the loop_mtp layout; their
+        # gradients add up (zbv's V holds both ends on stage 0: one parameter, nothing to add).
+        self.ties = PipelineTies([(self.dp_names[n], p) for n, p in self.model.named_parameters()],
+                                 pipeline_ties(cfg.model, self.pp, layout))
         self.sharding = resolve_level(t.dp_sharding, t.distributed_optimizer)
         self.bucket = agreed_bucket(cfg, state)  # overlap.dp_bucket_mb, auto resolved (the plan prints why)
         self.ddp = DataParallel(
@@ -120,7 +124,7 @@ class Trainer(Resumable, RunLoop):
             prefetch=int(cfg.overlap.dp_prefetch), reshard_after_forward=bool(t.reshard_after_forward),
             param_gather_dtype=param_gather_dtype(t.param_gather_dtype, compute_precision(t.precision), self.sharding),
             delay=int(cfg.overlap.dp_delay),
-            own_buckets=[self.tied_embedding] if self.tied_embedding is not None else [])
+            own_buckets=self.ties.params)
         self.optimizer = DataParallelAdamW(
             self.ddp, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
             weight_decay=t.weight_decay, param_gather_overlap=self.overlap.dp_param_gather.enabled,
@@ -219,12 +223,11 @@ class Trainer(Resumable, RunLoop):
             else:
                 loss_sum = self._train_microbatches(micro)
         self.ddp.finish_grad_sync()
-        if self.tied_embedding is not None:
-            # Both copies of the tied embedding get the sum of their gradients: full gradients,
-            # or under ZeRO-1/2/3 the same shard on both stages (the embedding is a bucket of its
-            # own, split alike; under ZeRO-1 the rest of .grad is unreduced and never read).
-            grad, = self.ddp.reduced_grads([self.tied_embedding])
-            all_reduce(grad, self.state.group("embedding"), mode="pp", ledger=self.ledger).wait()
+        if self.ties:
+            # Every copy gets the sum of their gradients: full gradients, or under ZeRO-1/2/3 the
+            # same shard on both stages (each copy is a bucket of its own, split alike; under
+            # ZeRO-1 the rest of .grad is unreduced and never read).
+            self.ties.sum_grads(self.ddp, self.state.group("embedding"), self.ledger)
         if self.sequence_parallel_params:
             # Norm weights saw only this rank's S/tp positions: sum their gradients over TP
             # (under ZeRO-2/3 the shards: TP peers have the same buckets and shard rank).

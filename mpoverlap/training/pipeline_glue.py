@@ -1,7 +1,12 @@
 """How the GPT is cut into pipeline chunks and run forward-only for evaluation.
 
 Model chunk k holds layers [k L / (pp vpp), (k+1) L / (pp vpp)); chunk 0 owns the embedding,
-the last chunk the final norm, head and loss. The schedule's chunk layout (pipeline/actions.py)
+chunk pp vpp - 1 the final norm, head and loss, and with MTP (model.mtp_num_layers) the
+depths. parallel.mtp_stage=0 in a loop schedule (the "loop_mtp" layout, `mtp_chunk_layout`)
+moves the depths to a chunk of their own, pp vpp, on stage 0 (models/mtp_chunk.py, with copies
+of the embedding and an untied output layer): the head chunk's forward sends its last block's
+output there with its LM loss riding on it (`ride_loss`), and its backward receives that
+output's gradient back. The schedule's chunk layout (pipeline/actions.py)
 places chunk k on a stage: "loop" (k = vchunk * pp + stage, Megatron's interleaved
 assignment) or zbv's "v" (stage s holds chunks s and 2pp-1-s). In the V stage 0 holds both the
 embedding and the head: a tied head then reuses the embedding chunk's module (one parameter,
@@ -21,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from mpoverlap.models.gpt import GPT
-from mpoverlap.pipeline.actions import LOOP, chunk_index, stage_of, vchunk_of
+from mpoverlap.models.mtp_chunk import MTPChunk
+from mpoverlap.pipeline.actions import LOOP, LOOP_MTP, chunk_index, stage_of, vchunk_of
 
 # The residual stream's dtype in every layout and precision (the fp32 master parameters').
 RESIDUAL_DTYPE = torch.float32
@@ -35,11 +41,22 @@ def chunk_layer_ids(num_layers: int, pp: int, vpp: int, stage: int, vchunk: int,
     return list(range(k * per, (k + 1) * per))
 
 
-def schedule_layout(parallel_cfg: Any, vpp: int) -> str:
-    """The chunk layout `parallel.pp_schedule` runs ("v" for zbv, else "loop")."""
+def schedule_layout(parallel_cfg: Any, vpp: int, model_cfg: Any = None, pp: int = 1) -> str:
+    """The chunk layout `parallel.pp_schedule` runs ("v" for zbv, else "loop"; with `model_cfg`
+    and `pp`, "loop_mtp" where the MTP depths are a chunk of their own, `mtp_chunk_layout`)."""
     from mpoverlap.pipeline import chunk_layout, resolve_schedule
 
-    return chunk_layout(resolve_schedule(getattr(parallel_cfg, "pp_schedule", "auto"), vpp))
+    layout = chunk_layout(resolve_schedule(getattr(parallel_cfg, "pp_schedule", "auto"), vpp))
+    if model_cfg is not None and mtp_chunk_layout(model_cfg, parallel_cfg, pp, layout):
+        return LOOP_MTP
+    return layout
+
+
+def mtp_chunk_layout(model_cfg: Any, parallel_cfg: Any, pp: int, layout: str) -> bool:
+    """Whether the MTP depths are a chunk of their own on stage 0: parallel.mtp_stage=0 in a loop
+    layout at pp >= 2 (the head on the last stage; zbv's V holds the head on stage 0 already)."""
+    return (layout == LOOP and pp > 1 and getattr(model_cfg, "mtp_num_layers", 0) > 0
+            and getattr(parallel_cfg, "mtp_stage", -1) == 0)
 
 
 def shares_embedding(model_cfg: Any) -> bool:
@@ -50,23 +67,61 @@ def shares_embedding(model_cfg: Any) -> bool:
 def tie_spans_stages(model_cfg: Any, pp: int, layout: str) -> bool:
     """Whether the embedding has copies on two stages (first and last, summed over the
     embedding group): a tied head or MTP, pipelined in the loop layout; the V keeps both ends
-    on stage 0."""
+    on stage 0. In the loop_mtp layout: a tied head (the depths' copy is on stage 0)."""
+    if layout == LOOP_MTP:
+        return bool(model_cfg.tie_embeddings)
     return shares_embedding(model_cfg) and pp > 1 and layout == LOOP
+
+
+def pipeline_ties(model_cfg: Any, pp: int, layout: str) -> dict:
+    """{layout-free name: whether its copies span the embedding group's stages} of the weights
+    held more than once in the pipeline (each copy's gradient becomes the sum of all of
+    theirs): the embedding where `tie_spans_stages`; in the loop_mtp layout also the embedding
+    beside the MTP chunk's copy on stage 0 (a sum on the stage) and an untied output layer,
+    held by the head's stage and the MTP chunk (over the group)."""
+    ties = {}
+    if tie_spans_stages(model_cfg, pp, layout) or layout == LOOP_MTP:
+        ties["embedding.weight"] = tie_spans_stages(model_cfg, pp, layout)
+    if layout == LOOP_MTP and not model_cfg.tie_embeddings:
+        ties["output.weight"] = True
+    return ties
 
 
 def build_chunks(cfg: Any, pp: int, vpp: int, stage: int, seed: int, layout: str = LOOP,
                  **gpt_kwargs) -> List[GPT]:
-    """This stage's model chunks in vchunk order."""
+    """This stage's model chunks in vchunk order (loop_mtp: stage 0's last is the MTPChunk)."""
     last = pp * vpp - 1
     ks = [chunk_index(stage, v, pp, layout) for v in range(vpp)]
     chunks = [GPT(cfg, seed=seed, layer_ids=chunk_layer_ids(cfg.num_layers, pp, vpp, stage, v, layout),
-                  pre_process=(k == 0), post_process=(k == last), **gpt_kwargs)
+                  pre_process=(k == 0), post_process=(k == last), with_mtp=layout != LOOP_MTP, **gpt_kwargs)
               for v, k in zip(range(vpp), ks)]
+    if layout == LOOP_MTP and stage == 0:  # the MTP chunk pp * vpp, vchunk vpp
+        chunks.append(MTPChunk(cfg, seed=seed, **gpt_kwargs))
     if shares_embedding(cfg) and 0 in ks and last in ks and len(chunks) > 1:
         # The V: the head chunk reads the embedding chunk's weight (GPT.foreign_reads), one
         # parameter whose gradient both chunks' W actions feed (PipelineExecutor.shared_params).
         chunks[ks.index(last)].embedding = chunks[ks.index(0)].embedding
     return chunks
+
+
+class _RideLoss(torch.autograd.Function):
+    """h_0 passed on unchanged, a scalar loss riding on it: the backward from h_0's gradient
+    also backpropagates the loss with gradient 1, so the head chunk's B (driven by the MTP
+    chunk's gradient) runs the LM loss's backward with it, like a middle chunk's."""
+
+    @staticmethod
+    def forward(ctx, h_BSH: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype = loss.dtype
+        return h_BSH.clone()
+
+    @staticmethod
+    def backward(ctx, grad_BSH: torch.Tensor):
+        return grad_BSH, torch.ones((), dtype=ctx.loss_dtype, device=grad_BSH.device)
+
+
+def ride_loss(h_BSH: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """h_BSH with `loss` riding on it (_RideLoss)."""
+    return _RideLoss.apply(h_BSH, loss)
 
 
 def shared_parameters(chunks: List[GPT]) -> List[torch.nn.Parameter]:
@@ -116,15 +171,17 @@ def forward_only(chunks: List[GPT], stage: int, pp_ranks: List[int], num_microba
 class PipelineRunner:
     """Runs one optimizer step's microbatches through this stage's chunks with the pipeline
     executor, and evaluation forward-only. `split(mb)` gives (tokens, targets, positions).
-    With MTP, `mtp_loss_sum` holds the step's MTP loss on the stage of its depths (0 elsewhere)."""
+    With MTP, `mtp_loss_sum` holds the step's MTP loss on the stage of its depths (0 elsewhere),
+    `main_loss_sum` the LM loss on the head's stage."""
 
     def __init__(self, chunks: List[GPT], state: Any, cfg: Any, num_microbatches: int, overlap: bool,
                  ledger: Any, ddp: Any, split: Callable, autocast: Any, pairing: bool = False) -> None:
-        from mpoverlap.pipeline import (PipelineExecutor, build_schedule, chunk_layout,
-                                        defers_weight_grads, resolve_schedule)
+        from mpoverlap.pipeline import PipelineExecutor, build_schedule, defers_weight_grads, resolve_schedule
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
-        pp, vpp = state.grid.pp, len(chunks)
+        # the main model's chunks (loop_mtp: stage 0's MTP chunk runs in training only)
+        self.main_chunks = [c for c in chunks if not getattr(c, "is_mtp_chunk", False)]
+        pp, vpp = state.grid.pp, len(self.main_chunks)
         self.stage = state.coords.pp
         m, p = cfg.model, cfg.parallel
         seq = m.seq_length // state.grid.cp
@@ -133,11 +190,13 @@ class PipelineRunner:
         self.hidden_shape = (cfg.train.micro_batch_size, seq, m.hidden_size)
         self.num_microbatches = num_microbatches
         self.schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
-        self.layout = chunk_layout(self.schedule)
+        self.layout = schedule_layout(cfg.parallel, vpp, m, pp)
+        self.mtp_depths, self.mtp_loss_scale = int(m.mtp_num_layers), float(m.mtp_loss_scale)
         # overlap.ep_pairing: the paired table (interleaved, zb1p at vpp >= 2, or the zbv V), every
         # chunk run as sub-step programs (rules ep_pairing.pp_needs_vpp / pp_needs_interleaved keep
         # the one-chunk tables off).
-        tables = build_schedule(self.schedule, pp, vpp, num_microbatches, pairing=pairing)
+        tables = build_schedule(self.schedule, pp, vpp, num_microbatches, pairing=pairing,
+                                mtp_chunk=self.layout == LOOP_MTP)
         self.paired = None
         if pairing:
             from mpoverlap.pairing.pipeline import PairedChunks
@@ -166,6 +225,18 @@ class PipelineRunner:
     def _forward_step(self, vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         chunk = self.chunks[vchunk]
         tokens, targets, positions = self.inputs[mb]
+        if getattr(chunk, "is_mtp_chunk", False):  # loop_mtp: the depths on h_0 from the head's stage
+            with self.autocast:
+                extra = chunk(hidden, positions, targets)
+            self.mtp_loss_sum += extra.detach() / self.num_microbatches
+            return extra * (self.mtp_loss_scale / self.num_microbatches)
+        if chunk.post_process and self.layout == LOOP_MTP and targets.dim() == 3 and torch.is_grad_enabled():
+            # the head chunk sends h_0 on to the MTP chunk, its LM loss riding on it
+            with self.autocast:
+                logits, h_BSH = chunk(hidden, position_ids=positions, fp32_logits=False, with_hidden=True)
+            loss = chunk.loss(logits, targets[..., 0]) / self.num_microbatches
+            self.main_loss_sum += loss.detach()
+            return ride_loss(h_BSH, loss)
         # MTP (targets [B, S, 1 + D]): its depths run in training forwards; evaluation is the LM loss
         mtp = chunk.mtp is not None and targets.dim() == 3 and torch.is_grad_enabled()
         if targets.dim() == 3 and not mtp:
@@ -193,7 +264,7 @@ class PipelineRunner:
             self.paired.trace, self.paired.mtp_sums = trace, (self.main_loss_sum, self.mtp_loss_sum)
         losses = self.executor.run(len(micro))
         self.bubble_since_log += self.executor.bubble_s
-        if any(c.mtp is not None for c in self.chunks):
+        if self.mtp_depths:
             return self.main_loss_sum
         total = torch.zeros((), device=self.state.device)
         for loss in losses:
@@ -213,7 +284,7 @@ class PipelineRunner:
         def run_chunk(vchunk: int, mb: int, hidden: Optional[torch.Tensor]) -> torch.Tensor:
             return self._forward_step(vchunk, mb, hidden) * self.num_microbatches / n
 
-        losses = forward_only(self.chunks, self.stage, list(self.state.ranks("pp")), n, run_chunk,
+        losses = forward_only(self.main_chunks, self.stage, list(self.state.ranks("pp")), n, run_chunk,
                               self.hidden_shape, RESIDUAL_DTYPE, self.state.device, pp_group=self.state.group("pp"),
                               layout=self.layout)
         total = torch.zeros((), device=self.state.device)

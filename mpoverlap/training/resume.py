@@ -58,7 +58,7 @@ def _fix(key: str, saved: Any) -> str:
 
 class Resumable:
     """Checkpoint methods of Trainer; they use its cfg, state, ddp, optimizer, chunks,
-    dp_names, params_by_name, schedule, checkpointer, step and log."""
+    dp_names, params_by_name, ties, schedule, checkpointer, step and log."""
 
     def _meta(self) -> Dict[str, Any]:
         m = self.cfg.model
@@ -151,6 +151,7 @@ class Resumable:
                     raise CheckpointError(f"checkpoint.init_from={directory}: {name} has shape "
                                           f"{tuple(value.shape)} here, {tuple(params[name].shape)} expected")
                 params[name].copy_(value)
+            self.ties.fill_copies()  # a copy beside its original on this rank (the MTP chunk's)
         self.log(f"initialised from {directory} ({time.perf_counter() - t0:.2f}s)")
 
     def maybe_resume(self) -> None:

@@ -27,6 +27,14 @@ def head_stage(cfg: Any, lo: Layout) -> int:
     return 0 if chunk_layout_of(cfg, lo) == "v" else lo.pp - 1
 
 
+def mtp_stage(cfg: Any, lo: Layout) -> int:
+    """The stage of the MTP depths: 0 where parallel.mtp_stage=0 makes them a chunk of their own
+    in a loop layout (training/pipeline_glue.py, `mtp_chunk_layout`), else the head's."""
+    if lo.pp > 1 and getattr(cfg.parallel, "mtp_stage", -1) == 0 and chunk_layout_of(cfg, lo) == "loop":
+        return 0
+    return head_stage(cfg, lo)
+
+
 def stage_layers(cfg: Any, lo: Layout, stage: int) -> list:
     """Global indices of the layers on pipeline stage `stage` (model chunk k holds layers
     [k L / (pp vpp), (k+1) L / (pp vpp)); `chunk_layout_of` places the chunks)."""
@@ -114,17 +122,22 @@ def mtp_params(m: Any) -> tuple:
 
 
 def mtp_stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) -> int:
-    """Parameters of the MTP depths on one rank of `stage` (they live on the head's stage), and
-    the copy of the embedding an untied model keeps there for them in the loop layouts."""
+    """Parameters of the MTP depths on one rank of `stage` (they live on `mtp_stage`), and the
+    copy of the embedding an untied model keeps there for them on the last stage of the loop
+    layouts; on stage 0 as a chunk of their own they hold copies of the embedding and of an
+    untied output layer (models/mtp_chunk.py)."""
     m = cfg.model
     D = getattr(m, "mtp_num_layers", 0)
-    if D <= 0 or stage != head_stage(cfg, lo):
+    if D <= 0 or stage != mtp_stage(cfg, lo):
         return 0
     parts = [layer_params(cfg, lo, m.num_layers + d) for d in range(D)]
     if expert_only:
         return sum(e for _, e in parts)
     V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
-    copy = V * m.hidden_size // lo.tp if stage != 0 and not m.tie_embeddings else 0
+    if stage != head_stage(cfg, lo):  # the MTP chunk: the embedding copy, and the untied head's
+        copy = V * m.hidden_size // lo.tp * (1 if m.tie_embeddings else 2)
+    else:
+        copy = V * m.hidden_size // lo.tp if stage != 0 and not m.tie_embeddings else 0
     return sum(d + e for d, e in parts) + D * mtp_depth_extra(m) + copy
 
 

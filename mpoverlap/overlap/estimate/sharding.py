@@ -35,7 +35,8 @@ from typing import Any, Dict, List
 
 from mpoverlap.models.init import padded_vocab_size
 from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, etp_size, head_stage, layer_params,
-                                               mtp_depth_extra, norm_params, read_as_is_params, stage_layers)
+                                               mtp_depth_extra, mtp_stage, norm_params, read_as_is_params,
+                                               stage_layers)
 from mpoverlap.overlap.layout import Layout
 
 BYTES = 4
@@ -64,8 +65,9 @@ def tied_on_one_chunk(cfg: Any, lo: Layout) -> bool:
 
 
 def mtp_depths_on(cfg: Any, lo: Layout, stage: int) -> int:
-    """The MTP depths (models/mtp.py) on `stage`: all of them on the head's stage, else 0."""
-    return getattr(cfg.model, "mtp_num_layers", 0) if stage == head_stage(cfg, lo) else 0
+    """The MTP depths (models/mtp.py) on `stage`: all of them on their stage (params.mtp_stage:
+    the head's, or 0 as a chunk of their own), else 0."""
+    return getattr(cfg.model, "mtp_num_layers", 0) if stage == mtp_stage(cfg, lo) else 0
 
 
 def unit_params(cfg: Any, lo: Layout, stage: int) -> List[int]:
