@@ -37,7 +37,7 @@ def head_stage(pp: int, pp_schedule: str) -> int:
 
 
 @rule("mtp.stage", "pp", ("parallel.mtp_stage", "model.mtp_num_layers", "parallel.pp", "parallel.pp_schedule",
-                         "train.dp_sharding"),
+                         "train.dp_sharding", "overlap.ep_pairing"),
       "parallel.mtp_stage is -1, the stage of the head's chunk (the last; 0 in zbv's V), or 0 in a loop "
       "schedule (the depths a chunk of their own there, ZeRO-2/3 aside), and is set only with MTP depths")
 def _stage(lo: Layout):
@@ -66,6 +66,13 @@ def _stage(lo: Layout):
                       "of their own, their copies of the embedding and output head summed over the embedding "
                       f"group (the first and the last stage); stage {s} is neither",
                       ["parallel.mtp_stage=0", "parallel.mtp_stage=-1"])
+        return
+    if lo.mode("ep_pairing") == "true":
+        yield Problem("mtp.stage", {"parallel.mtp_stage": s, "overlap.ep_pairing": True, "parallel.pp": pp},
+                      "the depths' chunk of their own on stage 0 runs in the unpaired loop tables only: the "
+                      "paired tables have no sub-step program for it (the head's stage runs the depths in "
+                      "the head chunk's sub-step, paired; or keep stage 0 with overlap.ep_pairing=false)",
+                      ["parallel.mtp_stage=-1"])
         return
     level = sharding_level(c)
     if level in ("optim_grads", "optim_grads_params"):
