@@ -110,7 +110,9 @@ class UnitGatherer:
         # each bucket, and the buckets whose free waits for their last use to end.
         self._pins: Dict[int, int] = {}
         self._free_later: set = set()
-        # Bytes of full buckets allocated now and at most since the last reset (the working set).
+        # Bytes of full buckets allocated now and at most since the last reset (the working set),
+        # with the e4m3 copy an FP8 gather holds beside each (`_fp8_held`: bucket -> its bytes).
+        self._fp8_held: Dict[int, int] = {}
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self._hooks = []
@@ -162,10 +164,12 @@ class UnitGatherer:
         bucket = self.ddp.buffer.buckets[b]
         if not alloc_storage(bucket.param_data):
             return  # already gathered
-        self.held_bytes += bucket.param_data.untyped_storage().nbytes()
+        plan = self._formats[b] if not exact else None
+        if plan is not None and plan.fp8 is not None:
+            self._fp8_held[b] = plan.fp8.held_bytes()
+        self.held_bytes += bucket.param_data.untyped_storage().nbytes() + self._fp8_held.get(b, 0)
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         full, shard, group = bucket.param_data, self.ddp.param_shard(b), self.ddp.bucket_group(b).group
-        plan = self._formats[b] if not exact else None
         if plan is None:
             self._pending[b] = all_gather(full, shard, group, mode="dp", ledger=self.ddp.ledger)
         else:
@@ -189,7 +193,7 @@ class UnitGatherer:
         if plan is not None and plan.fp8 is not None:
             plan.fp8.release()
         data = self.ddp.buffer.buckets[b].param_data
-        self.held_bytes -= data.untyped_storage().nbytes()
+        self.held_bytes -= data.untyped_storage().nbytes() + self._fp8_held.pop(b, 0)
         free_storage(data)
 
     def after_reduce(self, b: int) -> None:
