@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import run_distributed  # noqa: E402
-from saved_bytes import saved_activation_bytes  # noqa: E402
+from saved_bytes import queued_bytes, saved_activation_bytes  # noqa: E402
 
 from mpoverlap.config import compose  # noqa: E402
 from mpoverlap.overlap.estimate import Conventions, estimate, layer_activation_bytes  # noqa: E402
@@ -58,26 +58,6 @@ def _measure(family, bf16, tp=None, sp=False, rank=0):
     return saved_activation_bytes(forward, block.parameters(), [cos, sin])
 
 
-def _closure_tensors(obj, out, seen):
-    """Every tensor a queued W closure reaches (its cells and defaults, a WeightGradGemm's
-    operands, through lists)."""
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            _closure_tensors(o, out, seen)
-    elif callable(obj):
-        for cell in getattr(obj, "__closure__", None) or ():
-            _closure_tensors(cell.cell_contents, out, seen)
-        for d in getattr(obj, "__defaults__", None) or ():
-            _closure_tensors(d, out, seen)
-        for name in getattr(type(obj), "__slots__", ()):  # WeightGradGemm: its (grad_y, x)
-            _closure_tensors(getattr(obj, name, None), out, seen)
-
-
 def _measure_kept(family, bf16, tp=None, sp=False, rank=0):
     """Zero bubble: the bytes layer 0's queued weight-gradient closures keep after its B (the
     distinct storages they reach, parameters left out), with a deferral attached."""
@@ -96,12 +76,7 @@ def _measure_kept(family, bf16, tp=None, sp=False, rank=0):
         y = block(x, cos, sin)
     with deferral.deferring(WeightGradQueue()) as queue:
         y.backward(torch.randn_like(y))  # the received gradient (a storage of its own)
-    tensors, seen = [], set()
-    for _, compute in queue.entries:
-        _closure_tensors(compute, tensors, seen)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(n for ptr, n in storages.items() if ptr not in params)
+    return queued_bytes(queue, block.parameters())
 
 
 def _estimate_kept(family, tp, sp, bf16):
@@ -146,12 +121,7 @@ def test_wgrad_kept_bytes_whole_model_with_embedding_and_head(tied, bf16):
         loss = model.loss(model(tokens), tokens)
     with deferral.deferring(WeightGradQueue()) as queue:
         loss.backward()
-    tensors, seen = [], set()
-    for _, compute in queue.entries:
-        _closure_tensors(compute, tensors, seen)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    measured = queued_bytes(queue, model.parameters())
     lo, conv = build_layout(cfg, 1), Conventions.for_dtype(2 if bf16 else 4)
     est = (sum(layer_wgrad_kept_bytes(cfg, lo, i, conv, B) for i in range(2))
            + embedding_wgrad_kept_bytes(cfg, lo, conv, B) + head_wgrad_kept_bytes(cfg, lo, conv, B))
