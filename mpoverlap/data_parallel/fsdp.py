@@ -113,6 +113,9 @@ class UnitGatherer:
         # Bytes of full buckets allocated now and at most since the last reset (the working set),
         # with the e4m3 copy an FP8 gather holds beside each (`_fp8_held`: bucket -> its bytes).
         self._fp8_held: Dict[int, int] = {}
+        # Bytes the gathers received per wire dtype since the last take_wire_bytes (the ledger's
+        # dp gather bytes split: metrics.jsonl's dp_gather_bytes_<dtype>).
+        self._wire_bytes: Dict[str, int] = {}
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self._hooks = []
@@ -170,6 +173,9 @@ class UnitGatherer:
         self.held_bytes += bucket.param_data.untyped_storage().nbytes() + self._fp8_held.get(b, 0)
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         full, shard, group = bucket.param_data, self.ddp.param_shard(b), self.ddp.bucket_group(b).group
+        plain = {str(full.dtype).replace("torch.float32", "fp32").replace("torch.", ""): full.numel() * full.element_size()}
+        for dtype, nbytes in (plan.wire_bytes() if plan is not None else plain).items():
+            self._wire_bytes[dtype] = self._wire_bytes.get(dtype, 0) + nbytes
         if plan is None:
             self._pending[b] = all_gather(full, shard, group, mode="dp", ledger=self.ddp.ledger)
         else:
@@ -287,6 +293,11 @@ class UnitGatherer:
                 self.free(b)
         if self.fp8_scales is not None:
             self.fp8_scales.invalidate()
+
+    def take_wire_bytes(self) -> Dict[str, int]:
+        """{wire dtype: bytes} the gathers received since the last call (fp32, bf16, int8, fp8)."""
+        out, self._wire_bytes = self._wire_bytes, {}
+        return out
 
     def reset_peak(self) -> None:
         self.peak_held_bytes = self.held_bytes
