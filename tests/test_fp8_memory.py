@@ -1,7 +1,10 @@
 """The memory estimate under train.precision=fp8 held against what the code keeps: the step's
 weight casts (estimate/transients.py `weight_casts`: the bf16 copies step_cast_cache holds; the
 FP8 grouped experts quantize their fp32 stacks at each call and hold none) and the bytes one
-block saves for backward (the FP8 GEMMs save their bf16 inputs, as the bf16 run's)."""
+block saves for backward (the FP8 GEMMs save their bf16 inputs, as the bf16 run's). Under
+sequence parallelism (tp 2 and 4, tensorwise): the column-parallel weight gradient on the
+forward's gathered e4m3 x (no backward re-gather, bit for bit the layout without SP), and the
+saved and zero-bubble-kept bytes that follow against the estimates."""
 import importlib
 import os
 import sys
