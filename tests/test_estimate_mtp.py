@@ -84,7 +84,7 @@ def test_mtp_wgrad_kept_bytes(model):
     keep after B (the distinct storages they reach, parameters left out), against the layers',
     embedding's and head's terms plus `mtp_wgrad_items`, within the 5% the whole-model test
     without depths holds (tests/test_estimate.py)."""
-    from test_estimate import queued_bytes
+    from saved_bytes import queued_bytes
 
     from mpoverlap.models.gpt import GPT
     from mpoverlap.models.mtp import mtp_targets

@@ -101,7 +101,7 @@ class Fp8Shards:
     def __init__(self, numel: int, spans: Sequence[Span], *, size: int, rank: int, device: torch.device,
                  scales: Fp8Scales, bucket: int) -> None:
         self.spans = sorted(spans, key=lambda s: s[0])
-        self.shard, self.scales = numel // size, scales
+        self.shard, self.size, self.scales = numel // size, size, scales
         first = scales.add(self, bucket)
         self.first = first
         lengths, index = _segments(numel, self.spans, first)
@@ -140,6 +140,11 @@ class Fp8Shards:
         self.values = lossy_GS.contiguous().view(E4M3).view(-1)
         scale = self.scales.ext.index_select(0, self.index).repeat_interleave(self.lengths, output_size=full.numel())
         full.copy_(self.values.float() / scale)
+
+    def held_bytes(self) -> int:
+        """Bytes of the gathered e4m3 bucket `unpack` keeps (one a bucket element, its padding
+        included), from the gather's issue (its receive buffer) until `release`."""
+        return self.size * self.shard
 
     def release(self) -> None:
         self.values = None

@@ -110,7 +110,12 @@ class UnitGatherer:
         # each bucket, and the buckets whose free waits for their last use to end.
         self._pins: Dict[int, int] = {}
         self._free_later: set = set()
-        # Bytes of full buckets allocated now and at most since the last reset (the working set).
+        # Bytes of full buckets allocated now and at most since the last reset (the working set),
+        # with the e4m3 copy an FP8 gather holds beside each (`_fp8_held`: bucket -> its bytes).
+        self._fp8_held: Dict[int, int] = {}
+        # Bytes the gathers received per wire dtype since the last take_wire_bytes (the ledger's
+        # dp gather bytes split: metrics.jsonl's dp_gather_bytes_<dtype>).
+        self._wire_bytes: Dict[str, int] = {}
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self._hooks = []
@@ -162,10 +167,15 @@ class UnitGatherer:
         bucket = self.ddp.buffer.buckets[b]
         if not alloc_storage(bucket.param_data):
             return  # already gathered
-        self.held_bytes += bucket.param_data.untyped_storage().nbytes()
+        plan = self._formats[b] if not exact else None
+        if plan is not None and plan.fp8 is not None:
+            self._fp8_held[b] = plan.fp8.held_bytes()
+        self.held_bytes += bucket.param_data.untyped_storage().nbytes() + self._fp8_held.get(b, 0)
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         full, shard, group = bucket.param_data, self.ddp.param_shard(b), self.ddp.bucket_group(b).group
-        plan = self._formats[b] if not exact else None
+        plain = {str(full.dtype).replace("torch.float32", "fp32").replace("torch.", ""): full.numel() * full.element_size()}
+        for dtype, nbytes in (plan.wire_bytes() if plan is not None else plain).items():
+            self._wire_bytes[dtype] = self._wire_bytes.get(dtype, 0) + nbytes
         if plan is None:
             self._pending[b] = all_gather(full, shard, group, mode="dp", ledger=self.ddp.ledger)
         else:
@@ -189,7 +199,7 @@ class UnitGatherer:
         if plan is not None and plan.fp8 is not None:
             plan.fp8.release()
         data = self.ddp.buffer.buckets[b].param_data
-        self.held_bytes -= data.untyped_storage().nbytes()
+        self.held_bytes -= data.untyped_storage().nbytes() + self._fp8_held.pop(b, 0)
         free_storage(data)
 
     def after_reduce(self, b: int) -> None:
@@ -283,6 +293,11 @@ class UnitGatherer:
                 self.free(b)
         if self.fp8_scales is not None:
             self.fp8_scales.invalidate()
+
+    def take_wire_bytes(self) -> Dict[str, int]:
+        """{wire dtype: bytes} the gathers received since the last call (fp32, bf16, int8, fp8)."""
+        out, self._wire_bytes = self._wire_bytes, {}
+        return out
 
     def reset_peak(self) -> None:
         self.peak_held_bytes = self.held_bytes

@@ -78,6 +78,16 @@ class BucketGather:
             return self.shard
         return packed_bytes(self.shard, self.wire, GATHER_BLOCK) if self.wire is not None else 2 * self.shard
 
+    def wire_bytes(self) -> dict:
+        """{wire dtype: bytes} one gather of the bucket receives (the ledger's bytes, split): the
+        exact part in fp32, the rest in the format (int8: its values and scales)."""
+        if self.fmt == "fp32":
+            return {"fp32": 4 * self.size * self.shard}
+        out = {self.fmt: self.size * self.lossy_bytes()}
+        if self.side:
+            out["fp32"] = 4 * self.size * self.side
+        return out
+
     def issue(self, full: torch.Tensor, shard: torch.Tensor, group, *, mode: str, ledger) -> CommHandle:
         """Gather `shard` of every rank into `full` (fp32 [size * shard]); written by the wait."""
         if self.fmt == "fp32":

@@ -182,10 +182,12 @@ class Fp8Gemms:
                        self.recipe, self.emulate, grad.dtype)
         return out.reshape(*grad.shape[:-1], weight.shape[1])
 
-    def wgrad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """dW (N, K) = grad^T x summed over the leading dims, fp32."""
-        return fp8_gemm(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]), grad_dtype(self.recipe),
-                        E4M3, self.recipe, self.emulate, torch.float32)
+    def wgrad(self, grad: torch.Tensor, x) -> torch.Tensor:
+        """dW (N, K) = grad^T x summed over the leading dims, fp32; `x` may come quantized (the
+        pair quantize_input made, tensorwise: used as it is)."""
+        x2 = (x[0].reshape(-1, x[0].shape[-1]), x[1]) if isinstance(x, tuple) else x.reshape(-1, x.shape[-1])
+        return fp8_gemm(grad.reshape(-1, grad.shape[-1]).t(), x2, grad_dtype(self.recipe), E4M3, self.recipe,
+                        self.emulate, torch.float32)
 
     def deferred_wgrad(self, grad: torch.Tensor, x: torch.Tensor) -> "Fp8WeightGrad":
         return Fp8WeightGrad(self, grad, x)
@@ -193,10 +195,11 @@ class Fp8Gemms:
 
 class Fp8WeightGrad:
     """A deferred fp8 weight gradient (the zero-bubble schedules' W action): keeps the output
-    gradient and the input in the compute dtype and quantizes them when W runs. The same
-    tensors and the same casts as an immediate wgrad, so the same values bit for bit (what
-    the emulation checks); the cost is 2 bytes an element held until W instead of fp8's 1
-    (plus its scales), and the quantization runs in W rather than in B."""
+    gradient and the input in the compute dtype (or the input as the SP forward's gathered
+    e4m3 pair) and quantizes them when W runs. The same tensors and the same casts as an
+    immediate wgrad, so the same values bit for bit (what the emulation checks); the cost is 2
+    bytes an element held until W instead of fp8's 1 (plus its scales), and the quantization
+    runs in W rather than in B."""
 
     __slots__ = ("gemms", "grad", "x")
 

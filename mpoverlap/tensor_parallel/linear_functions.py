@@ -33,9 +33,12 @@ casts it to the fp32 parameter's dtype and accumulates it in fp32 (the master gr
 FP8 (`fp8`, precision.fp8.Fp8Gemms): the same Functions with their three GEMMs through it; the
 column GEMMs quantize the gathered x (SP: one scale over the whole sequence, as the single
 process's), the weight being this rank's shard with its own scale. Under SP and the tensorwise
-recipe the forward's all-gather carries x in FP8 (`_fp8_gathered_forward`: one all-reduce MAX
-of the chunks' amax, each chunk cast with the shared scale, 1 byte an element gathered, the
-GEMM on it uncast); the backward's re-gather for the weight gradient stays in the compute dtype.
+recipe the forward's all-gather carries x in FP8 (`_fp8_gather`: one all-reduce MAX of the
+chunks' amax, each chunk cast with the shared scale, 1 byte an element gathered, the GEMM on it
+uncast), and the gathered e4m3 x is kept for the weight gradient (the same tensorwise cast of
+the same x) instead of the local chunk: no backward re-gather, S H bytes kept a linear where the
+local chunk took 2 S H / tp (equal at tp 2). The rowwise recipe's wgrad scales x along the
+sequence (the other axis than its forward), so it keeps the compute-dtype gather and re-gather.
 """
 from __future__ import annotations
 
@@ -70,28 +73,39 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         ctx.param = weight_oH  # W accumulates into the parameter (checkpointing unpacks an alias)
         ctx.dtype = dtype = compute_dtype(x)
         x = x.to(dtype)  # before the all-gather: bf16 under autocast moves half the bytes
+        ctx.fp8_gathered = comm.sequence_parallel and comm.size > 1 and fp8 is not None and fp8.gathers_input()
+        if ctx.fp8_gathered:
+            # The gathered e4m3 x is the weight gradient's operand too (the same cast): kept for
+            # backward, 1 byte an element of the whole sequence, instead of re-gathering x.
+            with no_autocast(x):
+                q_BSH, scale = _fp8_gather(x, comm, fp8)
+                ctx.save_for_backward(q_BSH, scale, weight_oH)
+                return fp8.forward_quantized(q_BSH, scale, step_cast(weight_oH, dtype), cast(bias_o, dtype), dtype)
         # SP: the local chunk only, re-gathered in backward; W's cast is the step's (step_cast)
         # or made again there (not saved per microbatch: one more weight-sized tensor in flight).
         ctx.save_for_backward(x, weight_oH)
-        if comm.sequence_parallel and comm.size > 1 and fp8 is not None and fp8.gathers_input():
-            with no_autocast(x):
-                return _fp8_gathered_forward(x, weight_oH, bias_o, comm, fp8, dtype)
         total_x_BSH = seq_all_gather_async(x, comm).wait() if comm.sequence_parallel else x
         with no_autocast(x):
             return linear_or_fp8(fp8, total_x_BSH, step_cast(weight_oH, dtype), cast(bias_o, dtype))
 
     @staticmethod
     def backward(ctx, grad_y_BSo):
-        return linear_backward(ColumnParallelLinearFn._backward, ctx, grad_y_BSo)
+        *x, weight_oH = ctx.saved_tensors
+        x = tuple(x) if ctx.fp8_gathered else x[0]  # (the gathered e4m3 x, its scale), or x
+        with no_autocast(weight_oH):
+            return ColumnParallelLinearFn._backward(ctx, x, step_cast(weight_oH, ctx.dtype),
+                                                    grad_y_BSo.to(ctx.dtype), ctx.param)
 
     @staticmethod
     def _backward(ctx, x, weight_oH, grad_y_BSo, param):
+        """`x`: the saved input (this rank's chunk under SP, gathered here), or the forward's
+        gathered e4m3 x and its scale (a pair: nothing to gather)."""
         comm = ctx.comm
         need_dgrad = ctx.needs_input_grad[0]
         grad_y_BSo = grad_y_BSo.contiguous()
         # trace steps: 0 = all-gather of x (SP), 1 = dgrad all-reduce / reduce-scatter
         gather = None
-        if comm.sequence_parallel:
+        if comm.sequence_parallel and not isinstance(x, tuple):
             gather = seq_all_gather_async(x, comm)
             comm.mark(_BWD, 0, "issue")
             if not comm.overlap:
@@ -130,17 +144,16 @@ class ColumnParallelLinearFn(torch.autograd.Function):
 _BWD = "column.bwd"
 
 
-def _fp8_gathered_forward(x_BsH, weight_oH, bias_o, comm: TPComm, fp8, dtype):
-    """SP forward with the all-gather in FP8 (tensorwise): the amax of the local chunk reduced
-    (MAX) over tp is the gathered sequence's, each rank casts its chunk with that one scale, the
-    gather carries 1 byte an element, and the GEMM takes the gathered e4m3 x as it is: the same
-    cast as a bf16 gather followed by the GEMM's own (the single process's cast of x). Backward
-    re-gathers x in the compute dtype for the weight gradient, as before."""
+def _fp8_gather(x_BsH, comm: TPComm, fp8):
+    """The SP all-gather in FP8 (tensorwise): the amax of the local chunk reduced (MAX) over tp
+    is the gathered sequence's, each rank casts its chunk with that one scale, the gather
+    carries 1 byte an element: (e4m3 x_BSH, scale), the single process's cast of the whole x
+    (the cast the GEMMs make of a bf16 gather: the forward takes it, and the weight gradient,
+    which quantizes x with the same tensorwise scale)."""
     amax = x_BsH.abs().amax().float().reshape(1)
     all_reduce_async(amax, comm, op=dist.ReduceOp.MAX).wait()
     q_BsH, scale = fp8.quantize_input(x_BsH, amax[0])
-    q_BSH = seq_all_gather_async(q_BsH.view(torch.uint8), comm).wait().view(q_BsH.dtype)
-    return fp8.forward_quantized(q_BSH, scale, step_cast(weight_oH, dtype), cast(bias_o, dtype), dtype)
+    return seq_all_gather_async(q_BsH.view(torch.uint8), comm).wait().view(q_BsH.dtype), scale
 
 
 def _wait(pending, comm: TPComm, step: int) -> None:

@@ -108,7 +108,9 @@ class RunLoop:
         moe = [layer.stats_since() for layer in self.moe_layers]
         moe_sums = {k: sum(st[k] for st in moe) for k in moe[0]} if moe else None
         bubble = (self.state.coords.pp, self.pipeline.take_bubble(steps_since_log)) if self.pipeline else None
-        mine = (self.ledger.reset(per=steps_since_log), peak_memory_bytes(self.state.device), moe_sums, bubble)
+        gatherer = self.ddp.gatherer
+        wire = {k: v / steps_since_log for k, v in gatherer.take_wire_bytes().items()} if gatherer is not None else {}
+        mine = (self.ledger.reset(per=steps_since_log), peak_memory_bytes(self.state.device), moe_sums, bubble, wire)
         gathered: List[Optional[tuple]] = [None] * self.state.world
         if self.state.world > 1:
             dist.all_gather_object(gathered, mine)
@@ -118,17 +120,20 @@ class RunLoop:
         tokens = t.global_batch_size * self.cfg.model.seq_length
         row = {"step": self.step, "loss": self._mean_over_replicas(out["loss_local"]), "lr": out["lr"],
                "grad_norm": out["grad_norm"], "step_time_s": out["step_time_s"],
-               "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, _, _, _ in gathered]),
+               "tokens_per_s": tokens / out["step_time_s"], "comm": mean_over_ranks([c for c, *_ in gathered]),
                # Per rank, in rank order: RSS on CPU, max allocated on CUDA.
-               "peak_memory_bytes": [m for _, m, _, _ in gathered]}
+               "peak_memory_bytes": [m for _, m, *_ in gathered]}
         if "mtp_loss_local" in out:  # the MTP depths' mean loss, unscaled (row["loss"]: the LM loss)
             row["mtp_loss"] = self._mean_over_replicas(out["mtp_loss_local"])
         if self.pipeline is not None:
             # Per pipeline stage: seconds per step blocked on a receive (mean over the stage's ranks).
-            per_stage = [[b for _, _, _, (s, b) in gathered if s == stage] for stage in range(self.pp)]
+            per_stage = [[b for _, _, _, (s, b), _ in gathered if s == stage] for stage in range(self.pp)]
             row["pp_bubble_s"] = [sum(v) / len(v) for v in per_stage]
         row.update(throughput(flops_per_token(self.cfg.model), tokens, out["step_time_s"], self.state.world,
                               bf16_peak_tflops(self.state.device)))
+        # ZeRO-3: the gathers' bytes (inside comm's dp bytes) per wire dtype, per step and rank
+        for dtype in sorted({k for *_, w in gathered for k in w}):
+            row[f"dp_gather_bytes_{dtype}"] = int(round(sum(w.get(dtype, 0) for *_, w in gathered) / len(gathered)))
         if self.moe_layers:
-            row["moe"] = moe_summary([s for _, _, s, _ in gathered if s is not None])
+            row["moe"] = moe_summary([s for _, _, s, *_ in gathered if s is not None])
         return row

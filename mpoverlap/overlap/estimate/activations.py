@@ -124,7 +124,29 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
         total += expert_tokens * (3 * k * H * c + k * per_copy * (fe // etp) * c)
     else:
         total += tokens_tp * mult * m.ffn_hidden_size * c // lo.tp
-    return total
+    return total + fp8_gathered_input_bytes(cfg, lo, i, c, tokens_res, tokens_tp)
+
+
+def fp8_gathered_input_bytes(cfg: Any, lo: Layout, i: int, c: int, tokens_res: int, tokens_tp: int) -> int:
+    """What layer i's column-parallel FP8 GEMMs change under SP with FP8 gathers
+    (comm.fp8_sp_gathers; tensor_parallel/linear_functions.py): each keeps the gathered e4m3
+    input for its weight gradient (1 byte an element, every position) instead of its local
+    chunk in c (a shared expert's chunk is its own copy, not the router's); a chunk another GEMM
+    also keeps (MLA's q_proj input, the down-projections') stays. 0 in every other layout."""
+    from mpoverlap.overlap.estimate.comm import fp8_sp_gathers
+
+    if not fp8_sp_gathers(cfg, lo):
+        return 0
+    m = cfg.model
+    H = m.hidden_size
+    moe = is_moe_layer(m, i)
+    mlp = 0 if moe and not m.shared_expert else H  # the dense MLP's or the shared expert's input
+    if is_latent(m):  # q_b_proj's and kv_b_proj's latents (q_proj: the block's norm output, kept)
+        r = m.q_lora_rank
+        attn, attn_local = (r if r else H) + m.kv_lora_rank, (r if r else 0) + m.kv_lora_rank
+    else:
+        attn, attn_local = H, H
+    return tokens_tp * (attn + mlp) - tokens_res * (attn_local + mlp) * c
 
 
 def head_activation_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int) -> int:

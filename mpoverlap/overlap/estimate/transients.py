@@ -4,8 +4,12 @@ the heaviest-stage estimate (core.py): the step's weight casts and the loss's ba
   weight_casts    under bf16 autocast every weight a GEMM reads is cast to bf16 once a step and
                   the cast kept until the step ends (precision.step_cast_cache: the linears, the
                   tensor-parallel layers, the experts' stacks, the tied head; autocast's own cache
-                  for the rest): c bytes per parameter of the stage, but for an untied input
-                  embedding (a lookup: not cast) and 1-D weights (norms, biases: fp32 math).
+                  for the rest): c bytes per parameter of the stage, but for what the forward
+                  reads as it is (estimate.params.read_as_is_params: the norms, the routers, the
+                  biases (cast at each use), an untied input embedding: a lookup). Under
+                  train.precision=fp8 the grouped experts hold no cast either: their FP8 products
+                  quantize the fp32 stacks at each call (precision/fp8_grouped.py), the e4m3
+                  copies living one GEMM long.
                   Under ZeRO-3 the weights are gathered and cast at each use: one unit's cast at a
                   time, inside the gathered working set's order of magnitude: not counted. fp32: 0.
   loss_backward   the last chunk's loss backward runs while every layer of that microbatch still
@@ -31,15 +35,18 @@ from mpoverlap.overlap.layout import Layout
 def weight_cast_bytes(cfg: Any, lo: Layout, stage: int, params: int, compute_bytes: int) -> int:
     """The bf16 copies of the stage's weights a step keeps (see the module docstring)."""
     from mpoverlap.data_parallel.levels import resolve_level
+    from mpoverlap.overlap.estimate.params import read_as_is_params, stage_params
     from mpoverlap.overlap.estimate.sharding import embedding_params
 
     t = cfg.train
     level = resolve_level(getattr(t, "dp_sharding", "none"), bool(getattr(t, "distributed_optimizer", False)))
     if compute_bytes >= 4 or level == "optim_grads_params":
         return 0
-    cast = params
-    if stage == 0 and not cfg.model.tie_embeddings:
-        cast -= embedding_params(cfg, lo)  # the input embedding: a lookup, never cast
+    cast = params - read_as_is_params(cfg, lo, stage)
+    if stage == head_stage(cfg, lo) and cfg.model.tie_embeddings:
+        cast += embedding_params(cfg, lo)  # the tied head casts the embedding it reads as is
+    if str(getattr(t, "precision", "fp32")) == "fp8":
+        cast -= stage_params(cfg, lo, stage, expert_only=True)  # the FP8 grouped experts: no cast kept
     return compute_bytes * max(0, cast)
 
 

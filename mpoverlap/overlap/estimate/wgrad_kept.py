@@ -63,7 +63,8 @@ def layer_wgrad_kept(cfg: Any, lo: Any, i: int, conv: Any, micro_batch: int) -> 
         mi, mg = _mlp_kept(H, m.ffn_hidden_size // tp, swiglu)
         inputs, grads = inputs + mi, grads + mg
         shared += m.ffn_hidden_size // tp + (0 if sp else H)
-        return tokens_tp * (inputs + grads) * c + res_kept, tokens_tp * shared * c + res_shared
+        return _fp8_gathered(cfg, lo, i, c, tokens_tp, tokens_tp * (inputs + grads) * c + res_kept,
+                             tokens_tp * shared * c + res_shared)
     total, shared_bytes = tokens_tp * (inputs + grads) * c + res_kept, tokens_tp * shared * c + res_shared
     etp = etp_size(cfg)
     expert_tokens = tokens_tp if etp > 1 or not sp else tokens_tp // tp
@@ -75,7 +76,23 @@ def layer_wgrad_kept(cfg: Any, lo: Any, i: int, conv: Any, micro_batch: int) -> 
         si, sg = _mlp_kept(H, width // tp, swiglu)
         total += tokens_tp * (si + sg) * c
         shared_bytes += tokens_tp * (width // tp) * c
-    return total, shared_bytes
+    return _fp8_gathered(cfg, lo, i, c, tokens_tp, total, shared_bytes)
+
+
+def _fp8_gathered(cfg: Any, lo: Any, i: int, c: int, tokens_tp: int, kept: int, shared: int) -> Tuple[int, int]:
+    """(kept, shared) with SP's FP8 gathers (comm.fp8_sp_gathers): a column GEMM's closure keeps
+    the forward's gathered e4m3 input (1 byte an element, saved as an activation too) where it
+    kept the compute-dtype re-gather (c, B's own)."""
+    from mpoverlap.overlap.estimate.comm import fp8_sp_gathers
+
+    if not fp8_sp_gathers(cfg, lo):
+        return kept, shared
+    m = cfg.model
+    H = m.hidden_size
+    attn = ((m.q_lora_rank or H) + m.kv_lora_rank) if latent.is_latent(m) else H
+    mlp = H if not is_moe_layer(m, i) or m.shared_expert else 0
+    width = tokens_tp * (attn + mlp)
+    return kept - width * (c - 1), shared + width
 
 
 def layer_wgrad_kept_bytes(cfg: Any, lo: Any, i: int, conv: Any, micro_batch: int) -> int:
