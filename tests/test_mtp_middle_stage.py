@@ -8,7 +8,8 @@ microbatches; the groups hold the right stages; the rule accepts the middle stag
 aside); the estimate counts the copies where the chunks hold them. Parity: pp 3 with the depths
 on stage 1 reproduces the SINGLE-PROCESS run within 1e-5 relative (fp32) in the LM loss, the MTP
 loss and the gradient norm of every step, in the final weights (copies included) and in the
-validation loss: 1f1b tied and untied, zb1p untied, dp 2 x pp 3 tied."""
+validation loss: 1f1b tied and untied, zb1p untied, dp 2 x pp 3 tied. Checkpoints resume
+between pp 1 and the depths on stage 1 of pp 3, both ways."""
 import os
 import sys
 
@@ -171,3 +172,31 @@ def test_mtp_on_a_middle_stage_reproduces_the_single_process_run(runs, name):
     from test_mtp_stage import assert_matches_single_process
 
     assert_matches_single_process(runs[REFS[name]], runs[name], name, 3, tied=not name.startswith("untied"))
+
+
+@pytest.mark.slow
+def test_checkpoints_with_the_depths_on_a_middle_stage_resume_across_layouts(tmp_path):
+    """A checkpoint written with the depths on stage 1 of pp 3 (its copies, all on stage 1, not
+    written) resumes at pp 1, and one written at pp 1 resumes with the depths on stage 1 (the MTP
+    chunk's copies filled from the saved embedding and output layer): each chain's LM and MTP
+    losses are the uninterrupted single-process run's, within 1e-5 (untied: both copies)."""
+    import json
+
+    from inproc_train import run_chains
+
+    common = [*BASE, *UNTIED, "train.log_interval=1", "train.lr_decay_steps=4", "checkpoint.interval=2"]
+    single, middle = [*common, "parallel.dp=1"], [*common, *MIDDLE, "parallel.dp=1"]
+    run_chains({"ref": [(1, single, 4)], "out": [(3, middle, 2), (1, single, 4)],
+                "in": [(1, single, 2), (3, middle, 4)]}, tmp_path)
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if "grad_norm" in r}
+
+    ref = rows("ref")
+    for name in ("out", "in"):
+        got = rows(name)
+        assert sorted(got) == [1, 2, 3, 4]
+        for step in (3, 4):
+            for key in ("loss", "mtp_loss"):
+                assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (name, step, key)
