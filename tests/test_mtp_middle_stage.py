@@ -8,7 +8,7 @@ microbatches; the groups hold the right stages; the rule accepts the middle stag
 aside); the estimate counts the copies where the chunks hold them. Parity: pp 3 with the depths
 on stage 1 reproduces the SINGLE-PROCESS run within 1e-5 relative (fp32) in the LM loss, the MTP
 loss and the gradient norm of every step, in the final weights (copies included) and in the
-validation loss: 1f1b tied and untied, zb1p untied, dp 2 x pp 3 tied. Checkpoints resume
+validation loss: 1f1b tied and untied, zb1p untied, interleaved vpp 2 tied, dp 2 x pp 3 tied. Checkpoints resume
 between pp 1 and the depths on stage 1 of pp 3, both ways."""
 import os
 import sys
@@ -154,15 +154,24 @@ LAYOUTS = {
     "untied_middle_1f1b": (3, [*UNTIED, *MIDDLE, "parallel.dp=1"]),
     "untied_middle_zb1p": (3, [*UNTIED, *MIDDLE, "parallel.pp_schedule=zb1p", "parallel.dp=1"]),
     "middle_dp2": (6, [*MIDDLE, "parallel.dp=2"]),
+    # six layers: two chunks per stage, the MTP chunk vchunk 2 of stage 1
+    "ref6": (1, ["parallel.dp=1"]),
+    "middle_interleaved": (3, [*MIDDLE, "parallel.vpp=2", "parallel.pp_schedule=interleaved", "parallel.dp=1"]),
 }
+SIX_LAYERS = ("ref6", "middle_interleaved")
 REFS = {name: ("untied_ref" if name.startswith("untied") else "ref") for name in LAYOUTS if "middle" in name}
+REFS["middle_interleaved"] = "ref6"
+
+
+def _base(name):
+    return [o.replace("num_layers=3", "num_layers=6") for o in BASE] if name in SIX_LAYERS else BASE
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from test_mtp_stage import run_layouts
 
-    every = {n: (w, [*BASE, *ov]) for n, (w, ov) in LAYOUTS.items()}
+    every = {n: (w, [*_base(n), *ov]) for n, (w, ov) in LAYOUTS.items()}
     return run_layouts(tmp_path_factory.mktemp("mtp_middle"), every, STEPS)
 
 
