@@ -127,8 +127,9 @@ class ParallelConfig:
     # WORLD_SIZE is used and must agree.
     world_size: Any = None
     # The stage that runs the MTP depths (model.mtp_num_layers): -1 = the stage of the head's
-    # chunk (the last stage; stage 0 in zbv's V), or 0: in a loop schedule the depths are then a
-    # model chunk of their own on stage 0, fed the final hidden state (docs/models.md).
+    # chunk (the last stage; stage 0 in zbv's V), or in a loop schedule any stage s < pp-1: the
+    # depths are then a model chunk of their own on stage s, fed the final hidden state
+    # (docs/models.md).
     mtp_stage: int = -1
 
 

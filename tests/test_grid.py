@@ -38,6 +38,9 @@ def test_partitions_and_coords(grid):
             stages = {0, grid.pp - 1}
             assert flat == sorted(r for r in range(W) if grid.coords(r).pp in stages)
             continue
+        if kind.startswith("mtp_"):  # only with a middle mtp_stage (test_mtp_middle_stage.py)
+            assert groups == [], kind
+            continue
         assert flat == list(range(W)), kind  # a partition of the world
         assert all(len(g) == sizes[kind] for g in groups), kind
     # Members of a group share every other coordinate and cover the group's one in full

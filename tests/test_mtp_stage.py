@@ -101,27 +101,36 @@ def _train(rank, world, specs, root):
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def run_layouts(root, every, steps):
+    """{name: rows of rank 0, weights of every rank} of each (world, overrides) in `every`."""
     from dist_harness import run_distributed
 
-    root = tmp_path_factory.mktemp("mtp_stage")
     results = {}
-    every = {**{n: (w, [*BASE, *ov]) for n, (w, ov) in LAYOUTS.items()}, **FULL_LAYOUTS}
     for world in sorted({w for w, _ in every.values()}):
-        specs = {n: (w, ov, STEPS) for n, (w, ov) in every.items() if w == world}
+        specs = {n: (w, ov, steps) for n, (w, ov) in every.items() if w == world}
         per_rank = run_distributed(_train, world, specs, str(root), timeout_s=900)
         for name in specs:
             results[name] = {"rows": per_rank[0][name]["rows"], "weights": [r[name]["weights"] for r in per_rank]}
     return results
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    every = {**{n: (w, [*BASE, *ov]) for n, (w, ov) in LAYOUTS.items()}, **FULL_LAYOUTS}
+    return run_layouts(tmp_path_factory.mktemp("mtp_stage"), every, STEPS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(REFS))
 def test_mtp_on_the_first_stage_reproduces_the_single_process_run(runs, name):
+    assert_matches_single_process(runs[REFS[name]], runs[name], name, 2, tied=not name.startswith(("untied", "v3")))
+
+
+def assert_matches_single_process(ref, got, name, pp, tied):
+    """`got`'s losses, gradient norms, validation loss and final weights (every copy, on every
+    rank of its `pp` stages) against the single-process run `ref`."""
     import numpy as np
 
-    ref, got = runs[REFS[name]], runs[name]
     assert got["rows"][-1]["val_loss"] == pytest.approx(ref["rows"][-1]["val_loss"], rel=1e-5)
     for key in ("loss", "mtp_loss", "grad_norm"):
         for i, (a, b) in enumerate(zip([r[key] for r in got["rows"]], [r[key] for r in ref["rows"]])):
@@ -138,8 +147,7 @@ def test_mtp_on_the_first_stage_reproduces_the_single_process_run(runs, name):
     assert set(held) == set(ref_w)
     for n, copies in held.items():  # replicas and copies (the MTP chunk's too) stay exactly equal
         assert all(np.array_equal(w, copies[0]) for w in copies), n
-    dp = len(got["weights"]) // 2
-    tied = not name.startswith(("untied", "v3"))
+    dp = len(got["weights"]) // pp
     assert len(held["embedding.weight"]) == (3 if tied else 2) * dp  # chunk 0's, the MTP chunk's (, the head's)
     assert tied or len(held["output.weight"]) == 2 * dp  # the head's, the MTP chunk's
 
@@ -170,14 +178,15 @@ def test_the_mtp_chunk_holds_the_depths_and_copies_on_stage_0():
 
 
 @pytest.mark.parametrize("overrides,fix", [
-    (["parallel.pp=4", "parallel.mtp_stage=1"], "parallel.mtp_stage=0"),
+    (["parallel.pp=4", "parallel.mtp_stage=1", "parallel.dp=2", "train.dp_sharding=optim_grads"],
+     "train.dp_sharding=optim"),
     (["parallel.pp=2", "parallel.mtp_stage=0", "parallel.dp=2", "train.dp_sharding=optim_grads_params"],
      "train.dp_sharding=optim"),
     (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", "parallel.mtp_stage=1"], "parallel.mtp_stage=0"),
 ])
 def test_what_stays_refused(overrides, fix):
-    """A middle stage (outside the embedding group), ZeRO-2/3 beside the MTP chunk, and in zbv's V
-    any stage but the head's (0)."""
+    """ZeRO-2/3 beside the MTP chunk (on stage 0 or a middle stage), and in zbv's V any stage but
+    the head's (0)."""
     from mpoverlap.config import compose
     from mpoverlap.overlap import validate
 

@@ -2,13 +2,14 @@
 
 The MTP depths run on the chunk with the head and read a copy of the embedding there, summed
 over the embedding group like a tied head's (training/pipeline_glue.py, `shares_embedding`); in
-zbv's V that chunk is on stage 0 beside the embedding, one module for both. parallel.mtp_stage=0
-in a loop schedule (1f1b, interleaved, zb1p) makes the depths a model chunk of their own on
-stage 0 (the "loop_mtp" layout: pipeline/actions.py, models/mtp_chunk.py), fed the final hidden
-state by the head's stage, with copies of the embedding and of an untied output layer summed
-with the originals (training/pipeline_ties.py). What that machinery cannot carry is refused
-here rather than run wrong: a middle stage (the embedding group holds the first and the last
-stage only), and ZeRO-2/3 beside the MTP chunk (its copies would need units of their own).
+zbv's V that chunk is on stage 0 beside the embedding, one module for both. parallel.mtp_stage=s
+below the last stage in a loop schedule (1f1b, interleaved, zb1p) makes the depths a model chunk
+of their own on stage s (the "loop_mtp" layouts: pipeline/actions.py, models/mtp_chunk.py), fed
+the final hidden state by the head's stage, with copies of the embedding and of an untied output
+layer summed with the originals (training/pipeline_ties.py; on a middle stage over groups of the
+stages holding them, parallel/grid.py's mtp_* kinds). What that machinery cannot carry is refused
+here rather than run wrong: a stage other than 0 in zbv's V, and ZeRO-2/3 beside the MTP chunk
+(its copies would need units of their own).
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def head_stage(pp: int, pp_schedule: str) -> int:
 
 @rule("mtp.stage", "pp", ("parallel.mtp_stage", "model.mtp_num_layers", "parallel.pp", "parallel.pp_schedule",
                          "train.dp_sharding", "overlap.ep_pairing"),
-      "parallel.mtp_stage is -1, the stage of the head's chunk (the last; 0 in zbv's V), or 0 in a loop "
-      "schedule (the depths a chunk of their own there, ZeRO-2/3 aside), and is set only with MTP depths")
+      "parallel.mtp_stage is -1, the stage of the head's chunk (the last; 0 in zbv's V), or in a loop "
+      "schedule any other stage (the depths a chunk of their own there, ZeRO-2/3 aside), and is set only "
+      "with MTP depths")
 def _stage(lo: Layout):
     from mpoverlap.overlap.dp_rules import sharding_level
 
@@ -59,25 +61,24 @@ def _stage(lo: Layout):
     head = head_stage(pp, c.parallel.pp_schedule)
     if s == head:
         return
-    if s != 0:
+    if head == 0:
         yield Problem("mtp.stage", {"parallel.mtp_stage": s, "parallel.pp": pp,
                                     "parallel.pp_schedule": c.parallel.pp_schedule},
-                      f"the depths run on the head's stage ({head}) or, in a loop schedule, on stage 0 as a chunk "
-                      "of their own, their copies of the embedding and output head summed over the embedding "
-                      f"group (the first and the last stage); stage {s} is neither",
-                      ["parallel.mtp_stage=0", "parallel.mtp_stage=-1"])
+                      "zbv's V holds the head and the embedding on stage 0, where the depths run; a chunk of "
+                      f"their own on stage {s} is built for the loop schedules (1f1b, interleaved, zb1p) only",
+                      ["parallel.mtp_stage=0", "parallel.pp_schedule=zb1p"])
         return
     if lo.mode("ep_pairing") == "true":
         yield Problem("mtp.stage", {"parallel.mtp_stage": s, "overlap.ep_pairing": True, "parallel.pp": pp},
-                      "the depths' chunk of their own on stage 0 runs in the unpaired loop tables only: the "
+                      "the depths' chunk of their own runs in the unpaired loop tables only: the "
                       "paired tables have no sub-step program for it (the head's stage runs the depths in "
-                      "the head chunk's sub-step, paired; or keep stage 0 with overlap.ep_pairing=false)",
+                      "the head chunk's sub-step, paired; or keep that stage with overlap.ep_pairing=false)",
                       ["parallel.mtp_stage=-1"])
         return
     level = sharding_level(c)
     if level in ("optim_grads", "optim_grads_params"):
         yield Problem("mtp.stage", {"parallel.mtp_stage": s, "train.dp_sharding": level, "parallel.pp": pp},
-                      "the depths' chunk on stage 0 holds copies of the embedding and output head whose "
+                      f"the depths' chunk on stage {s} holds copies of the embedding and output head whose "
                       "gradients are summed with the originals' after the reduction; ZeRO-2/3 units for "
                       "those copies are not built",
                       ["train.dp_sharding=optim", "parallel.mtp_stage=-1"])

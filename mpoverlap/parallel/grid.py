@@ -27,7 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List
 
-GROUP_KINDS = ("tp", "cp", "tp_cp", "dp", "dp_cp", "pp", "ep", "edp", "tp_edp", "mp", "embedding")
+GROUP_KINDS = ("tp", "cp", "tp_cp", "dp", "dp_cp", "pp", "ep", "edp", "tp_edp", "mp", "embedding",
+               "mtp_tied", "mtp_embedding", "mtp_output")
+# The kinds of the MTP chunk's copies on a middle stage s (parallel.mtp_stage, 0 < s < pp-1), by
+# the stages their groups hold: a tied embedding on {0, s, pp-1}, an untied one on {0, s}, the
+# untied output layer on {s, pp-1} (training/pipeline_ties.py). No groups for another mtp_stage.
+MTP_GROUP_STAGES = {"mtp_tied": lambda s, last: (0, s, last), "mtp_embedding": lambda s, last: (0, s),
+                    "mtp_output": lambda s, last: (s, last)}
 # Kinds the grid describes whose communicators are another kind's (etp: the tp group).
 ALIAS_KINDS = ("etp",)
 
@@ -44,7 +50,9 @@ class RankCoords:
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Sizes of each dimension. `world == tp * cp * dp * pp`; `ep` divides `dp * cp`."""
+    """Sizes of each dimension. `world == tp * cp * dp * pp`; `ep` divides `dp * cp`.
+    `mtp_stage`: the stage of an MTP chunk of its own (parallel.mtp_stage; -1 none), for the
+    mtp_* kinds."""
 
     tp: int = 1
     cp: int = 1
@@ -52,6 +60,7 @@ class RankGrid:
     pp: int = 1
     ep: int = 1
     etp: int = 1
+    mtp_stage: int = -1
 
     def __post_init__(self) -> None:
         # Internal invariant: user-facing checks with fixes live in the rule engine, which runs
@@ -98,7 +107,8 @@ class RankGrid:
 
     def groups(self, kind: str) -> List[List[int]]:
         """Every group of `kind`, each a sorted list of global ranks; together they partition
-        the world (except `embedding`, which covers the first and last pipeline stage only)."""
+        the world (except `embedding`, which covers the first and last pipeline stage only, and
+        the mtp_* kinds, MTP_GROUP_STAGES' stages, with a middle `mtp_stage` only)."""
         if kind not in GROUP_KINDS + ALIAS_KINDS:
             raise ValueError(f"unknown group kind {kind!r}; one of {GROUP_KINDS + ALIAS_KINDS}")
         T, C, D, P, E = self.tp, self.cp, self.dp, self.pp, self.ep
@@ -139,10 +149,14 @@ class RankGrid:
         elif kind == "embedding":
             stages = sorted({0, P - 1})
             out = [[self.rank(t, c, d, p) for p in stages] for d in range(D) for c in range(C) for t in range(T)]
+        elif kind in MTP_GROUP_STAGES and 0 < self.mtp_stage < P - 1:
+            stages = MTP_GROUP_STAGES[kind](self.mtp_stage, P - 1)
+            out = [[self.rank(t, c, d, p) for p in stages] for d in range(D) for c in range(C) for t in range(T)]
         return [sorted(g) for g in out]
 
     def group_of(self, kind: str, rank: int) -> List[int]:
-        """The ranks of `rank`'s group of `kind` (empty for `embedding` on a middle stage)."""
+        """The ranks of `rank`'s group of `kind` (empty for `embedding` on a middle stage, and
+        for an mtp_* kind on a stage its groups leave out)."""
         for group in self.groups(kind):
             if rank in group:
                 return group

@@ -9,6 +9,10 @@ loss) and placed on stages by a layout:
   loop placement plus one terminal chunk N = pp*vpp holding the multi-token prediction depths,
   which the formula puts on stage 0 as local vchunk vpp. The head's chunk N-1 sends its last
   block's output there and receives its gradient back like any middle chunk.
+  With parallel.mtp_stage=s on a middle stage (0 < s < pp-1) the layout value carries s and vpp
+  ("loop_mtp:s:vpp", `loop_mtp_layout`): chunk N is local vchunk vpp of stage s, every other
+  chunk where the loop formula puts it. The formula alone cannot say which chunk is N there
+  (it would put pp*vpp on stage 0), hence vpp in the value.
 - "v" (zbv, exactly two chunks per stage): stage s holds chunk s (vchunk 0) and chunk
   2pp-1-s (vchunk 1), so stage 0 holds the first and the last chunk, and the hand-over from
   chunk pp-1 to chunk pp stays on stage pp-1 (a "local" message: no p2p).
@@ -39,21 +43,53 @@ LOOP, LOOP_MTP, V_SHAPE = "loop", "loop_mtp", "v"
 CHUNK_LAYOUTS = (LOOP, LOOP_MTP, V_SHAPE)
 
 
+def loop_mtp_layout(stage: int, vpp: int) -> str:
+    """The loop_mtp layout with the MTP chunk on `stage` (vpp main chunks per stage)."""
+    return LOOP_MTP if stage == 0 else f"{LOOP_MTP}:{int(stage)}:{int(vpp)}"
+
+
+def _middle_mtp(layout: str) -> Optional[Tuple[int, int]]:
+    """(stage, vpp) of a loop_mtp layout whose MTP chunk is on a stage other than 0, else None."""
+    if isinstance(layout, str) and layout.startswith(LOOP_MTP + ":"):
+        _, stage, vpp = layout.split(":")
+        return int(stage), int(vpp)
+    return None
+
+
+def mtp_stage_of(layout: str) -> Optional[int]:
+    """The stage of a loop_mtp layout's MTP chunk; None for a layout without one."""
+    if layout == LOOP_MTP:
+        return 0
+    middle = _middle_mtp(layout)
+    return None if middle is None else middle[0]
+
+
+def is_loop_mtp(layout: str) -> bool:
+    """Whether `layout` is a loop_mtp layout (the MTP depths a model chunk of their own)."""
+    return mtp_stage_of(layout) is not None
+
+
 def num_model_chunks(pp: int, vpp: int, layout: str = LOOP) -> int:
     """Model chunks of a layout with `vpp` main chunks per stage (loop_mtp: one more, the MTP chunk)."""
-    return pp * vpp + (1 if layout == LOOP_MTP else 0)
+    return pp * vpp + (1 if is_loop_mtp(layout) else 0)
 
 
 def chunk_index(stage: int, vchunk: int, pp: int, layout: str = LOOP) -> int:
     """Model chunk index of local virtual chunk `vchunk` on `stage`."""
     if layout == V_SHAPE:
         return stage if vchunk == 0 else 2 * pp - 1 - stage
+    middle = _middle_mtp(layout)
+    if middle is not None and (stage, vchunk) == middle:
+        return pp * vchunk
     return vchunk * pp + stage
 
 
 def stage_of(chunk: int, pp: int, layout: str = LOOP) -> int:
     if layout == V_SHAPE:
         return chunk if chunk < pp else 2 * pp - 1 - chunk
+    middle = _middle_mtp(layout)
+    if middle is not None and chunk == pp * middle[1]:
+        return middle[0]
     return chunk % pp
 
 
@@ -70,14 +106,18 @@ def is_local(message: "Message", pp: int, layout: str = LOOP) -> bool:
 
 def layout_of_tables(tables) -> str:
     """The chunk layout a set of per-stage action tables was built for (from their chunks):
-    loop_mtp when stage 0 holds one vchunk more than the last stage (the MTP chunk)."""
+    loop_mtp when a stage holds one vchunk more than the last stage (the MTP chunk), else loop
+    or the V."""
     pp = len(tables)
-    v_shaped = any(a.chunk != chunk_index(stage, a.vchunk, pp) for stage, t in enumerate(tables) for a in t)
-    if v_shaped:
+    vpp = main_vpp(tables)
+    layout = LOOP
+    if pp > 1:
+        extra = [stage for stage, t in enumerate(tables) if vpp < 1 + max((a.vchunk for a in t), default=-1)]
+        if extra:
+            layout = loop_mtp_layout(extra[0], vpp)
+    if any(a.chunk != chunk_index(stage, a.vchunk, pp, layout) for stage, t in enumerate(tables) for a in t):
         return V_SHAPE
-    if pp > 1 and main_vpp(tables) < 1 + max((a.vchunk for a in tables[0]), default=-1):
-        return LOOP_MTP
-    return LOOP
+    return layout
 
 
 def main_vpp(tables) -> int:

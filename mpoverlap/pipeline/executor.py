@@ -4,7 +4,7 @@ Contract for the caller (the training loop):
 
 - `forward_step(vchunk, microbatch, input_tensor)` runs local virtual chunk `vchunk` on one
   microbatch and returns its output activation (shape `tensor_shape`, dtype `dtype`); on the
-  last model chunk (stage pp-1, vchunk vpp-1; the MTP chunk on stage 0 in the loop_mtp
+  last model chunk (stage pp-1, vchunk vpp-1; the MTP chunk on its stage in a loop_mtp
   layout, pipeline/actions.py) it returns the scalar loss, already scaled by
   1/num_microbatches (backpropagated as is, grad None; returned per microbatch). On
   the first model chunk `input_tensor` is None and forward_step reads the data itself;
@@ -70,7 +70,7 @@ import torch
 
 from mpoverlap.comm.handle import CommHandle, named_range, now
 from mpoverlap.pipeline.actions import (BACKWARD, CHUNK_LAYOUTS, FORWARD, RECV, SEND, WEIGHT, Action,
-                                        Batch, Message, chunk_index)
+                                        Batch, Message, chunk_index, loop_mtp_layout)
 from mpoverlap.pipeline.p2p import StageP2P, verbose_from_env
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
@@ -89,9 +89,12 @@ class PipelineExecutor:
                              "the PairedChunks of this stage's chunks")
         self.paired = paired
         pp = len(pp_ranks)
-        # Loop layout: chunk = vchunk * pp + stage; the zbv V: stage s holds chunks s and 2pp-1-s.
+        # Loop layout: chunk = vchunk * pp + stage; the zbv V: stage s holds chunks s and 2pp-1-s;
+        # a middle stage's MTP chunk (its last vchunk v) is chunk v * pp.
+        top = max((a.vchunk for a in self.actions), default=0)
+        layouts = CHUNK_LAYOUTS + ((loop_mtp_layout(stage, top),) if 0 < stage < len(pp_ranks) - 1 else ())
         bad = [a for a in self.actions
-               if a.chunk not in (chunk_index(stage, a.vchunk, pp, layout) for layout in CHUNK_LAYOUTS)]
+               if a.chunk not in (chunk_index(stage, a.vchunk, pp, layout) for layout in layouts)]
         if bad:
             raise ValueError(f"actions {bad[:3]} belong to another stage than {stage} (pp={pp})")
         # Messages both produced and consumed here (the V's turn): handed over in memory.
@@ -108,8 +111,8 @@ class PipelineExecutor:
         verbose = verbose_from_env() if verbose is None else verbose
         self.p2p = StageP2P(stage, pp_ranks, group, ledger, verbose)
         self.num_microbatches = 1 + max((a.microbatch for a in self.actions), default=-1)
-        # The last model chunk: the one whose forward sends nothing (the loss; in the loop_mtp
-        # layout the MTP chunk on stage 0, the head's chunk then sending on like a middle one).
+        # The last model chunk: the one whose forward sends nothing (the loss; in a loop_mtp
+        # layout the MTP chunk on its stage, the head's chunk then sending on like a middle one).
         self.last_chunk = next((a.chunk for a in self.actions if a.kind == FORWARD and a.send is None), None)
         self.is_last_stage = self.last_chunk is not None
         # Index of the last backward (and W) of each vchunk, and of each message's consumer/producer.

@@ -19,8 +19,8 @@ Three steps, all pure:
    the same point with the same peer form one batch (at most one receive per batch, so a
    wait never holds a compute hostage to a later receive).
 
-`vpp` is the main chunks per stage; in the loop_mtp layout stage 0 also runs the MTP chunk
-pp*vpp (actions.py), its vchunk vpp.
+`vpp` is the main chunks per stage; in a loop_mtp layout the MTP chunk's stage (0, or the
+middle stage the layout names) also runs the MTP chunk pp*vpp (actions.py), its vchunk vpp.
 
 A local message (both ends on one stage: zbv's turn at stage pp-1) has no ops: the compute
 order already runs its producer before its consumer on that stage.

@@ -31,17 +31,18 @@ multiples of pp would buy nothing. ZB-V needs vpp = 2 and m >= 2(pp-1): its warm
 forms and the bubble exceeds the fill (pp=4, m=4: 6 F instead of 3 F; the tests check the
 threshold with `simulated_bubble_time`).
 
-MTP chunk (`mtp_chunk=True`, parallel.mtp_stage=0 in a loop layout at pp >= 2; the "loop_mtp"
-layout of actions.py): the base table above, then per microbatch m the MTP chunk's forward and
-its full backward (no W, also in zb1p) inserted back to back into stage 0's order, before the
-first base compute that starts, in the base table's unit-cost timing (simulate_compute), at or
-after the end of F(head chunk, m) (`insert_mtp_chunk`). Why it cannot deadlock: key every base
-compute by its start time and the two inserted ones by that end time t_m (ahead of a base
-compute of equal key); every base dependency ends before its dependant starts (costs are
-positive), F(head, m) starts before t_m, B(head, m) starts after F(head, m) ends, and stage 0's
-order is increasing in that key by construction; so every dependency of the new orders goes to
-a strictly smaller key, the dependency graph is acyclic, and the posting programs built on its
-timing are deadlock-free as for any other order (program.py).
+MTP chunk (`mtp_chunk=True`, parallel.mtp_stage=s < pp-1 in a loop layout at pp >= 2; the
+"loop_mtp" layouts of actions.py): the base table above, then per microbatch m the MTP chunk's
+forward and its full backward (no W, also in zb1p) inserted back to back into stage s's order,
+before the first base compute that starts, in the base table's unit-cost timing
+(simulate_compute), at or after the end of F(head chunk, m) (`insert_mtp_chunk`). Why it cannot
+deadlock, for any s: key every base compute by its start time and the two inserted ones by that
+end time t_m (ahead of a base compute of equal key); every base dependency ends before its
+dependant starts (costs are positive), F(head, m) starts before t_m, B(head, m) starts after
+F(head, m) ends, and stage s's order is increasing in that key by construction; so every
+dependency of the new orders goes to a strictly smaller key, the dependency graph is acyclic,
+and the posting programs built on its timing are deadlock-free as for any other order
+(program.py).
 
 The p2p posting programs (both overlap modes) come from `program.posting_programs`; see
 there why they cannot deadlock. `validate_schedule` (validate.py) re-checks everything.
@@ -51,8 +52,8 @@ from __future__ import annotations
 import functools
 from typing import List, Set
 
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP, LOOP_MTP, V_SHAPE, WEIGHT, Action,
-                                        ScheduleError, chunk_index, input_message, layout_of_tables,
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP, V_SHAPE, WEIGHT, Action, ScheduleError,
+                                        chunk_index, input_message, layout_of_tables, loop_mtp_layout,
                                         main_vpp, num_model_chunks, output_message)
 from mpoverlap.pipeline.paired import paired_order
 from mpoverlap.pipeline.program import ComputeOrder, posting_programs, simulate_compute
@@ -239,44 +240,47 @@ def _plain_orders(kind: str, pp: int, vpp: int, num_microbatches: int) -> List[C
     return orders
 
 
-def insert_mtp_chunk(orders: List[ComputeOrder], pp: int, vpp: int) -> List[ComputeOrder]:
+def insert_mtp_chunk(orders: List[ComputeOrder], pp: int, vpp: int, stage: int = 0) -> List[ComputeOrder]:
     """The loop-layout orders with the MTP chunk's F and B of every microbatch inserted into
-    stage 0's order (see the module docstring: placement and why it cannot deadlock)."""
+    `stage`'s order (see the module docstring: placement and why it cannot deadlock)."""
     if pp < 2:
         raise ScheduleError(f"the MTP chunk of the loop_mtp layout needs pp >= 2, got pp={pp}")
+    if not 0 <= stage < pp - 1:
+        raise ScheduleError(f"the MTP chunk runs on a stage 0 .. {pp - 2} (pp-1 holds the head), got {stage}")
     weights = any(kind == WEIGHT for order in orders for kind, _, _ in order)
     times = (simulate_compute(orders, pp, vpp, 1, 1, 1) if weights else simulate_compute(orders, pp, vpp))
     head = pp - 1
     ready = {mb: end for (kind, mb, v), (_, end) in zip(orders[head], times[head])
              if kind == FORWARD and v == vpp - 1}
-    starts = [start for start, _ in times[0]]
+    starts = [start for start, _ in times[stage]]
     out: ComputeOrder = []
     pending = sorted(ready, key=lambda mb: (ready[mb], mb))
-    for action, start in zip(orders[0], starts):
+    for action, start in zip(orders[stage], starts):
         while pending and ready[pending[0]] <= start:
             mb = pending.pop(0)
             out += [(FORWARD, mb, vpp), (BACKWARD, mb, vpp)]
         out.append(action)
     for mb in pending:
         out += [(FORWARD, mb, vpp), (BACKWARD, mb, vpp)]
-    return [out] + [list(order) for order in orders[1:]]
+    return [out if s == stage else list(order) for s, order in enumerate(orders)]
 
 
 def build_schedule(kind: str, pp: int, vpp: int, num_microbatches: int,
-                   pairing: bool = False, mtp_chunk: bool = False) -> List[List[Action]]:
+                   pairing: bool = False, mtp_chunk: bool = False, mtp_stage: int = 0) -> List[List[Action]]:
     """One list of Actions per stage, with both posting programs (overlap off and on).
     `pairing`: the paired table (overlap.ep_pairing, paired.py): steady-state forwards marked
     `paired`, each run with the backward after it as one overlapped action. `mtp_chunk`: the
-    loop_mtp layout, the MTP chunk pp*vpp on stage 0 (`insert_mtp_chunk`; loop layouts
-    without pairing)."""
+    loop_mtp layout, the MTP chunk pp*vpp on stage `mtp_stage` (`insert_mtp_chunk`; loop
+    layouts without pairing)."""
     orders = compute_orders(kind, pp, vpp, num_microbatches, pairing)
     paired = paired_forwards(kind, pp, vpp, num_microbatches) if pairing else [set() for _ in orders]
     layout = chunk_layout(kind)
     if mtp_chunk:
         if layout != LOOP or pairing:
-            raise ScheduleError(f"the MTP chunk on stage 0 is built for the loop layouts without pairing, "
+            raise ScheduleError(f"the MTP chunk of its own is built for the loop layouts without pairing, "
                                 f"not {kind!r} (pairing={pairing})")
-        orders, layout = insert_mtp_chunk(orders, pp, vpp), LOOP_MTP
+        orders = insert_mtp_chunk(orders, pp, vpp, mtp_stage)
+        layout = loop_mtp_layout(mtp_stage, vpp)
     programs = posting_programs(orders, pp, vpp, layout, paired)
     num_chunks = num_model_chunks(pp, vpp, layout)
     tables = []

@@ -4,7 +4,7 @@ Checked, for the whole table and for both posting programs (overlap off and on):
 
 1. Coverage: every stage runs exactly one F and one B per (microbatch, local vchunk), F first;
    a table with W actions (zero-bubble) has exactly one W per B, after it, on the same stage
-   (W sends and receives nothing); the MTP chunk of the loop_mtp layout (stage 0's vchunk
+   (W sends and receives nothing); the MTP chunk of a loop_mtp layout (its stage's vchunk
    vpp, actions.py) has an F and a full B per microbatch and no W.
 2. Data flow: each compute's `recv` / `send` is the activation of the previous model chunk /
    the gradient of the next one for the same microbatch, with the chunks placed by the
@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Dict, List, Tuple
 
-from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, LOOP_MTP, RECV, SEND, V_SHAPE, WEIGHT, Action,
+from mpoverlap.pipeline.actions import (BACKWARD, FORWARD, RECV, SEND, V_SHAPE, WEIGHT, Action,
                                         Message, ScheduleError, chunk_index, input_message,
-                                        is_local, layout_of_tables, main_vpp, num_model_chunks,
+                                        is_local, layout_of_tables, main_vpp, mtp_stage_of, num_model_chunks,
                                         output_message, stage_of)
 
 Step = Tuple[str, object]  # ("post", Batch) | ("compute", action_index)
@@ -64,7 +64,7 @@ def _check_structure(tables: List[List[Action]], layout: str, problems: List[str
         for kind in set(seen_kind for seen_kind, _, _ in seen) - set(kinds):
             problems.append(f"stage {stage}: unknown action kind {kind!r}")
         expected = {(kind, v): 1 for v in range(vpp) for kind in kinds}
-        if layout == LOOP_MTP and stage == 0:  # the MTP chunk (vchunk vpp): an F and a full B, no W
+        if stage == mtp_stage_of(layout):  # the MTP chunk (vchunk vpp): an F and a full B, no W
             expected.update({(kind, vpp): int(kind != WEIGHT) for kind in kinds})
         for mb in range(mbs):
             for (kind, v), count in expected.items():

@@ -108,7 +108,7 @@ class Trainer(Resumable, RunLoop):
         self.sequence_parallel_params = [p for c in self.chunks for p in c.sequence_parallel_params()
                                          if not (expert_kind == "tp_edp" and getattr(p, "expert_parallel", False))]
         # Weights held twice in the pipeline (training/pipeline_ties.py): the tied embedding on
-        # the first and the last stage, the MTP chunk's copies of the loop_mtp layout; their
+        # the first and the last stage, the MTP chunk's copies of the loop_mtp layouts; their
         # gradients add up (zbv's V holds both ends on stage 0: one parameter, nothing to add).
         self.ties = PipelineTies([(self.dp_names[n], p) for n, p in self.model.named_parameters()],
                                  pipeline_ties(cfg.model, self.pp, layout))
@@ -227,7 +227,7 @@ class Trainer(Resumable, RunLoop):
             # Every copy gets the sum of their gradients: full gradients, or under ZeRO-1/2/3 the
             # same shard on both stages (each copy is a bucket of its own, split alike; under
             # ZeRO-1 the rest of .grad is unreduced and never read).
-            self.ties.sum_grads(self.ddp, self.state.group("embedding"), self.ledger)
+            self.ties.sum_grads(self.ddp, self.state.group, self.ledger)
         if self.sequence_parallel_params:
             # Norm weights saw only this rank's S/tp positions: sum their gradients over TP
             # (under ZeRO-2/3 the shards: TP peers have the same buckets and shard rank).

@@ -2,8 +2,8 @@
 
 Model chunk k holds layers [k L / (pp vpp), (k+1) L / (pp vpp)); chunk 0 owns the embedding,
 chunk pp vpp - 1 the final norm, head and loss, and with MTP (model.mtp_num_layers) the
-depths. parallel.mtp_stage=0 in a loop schedule (the "loop_mtp" layout, `mtp_chunk_layout`)
-moves the depths to a chunk of their own, pp vpp, on stage 0 (models/mtp_chunk.py, with copies
+depths. parallel.mtp_stage=s < pp-1 in a loop schedule (the "loop_mtp" layouts, `mtp_chunk_layout`)
+moves the depths to a chunk of their own, pp vpp, on stage s (models/mtp_chunk.py, with copies
 of the embedding and an untied output layer): the head chunk's forward sends its last block's
 output there with its LM loss riding on it (`ride_loss`), and its backward receives that
 output's gradient back. The schedule's chunk layout (pipeline/actions.py)
@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from mpoverlap.models.gpt import GPT
 from mpoverlap.models.mtp_chunk import MTPChunk
-from mpoverlap.pipeline.actions import LOOP, LOOP_MTP, chunk_index, stage_of, vchunk_of
+from mpoverlap.pipeline.actions import (LOOP, chunk_index, is_loop_mtp, loop_mtp_layout, mtp_stage_of, stage_of,
+                                        vchunk_of)
 
 # The residual stream's dtype in every layout and precision (the fp32 master parameters').
 RESIDUAL_DTYPE = torch.float32
@@ -43,20 +44,20 @@ def chunk_layer_ids(num_layers: int, pp: int, vpp: int, stage: int, vchunk: int,
 
 def schedule_layout(parallel_cfg: Any, vpp: int, model_cfg: Any = None, pp: int = 1) -> str:
     """The chunk layout `parallel.pp_schedule` runs ("v" for zbv, else "loop"; with `model_cfg`
-    and `pp`, "loop_mtp" where the MTP depths are a chunk of their own, `mtp_chunk_layout`)."""
+    and `pp`, a loop_mtp layout where the MTP depths are a chunk of their own, `mtp_chunk_layout`)."""
     from mpoverlap.pipeline import chunk_layout, resolve_schedule
 
     layout = chunk_layout(resolve_schedule(getattr(parallel_cfg, "pp_schedule", "auto"), vpp))
     if model_cfg is not None and mtp_chunk_layout(model_cfg, parallel_cfg, pp, layout):
-        return LOOP_MTP
+        return loop_mtp_layout(int(parallel_cfg.mtp_stage), vpp)
     return layout
 
 
 def mtp_chunk_layout(model_cfg: Any, parallel_cfg: Any, pp: int, layout: str) -> bool:
-    """Whether the MTP depths are a chunk of their own on stage 0: parallel.mtp_stage=0 in a loop
-    layout at pp >= 2 (the head on the last stage; zbv's V holds the head on stage 0 already)."""
+    """Whether the MTP depths are a chunk of their own: parallel.mtp_stage=s with 0 <= s < pp-1 in
+    a loop layout at pp >= 2 (the head on the last stage; zbv's V holds the head on stage 0 already)."""
     return (layout == LOOP and pp > 1 and getattr(model_cfg, "mtp_num_layers", 0) > 0
-            and getattr(parallel_cfg, "mtp_stage", -1) == 0)
+            and 0 <= getattr(parallel_cfg, "mtp_stage", -1) < pp - 1)
 
 
 def shares_embedding(model_cfg: Any) -> bool:
@@ -67,35 +68,44 @@ def shares_embedding(model_cfg: Any) -> bool:
 def tie_spans_stages(model_cfg: Any, pp: int, layout: str) -> bool:
     """Whether the embedding has copies on two stages (first and last, summed over the
     embedding group): a tied head or MTP, pipelined in the loop layout; the V keeps both ends
-    on stage 0. In the loop_mtp layout: a tied head (the depths' copy is on stage 0)."""
-    if layout == LOOP_MTP:
+    on stage 0. In a loop_mtp layout: a tied head (the head's and the depths' copies)."""
+    if is_loop_mtp(layout):
         return bool(model_cfg.tie_embeddings)
     return shares_embedding(model_cfg) and pp > 1 and layout == LOOP
 
 
 def pipeline_ties(model_cfg: Any, pp: int, layout: str) -> dict:
-    """{layout-free name: whether its copies span the embedding group's stages} of the weights
-    held more than once in the pipeline (each copy's gradient becomes the sum of all of
-    theirs): the embedding where `tie_spans_stages`; in the loop_mtp layout also the embedding
-    beside the MTP chunk's copy on stage 0 (a sum on the stage) and an untied output layer,
-    held by the head's stage and the MTP chunk (over the group)."""
-    ties = {}
-    if tie_spans_stages(model_cfg, pp, layout) or layout == LOOP_MTP:
-        ties["embedding.weight"] = tie_spans_stages(model_cfg, pp, layout)
-    if layout == LOOP_MTP and not model_cfg.tie_embeddings:
-        ties["output.weight"] = True
+    """{layout-free name: the group kind (parallel/grid.py) its copies' gradients are summed
+    over, or None for copies all on one stage} of the weights held more than once in the
+    pipeline (each copy's gradient becomes the sum of all of theirs): the embedding where
+    `tie_spans_stages`, over "embedding" (the first and the last stage); in the loop_mtp layout
+    with the MTP chunk on stage 0 also the embedding beside its copy there (a sum on the stage)
+    and an untied output layer, held by the head's stage and the MTP chunk (over "embedding").
+    With the MTP chunk on a middle stage s the copies span other stages: a tied embedding
+    stages {0, s, pp-1} ("mtp_tied"); untied, the embedding {0, s} ("mtp_embedding") and the
+    output layer {s, pp-1} ("mtp_output")."""
+    ties: dict = {}
+    stage = mtp_stage_of(layout)
+    if stage is not None and stage > 0:
+        if model_cfg.tie_embeddings:
+            return {"embedding.weight": "mtp_tied"}
+        return {"embedding.weight": "mtp_embedding", "output.weight": "mtp_output"}
+    if tie_spans_stages(model_cfg, pp, layout) or stage is not None:
+        ties["embedding.weight"] = "embedding" if tie_spans_stages(model_cfg, pp, layout) else None
+    if stage is not None and not model_cfg.tie_embeddings:
+        ties["output.weight"] = "embedding"
     return ties
 
 
 def build_chunks(cfg: Any, pp: int, vpp: int, stage: int, seed: int, layout: str = LOOP,
                  **gpt_kwargs) -> List[GPT]:
-    """This stage's model chunks in vchunk order (loop_mtp: stage 0's last is the MTPChunk)."""
+    """This stage's model chunks in vchunk order (loop_mtp: the MTP stage's last is the MTPChunk)."""
     last = pp * vpp - 1
     ks = [chunk_index(stage, v, pp, layout) for v in range(vpp)]
     chunks = [GPT(cfg, seed=seed, layer_ids=chunk_layer_ids(cfg.num_layers, pp, vpp, stage, v, layout),
-                  pre_process=(k == 0), post_process=(k == last), with_mtp=layout != LOOP_MTP, **gpt_kwargs)
+                  pre_process=(k == 0), post_process=(k == last), with_mtp=not is_loop_mtp(layout), **gpt_kwargs)
               for v, k in zip(range(vpp), ks)]
-    if layout == LOOP_MTP and stage == 0:  # the MTP chunk pp * vpp, vchunk vpp
+    if stage == mtp_stage_of(layout):  # the MTP chunk pp * vpp, vchunk vpp
         chunks.append(MTPChunk(cfg, seed=seed, **gpt_kwargs))
     if shares_embedding(cfg) and 0 in ks and last in ks and len(chunks) > 1:
         # The V: the head chunk reads the embedding chunk's weight (GPT.foreign_reads), one
@@ -179,7 +189,7 @@ class PipelineRunner:
         from mpoverlap.pipeline import PipelineExecutor, build_schedule, defers_weight_grads, resolve_schedule
 
         self.chunks, self.state, self.split, self.autocast = chunks, state, split, autocast
-        # the main model's chunks (loop_mtp: stage 0's MTP chunk runs in training only)
+        # the main model's chunks (loop_mtp: the MTP chunk runs in training only)
         self.main_chunks = [c for c in chunks if not getattr(c, "is_mtp_chunk", False)]
         pp, vpp = state.grid.pp, len(self.main_chunks)
         self.stage = state.coords.pp
@@ -196,7 +206,7 @@ class PipelineRunner:
         # chunk run as sub-step programs (rules ep_pairing.pp_needs_vpp / pp_needs_interleaved keep
         # the one-chunk tables off).
         tables = build_schedule(self.schedule, pp, vpp, num_microbatches, pairing=pairing,
-                                mtp_chunk=self.layout == LOOP_MTP)
+                                mtp_chunk=is_loop_mtp(self.layout), mtp_stage=mtp_stage_of(self.layout) or 0)
         self.paired = None
         if pairing:
             from mpoverlap.pairing.pipeline import PairedChunks
@@ -230,7 +240,7 @@ class PipelineRunner:
                 extra = chunk(hidden, positions, targets)
             self.mtp_loss_sum += extra.detach() / self.num_microbatches
             return extra * (self.mtp_loss_scale / self.num_microbatches)
-        if chunk.post_process and self.layout == LOOP_MTP and targets.dim() == 3 and torch.is_grad_enabled():
+        if chunk.post_process and is_loop_mtp(self.layout) and targets.dim() == 3 and torch.is_grad_enabled():
             # the head chunk sends h_0 on to the MTP chunk, its LM loss riding on it
             with self.autocast:
                 logits, h_BSH = chunk(hidden, position_ids=positions, fp32_logits=False, with_hidden=True)

@@ -52,7 +52,9 @@ def init_distributed(cfg: Any) -> ParallelState:
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     lo = build_layout(cfg, dist.get_world_size())
-    grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=int(cfg.parallel.etp))
+    # parallel.mtp_stage on a middle stage: the groups its MTP chunk's copies sum over (grid.py)
+    mtp_stage = int(cfg.parallel.mtp_stage) if cfg.model.mtp_num_layers > 0 else -1
+    grid = RankGrid(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=int(cfg.parallel.etp), mtp_stage=mtp_stage)
     # The trainer reduces dense gradients over dp x cp ("dp_cp") and never talks over "dp"
     # alone or the model-parallel "mp" group: creating them would only cost communicators.
     # "tp_cp" carries only the MoE router's statistics when SP and CP both split sequences.

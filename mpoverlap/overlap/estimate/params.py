@@ -28,10 +28,11 @@ def head_stage(cfg: Any, lo: Layout) -> int:
 
 
 def mtp_stage(cfg: Any, lo: Layout) -> int:
-    """The stage of the MTP depths: 0 where parallel.mtp_stage=0 makes them a chunk of their own
-    in a loop layout (training/pipeline_glue.py, `mtp_chunk_layout`), else the head's."""
-    if lo.pp > 1 and getattr(cfg.parallel, "mtp_stage", -1) == 0 and chunk_layout_of(cfg, lo) == "loop":
-        return 0
+    """The stage of the MTP depths: s where parallel.mtp_stage=s < pp-1 makes them a chunk of
+    their own in a loop layout (training/pipeline_glue.py, `mtp_chunk_layout`), else the head's."""
+    s = getattr(cfg.parallel, "mtp_stage", -1)
+    if lo.pp > 1 and 0 <= s < lo.pp - 1 and chunk_layout_of(cfg, lo) == "loop":
+        return s
     return head_stage(cfg, lo)
 
 
@@ -124,8 +125,8 @@ def mtp_params(m: Any) -> tuple:
 def mtp_stage_params(cfg: Any, lo: Layout, stage: int, expert_only: bool = False) -> int:
     """Parameters of the MTP depths on one rank of `stage` (they live on `mtp_stage`), and the
     copy of the embedding an untied model keeps there for them on the last stage of the loop
-    layouts; on stage 0 as a chunk of their own they hold copies of the embedding and of an
-    untied output layer (models/mtp_chunk.py)."""
+    layouts; as a chunk of their own (on stage 0 or a middle stage) they hold copies of the
+    embedding and of an untied output layer (models/mtp_chunk.py)."""
     m = cfg.model
     D = getattr(m, "mtp_num_layers", 0)
     if D <= 0 or stage != mtp_stage(cfg, lo):
