@@ -6,9 +6,10 @@ zbv's V that chunk is on stage 0 beside the embedding, one module for both. para
 in a loop schedule (1f1b, interleaved, zb1p) makes the depths a model chunk of their own on
 stage 0 (the "loop_mtp" layout: pipeline/actions.py, models/mtp_chunk.py), fed the final hidden
 state by the head's stage, with copies of the embedding and of an untied output layer summed
-with the originals (training/pipeline_ties.py). What that machinery cannot carry is refused
-here rather than run wrong: a middle stage (the embedding group holds the first and the last
-stage only), and ZeRO-2/3 beside the MTP chunk (its copies would need units of their own).
+with the originals (training/pipeline_ties.py; at every ZeRO level each copy is a bucket of its
+own, gathered under ZeRO-3 with the depth units that read it). What that machinery cannot carry
+is refused here rather than run wrong: a middle stage (the embedding group holds the first and
+the last stage only).
 """
 from __future__ import annotations
 
@@ -36,13 +37,10 @@ def head_stage(pp: int, pp_schedule: str) -> int:
     return 0 if pp > 1 and str(pp_schedule) == "zbv" else pp - 1
 
 
-@rule("mtp.stage", "pp", ("parallel.mtp_stage", "model.mtp_num_layers", "parallel.pp", "parallel.pp_schedule",
-                         "train.dp_sharding"),
+@rule("mtp.stage", "pp", ("parallel.mtp_stage", "model.mtp_num_layers", "parallel.pp", "parallel.pp_schedule"),
       "parallel.mtp_stage is -1, the stage of the head's chunk (the last; 0 in zbv's V), or 0 in a loop "
-      "schedule (the depths a chunk of their own there, ZeRO-2/3 aside), and is set only with MTP depths")
+      "schedule (the depths a chunk of their own there), and is set only with MTP depths")
 def _stage(lo: Layout):
-    from mpoverlap.overlap.dp_rules import sharding_level
-
     c = lo.cfg
     s, D = c.parallel.mtp_stage, c.model.mtp_num_layers
     if s == -1:
@@ -66,11 +64,3 @@ def _stage(lo: Layout):
                       "of their own, their copies of the embedding and output head summed over the embedding "
                       f"group (the first and the last stage); stage {s} is neither",
                       ["parallel.mtp_stage=0", "parallel.mtp_stage=-1"])
-        return
-    level = sharding_level(c)
-    if level in ("optim_grads", "optim_grads_params"):
-        yield Problem("mtp.stage", {"parallel.mtp_stage": s, "train.dp_sharding": level, "parallel.pp": pp},
-                      "the depths' chunk on stage 0 holds copies of the embedding and output head whose "
-                      "gradients are summed with the originals' after the reduction; ZeRO-2/3 units for "
-                      "those copies are not built",
-                      ["train.dp_sharding=optim", "parallel.mtp_stage=-1"])

@@ -254,7 +254,15 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: fl
         if resharded and dense and tied_on_one_chunk(cfg, lo) and stage == 0:
             gathered += micro * gather_bytes(fmt, 0, embedding_params(cfg, lo))
         D = mtp_depths_on(cfg, lo, stage)
-        if resharded and dense and D:
+        if resharded and dense and D and stage != head_stage(cfg, lo):
+            # The depths a chunk of their own (models/mtp_chunk.py): its copies of the embedding
+            # and of an untied output layer, counted with the stage's (two gathers), are gathered
+            # by each depth's forward and once for the backward (the last depth's gather stays
+            # until the first depth's gradient reduces them): D - 1 more each.
+            emb = embedding_params(cfg, lo)
+            untied = not cfg.model.tie_embeddings
+            gathered += micro * (D - 1) * (gather_bytes(fmt, 0, emb) + (gather_bytes(fmt, emb, 0) if untied else 0))
+        elif resharded and dense and D:
             # Each depth's forward gathers the embedding again (the tied head's weight too) and an
             # untied output layer's GEMM weight; their backward finds them held (the head's or a
             # later depth's backward gathered them). An untied copy of the embedding on a later
