@@ -6,9 +6,10 @@ last stage (copies on the first and the last stage), and in the loop_mtp layout
 (beside chunk 0's) and of an untied output layer (the head's stage holds the original). After
 the data-parallel reduction each copy's gradient becomes the sum over every copy: on the stage
 first (two copies of one rank), then over the embedding group (ranks of the first and last
-stage) where the copies span both. Every copy is a bucket of its own (`own_buckets`), so under
-ZeRO-1 the reduced slices of the copies are alike and add up element by element; the optimizer
-then makes the same update to each, and they stay equal. The group sum is comm/'s all_reduce,
+stage) where the copies span both. Every copy is a bucket of its own (`own_buckets`, at every
+ZeRO level; under ZeRO-3 gathered with each unit that reads it), so under ZeRO-1/2/3 the reduced
+shards of the copies are alike and add up element by element; the optimizer then makes the same
+update to each, and they stay equal. The group sum is comm/'s all_reduce,
 as the ledger records it (mode "pp").
 """
 from __future__ import annotations
