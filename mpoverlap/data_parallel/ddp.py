@@ -80,16 +80,17 @@ class DataParallel(BucketIssue, ShardedGrads, QuantizedBuckets, DelayedGrads, Un
         # quantized one (plain data parallelism reduces it as a reduce-scatter plus an all-gather).
         splits = self.distributed_optimizer or grad_wire is not None
         pad_to = {k: (g.size if splits else 1) for k, g in self.reduce_groups.items()}
-        unit_of = None
+        # `own_buckets`: parameters whose gradient is summed with a copy's on another stage or
+        # chunk (training/pipeline_ties.py): each alone in a bucket, so every level shards it
+        # alike wherever it is held (the same size, the same split); under ZeRO-2/3 such a
+        # bucket is still gathered with every unit that lists the parameter.
+        own = {p: ("own", k) for k, p in enumerate(own_buckets)}
+        unit_of = own.get if own else None
         if self.shard_grads and units is not None:
             from mpoverlap.data_parallel.fsdp import unit_index
 
-            unit_of = unit_index(units)
-        elif own_buckets:
-            # `own_buckets`: parameters whose gradient is summed with a copy's on another stage
-            # (the pipelined embedding): alone in a bucket, ZeRO-1 shards it alike on both.
-            own = {p: k for k, p in enumerate(own_buckets)}
-            unit_of = own.get
+            owner = unit_index(units)
+            unit_of = lambda p: own.get(p, owner(p))  # noqa: E731
         self.buffer: ParamAndGradBuffer = build_buffer(module.named_parameters(), bucket_mb=bucket_mb,
                                                        pad_to=pad_to, key_of=expert_key, unit_of=unit_of,
                                                        separate=self.shard_grads)

@@ -271,6 +271,8 @@ class UnitGatherer:
     def _post_forward(self, i: int, _module, _args, output) -> None:
         if in_backward():
             return  # a recomputed forward: its backward follows at once and needs the unit
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            output = output[0]  # a head returning (logits, hidden) (GPT with_hidden): the logits
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._pre_backward, i))
             self._last_output = (weakref.ref(output), i)

@@ -7,9 +7,11 @@ below the last stage in a loop schedule (1f1b, interleaved, zb1p) makes the dept
 of their own on stage s (the "loop_mtp" layouts: pipeline/actions.py, models/mtp_chunk.py), fed
 the final hidden state by the head's stage, with copies of the embedding and of an untied output
 layer summed with the originals (training/pipeline_ties.py; on a middle stage over groups of the
-stages holding them, parallel/grid.py's mtp_* kinds). What that machinery cannot carry is refused
-here rather than run wrong: a stage other than 0 in zbv's V, and ZeRO-2/3 beside the MTP chunk
-(its copies would need units of their own).
+stages holding them, parallel/grid.py's mtp_* kinds; at every ZeRO level each copy is a bucket of
+its own, gathered under ZeRO-3 with the depth units that read it). What that machinery cannot
+carry is refused here rather than run wrong: a stage other than 0 in zbv's V, the MTP chunk in
+the paired tables, and ZeRO-2/3 beside an MTP chunk on a middle stage (built and measured on
+stage 0 only).
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def head_stage(pp: int, pp_schedule: str) -> int:
 @rule("mtp.stage", "pp", ("parallel.mtp_stage", "model.mtp_num_layers", "parallel.pp", "parallel.pp_schedule",
                          "train.dp_sharding", "overlap.ep_pairing"),
       "parallel.mtp_stage is -1, the stage of the head's chunk (the last; 0 in zbv's V), or in a loop "
-      "schedule any other stage (the depths a chunk of their own there, ZeRO-2/3 aside), and is set only "
-      "with MTP depths")
+      "schedule any other stage (the depths a chunk of their own there; ZeRO-2/3 beside it on stage 0 "
+      "only), and is set only with MTP depths")
 def _stage(lo: Layout):
     from mpoverlap.overlap.dp_rules import sharding_level
 
@@ -76,9 +78,9 @@ def _stage(lo: Layout):
                       ["parallel.mtp_stage=-1"])
         return
     level = sharding_level(c)
-    if level in ("optim_grads", "optim_grads_params"):
+    if s != 0 and level in ("optim_grads", "optim_grads_params"):
         yield Problem("mtp.stage", {"parallel.mtp_stage": s, "train.dp_sharding": level, "parallel.pp": pp},
                       f"the depths' chunk on stage {s} holds copies of the embedding and output head whose "
-                      "gradients are summed with the originals' after the reduction; ZeRO-2/3 units for "
-                      "those copies are not built",
-                      ["train.dp_sharding=optim", "parallel.mtp_stage=-1"])
+                      "gradients are summed with the originals' after the reduction; their ZeRO-2/3 buckets and "
+                      "units are built and measured for the chunk on stage 0 only",
+                      ["train.dp_sharding=optim", "parallel.mtp_stage=0"])

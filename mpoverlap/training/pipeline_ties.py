@@ -8,8 +8,9 @@ s = 0 beside chunk 0's embedding, the output layer over "embedding"; with a midd
 groups of the stages holding the copies ("mtp_tied" = {0, s, pp-1} for a tied head,
 "mtp_embedding" = {0, s} and "mtp_output" = {s, pp-1} untied; parallel/grid.py). After the
 data-parallel reduction each copy's gradient becomes the sum over every copy: on the stage
-first (two copies of one rank), then over the name's group where the copies span stages. Every copy is a bucket of its own (`own_buckets`), so under
-ZeRO-1 the reduced slices of the copies are alike and add up element by element; the optimizer
+first (two copies of one rank), then over the name's group where the copies span stages. Every copy is a bucket of its own (`own_buckets`, at every
+ZeRO level; under ZeRO-3 gathered with each unit that reads it), so under ZeRO-1/2/3 the reduced
+shards of the copies are alike and add up element by element; the optimizer
 then makes the same update to each, and they stay equal. The group sum is comm/'s all_reduce,
 as the ledger records it (mode "pp").
 """

@@ -113,7 +113,7 @@ def gathered_working_set(cfg: Any, lo: Layout, stage: int, n: int) -> int:
 
 def mtp_backward_held(cfg: Any, lo: Layout, stage: int, ahead: int) -> int:
     """Parameters gathered at once in a zero-bubble B through the MTP depths of `stage` (0 with
-    fewer than two, or weight gradients not deferred): depth d + 1's input is depth d's block
+    fewer than two, weight gradients not deferred, or the depths a chunk of their own): depth d + 1's input is depth d's block
     output, whose gradient is complete only inside depth d's backward, so depth d + 1's own
     buckets are still gathered (fsdp.UnitGatherer frees a unit on its input's gradient) when
     depth d's unit (with the embedding and head weights it reads) is gathered and the `ahead`
@@ -122,8 +122,8 @@ def mtp_backward_held(cfg: Any, lo: Layout, stage: int, ahead: int) -> int:
     from mpoverlap.overlap.estimate.mtp import mtp_chunk_of
 
     D = mtp_depths_on(cfg, lo, stage)
-    if D < 2 or not defers_weight_grads_of(cfg, lo):
-        return 0
+    if D < 2 or not defers_weight_grads_of(cfg, lo) or stage != head_stage(cfg, lo):
+        return 0  # (the depths a chunk of their own: its B is a full backward, nothing deferred)
     m = cfg.model
     emb = embedding_params(cfg, lo)
     shared = emb + (emb if not m.tie_embeddings else 0)
@@ -254,7 +254,15 @@ def dp_ops(cfg: Any, lo: Layout, params: int, expert_params: int, grad_bytes: fl
         if resharded and dense and tied_on_one_chunk(cfg, lo) and stage == 0:
             gathered += micro * gather_bytes(fmt, 0, embedding_params(cfg, lo))
         D = mtp_depths_on(cfg, lo, stage)
-        if resharded and dense and D:
+        if resharded and dense and D and stage != head_stage(cfg, lo):
+            # The depths a chunk of their own (models/mtp_chunk.py): its copies of the embedding
+            # and of an untied output layer, counted with the stage's (two gathers), are gathered
+            # by each depth's forward and once for the backward (the last depth's gather stays
+            # until the first depth's gradient reduces them): D - 1 more each.
+            emb = embedding_params(cfg, lo)
+            untied = not cfg.model.tie_embeddings
+            gathered += micro * (D - 1) * (gather_bytes(fmt, 0, emb) + (gather_bytes(fmt, emb, 0) if untied else 0))
+        elif resharded and dense and D:
             # Each depth's forward gathers the embedding again (the tied head's weight too) and an
             # untied output layer's GEMM weight; their backward finds them held (the head's or a
             # later depth's backward gathered them). An untied copy of the embedding on a later
