@@ -163,7 +163,8 @@ def _sp_worker(rank, world, families=tuple(SP_FAMILIES), column=True, kept=True)
     state = ParallelState.create(RankGrid(tp=world), torch.device("cpu"))
     out = {}
     if column:
-        (w_sp, bytes_sp, saved_sp, trace_off), (w_full, _, _, _) = (_column_grads(rank, state, sp) for sp in (True, False))
+        w_sp, bytes_sp, saved_sp, trace_off = _column_grads(rank, state, True)
+        w_full = _column_grads(rank, state, False)[0]
         w_ov, bytes_ov, _, trace_on = _column_grads(rank, state, True, overlap=True)
         out = {"wgrad_equal": torch.equal(w_sp, w_full), "wgrad_overlap_equal": torch.equal(w_ov, w_full),
                "bwd_tp_bytes": bytes_sp, "bwd_tp_bytes_overlap": bytes_ov, "column_saved": saved_sp,
@@ -247,9 +248,10 @@ def test_sp_fp8_regather_runs_under_the_dgrad_gemm(sp_runs):
 @pytest.mark.parametrize("family", list(SP_FAMILIES))
 def test_sp_fp8_block_saved_bytes_against_the_estimate(sp_runs, family):
     """One block at tp 2 with SP: the column GEMMs keep their local e4m3 inputs ((S/2) H bytes,
-    where the bf16 chunk took 2 (S/2) H), and a shared expert's beside the router's bf16 chunk. The fp8 block against the bf16 block, measured, differs by the
-    estimate's fp8 term (fp8_gathered_input_bytes) and each column GEMM's 4-byte scale, exactly;
-    the fp8 block against the whole estimate within test_estimate's one-block bound (10%)."""
+    where the bf16 chunk took 2 (S/2) H), and a shared expert's beside the router's bf16 chunk.
+    The fp8 block against the bf16 block, measured, differs by the estimate's fp8 term
+    (fp8_gathered_input_bytes) and each column GEMM's 4-byte scale, exactly; the fp8 block
+    against the whole estimate within test_estimate's one-block bound (10%)."""
     from mpoverlap.overlap.estimate.activations import fp8_gathered_input_bytes
 
     cfg = _sp_cfg(family)
