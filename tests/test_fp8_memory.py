@@ -2,9 +2,10 @@
 weight casts (estimate/transients.py `weight_casts`: the bf16 copies step_cast_cache holds; the
 FP8 grouped experts quantize their fp32 stacks at each call and hold none) and the bytes one
 block saves for backward (the FP8 GEMMs save their bf16 inputs, as the bf16 run's). Under
-sequence parallelism (tp 2 and 4, tensorwise): the column-parallel weight gradient on the
-forward's gathered e4m3 x (no backward re-gather, bit for bit the layout without SP), and the
-saved and zero-bubble-kept bytes that follow against the estimates."""
+sequence parallelism (tp 2 and 4, tensorwise): the column-parallel linear keeps its local e4m3
+chunk and re-gathers it in e4m3 under the dgrad GEMM (its weight gradient bit for bit the
+layout without SP's, the backward's tp bytes, the order of events), and the saved and
+zero-bubble-kept bytes that follow against the estimates."""
 import importlib
 import os
 import sys
@@ -115,36 +116,45 @@ def _sp_cfg(family, tp=2):
                     f"parallel.tp={tp}", "parallel.sequence_parallel=true", "overlap.tp=false"])
 
 
-def _column_grads(rank, state, sp):
-    """A column-parallel FP8 linear at tp 2 (collective matmul off), forward and backward: its
-    weight gradient, the backward's tp bytes and the bytes it saved for backward."""
+def _column_grads(rank, state, sp, overlap=False):
+    """A column-parallel FP8 linear at tp 2 or 4 through ColumnParallelLinearFn (the plain path:
+    collective matmul bypassed, so overlap=True runs its overlapped backward), forward and
+    backward: its weight gradient, the backward's tp bytes, the bytes it saved for backward and
+    the backward's trace (comm.mark events)."""
+    import dataclasses
+
     from mpoverlap.comm.ledger import CommLedger
     from mpoverlap.config import ModelConfig
     from mpoverlap.precision import autocast_context
+    from mpoverlap.precision.fp8_select import fp8_gemms
     from mpoverlap.tensor_parallel import ColumnParallelLinear, tp_kwargs
+    from mpoverlap.tensor_parallel.linear_functions import ColumnParallelLinearFn
 
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, seq_length=32,
                       vocab_size=64, make_vocab_size_divisible_by=16)
     x = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(3)) * 3
-    g = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(4))
-    ledger = CommLedger()
+    ledger, trace = CommLedger(), []
     col = ColumnParallelLinear(32, 64, name="layers.0.mlp.gate_up", cfg=cfg, seed=5,
                                **tp_kwargs(state, sequence_parallel=sp, overlap=False, ledger=ledger))
     col.fp8_recipe = "tensorwise"
-    xi = (x[:, rank * 16:(rank + 1) * 16] if sp else x).clone().requires_grad_()
+    comm = dataclasses.replace(col.comm, overlap=overlap, trace=trace)
+    s, o = 32 // comm.size, 64 // comm.size
+    g = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(4))[..., rank * o:(rank + 1) * o]
+    xi = (x[:, rank * s:(rank + 1) * s] if sp else x).clone().requires_grad_()
 
     def forward():
         with autocast_context("fp8", torch.device("cpu")):
-            return col(xi)
+            return ColumnParallelLinearFn.apply(xi, col.weight, col.bias, comm, fp8_gemms(col))
 
     saved = saved_activation_bytes(forward, col.parameters())
     y = forward()
     ledger.reset()
+    trace.clear()
     y.backward(g.to(y.dtype))
-    return col.weight.grad.clone(), ledger.reset().get("tp", {}).get("bytes", 0), saved
+    return col.weight.grad.clone(), ledger.reset().get("tp", {}).get("bytes", 0), saved, list(trace)
 
 
-def _sp_worker(rank, world, families=tuple(SP_FAMILIES), column=True):
+def _sp_worker(rank, world, families=tuple(SP_FAMILIES), column=True, kept=True):
     from mpoverlap.models.gpt import Block, rope_cos_sin
     from mpoverlap.parallel import ParallelState, RankGrid
     from mpoverlap.precision.fp8_select import mark_fp8_gemms
@@ -153,11 +163,15 @@ def _sp_worker(rank, world, families=tuple(SP_FAMILIES), column=True):
     state = ParallelState.create(RankGrid(tp=world), torch.device("cpu"))
     out = {}
     if column:
-        (w_sp, bytes_sp, saved_sp), (w_full, _, _) = (_column_grads(rank, state, sp) for sp in (True, False))
-        out = {"wgrad_equal": torch.equal(w_sp, w_full), "bwd_tp_bytes": bytes_sp, "column_saved": saved_sp}
+        w_sp, bytes_sp, saved_sp, trace_off = _column_grads(rank, state, True)
+        w_full = _column_grads(rank, state, False)[0]
+        w_ov, bytes_ov, _, trace_on = _column_grads(rank, state, True, overlap=True)
+        out = {"wgrad_equal": torch.equal(w_sp, w_full), "wgrad_overlap_equal": torch.equal(w_ov, w_full),
+               "bwd_tp_bytes": bytes_sp, "bwd_tp_bytes_overlap": bytes_ov, "column_saved": saved_sp,
+               "trace": {False: trace_off, True: trace_on}}
     for family in families:
         for fp8 in (True, False):
-            m = _sp_cfg(family).model
+            m = _sp_cfg(family, tp=world).model
             torch.manual_seed(0)
             block = Block(m, "layers.0", 1234, tp=tp_kwargs(state, sequence_parallel=True, overlap=False),
                           layer_index=0)
@@ -172,7 +186,7 @@ def _sp_worker(rank, world, families=tuple(SP_FAMILIES), column=True):
                     return block(x, cos, sin)
 
             out[(family, fp8)] = saved_activation_bytes(forward, block.parameters(), [cos, sin])
-            if fp8 and column:
+            if fp8 and kept:
                 out[("kept", family)] = _kept(block, forward)
     return out
 
@@ -197,26 +211,47 @@ def sp_runs():
     return run_distributed(_sp_worker, 2, timeout_s=300)
 
 
-def test_sp_fp8_weight_gradient_takes_the_forward_gathered_copy(sp_runs):
-    """tp 2, SP, tensorwise: the column-parallel FP8 weight gradient takes the forward's gathered
-    e4m3 x (the same cast of the same x) instead of re-gathering x: bit for bit the weight
-    gradient of the layout without SP (x whole, cast by the GEMM), the backward's tp bytes only
-    the input gradient's reduce-scatter (bf16, B S H x 2), and what it keeps the gathered e4m3
-    x (B S H x 1) and its 4-byte scale."""
+def _check_column(rep, tp):
+    """The column-parallel FP8 linear with SP at `tp` (B 2, S 32, H 32): its weight gradient bit
+    for bit the layout without SP's (x whole, cast by the GEMM), overlap on and off; what it
+    keeps for backward this rank's e4m3 chunk (B S H / tp x 1) and its 4-byte scale; the
+    backward's tp bytes the e4m3 re-gather (B S H x 1) and the input gradient's bf16
+    reduce-scatter (B S H x 2)."""
     B, S, H = 2, 32, 32
+    assert rep["wgrad_equal"] and rep["wgrad_overlap_equal"], rep
+    assert rep["column_saved"] == B * S * H // tp + 4, (tp, rep["column_saved"])
+    assert rep["bwd_tp_bytes"] == rep["bwd_tp_bytes_overlap"] == B * S * H * (1 + 2), (tp, rep["bwd_tp_bytes"])
+
+
+def test_sp_fp8_weight_gradient_on_the_e4m3_regather(sp_runs):
+    """tp 2, SP, tensorwise: the weight gradient on backward's e4m3 re-gather of the kept chunk
+    (the forward's cast of the same x, the same scale): see _check_column."""
     for rep in sp_runs:
-        assert rep["wgrad_equal"], rep
-        assert rep["bwd_tp_bytes"] == B * S * H * 2, rep
-        assert rep["column_saved"] == B * S * H + 4, rep
+        _check_column(rep, 2)
+
+
+def test_sp_fp8_regather_runs_under_the_dgrad_gemm(sp_runs):
+    """The e4m3 re-gather is issued before the dgrad GEMM and waited after it with overlap (the
+    input gradient's reduce-scatter under the wgrad GEMM), each waited at once without: the
+    bf16 re-gather's order (test_tensor_parallel's test_backward_collectives_hidden_under_gemms)."""
+    from test_tensor_parallel import _transfers
+
+    for rep in sp_runs:
+        for overlap, trace in rep["trace"].items():
+            assert {e[0] for e in trace} == {"column.bwd"}, trace
+            steps = [step for _, step, event, _ in trace if event == "issue"]
+            assert steps == [0, 1], (overlap, trace)  # the re-gather, then the reduce-scatter
+            for between in _transfers(trace, "column.bwd"):
+                assert between == (["gemm_start", "gemm_end"] if overlap else []), (overlap, between)
 
 
 @pytest.mark.parametrize("family", list(SP_FAMILIES))
 def test_sp_fp8_block_saved_bytes_against_the_estimate(sp_runs, family):
-    """One block at tp 2 with SP: the column GEMMs keep their gathered e4m3 inputs (S H bytes,
-    where the bf16 chunk took 2 (S/2) H: equal at tp 2), and a shared expert's beside the
-    router's bf16 chunk. The fp8 block against the bf16 block, measured, differs by the
-    estimate's fp8 term (fp8_gathered_input_bytes) and each column GEMM's 4-byte scale, exactly;
-    the fp8 block against the whole estimate within test_estimate's one-block bound (10%)."""
+    """One block at tp 2 with SP: the column GEMMs keep their local e4m3 inputs ((S/2) H bytes,
+    where the bf16 chunk took 2 (S/2) H), and a shared expert's beside the router's bf16 chunk.
+    The fp8 block against the bf16 block, measured, differs by the estimate's fp8 term
+    (fp8_gathered_input_bytes) and each column GEMM's 4-byte scale, exactly; the fp8 block
+    against the whole estimate within test_estimate's one-block bound (10%)."""
     from mpoverlap.overlap.estimate.activations import fp8_gathered_input_bytes
 
     cfg = _sp_cfg(family)
@@ -233,7 +268,7 @@ def test_sp_fp8_block_saved_bytes_against_the_estimate(sp_runs, family):
 
 @pytest.mark.parametrize("family", list(SP_FAMILIES))
 def test_sp_fp8_deferred_weight_grads_keep_the_gathered_copy(sp_runs, family):
-    """Zero bubble, tp 2, SP, fp8: a column GEMM's queued W keeps the forward's gathered e4m3
+    """Zero bubble, tp 2, SP, fp8: a column GEMM's queued W keeps B's e4m3 re-gather of its
     input (1 byte an element) rather than a bf16 re-gather (2): the closures' bytes against
     the estimate within test_estimate's bound for them (5%)."""
     from mpoverlap.overlap.estimate.wgrad_kept import layer_wgrad_kept_bytes
@@ -247,19 +282,22 @@ def test_sp_fp8_deferred_weight_grads_keep_the_gathered_copy(sp_runs, family):
 
 
 def test_sp_fp8_block_saved_bytes_at_tp4():
-    """tp 4: the gathered e4m3 input (S H) is twice the bf16 chunk it replaces (2 (S/4) H): the
-    fp8 block keeps that much more than the bf16 block, measured, exactly the estimate's fp8
-    term (plus the 4-byte scales)."""
+    """tp 4: the kept e4m3 chunk (S H / 4) is half the bf16 chunk it replaces (2 (S/4) H): the
+    fp8 block keeps that much less than the bf16 block, measured, exactly the estimate's fp8
+    term (plus the 4-byte scales); and the column linear's kept bytes and backward tp bytes
+    (_check_column)."""
     from dist_harness import run_distributed
 
     from mpoverlap.overlap.estimate.activations import fp8_gathered_input_bytes
 
     families = ("gpt_gelu", "moe_shared")
-    per_rank = run_distributed(_sp_worker, 4, families, False, timeout_s=300)
+    per_rank = run_distributed(_sp_worker, 4, families, True, False, timeout_s=300)
+    for rep in per_rank:
+        _check_column(rep, 4)
     for family in families:
         cfg = _sp_cfg(family, tp=4)
         extra = fp8_gathered_input_bytes(cfg, build_layout(cfg, 4), 0, 2, 2 * 64 // 4, 2 * 64)
-        assert extra == 2 * 64 * 2 * 64 // 2 > 0  # (S H - 2 (S/4) H) a column GEMM, two of them
+        assert extra == -2 * 64 // 4 * 64 * 2 < 0  # (S/4) H (1 - 2) a column GEMM, two of them
         for rep in per_rank:
             fp8, bf16 = rep[(family, True)], rep[(family, False)]
             assert fp8 - bf16 == extra + 4 * 2, (family, fp8, bf16, extra)

@@ -195,8 +195,8 @@ class Fp8Gemms:
 
 class Fp8WeightGrad:
     """A deferred fp8 weight gradient (the zero-bubble schedules' W action): keeps the output
-    gradient and the input in the compute dtype (or the input as the SP forward's gathered
-    e4m3 pair) and quantizes them when W runs. The same tensors and the same casts as an
+    gradient and the input in the compute dtype (or the input as the SP backward's e4m3
+    re-gather and the forward's scale) and quantizes them when W runs. The same tensors and the same casts as an
     immediate wgrad, so the same values bit for bit (what the emulation checks); the cost is 2
     bytes an element held until W instead of fp8's 1 (plus its scales), and the quantization
     runs in W rather than in B."""

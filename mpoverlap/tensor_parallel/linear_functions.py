@@ -33,11 +33,12 @@ casts it to the fp32 parameter's dtype and accumulates it in fp32 (the master gr
 FP8 (`fp8`, precision.fp8.Fp8Gemms): the same Functions with their three GEMMs through it; the
 column GEMMs quantize the gathered x (SP: one scale over the whole sequence, as the single
 process's), the weight being this rank's shard with its own scale. Under SP and the tensorwise
-recipe the forward's all-gather carries x in FP8 (`_fp8_gather`: one all-reduce MAX of the
-chunks' amax, each chunk cast with the shared scale, 1 byte an element gathered, the GEMM on it
-uncast), and the gathered e4m3 x is kept for the weight gradient (the same tensorwise cast of
-the same x) instead of the local chunk: no backward re-gather, S H bytes kept a linear where the
-local chunk took 2 S H / tp (equal at tp 2). The rowwise recipe's wgrad scales x along the
+recipe the forward's all-gather carries x in FP8 (`_fp8_cast_local`: one all-reduce MAX of the
+chunks' amax, each chunk cast with the shared scale; `_fp8_all_gather`: 1 byte an element, the GEMM on it
+uncast). Backward keeps this rank's e4m3 chunk and its scale (S H / tp bytes a linear, half
+the compute-dtype chunk) and re-gathers it in e4m3 under the dgrad GEMM (1 byte an element on
+the wire): the same values the forward gathered, the weight gradient's operand as they are
+(the same tensorwise cast of the same x). The rowwise recipe's wgrad scales x along the
 sequence (the other axis than its forward), so it keeps the compute-dtype gather and re-gather.
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ from mpoverlap.precision.fp8_select import dgrad_or_fp8, linear_or_fp8
 from mpoverlap.tensor_parallel.comm_spec import TPComm
 from mpoverlap.wgrad.deferral import WeightGradGemm
 from mpoverlap.tensor_parallel.mappings import (
-    all_reduce_async, reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel,
+    Pending, all_reduce_async, reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel,
     seq_all_gather_async, seq_reduce_scatter_async)
 
 
@@ -75,11 +76,12 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         x = x.to(dtype)  # before the all-gather: bf16 under autocast moves half the bytes
         ctx.fp8_gathered = comm.sequence_parallel and comm.size > 1 and fp8 is not None and fp8.gathers_input()
         if ctx.fp8_gathered:
-            # The gathered e4m3 x is the weight gradient's operand too (the same cast): kept for
-            # backward, 1 byte an element of the whole sequence, instead of re-gathering x.
+            # This rank's e4m3 chunk and the shared scale are kept for backward (1 byte an
+            # element of S/tp positions), which re-gathers them in e4m3 for the weight gradient.
             with no_autocast(x):
-                q_BSH, scale = _fp8_gather(x, comm, fp8)
-                ctx.save_for_backward(q_BSH, scale, weight_oH)
+                q_BsH, scale = _fp8_cast_local(x, comm, fp8)
+                ctx.save_for_backward(q_BsH, scale, weight_oH)
+                q_BSH = _fp8_all_gather(q_BsH, comm).wait()
                 return fp8.forward_quantized(q_BSH, scale, step_cast(weight_oH, dtype), cast(bias_o, dtype), dtype)
         # SP: the local chunk only, re-gathered in backward; W's cast is the step's (step_cast)
         # or made again there (not saved per microbatch: one more weight-sized tensor in flight).
@@ -91,22 +93,26 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_BSo):
         *x, weight_oH = ctx.saved_tensors
-        x = tuple(x) if ctx.fp8_gathered else x[0]  # (the gathered e4m3 x, its scale), or x
+        x = tuple(x) if ctx.fp8_gathered else x[0]  # (this rank's e4m3 chunk, its scale), or x
         with no_autocast(weight_oH):
             return ColumnParallelLinearFn._backward(ctx, x, step_cast(weight_oH, ctx.dtype),
                                                     grad_y_BSo.to(ctx.dtype), ctx.param)
 
     @staticmethod
     def _backward(ctx, x, weight_oH, grad_y_BSo, param):
-        """`x`: the saved input (this rank's chunk under SP, gathered here), or the forward's
-        gathered e4m3 x and its scale (a pair: nothing to gather)."""
+        """`x`: the saved input (this rank's chunk under SP, gathered here), or this rank's
+        e4m3 chunk and the forward's scale (a pair, SP: gathered here in e4m3)."""
         comm = ctx.comm
         need_dgrad = ctx.needs_input_grad[0]
         grad_y_BSo = grad_y_BSo.contiguous()
         # trace steps: 0 = all-gather of x (SP), 1 = dgrad all-reduce / reduce-scatter
-        gather = None
-        if comm.sequence_parallel and not isinstance(x, tuple):
+        gather = scale = None
+        if isinstance(x, tuple):  # SP, FP8 gathers: the kept e4m3 chunk, re-gathered in e4m3
+            x, scale = x
+            gather = _fp8_all_gather(x, comm)
+        elif comm.sequence_parallel:
             gather = seq_all_gather_async(x, comm)
+        if gather is not None:
             comm.mark(_BWD, 0, "issue")
             if not comm.overlap:
                 _wait(gather, comm, 0)
@@ -124,6 +130,8 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             if not comm.overlap:
                 _wait(reduce, comm, 1)
         total_x_BSH = gather.wait() if gather is not None else x
+        if scale is not None:
+            total_x_BSH = (total_x_BSH, scale)  # the forward's e4m3 x: the wgrad GEMM takes it uncast
         grad_w_oH = None
         wgrad = (WeightGradGemm(grad_y_BSo, total_x_BSH) if ctx.fp8 is None
                  else ctx.fp8.deferred_wgrad(grad_y_BSo, total_x_BSH))
@@ -144,16 +152,22 @@ class ColumnParallelLinearFn(torch.autograd.Function):
 _BWD = "column.bwd"
 
 
-def _fp8_gather(x_BsH, comm: TPComm, fp8):
-    """The SP all-gather in FP8 (tensorwise): the amax of the local chunk reduced (MAX) over tp
-    is the gathered sequence's, each rank casts its chunk with that one scale, the gather
-    carries 1 byte an element: (e4m3 x_BSH, scale), the single process's cast of the whole x
-    (the cast the GEMMs make of a bf16 gather: the forward takes it, and the weight gradient,
-    which quantizes x with the same tensorwise scale)."""
+def _fp8_cast_local(x_BsH, comm: TPComm, fp8):
+    """The SP all-gather's FP8 cast (tensorwise): the amax of the local chunk reduced (MAX) over
+    tp is the gathered sequence's, and each rank casts its chunk with that one scale: (e4m3
+    x_BsH, scale), this rank's part of the single process's cast of the whole x (the cast the
+    GEMMs make of a bf16 gather: the forward takes it, and the weight gradient, which quantizes
+    x with the same tensorwise scale)."""
     amax = x_BsH.abs().amax().float().reshape(1)
     all_reduce_async(amax, comm, op=dist.ReduceOp.MAX).wait()
-    q_BsH, scale = fp8.quantize_input(x_BsH, amax[0])
-    return seq_all_gather_async(q_BsH.view(torch.uint8), comm).wait().view(q_BsH.dtype), scale
+    return fp8.quantize_input(x_BsH, amax[0])
+
+
+def _fp8_all_gather(q_BsH, comm: TPComm) -> Pending:
+    """The SP all-gather of an e4m3 chunk, 1 byte an element (as uint8: the collectives carry
+    no float8 dtype): pending e4m3 x_BSH."""
+    pending = seq_all_gather_async(q_BsH.view(torch.uint8), comm)
+    return Pending(pending, lambda: pending.wait().view(q_BsH.dtype))
 
 
 def _wait(pending, comm: TPComm, step: int) -> None:

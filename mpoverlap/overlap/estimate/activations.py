@@ -129,10 +129,11 @@ def layer_activation_bytes(cfg: Any, lo: Layout, i: int, conv: Conventions, micr
 
 def fp8_gathered_input_bytes(cfg: Any, lo: Layout, i: int, c: int, tokens_res: int, tokens_tp: int) -> int:
     """What layer i's column-parallel FP8 GEMMs change under SP with FP8 gathers
-    (comm.fp8_sp_gathers; tensor_parallel/linear_functions.py): each keeps the gathered e4m3
-    input for its weight gradient (1 byte an element, every position) instead of its local
-    chunk in c (a shared expert's chunk is its own copy, not the router's); a chunk another GEMM
-    also keeps (MLA's q_proj input, the down-projections') stays. 0 in every other layout."""
+    (comm.fp8_sp_gathers; tensor_parallel/linear_functions.py): each keeps its local e4m3 chunk
+    for its weight gradient (1 byte an element, S/tp positions; backward re-gathers it) instead
+    of its local chunk in c (a shared expert's chunk is its own copy, not the router's); a chunk
+    another GEMM also keeps (MLA's q_proj input, the down-projections') stays. 0 in every other
+    layout; below 0 in this one wherever c > 1."""
     from mpoverlap.overlap.estimate.comm import fp8_sp_gathers
 
     if not fp8_sp_gathers(cfg, lo):
@@ -146,7 +147,7 @@ def fp8_gathered_input_bytes(cfg: Any, lo: Layout, i: int, c: int, tokens_res: i
         attn, attn_local = (r if r else H) + m.kv_lora_rank, (r if r else 0) + m.kv_lora_rank
     else:
         attn, attn_local = H, H
-    return tokens_tp * (attn + mlp) - tokens_res * (attn_local + mlp) * c
+    return tokens_res * ((attn + mlp) - (attn_local + mlp) * c)
 
 
 def head_activation_bytes(cfg: Any, lo: Layout, conv: Conventions, micro_batch: int) -> int:

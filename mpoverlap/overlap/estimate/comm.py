@@ -52,9 +52,9 @@ def grad_wire_bytes(reduce_dtype: str) -> float:
 
 def fp8_sp_gathers(cfg: Any, lo: Layout) -> bool:
     """Whether the blocks' column-parallel forward all-gathers carry FP8 (1 byte an element,
-    tensor_parallel/linear_functions.py) and their weight gradients take that gathered copy
-    (no backward re-gather): train.precision=fp8 with the tensorwise recipe and SP at tp > 1
-    without collective matmul (whose ring chunks travel in the compute dtype)."""
+    tensor_parallel/linear_functions.py), and so do their backward re-gathers (the forward's
+    e4m3 chunks, kept for the weight gradient): train.precision=fp8 with the tensorwise recipe
+    and SP at tp > 1 without collective matmul (whose ring chunks travel in the compute dtype)."""
     from mpoverlap.overlap.config import CommOverlapConfig
 
     t = cfg.train
@@ -111,10 +111,10 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
         if p.sequence_parallel:
             gather = tokens * (c * (5 * tp_layers + 2 / lo.pp) + f / lo.pp)
             if fp8_sp_gathers(cfg, lo):
-                # the blocks' two forward gathers a layer in FP8 (1 byte), after an all-reduce of
-                # one fp32 amax each, and no re-gather in backward (the weight gradient takes
-                # the forward's e4m3 copy)
-                gather -= tokens * (c - 1) * 2 * tp_layers + tokens * c * 2 * tp_layers
+                # the blocks' two forward gathers a layer and their two backward re-gathers in
+                # FP8 (1 byte), one all-reduce of an fp32 amax each forward gather (backward
+                # re-gathers the forward's e4m3 chunk with its scale)
+                gather -= tokens * (c - 1) * 4 * tp_layers
                 ops.append(("tp", "all_reduce", 4 * 2 * tp_layers * micro, lo.tp))
             scatter = tokens * (c * (5 * tp_layers + 1 / lo.pp) + f / lo.pp)
             if is_latent(m):

@@ -81,8 +81,8 @@ def layer_wgrad_kept(cfg: Any, lo: Any, i: int, conv: Any, micro_batch: int) -> 
 
 def _fp8_gathered(cfg: Any, lo: Any, i: int, c: int, tokens_tp: int, kept: int, shared: int) -> Tuple[int, int]:
     """(kept, shared) with SP's FP8 gathers (comm.fp8_sp_gathers): a column GEMM's closure keeps
-    the forward's gathered e4m3 input (1 byte an element, saved as an activation too) where it
-    kept the compute-dtype re-gather (c, B's own)."""
+    B's e4m3 re-gather of its input (1 byte an element, B's own as the compute-dtype re-gather
+    was: not a saved activation) where it kept the compute-dtype re-gather (c)."""
     from mpoverlap.overlap.estimate.comm import fp8_sp_gathers
 
     if not fp8_sp_gathers(cfg, lo):
@@ -92,7 +92,7 @@ def _fp8_gathered(cfg: Any, lo: Any, i: int, c: int, tokens_tp: int, kept: int, 
     attn = ((m.q_lora_rank or H) + m.kv_lora_rank) if latent.is_latent(m) else H
     mlp = H if not is_moe_layer(m, i) or m.shared_expert else 0
     width = tokens_tp * (attn + mlp)
-    return kept - width * (c - 1), shared + width
+    return kept - width * (c - 1), shared
 
 
 def layer_wgrad_kept_bytes(cfg: Any, lo: Any, i: int, conv: Any, micro_batch: int) -> int:
