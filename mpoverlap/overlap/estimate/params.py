@@ -30,9 +30,19 @@ def head_stage(cfg: Any, lo: Layout) -> int:
 def mtp_stage(cfg: Any, lo: Layout) -> int:
     """The stage of the MTP depths: 0 where parallel.mtp_stage=0 makes them a chunk of their own
     in a loop layout (training/pipeline_glue.py, `mtp_chunk_layout`), else the head's."""
-    if lo.pp > 1 and getattr(cfg.parallel, "mtp_stage", -1) == 0 and chunk_layout_of(cfg, lo) == "loop":
-        return 0
-    return head_stage(cfg, lo)
+    return 0 if mtp_own_chunk(cfg, lo) else head_stage(cfg, lo)
+
+
+def mtp_own_chunk(cfg: Any, lo: Layout) -> bool:
+    """Whether the MTP depths are a model chunk of their own, chunk pp*vpp on stage 0 (the
+    loop_mtp layout: parallel.mtp_stage=0 in a loop layout at pp >= 2)."""
+    return (lo.pp is not None and lo.pp > 1 and getattr(cfg.model, "mtp_num_layers", 0) > 0
+            and getattr(cfg.parallel, "mtp_stage", -1) == 0 and chunk_layout_of(cfg, lo) == "loop")
+
+
+def num_chunks(cfg: Any, lo: Layout) -> int:
+    """Model chunks of the layout: pp*vpp, one more where the MTP depths are a chunk of their own."""
+    return lo.pp * lo.vpp + (1 if mtp_own_chunk(cfg, lo) else 0)
 
 
 def stage_layers(cfg: Any, lo: Layout, stage: int) -> list:
@@ -45,7 +55,10 @@ def stage_layers(cfg: Any, lo: Layout, stage: int) -> list:
 
 
 def chunk_layers(cfg: Any, lo: Layout, chunk: int) -> list:
-    """Global indices of the layers of model chunk `chunk` (0 .. pp*vpp-1)."""
+    """Global indices of the layers of model chunk `chunk` (0 .. pp*vpp-1; none of the main
+    model's on the MTP chunk pp*vpp)."""
+    if chunk >= lo.pp * lo.vpp:
+        return []
     per = cfg.model.num_layers // (lo.pp * lo.vpp)
     return list(range(chunk * per, (chunk + 1) * per))
 
