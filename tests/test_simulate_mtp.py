@@ -99,3 +99,23 @@ def test_engine_runs_the_mtp_chunk_as_the_timed_table(schedule, vpp):
     for stage in range(pp):
         assert run.orders[stage] == orders[stage]
         assert [t for span in run.times[stage] for t in span] == pytest.approx([t for span in ref[stage] for t in span])
+
+
+@pytest.mark.parametrize("mtp_stage", [-1, 0])
+def test_model_work_runs_the_depths_where_the_layout_holds_them(monkeypatch, mtp_stage):
+    """measure.model_work (the measured model rate) runs the pipeline's chunks in the layout
+    the schedule runs: with mtp_stage=0 the MTP chunk (h_0 in), else the depths beside the
+    head, each depth once per microbatch, as flops_per_token counts them."""
+    from mpoverlap.models.mtp import MTPDepth
+    from mpoverlap.models.mtp_chunk import MTPChunk
+    from mpoverlap.simulate.measure import model_work
+
+    calls = {"depth": 0, "chunk": 0}
+    for cls, key in ((MTPDepth, "depth"), (MTPChunk, "chunk")):
+        def counted(self, *a, _forward=cls.forward, _key=key, **k):
+            calls[_key] += 1
+            return _forward(self, *a, **k)
+        monkeypatch.setattr(cls, "forward", counted)
+    work, _ = model_work(_cfg("1f1b", 1, mtp_stage), pp=2)
+    work()
+    assert calls == {"depth": 2, "chunk": 1 if mtp_stage == 0 else 0}
