@@ -57,8 +57,8 @@ def test_simulated_step_runs_the_mtp_chunk(schedule, vpp):
     """simulate(): stage 0 runs the MTP chunk's F and B (the engine's tables hold them, and
     the head's output to it and its gradient back, two messages more per microbatch): the
     stages' mean compute is the depths on the head's stage's (the work moved, none lost; the
-    update differs by the copies' parameters), above the model without depths, and the step
-    differs."""
+    update differs by the copies' parameters), above the model without depths, the step
+    differs, and the closed bubble forms count the depths' work too."""
     from mpoverlap.simulate.core import simulate
     from mpoverlap.simulate.engine import _compiled
     from mpoverlap.simulate.hardware import from_config
@@ -74,6 +74,9 @@ def test_simulated_step_runs_the_mtp_chunk(schedule, vpp):
     assert own.avg_compute_s == pytest.approx(head.avg_compute_s, rel=2e-3)
     assert head.avg_compute_s > 1.2 * none.avg_compute_s
     assert own.step_s != pytest.approx(head.step_s, rel=1e-3)
+    # the closed bubble forms' pooled per-chunk F + B + W: the depths' work counted on stage 0
+    assert sum(own.bubble_forms["pooled"]) == pytest.approx(sum(head.bubble_forms["pooled"]), rel=1e-9)
+    assert sum(head.bubble_forms["pooled"]) > sum(none.bubble_forms["pooled"])
 
 
 @pytest.mark.parametrize("schedule,vpp", SCHEDULES + [("zb1p", 2)])
