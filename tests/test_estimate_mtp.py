@@ -32,9 +32,9 @@ MODELS = {
 B = 2
 
 
-def _cfg(model, depths, pp):
+def _cfg(model, depths, pp, *extra):
     return compose([*MODELS[model], "model.num_layers=2", f"model.mtp_num_layers={depths}", f"parallel.pp={pp}",
-                    f"train.micro_batch_size={B}", f"train.global_batch_size={4 * B}"])
+                    f"train.micro_batch_size={B}", f"train.global_batch_size={4 * B}", *extra])
 
 
 def _measure(cfg, pp, bf16):
@@ -78,6 +78,40 @@ def test_mtp_chunk_saved_bytes(model, depths, pp, bf16):
     assert abs(measured - est) <= 0.10 * measured, (measured, est, est / measured)
 
 
+OWN_CASES = [(model, depths, bf16) for model in MODELS for depths in (1, 2) for bf16 in (False, True)
+             if not (bf16 and (depths == 2 or model == "deepseek_v3"))]
+
+
+@pytest.mark.parametrize("model,depths,bf16", OWN_CASES,
+                         ids=[f"{m}-d{d}-{'bf16' if b else 'fp32'}" for m, d, b in OWN_CASES])
+def test_mtp_own_chunk_saved_bytes(model, depths, bf16):
+    """parallel.mtp_stage=0 at pp 2 (1F1B, the loop_mtp layout): the MTP chunk on stage 0
+    (models/mtp_chunk.py: h_0 received, the depths with their embedding and head copies)
+    against `chunk_activation_bytes` of chunk pp*vpp, and the head's chunk keeps none of it."""
+    from mpoverlap.models.mtp import mtp_targets
+    from mpoverlap.models.mtp_chunk import MTPChunk
+
+    cfg = _cfg(model, depths, 2, "parallel.mtp_stage=0", "parallel.pp_schedule=1f1b")
+    m, lo = cfg.model, build_layout(cfg, 2)
+    torch.manual_seed(0)
+    chunk = MTPChunk(m, seed=1)
+    S = m.seq_length
+    window = torch.randint(0, m.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    targets = mtp_targets(window, depths)
+    h = torch.randn(B, S, m.hidden_size, requires_grad=True)
+
+    def forward():
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            return chunk(h, torch.arange(S), targets)
+
+    measured = saved_activation_bytes(forward, chunk.parameters(), [targets, window])
+    conv = Conventions.for_dtype(2 if bf16 else 4)
+    est = chunk_activation_bytes(cfg, lo, lo.pp * lo.vpp, conv, B)
+    assert abs(measured - est) <= 0.10 * measured, (measured, est, est / measured)
+    without = _cfg(model, depths, 2, "parallel.pp_schedule=1f1b", "model.mtp_num_layers=0")
+    assert chunk_activation_bytes(cfg, lo, 1, conv, B) == chunk_activation_bytes(without, lo, 1, conv, B)
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_mtp_wgrad_kept_bytes(model):
     """Zero bubble: what the queued weight-gradient closures of the whole model with two depths
@@ -115,13 +149,19 @@ def test_pp2_peak_activations_with_mtp_within_25pct(tmp_path, monkeypatch):
     """The stage peak mpoverlap-check prints, with two depths, against a real pp 2 run measured
     as bench/memory.py measures it (peak RSS over a near-empty baseline, the estimate's weights
     and optimizer state taken out), within the 25% tests/test_estimate.py holds the pp 2 peaks
-    to: 1F1B with the depths on the last stage, and zbv's V with them on stage 0 (their W
-    closures kept until W). On the pp2_vpp2 layout's activation-heavy model."""
+    to: 1F1B with the depths on the last stage, 1F1B with them as a chunk of their own on stage
+    0 (parallel.mtp_stage=0: one microbatch's depths at a time, F and B adjacent), and zbv's V
+    with them on stage 0 (their W closures kept until W). On the pp2_vpp2 layout's
+    activation-heavy model."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/ is not installed
     from bench import memory
 
     base = [o for o in memory.LAYOUTS["pp2_vpp2"] if not o.startswith("parallel.vpp")] + ["model.mtp_num_layers=2"]
     layouts = {"pp2_1f1b_mtp": (base, 1),
+               # three depths: counted once per microbatch in flight (two on stage 0) they would
+               # be 0.70x, two depths leave that at the edge of the 25%
+               "pp2_1f1b_mtp0": (base + ["parallel.pp_schedule=1f1b", "parallel.mtp_stage=0",
+                                         "model.mtp_num_layers=3"], 0),
                "pp2_zbv_mtp": (base + ["parallel.vpp=2", "parallel.pp_schedule=zbv", "parallel.mtp_stage=0"], 0)}
     for name, (overrides, _) in layouts.items():
         monkeypatch.setitem(memory.LAYOUTS, name, overrides)

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mpoverlap.overlap.config import CommOverlapConfig, ep_chunks
 from mpoverlap.overlap.estimate.comm import comm_ops
 from mpoverlap.overlap.estimate.core import compute_bytes
-from mpoverlap.overlap.estimate.params import chunk_layout_of, stage_params
+from mpoverlap.overlap.estimate.params import chunk_layout_of, mtp_own_chunk, stage_params
 from mpoverlap.overlap.layout import Layout, build_layout
 from mpoverlap.simulate.collectives import collective_time, group_links
 from mpoverlap.simulate.costs import MODES, ChunkCost, chunk_costs, step_ops
@@ -115,16 +115,18 @@ def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRe
         return collective_time("send_recv", 2 * pp_msg, 2, hw.group_link((b - a) * T, 2, first=a * T))
 
     from mpoverlap.pipeline import chunk_index, chunk_layout, defers_weight_grads, resolve_schedule
+    from mpoverlap.pipeline.actions import LOOP_MTP
 
     schedule = resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp) if lo.pp > 1 else None
     zero_bubble = schedule is not None and defers_weight_grads(schedule)
+    mtp = mtp_own_chunk(cfg, lo)  # the MTP chunk pp*vpp on stage 0 (loop_mtp), after the head's
 
     def seconds(kind: str, chunk: int, ep_exposed: Optional[float] = None) -> float:
         """One action; `ep_exposed`: its ep exposed as pairing leaves it (None: the chunk's own)."""
         whole = costs[chunk].duration(kind) if kind != "W" else 0.0
         if ep_exposed is not None and kind != "W":
             whole += ep_exposed - costs[chunk].exposed[kind].get("ep", 0.0)
-        if not zero_bubble or kind == "F":
+        if not zero_bubble or kind == "F" or chunk == lo.pp * lo.vpp:  # the MTP chunk has no W
             return whole
         # Zero bubble: W = the weight-gradient GEMMs, one per forward GEMM (paper Table 1:
         # T_W ~ T_F), at most half the backward; B keeps the rest (input gradient, recompute,
@@ -146,19 +148,23 @@ def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRe
     dp = [_dp_stage(cfg, lo, hw, links, s, c) for s in range(lo.pp)]
     update = [update_seconds(cfg, lo, hw, s) for s in range(lo.pp)]
     layout = chunk_layout(schedule) if schedule else "loop"  # zbv: stage s holds chunks s and 2pp-1-s
+    layout = LOOP_MTP if mtp else layout
+
+    def chunks_of(stage: int) -> List[int]:
+        return [chunk_index(stage, v, lo.pp, layout) for v in range(lo.vpp + (1 if mtp and stage == 0 else 0))]
     first_fwd = [sum(costs[chunk_index(s, v, lo.pp, layout)].duration("F") for v in range(lo.vpp))
                  for s in range(lo.pp)]
     gather_wait = [0.0] * lo.pp
     if ov.dp_param_gather.enabled:
         probe = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, schedule=schedule,
-                             pair_duration=pair_duration)
+                             pair_duration=pair_duration, mtp_chunk=mtp)
         starts = [probe.times[s][0][0] for s in range(lo.pp)]
         gather_wait = [max(0.0, gather_exposed(dp[s]["gather"], first_fwd[s], dp[s]["buckets"]) - starts[s])
                        for s in range(lo.pp)]
     free = run_pipeline(lo.pp, lo.vpp, micro, duration, lambda a, b: 0.0, True, gather_wait, schedule,
-                        pair_duration)
-    real = (run_pipeline(lo.pp, lo.vpp, micro, duration, hop, ov.pp.enabled, gather_wait, schedule, pair_duration)
-            if lo.pp > 1 else free)
+                        pair_duration, mtp)
+    real = (run_pipeline(lo.pp, lo.vpp, micro, duration, hop, ov.pp.enabled, gather_wait, schedule, pair_duration,
+                         mtp) if lo.pp > 1 else free)
     ends = []
     tails = []
     for s in range(lo.pp):
@@ -185,8 +191,11 @@ def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRe
     if lo.pp > 1:
         from mpoverlap.pipeline.bubble import closed_forms, stage_costs
 
-        per_stage = stage_costs(schedule, lo.pp, lo.vpp,
-                                lambda kind, s, v: duration(kind, chunk_index(s, v, lo.pp, layout)))
+        def cost_of(kind: str, s: int, v: int) -> float:
+            # the MTP chunk's work spread over stage 0's chunks: the closed forms take a mean per chunk
+            extra = duration(kind, lo.pp * lo.vpp) / lo.vpp if mtp and s == 0 else 0.0
+            return duration(kind, chunk_index(s, v, lo.pp, layout)) + extra
+        per_stage = stage_costs(schedule, lo.pp, lo.vpp, cost_of)
         pooled, form, at_stages = closed_forms(schedule, lo.pp, lo.vpp, per_stage)
         forms = {"schedule": schedule, "pooled": pooled, "form": form, "per_stage": at_stages}
 
@@ -194,8 +203,8 @@ def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRe
     exposed = {m: 0.0 for m in MODES}
     compute = update[crit]
     memory = update_memory_seconds(cfg, lo, hw, crit)
-    for v in range(lo.vpp):
-        cost: ChunkCost = costs[chunk_index(crit, v, lo.pp, layout)]
+    for chunk in chunks_of(crit):
+        cost: ChunkCost = costs[chunk]
         for kind in ("F", "B"):
             compute += micro * cost.compute[kind]
             memory += micro * cost.memory[kind]
@@ -236,10 +245,10 @@ def _simulate(cfg: Any, hw: Hardware, world_size: Optional[int] = None) -> SimRe
     tokens = t.global_batch_size * m.seq_length
     model_flops = flops_per_token(m) * tokens
     world = lo.world
-    per_stage = [micro * sum(costs[v * lo.pp + s].compute[k] for v in range(lo.vpp) for k in ("F", "B"))
+    per_stage = [micro * sum(costs[k].compute[kind] for k in chunks_of(s) for kind in ("F", "B"))
                  for s in range(lo.pp)]
     # each stage's compute-bound seconds: its FLOPs at the GEMM rate (compute less memory-bound)
-    flop_s = [per_stage[s] - micro * sum(costs[v * lo.pp + s].memory[k] for v in range(lo.vpp) for k in ("F", "B"))
+    flop_s = [per_stage[s] - micro * sum(costs[k].memory[kind] for k in chunks_of(s) for kind in ("F", "B"))
               for s in range(lo.pp)]
     # GEMMs at the FP8 rate (train.precision=fp8) ran `speed` x the FLOPs of their seconds
     fp8_extra = (fp8_speedup(cfg, hw) - 1.0) * micro * sum(c.fp8_s for c in costs)
@@ -324,7 +333,8 @@ def _pp_message_bytes(cfg: Any, lo: Layout, c: int) -> float:
     ops = comm_ops(cfg, lo, 0, stage_params(cfg, lo, 0), stage_params(cfg, lo, 0, expert_only=True), c)
     total = sum(o[2] for o in ops if o[0] == "pp" and o[1] == "send_recv")
     turn = 1 if chunk_layout_of(cfg, lo) == "v" else 0  # zbv's V: the turn stays on its stage
-    return total / (4 * micro * (lo.pp * lo.vpp - 1 - turn) / lo.pp)
+    to_mtp = 1 if mtp_own_chunk(cfg, lo) else 0  # the head's chunk to the MTP chunk on stage 0
+    return total / (4 * micro * (lo.pp * lo.vpp - 1 - turn + to_mtp) / lo.pp)
 
 
 def _dp_stage(cfg: Any, lo: Layout, hw: Hardware, links, stage: int, c: int) -> Dict[str, float]:

@@ -36,8 +36,9 @@ from mpoverlap.overlap.estimate import latent
 from mpoverlap.overlap.estimate.activations import recomputed_in_chunk
 from mpoverlap.overlap.estimate.comm import comm_ops, ep_forward_share, replayed_ops
 from mpoverlap.overlap.estimate.latent import core_widths, is_latent
+from mpoverlap.overlap.estimate.mtp import mtp_depths_in_chunk
 from mpoverlap.overlap.estimate.params import (chunk_layers, chunk_layout_of, expert_ffn, is_moe_layer, mlp_mult,
-                                               shared_expert_ffn, stage_layers, stage_params)
+                                               num_chunks, shared_expert_ffn, stage_layers, stage_params)
 from mpoverlap.pipeline.actions import stage_of
 from mpoverlap.overlap.config import ep_chunks
 from mpoverlap.overlap.layout import Layout
@@ -110,14 +111,23 @@ def head_flops(cfg: Any, lo: Layout) -> float:
     return 2 * cfg.train.micro_batch_size * m.seq_length / lo.cp * m.hidden_size * V / lo.tp
 
 
+def eh_proj_flops(cfg: Any, lo: Layout) -> float:
+    """Forward FLOPs of one MTP depth's eh_proj ([hidden ; embedding] 2H -> H, a plain Linear
+    every tp rank runs whole) per rank and microbatch."""
+    m = cfg.model
+    return 2 * cfg.train.micro_batch_size * m.seq_length / lo.cp * 2 * m.hidden_size * m.hidden_size
+
+
 def _mode_ops(ops: List, mode: str) -> List:
     return [o for o in ops if o[0] == mode]
 
 
 def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enabled: Dict[str, bool],
                 c: int) -> List[ChunkCost]:
-    """ChunkCost of every model chunk (its global index; on the stage `chunk_layout_of` places it); `enabled[mode]` says
-    whether the mode's overlap is on; `c` bytes of the compute dtype."""
+    """ChunkCost of every model chunk (its global index; on the stage `chunk_layout_of` places it; the MTP chunk
+    pp*vpp of its own on stage 0 last where parallel.mtp_stage=0 makes one); `enabled[mode]` says whether the
+    mode's overlap is on; `c` bytes of the compute dtype. The MTP depths count on the chunk holding them
+    (`mtp_depths_in_chunk`), each a block (layer L + d) plus its eh_proj (`eh_proj_flops`) and head."""
     m, p = cfg.model, cfg.parallel
     micro = lo.num_microbatches or 1
     sp = bool(p.sequence_parallel) and lo.tp > 1
@@ -135,12 +145,13 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
         per_stage[stage] = (base, replay, len(stage_layers(cfg, lo, stage)),
                             sum(is_moe_layer(m, i) for i in stage_layers(cfg, lo, stage)))
     layout = chunk_layout_of(cfg, lo)
-    for chunk in range(lo.pp * lo.vpp):
+    for chunk in range(num_chunks(cfg, lo)):
         stage = stage_of(chunk, lo.pp, layout)
         base, replay, n_layers, n_moe = per_stage[stage]
         cost = ChunkCost()
         replayed = set(recomputed_in_chunk(cfg, lo, chunk)) if recompute == "full" else set()
-        for i in chunk_layers(cfg, lo, chunk):
+        depths = mtp_depths_in_chunk(cfg, lo, chunk)
+        for i in chunk_layers(cfg, lo, chunk) + [m.num_layers + d for d in range(depths)]:
             fl = layer_flops(cfg, lo, i)
             fwd = sum(fl.values())
             # an MoE layer: the experts' GEMMs at the experts' own rate (timed on this rank's
@@ -188,10 +199,12 @@ def chunk_costs(cfg: Any, lo: Layout, hw: Hardware, links: Dict[str, Link], enab
                                        counts if k == "F" else 0.0) for k, f in (("F", 1), ("B", 2))}
             for k in ("F", "B"):
                 cost.layers[k].append(passes[k])
-        if chunk == lo.pp * lo.vpp - 1:
-            head = {k: hw.memory_seconds(v) for k, v in head_bytes(cfg, lo, c).items()}
-            cost.compute["F"] += head_flops(cfg, lo) / rate + head["F"]
-            cost.compute["B"] += 2 * head_flops(cfg, lo) / rate + head["B"]
+        heads = depths + (1 if chunk == lo.pp * lo.vpp - 1 else 0)  # each depth runs the head too
+        if heads:
+            head = {k: heads * hw.memory_seconds(v) for k, v in head_bytes(cfg, lo, c).items()}
+            flops = heads * head_flops(cfg, lo) + depths * eh_proj_flops(cfg, lo)
+            cost.compute["F"] += flops / rate + head["F"]
+            cost.compute["B"] += 2 * flops / rate + head["B"]
             for k in ("F", "B"):
                 cost.memory[k] += head[k]
         costs.append(cost)

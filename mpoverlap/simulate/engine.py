@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mpoverlap.pipeline.actions import BACKWARD, RECV, SEND, WEIGHT, ScheduleError, chunk_index
+from mpoverlap.pipeline.actions import (BACKWARD, LOOP_MTP, RECV, SEND, WEIGHT, ScheduleError, chunk_index,
+                                        num_model_chunks)
 from mpoverlap.pipeline.schedules import build_schedule, chunk_layout, schedule_kind
 
 
@@ -46,18 +47,19 @@ class PipelineRun:
 
 
 @lru_cache(maxsize=128)
-def _tables(kind: str, pp: int, vpp: int, microbatches: int, pairing: bool):
-    """build_schedule's tables, built once for both posting programs (each table carries both)."""
-    return tuple(tuple(t) for t in build_schedule(kind, pp, vpp, microbatches, pairing=pairing))
+def _tables(kind: str, pp: int, vpp: int, microbatches: int, pairing: bool, mtp_chunk: bool = False):
+    """build_schedule's tables, built once for both posting programs (each table carries both);
+    `mtp_chunk`: the loop_mtp layout's, the MTP chunk pp*vpp on stage 0."""
+    return tuple(tuple(t) for t in build_schedule(kind, pp, vpp, microbatches, pairing=pairing, mtp_chunk=mtp_chunk))
 
 
 @lru_cache(maxsize=256)
 def _programs(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Optional[str] = None,
-              pairing: bool = False):
+              pairing: bool = False, mtp_chunk: bool = False):
     """Per stage, the executor's steps: ("post", batch id), ("wait", batch id) or
     ("compute", action index); with the batches (tuples of P2POp) and the actions.
     `pairing`: the paired table (build_schedule's)."""
-    tables = _tables(schedule or schedule_kind(vpp), pp, vpp, microbatches, pairing)
+    tables = _tables(schedule or schedule_kind(vpp), pp, vpp, microbatches, pairing, mtp_chunk)
     out = []
     for table in tables:
         steps, batches = [], []
@@ -100,8 +102,8 @@ class _Compiled:
 
 @lru_cache(maxsize=256)
 def _compiled(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Optional[str] = None,
-              pairing: bool = False) -> _Compiled:
-    programs = _programs(pp, vpp, microbatches, overlap, schedule, pairing)
+              pairing: bool = False, mtp_chunk: bool = False) -> _Compiled:
+    programs = _programs(pp, vpp, microbatches, overlap, schedule, pairing, mtp_chunk)
     ids: Dict[object, int] = {}
 
     def mid(message) -> int:
@@ -146,17 +148,21 @@ def _compiled(pp: int, vpp: int, microbatches: int, overlap: bool, schedule: Opt
 def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, int], float],
                  hop_time: Callable[[int, int], float], overlap: bool,
                  first_extra: Sequence[float] = (), schedule: Optional[str] = None,
-                 pair_duration: Optional[Callable[[int, int], Tuple[float, float]]] = None) -> PipelineRun:
+                 pair_duration: Optional[Callable[[int, int], Tuple[float, float]]] = None,
+                 mtp_chunk: bool = False) -> PipelineRun:
     """`duration(kind, chunk)`: seconds of one action (kind "F", "B", and "W" for a zero-bubble
     `schedule`, whose "B" is then the input gradient only); `hop_time(src_stage, dst_stage)`:
     seconds of one message; `first_extra[s]`: seconds added to stage s's first action (a
     parameter gather it waits for). `schedule`: a pipeline.SCHEDULE_KINDS value (None: from vpp).
     A message between two chunks of one stage (zbv's turn) is ready when its producer ends.
     `pair_duration(f_chunk, b_chunk)`: runs the schedule's paired table (overlap.ep_pairing),
-    each pair taking (its F part, its B part) seconds; `duration` then times the lone actions."""
+    each pair taking (its F part, its B part) seconds; `duration` then times the lone actions.
+    `mtp_chunk`: the loop_mtp tables (parallel.mtp_stage=0), the MTP chunk pp*vpp on stage 0 and
+    its two messages (the head chunk's output to it, its gradient back) on the pp link."""
     overlap = bool(overlap)
-    prog = _compiled(pp, vpp, microbatches, overlap, schedule, pair_duration is not None)
-    num_chunks = pp * vpp
+    prog = _compiled(pp, vpp, microbatches, overlap, schedule, pair_duration is not None, mtp_chunk)
+    layout = LOOP_MTP if mtp_chunk else chunk_layout(schedule or schedule_kind(vpp))
+    num_chunks = num_model_chunks(pp, vpp, layout)
     dur = {(k, c): duration(k, c) for k in sorted(prog.kinds) for c in range(num_chunks)}
     pair_dur: Dict[Tuple[int, int], Tuple[float, float]] = {}
     for actions in prog.actions:
@@ -259,17 +265,17 @@ def run_pipeline(pp: int, vpp: int, microbatches: int, duration: Callable[[str, 
     orders = [[(a.kind, a.microbatch, a.vchunk) for a in table] for _, _, table in prog.programs]
     pairs = [[(a[5], a[6]) for a in actions] for actions in prog.actions]
     return PipelineRun(times=times, orders=orders, busy=busy, p2p_in_flight=in_flight, ledger_in_flight=ledger_in,
-                       ledger_exposed=exposed, ends=ends, layout=chunk_layout(schedule or schedule_kind(vpp)),
+                       ledger_exposed=exposed, ends=ends, layout=layout,
                        pairs=pairs)
 
 
 def last_backward_spans(run: PipelineRun, stage: int, pp: int) -> Dict[int, Tuple[float, float]]:
     """Per model chunk of `stage`, (start, end) of its last backward: the one whose gradients the
     DP buckets reduce (they fire on the last microbatch); with W actions (zero bubble) the last
-    W, whose weight gradients complete the buckets."""
-    spans: Dict[int, Tuple[float, float]] = {}
-    last = WEIGHT if any(kind == WEIGHT for kind, _, _ in run.orders[stage]) else BACKWARD
+    W, whose weight gradients complete the buckets (the MTP chunk, which has no W: its last B)."""
+    backward: Dict[int, Tuple[float, float]] = {}
+    weight: Dict[int, Tuple[float, float]] = {}
     for (kind, _mb, vchunk), span in zip(run.orders[stage], run.times[stage]):
-        if kind == last:
-            spans[chunk_index(stage, vchunk, pp, run.layout)] = span
-    return spans
+        if kind in (BACKWARD, WEIGHT):
+            (weight if kind == WEIGHT else backward)[chunk_index(stage, vchunk, pp, run.layout)] = span
+    return {chunk: weight.get(chunk, span) for chunk, span in backward.items()}

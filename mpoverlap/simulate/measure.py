@@ -146,9 +146,12 @@ def model_work(cfg: Any, pp: int = 1, vpp: int = 1, cp: int = 1) -> Tuple[Callab
     """(work, its FLOPs as `flops_per_token` counts them): forward + backward of the whole model
     on one microbatch of random tokens, run as a rank of the layout runs its share, one share
     after the other:
-    - pp x vpp > 1: as the pipeline's chunks (`build_chunks` of every stage), each chunk's
+    - pp x vpp > 1: as the pipeline's chunks (`build_chunks` of every stage, in the layout the
+      schedule runs: loop_mtp's MTP chunk on stage 0 with parallel.mtp_stage=0), each chunk's
       forward and backward on its own as a pipeline action runs it (a received activation in,
       its gradient back): what a stage pays per action on top of its layers' FLOPs;
+    - the MTP depths (model.mtp_num_layers) run where the model holds them, on their targets,
+      as `flops_per_token` counts them;
     - cp > 1 (the p2p ring): as each cp rank in turn, its S/cp tokens (split_for_cp) through
       the model with ring attention (context_parallel's block math with log-sum-exp merges)
       over a ring whose exchanges are local copies.
@@ -163,13 +166,17 @@ def model_work(cfg: Any, pp: int = 1, vpp: int = 1, cp: int = 1) -> Tuple[Callab
     from mpoverlap.context_parallel.stats import NullStats
     from mpoverlap.models.flops import flops_per_token
     from mpoverlap.models.gpt import GPT
-    from mpoverlap.training.pipeline_glue import build_chunks
+    from mpoverlap.models.mtp import mtp_targets
+    from mpoverlap.training.pipeline_glue import build_chunks, schedule_layout
 
     m, t = cfg.model, cfg.train
     model, tokens = _model_and_tokens(cfg)
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=str(t.precision) == "bf16")
     S, shape = m.seq_length, (t.micro_batch_size, m.seq_length // cp, m.hidden_size)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    depths = getattr(m, "mtp_num_layers", 0)
+    if depths:  # [B, S, 1 + D]: the token targets, then each depth's
+        targets = mtp_targets(tokens, depths)
     if cp > 1:
         def ring_model(rank: int):
             ring = _local_ring(rank, cp)
@@ -185,14 +192,23 @@ def model_work(cfg: Any, pp: int = 1, vpp: int = 1, cp: int = 1) -> Tuple[Callab
         shares = [(ring_model(r), split_for_cp(inputs, r, cp, seq_dim=1), split_for_cp(targets, r, cp, seq_dim=1),
                    positions_for_cp(S, r, cp)) for r in range(cp)]
     else:
-        chunks = [c for s in range(pp) for c in build_chunks(m, pp, vpp, s, 0)] if pp * vpp > 1 else [model]
+        layout = schedule_layout(cfg.parallel, vpp, m, pp)
+        chunks = ([c for s in range(pp) for c in build_chunks(m, pp, vpp, s, 0, layout)]
+                  if pp * vpp > 1 else [model])
         shares = [(c, inputs, targets, torch.arange(S)) for c in chunks]
 
     def work() -> None:
         for chunk, x, y, positions in shares:
             inp = x if chunk.pre_process else torch.randn(shape, requires_grad=True)
+            if getattr(chunk, "is_mtp_chunk", False):  # h_0 in, the MTP loss out
+                with autocast:
+                    chunk(inp, positions, y).backward()
+                continue
+            mtp = chunk.post_process and y.dim() == 3 and chunk.mtp is not None
+            if y.dim() == 3 and not mtp:  # loop_mtp's head chunk: the token targets alone
+                y = y[..., 0]
             with autocast:
-                out = chunk(inp, position_ids=positions, fp32_logits=False)
+                out = chunk(inp, position_ids=positions, fp32_logits=False, **({"mtp_targets": y} if mtp else {}))
             if chunk.post_process:
                 chunk.loss(out, y).backward()
             else:

@@ -47,8 +47,9 @@ from typing import Any, Callable, Dict, List, Optional
 from mpoverlap.models.init import padded_vocab_size, qkv_rows
 from mpoverlap.overlap.estimate import latent
 from mpoverlap.overlap.estimate.latent import is_latent
-from mpoverlap.overlap.estimate.mtp import mtp_activation_bytes, mtp_wgrad_items
-from mpoverlap.overlap.estimate.params import chunk_layers, etp_size, expert_ffn, is_moe_layer, shared_expert_ffn
+from mpoverlap.overlap.estimate.mtp import mtp_activation_bytes, mtp_chunk_input_bytes, mtp_wgrad_items
+from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, expert_ffn, is_moe_layer, mtp_own_chunk,
+                                               num_chunks, shared_expert_ffn)
 from mpoverlap.overlap.layout import Layout
 
 
@@ -200,6 +201,8 @@ def chunk_activation_bytes(cfg: Any, lo: Layout, chunk: int, conv: Conventions, 
     if chunk == lo.pp * lo.vpp - 1:
         total += head_activation_bytes(cfg, lo, conv, micro_batch)
     total += mtp_activation_bytes(cfg, lo, chunk, conv, micro_batch, mode)
+    if chunk == lo.pp * lo.vpp:  # the MTP chunk of its own (loop_mtp)
+        total += mtp_chunk_input_bytes(cfg, lo, conv, micro_batch)
     if chunk == 0:
         total += micro_batch * (cfg.model.seq_length // lo.cp) * 8  # int64 token ids
     return total
@@ -212,13 +215,18 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
     activations until the matching backward). Interleaving keeps more alive on early stages:
     stage 0 of a 96-layer pp 8, vpp 2 run (m >= 8) peaks at 23 chunks of 6 layers, 138
     layers, where 1F1B peaks at 8 microbatches of its 12 layers, 96 (Korthikanti's
-    1 + (p-1)/(p v) factor)."""
+    1 + (p-1)/(p v) factor). The MTP chunk of its own (loop_mtp) runs its F and B adjacent
+    in stage 0's order (schedules.insert_mtp_chunk) and has no W: one microbatch's depths on
+    top of what stage 0 holds where it runs."""
     from mpoverlap.pipeline import chunk_layout, compute_orders, resolve_schedule
-    from mpoverlap.pipeline.actions import BACKWARD, FORWARD, WEIGHT, chunk_index
+    from mpoverlap.pipeline.actions import BACKWARD, FORWARD, LOOP_MTP, WEIGHT, chunk_index
+    from mpoverlap.pipeline.schedules import insert_mtp_chunk
 
     mode = recompute_mode(cfg, recompute)
     kind = resolve_schedule(getattr(cfg.parallel, "pp_schedule", "auto"), lo.vpp)
-    layout = chunk_layout(kind)  # zbv: stage s holds chunks s and 2pp-1-s
+    own_mtp = mtp_own_chunk(cfg, lo)
+    layout = LOOP_MTP if own_mtp else chunk_layout(kind)  # zbv: stage s holds chunks s and 2pp-1-s
+    n_chunks = num_chunks(cfg, lo)
     sizes: Dict[int, int] = {}  # layer -> its bytes under `mode`, computed once per layer
 
     def layer_bytes(i: int) -> int:
@@ -226,7 +234,7 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
             sizes[i] = layer_activation_bytes(cfg, lo, i, conv, micro_batch, mode)
         return sizes[i]
     per_chunk = [chunk_activation_bytes(cfg, lo, k, conv, micro_batch, mode, layer_bytes)
-                 for k in range(lo.pp * lo.vpp)]
+                 for k in range(n_chunks)]
     micro = lo.num_microbatches or 1
 
     def replay(stage: int) -> int:
@@ -243,20 +251,26 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
         return [{"bytes": sum(per_chunk) + replay(0), "chunks_in_flight": lo.vpp,
                  "layers_in_flight": cfg.model.num_layers}]
     orders = compute_orders(kind, lo.pp, lo.vpp, micro)
+    if own_mtp:
+        orders = insert_mtp_chunk(orders, lo.pp, lo.vpp)
     per = cfg.model.num_layers // (lo.pp * lo.vpp)
     zero_bubble = any(kind == WEIGHT for order in orders for kind, _, _ in order)
     kept, b_peak = per_chunk, per_chunk  # 1F1B: a microbatch's activations live until its B
     if zero_bubble:
-        kept, b_peak = zip(*(zero_bubble_profile(cfg, lo, k, conv, micro_batch, mode, layer_bytes)
-                             for k in range(lo.pp * lo.vpp)))
+        kept, b_peak = map(list, zip(*(zero_bubble_profile(cfg, lo, k, conv, micro_batch, mode, layer_bytes)
+                                       for k in range(lo.pp * lo.vpp))))
+        if own_mtp:  # the MTP chunk's B is a full backward: it frees all at once, keeps nothing
+            kept.append(0)
+            b_peak.append(per_chunk[-1])
 
     def peak_of(stage: int, order, sizes) -> tuple:
         # Zero bubble: a chunk-microbatch's activations live until its B, what its queued
         # weight-gradient closures keep (wgrad_kept.py) from its B until its W.
         live = alive = peak = peak_alive = 0
-        chunks = [chunk_index(stage, v, lo.pp, layout) for v in range(lo.vpp)]
+        chunks = [chunk_index(stage, v, lo.pp, layout) for v in range(lo.vpp + (1 if own_mtp else 0))]
         for kind, _mb, v in order:
             k = chunks[v]
+            with_w = zero_bubble and k < lo.pp * lo.vpp  # the MTP chunk has no W
             now = live
             if kind == FORWARD:
                 live += sizes[k]
@@ -264,8 +278,8 @@ def stage_activation_peak(cfg: Any, lo: Layout, conv: Conventions, micro_batch: 
                 now = live
             elif kind == BACKWARD:
                 now = live - sizes[k] + b_peak[k]
-                live += (kept[k] if zero_bubble else 0) - sizes[k]
-                alive -= 0 if zero_bubble else 1
+                live += (kept[k] if with_w else 0) - sizes[k]
+                alive -= 0 if with_w else 1
             elif kind == WEIGHT:
                 live -= kept[k]
                 alive -= 1

@@ -19,7 +19,7 @@ from mpoverlap.models.init import head_dim_of, padded_vocab_size, query_groups
 from mpoverlap.overlap.estimate import latent
 from mpoverlap.overlap.estimate.latent import core_widths, is_latent
 from mpoverlap.overlap.estimate.params import (chunk_layers, etp_size, is_moe_layer,
-                                               moe_dense_unsplit, norm_params, stage_layers)
+                                               moe_dense_unsplit, mtp_own_chunk, norm_params, stage_layers)
 from mpoverlap.overlap.estimate.sharding import dp_ops, expert_group_size
 from mpoverlap.overlap.config import ep_chunks
 from mpoverlap.overlap.layout import Layout
@@ -141,7 +141,8 @@ def comm_ops(cfg: Any, lo: Layout, busiest: int, params: int, expert_params: int
 
         v_layout = chunk_layout(resolve_schedule(getattr(p, "pp_schedule", "auto"), lo.vpp)) == "v"
         hidden_bytes = f * b * s_hidden * H
-        boundaries = lo.pp * lo.vpp - 1 - (1 if v_layout else 0)
+        # the loop_mtp layout: one more, the head's chunk to the MTP chunk on stage 0
+        boundaries = lo.pp * lo.vpp - 1 - (1 if v_layout else 0) + (1 if mtp_own_chunk(cfg, lo) else 0)
         ops.append(("pp", "send_recv", 4 * hidden_bytes * micro * boundaries / lo.pp, 2))
         if m.tie_embeddings and not v_layout:
             V = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)

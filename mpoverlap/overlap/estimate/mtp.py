@@ -28,8 +28,9 @@ from mpoverlap.overlap.layout import Layout
 
 
 def mtp_depths_in_chunk(cfg: Any, lo: Layout, chunk: int) -> int:
-    """The MTP depths model chunk `chunk` holds: those of its stage (`mtp_depths_on`) on the
-    stage's head chunk (the model builds them beside the head), else on its last chunk."""
+    """The MTP depths model chunk `chunk` holds: all of them on the MTP chunk pp*vpp where they
+    are a chunk of their own (`mtp_own_chunk`), else those of its stage (`mtp_depths_on`) on
+    the stage's head chunk (the model builds them beside the head), else on its last chunk."""
     from mpoverlap.overlap.estimate.params import chunk_layout_of
     from mpoverlap.overlap.estimate.sharding import mtp_depths_on
     from mpoverlap.pipeline.actions import stage_of
@@ -42,13 +43,21 @@ def mtp_depths_in_chunk(cfg: Any, lo: Layout, chunk: int) -> int:
 
 def mtp_chunk_of(cfg: Any, lo: Layout, stage: int) -> int:
     """The model chunk of `stage` that holds its MTP depths (see `mtp_depths_in_chunk`)."""
-    from mpoverlap.overlap.estimate.params import chunk_layout_of
+    from mpoverlap.overlap.estimate.params import chunk_layout_of, mtp_own_chunk
     from mpoverlap.pipeline.actions import chunk_index
 
+    last = lo.pp * lo.vpp - 1
+    if stage == 0 and mtp_own_chunk(cfg, lo):
+        return last + 1
     layout = chunk_layout_of(cfg, lo)
     mine = [chunk_index(stage, v, lo.pp, layout) for v in range(lo.vpp)]
-    last = lo.pp * lo.vpp - 1
     return last if last in mine else max(mine)
+
+
+def mtp_chunk_input_bytes(cfg: Any, lo: Layout, conv: Any, micro_batch: int) -> int:
+    """The MTP chunk's received h_0 (models/mtp_chunk.py), which the first depth's hidden norm
+    keeps; on the head's chunk the final norm keeps that tensor already."""
+    return _tokens(cfg, lo, micro_batch)[1] * cfg.model.hidden_size * conv.residual_bytes
 
 
 def _tokens(cfg: Any, lo: Layout, micro_batch: int) -> Tuple[int, int]:

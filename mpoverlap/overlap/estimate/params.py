@@ -36,6 +36,21 @@ def mtp_stage(cfg: Any, lo: Layout) -> int:
     return head_stage(cfg, lo)
 
 
+def mtp_own_chunk(cfg: Any, lo: Layout) -> bool:
+    """Whether the estimate and the simulator model the MTP depths as a model chunk of their own,
+    chunk pp*vpp on stage 0 (the loop_mtp layout: parallel.mtp_stage=0 in a loop layout at
+    pp >= 2). On a middle stage s the depths are estimated on stage s's last chunk instead (their
+    activations counted as that chunk's in-flight microbatches: an over-count, not modelled
+    apart)."""
+    return (lo.pp is not None and lo.pp > 1 and getattr(cfg.model, "mtp_num_layers", 0) > 0
+            and getattr(cfg.parallel, "mtp_stage", -1) == 0 and chunk_layout_of(cfg, lo) == "loop")
+
+
+def num_chunks(cfg: Any, lo: Layout) -> int:
+    """Model chunks of the layout: pp*vpp, one more where the MTP depths are a chunk of their own."""
+    return lo.pp * lo.vpp + (1 if mtp_own_chunk(cfg, lo) else 0)
+
+
 def stage_layers(cfg: Any, lo: Layout, stage: int) -> list:
     """Global indices of the layers on pipeline stage `stage` (model chunk k holds layers
     [k L / (pp vpp), (k+1) L / (pp vpp)); `chunk_layout_of` places the chunks)."""
@@ -46,7 +61,10 @@ def stage_layers(cfg: Any, lo: Layout, stage: int) -> list:
 
 
 def chunk_layers(cfg: Any, lo: Layout, chunk: int) -> list:
-    """Global indices of the layers of model chunk `chunk` (0 .. pp*vpp-1)."""
+    """Global indices of the layers of model chunk `chunk` (0 .. pp*vpp-1; none of the main
+    model's on the MTP chunk pp*vpp)."""
+    if chunk >= lo.pp * lo.vpp:
+        return []
     per = cfg.model.num_layers // (lo.pp * lo.vpp)
     return list(range(chunk * per, (chunk + 1) * per))
 
