@@ -21,8 +21,7 @@ NO_GPU_REASON = "needs a CUDA GPU: torch.cuda.is_available() is False here (run 
 
 
 SLOW_FIRST = ["test_train_cli.py", "test_pairing.py", "test_finemoe_parity.py", "test_reliability.py",
-              "test_estimate_mtp.py", "test_mtp_stage.py", "test_estimate.py", "test_mtp_middle_stage.py",
-              "test_mtp_parity.py", "test_gqa_train.py", "test_multihost.py", "test_zero_bubble_parity.py",
+              "test_estimate.py", "test_gqa_train.py", "test_multihost.py", "test_zero_bubble_parity.py",
               "test_zero.py", "test_interop.py", "test_simulate.py", "test_grad_wire_train.py", "test_properties.py", "test_recompute.py",
               "test_timeline.py", "test_invariants.py", "test_hf_families.py", "test_bench_smoke.py"]
 
