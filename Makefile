@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 RUN_ARGS ?= parallel.dp=2 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true overlap.dp_bucket_mb=0.5 train.steps=200 train.log_interval=20 train.eval_interval=100 checkpoint.interval=100
 BENCH_ARGS ?=
 
-.PHONY: setup run test test-slurm test-exits test-compositions bench gpu-check gpu-check-fp8 gpu-wheels clean
+.PHONY: setup run test test-slurm test-exits test-compositions test-peaks bench gpu-check gpu-check-fp8 gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ test-slurm: setup
 # at world 8, the paired tables with ZeRO-3 and in bf16; about a minute): tests/test_paired_compositions.py.
 test-compositions: setup
 	$(VENV)/bin/pytest -q -rs -s -m compositions tests/test_paired_compositions.py
+
+# Peak RSS of whole pp 2 runs with MTP depths against the activation estimate (about two
+# minutes; the saved-bytes checks of the same estimate run in make test): tests/test_estimate_mtp.py.
+test-peaks: setup
+	$(VENV)/bin/pytest -q -rs -s -m peaks tests/test_estimate_mtp.py
 
 # Back-to-back mpoverlap-train and bench runs, each must exit 0 without an abort (about 2 minutes).
 test-exits: setup

@@ -145,6 +145,7 @@ def test_mtp_wgrad_kept_bytes(model):
 
 
 @pytest.mark.slow
+@pytest.mark.peaks  # about two minutes: make test-peaks (the saved-bytes checks above run in make test)
 def test_pp2_peak_activations_with_mtp_within_25pct(tmp_path, monkeypatch):
     """The stage peak mpoverlap-check prints, with two depths, against a real pp 2 run measured
     as bench/memory.py measures it (peak RSS over a near-empty baseline, the estimate's weights
