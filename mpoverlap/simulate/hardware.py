@@ -224,13 +224,13 @@ def with_rates(hw: Hardware, cfg: Any, rates: Sequence[Dict[str, float]]) -> Har
 
 @lru_cache(maxsize=None)
 def loopback_probe(world: int, prefix: Tuple[str, ...] = ()) -> Dict[str, Any]:
-    """measure.loopback_rate(world), once per process and `prefix`, run as `python -m
-    mpoverlap.simulate.measure` (its ranks are spawned from that module's own __main__) after
+    """loopback.loopback_rate(world), once per process and `prefix`, run as `python -m
+    mpoverlap.simulate.loopback` (its ranks are spawned from that module's own __main__) after
     the command `prefix` (e.g. bench/netns.sh, to run it on a shaped loopback)."""
     import json
     import sys
 
-    proc = subprocess.run(list(prefix) + [sys.executable, "-W", "ignore", "-m", "mpoverlap.simulate.measure",
+    proc = subprocess.run(list(prefix) + [sys.executable, "-W", "ignore", "-m", "mpoverlap.simulate.loopback",
                                           "--world", str(world)], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"loopback probe failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
