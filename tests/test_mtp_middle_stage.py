@@ -189,23 +189,6 @@ def test_checkpoints_with_the_depths_on_a_middle_stage_resume_across_layouts(tmp
     written) resumes at pp 1, and one written at pp 1 resumes with the depths on stage 1 (the MTP
     chunk's copies filled from the saved embedding and output layer): each chain's LM and MTP
     losses are the uninterrupted single-process run's, within 1e-5 (untied: both copies)."""
-    import json
+    from test_mtp_stage import assert_resume_across_layouts
 
-    from inproc_train import run_chains
-
-    common = [*BASE, *UNTIED, "train.log_interval=1", "train.lr_decay_steps=4", "checkpoint.interval=2"]
-    single, middle = [*common, "parallel.dp=1"], [*common, *MIDDLE, "parallel.dp=1"]
-    run_chains({"ref": [(1, single, 4)], "out": [(3, middle, 2), (1, single, 4)],
-                "in": [(1, single, 2), (3, middle, 4)]}, tmp_path)
-
-    def rows(name):
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return {r["step"]: r for r in map(json.loads, lines) if "grad_norm" in r}
-
-    ref = rows("ref")
-    for name in ("out", "in"):
-        got = rows(name)
-        assert sorted(got) == [1, 2, 3, 4]
-        for step in (3, 4):
-            for key in ("loss", "mtp_loss"):
-                assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (name, step, key)
+    assert_resume_across_layouts(tmp_path, BASE, 3, MIDDLE)

@@ -284,14 +284,21 @@ def test_checkpoints_hold_the_mtp_weights_once_and_resume_across_layouts(tmp_pat
     one written at pp 1 resumes with the depths on stage 0 (chunk 0's embedding and the MTP
     chunk's copy both filled from the one saved tensor): each chain's LM losses are the
     uninterrupted single-process run's, within 1e-5."""
+    assert_resume_across_layouts(tmp_path, BASE, 2, FIRST)
+
+
+def assert_resume_across_layouts(tmp_path, base, world, placed):
+    """Chains of 4 untied steps with a checkpoint at step 2: the single process throughout
+    ("ref"), `placed` on `world` ranks then the single process ("out"), and the reverse ("in");
+    steps 3 and 4 of both chains have the reference's LM and MTP losses within 1e-5."""
     import json
 
     from inproc_train import run_chains
 
-    common = [*BASE, *UNTIED, "train.log_interval=1", "train.lr_decay_steps=4", "checkpoint.interval=2"]
-    single, first = [*common, "parallel.dp=1"], [*common, *FIRST, "parallel.dp=1"]
-    run_chains({"ref": [(1, single, 4)], "out": [(2, first, 2), (1, single, 4)],
-                "in": [(1, single, 2), (2, first, 4)]}, tmp_path)
+    common = [*base, *UNTIED, "train.log_interval=1", "train.lr_decay_steps=4", "checkpoint.interval=2"]
+    single, other = [*common, "parallel.dp=1"], [*common, *placed, "parallel.dp=1"]
+    run_chains({"ref": [(1, single, 4)], "out": [(world, other, 2), (1, single, 4)],
+                "in": [(1, single, 2), (world, other, 4)]}, tmp_path)
 
     def rows(name):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
